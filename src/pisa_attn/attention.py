@@ -1,0 +1,251 @@
+"""Public entry point: validation, layout handling and backend dispatch for PISA attention."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .ops import reference as ref
+
+log = logging.getLogger("pisa_attn")
+
+LAYOUTS = ("bhsd", "bshd")
+BACKENDS = ("auto", "triton", "reference")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+_logged: set[str] = set()
+
+
+def _log_once(msg: str, level: int = logging.INFO) -> None:
+    if msg not in _logged:
+        _logged.add(msg)
+        log.log(level, msg)
+
+
+@dataclass(frozen=True)
+class PisaPlan:
+    """Shape-only facts of one call (cheap, no device work): what :func:`pisa_attention` will run.
+
+    Everything data-dependent (statistics, selection, attention) happens in the run step, which
+    issues no host synchronisation, so a call can be captured in a CUDA graph.
+    """
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    block_size: int
+    n_q_blocks: int
+    n_kv_blocks: int
+    n_select: int
+    mode: str
+    covariance_aware: bool
+    scale: float
+    backend: str  # "triton" or "reference": what actually runs
+
+
+def _check_tensor(name: str, x) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"{name} must have rank 4 ([B, H, L, D] or [B, L, H, D]), got shape {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {x.dtype}")
+
+
+def _validate(q, k, v, density, block_size, mode, scale, layout, keep_blocks, backend):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if mode not in ref.MODES:
+        raise ValueError(f"mode must be one of {ref.MODES}, got {mode!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not (k.dtype == q.dtype and v.dtype == q.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (k.device == q.device and v.device == q.device):
+        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__}")
+    if not (0.0 < float(density) <= 1.0):  # also rejects NaN
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be None or a positive finite float, got {scale!r}")
+
+
+def _to_bhsd(x: Tensor, layout: str) -> Tensor:
+    return x if layout == "bhsd" else x.transpose(1, 2)  # a view: kernels read strides
+
+
+def _validate_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    b, h, lq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    bk, hk, lk, dk = k.shape
+    if bk != b:
+        raise ValueError(f"batch size of k/v ({bk}) must equal that of q ({b})")
+    if dk != d:
+        raise ValueError(f"head dim of k/v ({dk}) must equal that of q ({d})")
+    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
+        raise ValueError(f"head dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
+    if hk < 1 or h % hk:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk}) (GQA)")
+    if lq < 1 or lk < 1 or b < 1:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int, device) -> Tensor | None:
+    """Validate ``keep_blocks`` and return it as a bool tensor of shape [B|1, H|1, Nk]."""
+    if keep_blocks is None:
+        return None
+    if not isinstance(keep_blocks, Tensor):
+        raise TypeError(f"keep_blocks must be a bool tensor or None, got {type(keep_blocks).__name__}")
+    if keep_blocks.dtype != torch.bool:
+        raise TypeError(f"keep_blocks must have dtype torch.bool, got {keep_blocks.dtype}")
+    if keep_blocks.device != device:
+        raise ValueError(f"keep_blocks must be on the device of q ({device}), got {keep_blocks.device}")
+    shape = tuple(keep_blocks.shape)
+    ok = (len(shape) == 1 and shape[0] == n_kv_blocks) or (
+        len(shape) == 3 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] == n_kv_blocks
+    )
+    if not ok:
+        raise ValueError(
+            f"keep_blocks must have shape [{n_kv_blocks}] or broadcastable [{batch}, {heads}, {n_kv_blocks}] "
+            f"(one flag per key block), got {shape}"
+        )
+    return keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks
+
+
+def _triton_module():
+    try:
+        from .ops.triton import op
+    except ImportError as e:  # triton not installed
+        return None, f"triton is unavailable ({e})"
+    return op, None
+
+
+def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int) -> str:
+    if backend == "reference":
+        return "reference"
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "triton":
+        if not q.is_cuda and not interpret:
+            raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+        op, why = _triton_module()
+        if op is None:
+            raise ValueError(f"backend='triton' requested but {why}")
+        reason = op.unsupported_reason(q, mode, block_size)
+        if reason is not None:
+            raise ValueError(f"backend='triton' does not support this call: {reason}")
+        return "triton"
+    # auto
+    if not q.is_cuda:
+        return "reference"
+    op, why = _triton_module()
+    reason = why if op is None else op.unsupported_reason(q, mode, block_size)
+    if reason is None:
+        return "triton"
+    _log_once(f"pisa_attention: using the PyTorch reference on CUDA because {reason}", logging.WARNING)
+    return "reference"
+
+
+def pisa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    density: float = 0.125,
+    block_size: int = 64,
+    mode: str = "hybrid",
+    covariance_aware: bool = False,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    keep_blocks: Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Piecewise Sparse Attention: a drop-in for ``F.scaled_dot_product_attention`` in DiTs.
+
+    Every ``block_size`` query block computes its top-``k`` key blocks exactly and approximates the
+    remaining (tail) blocks by a Taylor expansion around each block's centroid, inside one online
+    softmax (paper Algorithm 1).
+
+    Args:
+        q: ``[B, H, Lq, D]`` (``layout="bhsd"``) or ``[B, Lq, H, D]`` (``layout="bshd"``).
+        k, v: ``[B, Hk, Lk, D]`` / ``[B, Lk, Hk, D]``; ``H`` must be a multiple of ``Hk`` (GQA).
+            ``Lq`` may differ from ``Lk``; neither needs to be a multiple of ``block_size``.
+        density: fraction of key blocks computed exactly, in (0, 1];
+            ``k = max(1, round(density · ceil(Lk / block_size)))``. ``1.0`` is dense attention.
+        block_size: tokens per query and key block (power of two >= 16).
+        mode: ``"hybrid"`` (exact + block-wise 0th order + global 1st-order correction, the
+            paper's method), ``"zeroth"`` (no 1st-order term), ``"first"`` (exact block-wise
+            1st order; the accuracy upper bound), ``"drop"`` (keep-or-drop block sparse).
+        covariance_aware: add ``log(||H_j - H̄||_F + eps)`` to the selection scores (paper eq. 9).
+        scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
+        layout: ``"bhsd"`` or ``"bshd"``; the output has ``q``'s layout.
+        keep_blocks: optional bool ``[Nk]`` or broadcastable ``[B, H, Nk]``: key blocks always
+            computed exactly (text or sink tokens); they do not count against ``k``.
+        return_lse: also return the log-sum-exp of the (approximated) softmax denominator,
+            ``[B, H, Lq]`` float32, natural log of scaled scores (as flash-attn's softmax_lse).
+        backend: ``"auto"`` (Triton kernels for supported CUDA inputs, else the reference),
+            ``"triton"`` (force the kernels; CPU tensors need ``TRITON_INTERPRET=1``),
+            ``"reference"`` (force PyTorch).
+
+    Returns:
+        ``out`` with the shape and layout of ``q``, or ``(out, lse)`` when ``return_lse``.
+    """
+    _validate(q, k, v, density, block_size, mode, scale, layout, keep_blocks, backend)
+    qh, kh, vh = (_to_bhsd(x, layout) for x in (q, k, v))
+    _validate_shapes(qh, kh, vh)
+    p = make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend)
+    keep = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, q.device)
+    out, lse = run(qh, kh, vh, p, keep)
+    out = out if layout == "bhsd" else out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware, scale, backend) -> PisaPlan:
+    """The cheap, shape-only planning step ([B, H, L, D] inputs, already validated)."""
+    b, h, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    nk = ref.num_blocks(lk, block_size)
+    return PisaPlan(
+        batch=b,
+        heads=h,
+        kv_heads=hk,
+        q_len=lq,
+        kv_len=lk,
+        head_dim=d,
+        block_size=block_size,
+        n_q_blocks=ref.num_blocks(lq, block_size),
+        n_kv_blocks=nk,
+        n_select=ref.num_selected(float(density), nk),
+        mode=mode,
+        covariance_aware=bool(covariance_aware),
+        scale=float(d**-0.5 if scale is None else scale),
+        backend=_choose_backend(backend, q, mode, block_size),
+    )
+
+
+def run(q: Tensor, k: Tensor, v: Tensor, p: PisaPlan, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The run step: statistics, selection and attention on [B, H, L, D] views."""
+    if p.backend == "triton":
+        op, _ = _triton_module()
+        return op.pisa_triton(q, k, v, p, keep)
+    stats = ref.block_stats(k, v, p.block_size, with_hdev=p.covariance_aware)
+    qmean = ref.block_means(q, p.block_size, stats.kmean.dtype)
+    scores = ref.selection_scores(qmean, stats, p.scale, p.covariance_aware)
+    selected = ref.select_blocks(scores, p.n_select, keep)
+    return ref.pisa_forward(q, k, v, stats, selected, mode=p.mode, scale=p.scale, block_size=p.block_size)

@@ -1,0 +1,1 @@
+"""Operators: ``reference`` (PyTorch, the statement of the math) and ``triton`` (fused GPU kernels)."""

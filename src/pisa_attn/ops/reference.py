@@ -1,0 +1,275 @@
+"""Pure-PyTorch statement of PISA's math (the reference every kernel is tested against).
+
+Layout here is always ``[B, H, L, D]`` (callers transpose views, never copies). K/V may have fewer
+heads than Q (GQA): query head ``h`` reads kv head ``h // (H // Hk)``.
+
+Notation (paper, Sec. 3.2-3.3, with the softmax scale ``s`` written out):
+
+* key blocks ``j = 0..N-1`` of ``B`` tokens; the last block may hold ``n_j < B`` tokens (ragged);
+* centroid ``k̄_j = mean_n k_jn``, value sum ``V̂_j = Σ_n v_jn``;
+* ``H_j = Σ_n (k_jn - k̄_j)ᵀ v_jn`` and ``H̄ = (1/N) Σ_j H_j`` (mean over *all* key blocks);
+* ``α_tj = exp(s q_t·k̄_j)``.
+
+For query block ``i`` with exact set ``S_i`` and tail ``U_i``::
+
+    D_t = Σ_{j∈S} Σ_n exp(s q_t·k_jn)          + Σ_{j∈U} n_j α_tj
+    N_t = Σ_{j∈S} Σ_n exp(s q_t·k_jn) v_jn     + Σ_{j∈U} α_tj V̂_j  + first-order term
+
+    first-order term:  "hybrid": (Σ_{j∈U} α_tj) · s q_t H̄        (global, paper eq. 7)
+                       "first" :  Σ_{j∈U} α_tj · s q_t H_j        (exact block-wise, eq. 5)
+                       "zeroth", "drop": none                     ("drop" also has no 0th-order tail)
+
+The first-order factor carries ``s`` because it is the derivative of ``exp(s q·k)`` in ``k``.
+Everything lives in one softmax with one running maximum: exact scores and centroid scores are
+shifted by the same ``m_t``, so a tail block that holds the row maximum is handled like any other.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MODES = ("hybrid", "zeroth", "first", "drop")
+# Covariance-aware selection adds log(||H_j - H̄||_F + COV_EPS) to the pooled scores (paper eq. 9).
+COV_EPS = 1e-6
+# Elements of one [B, H, rows, Lk] score slab the chunked reference may hold at once (~256 MB fp32).
+_SLAB_ELEMS = 1 << 26
+
+
+@dataclass
+class BlockStats:
+    """Per-key-block statistics (the paper's "prepare" phase), float32 (float64 for float64 inputs).
+
+    kmean: [B, Hk, N, D]  block centroids k̄_j (true token counts for the ragged last block)
+    vsum:  [B, Hk, N, D]  block value sums V̂_j
+    counts:[N]            tokens per block n_j
+    hbar:  [B, Hk, D, D]  H̄ = mean_j H_j over all N blocks
+    hdev:  [B, Hk, N]     ||H_j - H̄||_F, only when asked (covariance-aware selection)
+    """
+
+    kmean: Tensor
+    vsum: Tensor
+    counts: Tensor
+    hbar: Tensor
+    hdev: Tensor | None = None
+
+
+def num_blocks(length: int, block_size: int) -> int:
+    return -(-length // block_size)
+
+
+def num_selected(density: float, n_kv_blocks: int) -> int:
+    """``k = max(1, round(density · N))`` exact blocks per query block (round half up)."""
+    return max(1, min(n_kv_blocks, int(math.floor(density * n_kv_blocks + 0.5))))
+
+
+def block_counts(length: int, block_size: int, device=None, dtype=torch.float32) -> Tensor:
+    n = num_blocks(length, block_size)
+    counts = torch.full((n,), float(block_size), dtype=dtype, device=device)
+    counts[-1] = length - (n - 1) * block_size
+    return counts
+
+
+def _pad_to_blocks(x: Tensor, block_size: int) -> Tensor:
+    """[B, H, L, D] -> [B, H, N, block, D], zero-padded past L."""
+    b, h, length, d = x.shape
+    n = num_blocks(length, block_size)
+    pad = n * block_size - length
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    return x.reshape(b, h, n, block_size, d)
+
+
+def block_means(x: Tensor, block_size: int, dtype=torch.float32) -> Tensor:
+    """Block means over the sequence axis with true counts: [B, H, L, D] -> [B, H, N, D]."""
+    blocks = _pad_to_blocks(x.to(dtype), block_size)
+    counts = block_counts(x.shape[2], block_size, x.device, dtype)
+    return blocks.sum(dim=3) / counts[:, None]
+
+
+def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False) -> BlockStats:
+    """One pass over k and v: centroids, value sums, H̄ (and ||H_j - H̄||_F when asked).
+
+    H̄ needs no per-block D×D tensor: Σ_j H_j = KᵀV − Σ_j k̄_jᵀ V̂_j.
+    """
+    dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+    n = num_blocks(k.shape[2], block_size)
+    kb = _pad_to_blocks(k.to(dtype), block_size)
+    vb = _pad_to_blocks(v.to(dtype), block_size)
+    counts = block_counts(k.shape[2], block_size, k.device, dtype)
+    kmean = kb.sum(dim=3) / counts[:, None]
+    vsum = vb.sum(dim=3)
+    ktv = torch.einsum("bhld,bhle->bhde", k.to(dtype), v.to(dtype))
+    hsum = ktv - torch.einsum("bhnd,bhne->bhde", kmean, vsum)
+    hbar = hsum / n
+    hdev = None
+    if with_hdev:
+        hdev = _block_h_deviation(kb, vb, kmean, hbar, counts)
+    return BlockStats(kmean=kmean, vsum=vsum, counts=counts, hbar=hbar, hdev=hdev)
+
+
+def _block_h_deviation(kb: Tensor, vb: Tensor, kmean: Tensor, hbar: Tensor, counts: Tensor) -> Tensor:
+    """||H_j − H̄||_F per block, materialising H_j for a bounded number of blocks at a time."""
+    b, h, n, bs, d = kb.shape
+    valid = (torch.arange(bs, device=kb.device)[None, :] < counts[:, None]).to(kb.dtype)  # [N, bs]
+    out = torch.empty(b, h, n, dtype=kb.dtype, device=kb.device)
+    step = max(1, _SLAB_ELEMS // max(1, b * h * d * d))
+    for j0 in range(0, n, step):
+        j1 = min(n, j0 + step)
+        kc = (kb[:, :, j0:j1] - kmean[:, :, j0:j1, None, :]) * valid[j0:j1, :, None]
+        hj = torch.einsum("bhnsd,bhnse->bhnde", kc, vb[:, :, j0:j1])
+        out[:, :, j0:j1] = torch.linalg.matrix_norm(hj - hbar[:, :, None], ord="fro")
+    return out
+
+
+def expand_kv_heads(x: Tensor, heads: int) -> Tensor:
+    """Repeat kv-head tensors (dim 1) to the query head count for GQA."""
+    hk = x.shape[1]
+    if hk == heads:
+        return x
+    return x.repeat_interleave(heads // hk, dim=1)
+
+
+def selection_scores(
+    qmean: Tensor, stats: BlockStats, scale: float, covariance_aware: bool = False
+) -> Tensor:
+    """Pooled block scores s·q̄_i·k̄_j (+ log(||H_j − H̄||_F + ε)): [B, H, Nq, Nk] float32/64."""
+    heads = qmean.shape[1]
+    kmean = expand_kv_heads(stats.kmean, heads)
+    scores = torch.einsum("bhid,bhjd->bhij", qmean.to(kmean.dtype), kmean) * scale
+    if covariance_aware:
+        if stats.hdev is None:
+            raise ValueError("covariance_aware selection needs BlockStats computed with with_hdev=True")
+        scores = scores + torch.log(expand_kv_heads(stats.hdev, heads) + COV_EPS)[:, :, None, :]
+    return scores
+
+
+def select_blocks(scores: Tensor, n_select: int, keep_blocks: Tensor | None = None) -> Tensor:
+    """Boolean exact-set mask [B, H, Nq, Nk]: top ``n_select`` blocks per query block, plus the
+    ``keep_blocks`` (always exact, not counted against ``n_select``)."""
+    n_kv = scores.shape[-1]
+    n_select = min(n_select, n_kv)
+    if keep_blocks is not None:
+        keep = keep_blocks.to(torch.bool)
+        while keep.dim() < 4:
+            keep = keep.unsqueeze(-2) if keep.dim() == 3 else keep.unsqueeze(0)
+        scores = scores.masked_fill(keep, float("-inf"))
+    idx = scores.topk(n_select, dim=-1, sorted=False).indices
+    selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
+    if keep_blocks is not None:
+        selected = selected | keep
+    return selected
+
+
+def pisa_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    stats: BlockStats,
+    selected: Tensor,
+    *,
+    mode: str,
+    scale: float,
+    block_size: int,
+) -> tuple[Tensor, Tensor]:
+    """PISA attention for a given exact-set mask. Returns (out [B,H,Lq,D] in q's dtype, lse [B,H,Lq] fp32).
+
+    Processes query blocks in chunks so no [Lq, Lk] matrix is ever materialised. Works on any
+    key range: with ``stats``/``selected`` restricted to local key blocks and a global ``H̄`` it
+    yields a partial result that merges with others exactly through the returned LSE (the
+    numerator and denominator are both sums over key blocks).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    nq = num_blocks(lq, block_size)
+    nk = num_blocks(lk, block_size)
+    kx = expand_kv_heads(k, h)
+    vx = expand_kv_heads(v, h)
+    kmean = expand_kv_heads(stats.kmean, h).to(dtype)
+    vsum = expand_kv_heads(stats.vsum, h).to(dtype)
+    hbar = expand_kv_heads(stats.hbar, h).to(dtype)
+    counts = stats.counts.to(dtype)
+    tok_block = torch.arange(lk, device=q.device) // block_size  # key token -> key block
+
+    out = torch.empty(b, h, lq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
+    rows_per_chunk = max(block_size, (_SLAB_ELEMS // max(1, b * h * lk)) // block_size * block_size)
+    blocks_per_chunk = max(1, rows_per_chunk // block_size)
+    for i0 in range(0, nq, blocks_per_chunk):
+        i1 = min(nq, i0 + blocks_per_chunk)
+        r0, r1 = i0 * block_size, min(lq, i1 * block_size)
+        qc = q[:, :, r0:r1].to(dtype)
+        row_block = torch.arange(r0, r1, device=q.device) // block_size - i0
+        sel = selected[:, :, i0:i1].index_select(2, row_block)  # [B, H, rows, Nk]
+        o, l = _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale)
+        out[:, :, r0:r1] = o.to(q.dtype)
+        lse[:, :, r0:r1] = l.float()
+    return out, lse
+
+
+def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale):
+    """One query chunk: exact + tail terms under a shared running maximum (the softmax merge)."""
+    dtype = qc.dtype
+    exact_tok = sel.index_select(-1, tok_block)  # [B, H, rows, Lk]
+    s = torch.einsum("bhrd,bhld->bhrl", qc, kx.to(dtype)) * scale
+    s_exact = s.masked_fill(~exact_tok, float("-inf"))
+    m = s_exact.amax(dim=-1)
+    use_tail = mode != "drop"
+    if use_tail:
+        c = torch.einsum("bhrd,bhjd->bhrj", qc, kmean) * scale
+        c_tail = c.masked_fill(sel, float("-inf"))
+        m = torch.maximum(m, c_tail.amax(dim=-1))
+    # A row with no term at all (possible only for a partial key range, e.g. one ring step in drop
+    # mode) keeps m = -inf: shift by 0 instead, so it yields out = 0, lse = -inf and merges cleanly.
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s_exact - m[..., None])
+    denom = p.sum(-1)
+    num = torch.einsum("bhrl,bhld->bhrd", p, vx.to(dtype))
+    if use_tail:
+        a = torch.exp(c_tail - m[..., None])  # α_tj · exp(-m), zero on exact blocks
+        denom = denom + a @ counts
+        num = num + torch.einsum("bhrj,bhjd->bhrd", a, vsum)
+        if mode == "hybrid":
+            qh = torch.einsum("bhrd,bhde->bhre", qc, hbar) * scale
+            num = num + a.sum(-1, keepdim=True) * qh
+        elif mode == "first":
+            # Σ_j α_tj s q_t H_j = Σ_{j,n} α_t,j(n) · s (q_t·(k_n − k̄_j(n))) v_n, no D×D per block.
+            kc = kx.to(dtype) - kmean.index_select(2, tok_block)
+            w = torch.einsum("bhrd,bhld->bhrl", qc, kc) * scale
+            w = w * a.index_select(-1, tok_block)
+            num = num + torch.einsum("bhrl,bhld->bhrd", w, vx.to(dtype))
+    out = num / denom.clamp_min(torch.finfo(dtype).tiny)[..., None]
+    lse = m + torch.log(denom)
+    return out, lse
+
+
+def pisa_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    density: float,
+    block_size: int = 64,
+    mode: str = "hybrid",
+    covariance_aware: bool = False,
+    scale: float | None = None,
+    keep_blocks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Whole reference pipeline on ``[B, H, L, D]`` tensors: stats, selection, attention.
+
+    Returns (out, lse, selected). No input validation: :func:`pisa_attn.pisa_attention` does it.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    stats = block_stats(k, v, block_size, with_hdev=covariance_aware)
+    qmean = block_means(q, block_size, stats.kmean.dtype)
+    n_sel = num_selected(density, stats.kmean.shape[2])
+    scores = selection_scores(qmean, stats, scale, covariance_aware)
+    selected = select_blocks(scores, n_sel, keep_blocks)
+    out, lse = pisa_forward(q, k, v, stats, selected, mode=mode, scale=scale, block_size=block_size)
+    return out, lse, selected
