@@ -1,0 +1,62 @@
+"""Observer hooks on PISA-managed attention calls (the contract between the diffusers backend and
+the tools that watch it: Q/K/V capture and per-layer error telemetry).
+
+The backend builds an :class:`AttentionCall` only when a model has observers, so watching costs
+nothing when nobody watches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import Tensor
+
+
+@dataclass
+class AttentionCall:
+    """One self-attention call of a transformer that :func:`apply_pisa` manages.
+
+    ``q``/``k``/``v``/``out`` are ``[B, H, L, D]`` in the token order PISA sees (tiled: image/video
+    tokens reordered into 2D/3D tiles, text tokens kept contiguous), post-norm and post-RoPE.
+    """
+
+    model: str  # adapter name: "flux", "sd3", "wan", "hunyuan", ...
+    layer: int  # index of the attention layer in the transformer's forward order
+    step: int  # denoising step (0-based), as the warm-up schedule counts it
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    dense: bool  # ran dense (warm-up layer/step, too few tokens, ...)
+    density: float
+    mode: str
+    covariance_aware: bool
+    block_size: int
+    keep_blocks: Tensor | None = None
+    meta: dict[str, Any] = field(default_factory=dict)  # grid, text segments, tile, ...
+
+
+Observer = Callable[[AttentionCall], None]
+_ATTR = "_pisa_observers"
+
+
+def add_observer(model, fn: Observer) -> Callable[[], None]:
+    """Register ``fn`` on ``model`` (a transformer); returns a function that removes it."""
+    obs = model.__dict__.setdefault(_ATTR, [])
+    obs.append(fn)
+
+    def remove() -> None:
+        if fn in obs:
+            obs.remove(fn)
+
+    return remove
+
+
+def observers(model) -> list[Observer]:
+    return model.__dict__.get(_ATTR, [])
+
+
+def notify(model, call: AttentionCall) -> None:
+    for fn in list(observers(model)):
+        fn(call)
