@@ -114,8 +114,8 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
         raise TypeError(f"keep_blocks must be a bool tensor or None, got {type(keep_blocks).__name__}")
     if keep_blocks.dtype != torch.bool:
         raise TypeError(f"keep_blocks must have dtype torch.bool, got {keep_blocks.dtype}")
-    if keep_blocks.device != device:
-        raise ValueError(f"keep_blocks must be on the device of q ({device}), got {keep_blocks.device}")
+    if keep_blocks.device != device and keep_blocks.device.type != "cpu":
+        raise ValueError(f"keep_blocks must be on the CPU or on q's device ({device}), got {keep_blocks.device}")
     shape = tuple(keep_blocks.shape)
     ok = (len(shape) == 1 and shape[0] == n_kv_blocks) or (
         len(shape) == 3 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] == n_kv_blocks
@@ -125,7 +125,9 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
             f"keep_blocks must have shape [{n_kv_blocks}] or broadcastable [{batch}, {heads}, {n_kv_blocks}] "
             f"(one flag per key block), got {shape}"
         )
-    return keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks
+    keep = keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks
+    # A CPU mask is static structure (text/sink blocks): kernels read its count on the host, no sync.
+    return keep.to(device, non_blocking=True)
 
 
 def _triton_module():
@@ -196,7 +198,8 @@ def pisa_attention(
         scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
         layout: ``"bhsd"`` or ``"bshd"``; the output has ``q``'s layout.
         keep_blocks: optional bool ``[Nk]`` or broadcastable ``[B, H, Nk]``: key blocks always
-            computed exactly (text or sink tokens); they do not count against ``k``.
+            computed exactly (text or sink tokens); they do not count against ``k``. May live on
+            the CPU (recommended for CUDA graphs: its count is then read without a device sync).
         return_lse: also return the log-sum-exp of the (approximated) softmax denominator,
             ``[B, H, Lq]`` float32, natural log of scaled scores (as flash-attn's softmax_lse).
         backend: ``"auto"`` (Triton kernels for supported CUDA inputs, else the reference),
