@@ -106,10 +106,11 @@ def _validate_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
-def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int, device) -> Tensor | None:
-    """Validate ``keep_blocks`` and return it as a bool tensor of shape [B|1, H|1, Nk]."""
+def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int, device) -> tuple[Tensor | None, int]:
+    """Validate ``keep_blocks``; return it as bool [B|1, H|1, Nk] on ``device`` and the largest
+    number of kept blocks in any row (read on the host: free for a CPU mask, one sync otherwise)."""
     if keep_blocks is None:
-        return None
+        return None, 0
     if not isinstance(keep_blocks, Tensor):
         raise TypeError(f"keep_blocks must be a bool tensor or None, got {type(keep_blocks).__name__}")
     if keep_blocks.dtype != torch.bool:
@@ -126,8 +127,8 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
             f"(one flag per key block), got {shape}"
         )
     keep = keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks
-    # A CPU mask is static structure (text/sink blocks): kernels read its count on the host, no sync.
-    return keep.to(device, non_blocking=True)
+    n_keep_max = int(keep.sum(-1).max())
+    return keep.to(device, non_blocking=True), n_keep_max
 
 
 def _triton_module():
@@ -213,8 +214,8 @@ def pisa_attention(
     qh, kh, vh = (_to_bhsd(x, layout) for x in (q, k, v))
     _validate_shapes(qh, kh, vh)
     p = make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend)
-    keep = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, q.device)
-    out, lse = run(qh, kh, vh, p, keep)
+    keep, n_keep_max = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, q.device)
+    out, lse = run(qh, kh, vh, p, keep, n_keep_max)
     out = out if layout == "bhsd" else out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
@@ -242,11 +243,17 @@ def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware,
     )
 
 
-def run(q: Tensor, k: Tensor, v: Tensor, p: PisaPlan, keep: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The run step: statistics, selection and attention on [B, H, L, D] views."""
+def run(
+    q: Tensor, k: Tensor, v: Tensor, p: PisaPlan, keep: Tensor | None = None, n_keep_max: int = 0
+) -> tuple[Tensor, Tensor]:
+    """The run step: statistics, selection and attention on [B, H, L, D] views.
+
+    ``keep`` is a bool [B|1, H|1, Nk] on the device of ``q``; ``n_keep_max`` bounds its per-row
+    count (it sizes the kernels' static index list: at most ``n_select + n_keep_max`` exact blocks).
+    """
     if p.backend == "triton":
         op, _ = _triton_module()
-        return op.pisa_triton(q, k, v, p, keep)
+        return op.pisa_triton(q, k, v, p, keep, n_keep_max)
     stats = ref.block_stats(k, v, p.block_size, with_hdev=p.covariance_aware)
     qmean = ref.block_means(q, p.block_size, stats.kmean.dtype)
     scores = ref.selection_scores(qmean, stats, p.scale, p.covariance_aware)
