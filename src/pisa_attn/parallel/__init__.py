@@ -1,0 +1,14 @@
+"""PISA under sequence/context parallelism on ``torch.distributed`` process groups.
+
+* :func:`ulysses_pisa_attention`: all-to-all heads <-> sequence, PISA per head on the whole sequence.
+* :func:`ring_pisa_attention`: keys stay sharded; global statistics and selection, ring steps
+  merged through the log-sum-exp.
+
+Both equal single-process :func:`pisa_attn.pisa_attention` on the global sequence (same selection,
+float tolerance). Inference only.
+"""
+
+from .ring import merge_partials, ring_pisa_attention
+from .ulysses import ulysses_attention, ulysses_pisa_attention
+
+__all__ = ["ring_pisa_attention", "ulysses_pisa_attention", "ulysses_attention", "merge_partials"]
