@@ -1,0 +1,81 @@
+"""Warm-up schedule: which attention calls run dense, and which denoising step a call belongs to.
+
+The backend only asks :meth:`Schedule.dense_reason`; the transformer-level hook only asks
+:meth:`StepTracker.observe`. Both are plain Python (no tensors), so they are trivially testable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Below this many keys a sparse call saves less than its selection overhead costs (16 blocks of 64;
+# FLUX/SD3 at 512² have 1024 image tokens plus text and still go sparse, Hunyuan's 256-token text
+# refiner and tiny test models stay dense).
+DEFAULT_MIN_KV_LEN = 1024
+
+
+def _check_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 0, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Dense-or-sparse decision per managed self-attention call.
+
+    dense_layers: the first ``dense_layers`` attention layers always run dense; layers are counted
+                  in the order they run in a forward (blocks SD3 skips for skip-layer guidance
+                  do not count).
+    dense_steps:  the first ``dense_steps`` denoising steps run dense in every layer.
+    min_kv_len:   calls with fewer keys run dense (too few tokens for sparsity to pay).
+    """
+
+    dense_layers: int = 0
+    dense_steps: int = 0
+    min_kv_len: int = DEFAULT_MIN_KV_LEN
+
+    def __post_init__(self):
+        _check_count("dense_layers", self.dense_layers)
+        _check_count("dense_steps", self.dense_steps)
+        _check_count("min_kv_len", self.min_kv_len)
+
+    def dense_reason(self, layer: int, step: int, kv_len: int) -> str | None:
+        """Why the call at (``layer``, ``step``) with ``kv_len`` keys runs dense, or None (sparse)."""
+        if step < self.dense_steps:
+            return "warmup_step"
+        if layer < self.dense_layers:
+            return "warmup_layer"
+        if kv_len < self.min_kv_len:
+            return "few_tokens"
+        return None
+
+
+class StepTracker:
+    """Maps the ``timestep`` of each transformer call to a 0-based denoising step.
+
+    Calls sharing a timestep belong to one step (Wan's separate cond/uncond calls, FLUX/Hunyuan
+    true-CFG); SD3's batched CFG is one call. A timestep larger than the previous one means a new
+    generation (diffusion samplers only ever lower the noise level), and :meth:`reset` starts one
+    explicitly (the pipeline hook calls it when a generation begins).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.step = -1
+        self._last: float | None = None
+
+    def observe(self, t: float) -> int:
+        if not isinstance(t, float) or math.isnan(t):
+            raise ValueError(f"timestep must be a float, got {t!r}")
+        if self._last is None or t > self._last:
+            self.step = 0
+        elif t < self._last:
+            self.step += 1
+        self._last = t
+        return self.step

@@ -1,0 +1,172 @@
+"""State shared by the hooks and the backend: per-transformer settings and per-forward runs.
+
+The transformer-level hook opens a :class:`Run` for each forward call (its step, grid, layouts and
+a counter of managed attention layers) and publishes it in a context variable; the attention
+backend, called deep inside the model by diffusers' dispatcher, reads it from there.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..layout import TokenLayout
+from ..ops import reference as ref
+from .models import CallInfo, ModelAdapter
+from .schedule import Schedule, StepTracker
+
+
+def validate_settings(density, mode, block_size) -> None:
+    """ValueError/TypeError naming the argument, for settings shared by every entry point."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__}")
+    if not 0.0 < float(density) <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if mode not in ref.MODES:
+        raise ValueError(f"mode must be one of {ref.MODES}, got {mode!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
+
+
+@dataclass(frozen=True)
+class PisaConfig:
+    """Sparse-attention settings of one managed transformer (validated by :func:`apply_pisa`)."""
+
+    density: float
+    mode: str
+    covariance_aware: bool
+    block_size: int
+    tile: tuple[int, ...]
+    schedule: Schedule
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One self-attention sequence as PISA sees it (tiled order).
+
+    ``layout`` describes the whole sequence; image queries are ``[image_lo, image_hi)``, the text
+    tokens (if any) are the rest and keep contiguous; ``keep`` flags key blocks holding text.
+    """
+
+    layout: TokenLayout
+    text_len: int
+    image_lo: int
+    image_hi: int
+    keep: Tensor | None  # CPU bool [Nk] or None
+
+    @property
+    def length(self) -> int:
+        return self.layout.num_tokens
+
+    def text_ranges(self) -> list[tuple[int, int]]:
+        return [(a, b) for a, b in ((0, self.image_lo), (self.image_hi, self.length)) if b > a]
+
+    def keep_for(self, kv_len: int, block_size: int) -> Tensor | None:
+        """Keep flags for the first ``kv_len`` keys (masked trailing text keys dropped)."""
+        if self.keep is None:
+            return None
+        keep = self.keep[: ref.num_blocks(kv_len, block_size)]
+        return keep if bool(keep.any()) else None
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """Token orders of one (grid, text length): the image stream's and the joint sequence's."""
+
+    image: TokenLayout  # order of the image/video token stream between the boundary hooks
+    joint: Sequence  # image + text self-attention (== image-only when the model has no joint text)
+    image_only: Sequence  # image-only self-attention (SD3.5's attn2)
+
+
+class Run:
+    """One forward call of a managed transformer."""
+
+    def __init__(self, state: "PisaState", step: int, info: CallInfo, layouts: Layouts) -> None:
+        self.state = state
+        self.step = step
+        self.info = info
+        self.layouts = layouts
+        self.layer = 0  # next managed attention layer, in forward order
+        self.key_lens: dict[tuple, list[int] | None] = {}  # per attention mask: valid keys per row
+
+    def sequence(self, q_len: int, kv_len: int) -> Sequence | None:
+        """The managed sequence a call belongs to, or None (cross-attention, text refiner, ...)."""
+        if q_len != kv_len:
+            return None
+        for seq in (self.layouts.joint, self.layouts.image_only):
+            if seq.length == q_len:
+                return seq
+        return None
+
+    def next_layer(self) -> int:
+        layer = self.layer
+        self.layer += 1
+        return layer
+
+
+@dataclass
+class PisaState:
+    """Everything :func:`apply_pisa` attached to one transformer (removed by :func:`remove_pisa`)."""
+
+    transformer: Any
+    adapter: ModelAdapter
+    config: PisaConfig
+    tracker: StepTracker = field(default_factory=StepTracker)
+    handles: list = field(default_factory=list)  # hook handles
+    restore: list = field(default_factory=list)  # callables undoing processor/backend changes
+    layouts: dict = field(default_factory=dict)  # (grid, text_len) -> Layouts
+    read_cache: dict = field(default_factory=dict)  # the adapter's read_call cache
+    stats: Counter = field(default_factory=Counter)  # calls per outcome since the last generation start
+    runs: list = field(default_factory=list)  # (context token, run) of forwards in progress
+
+    def new_generation(self) -> None:
+        self.tracker.reset()
+        self.stats.clear()
+
+
+_RUN: contextvars.ContextVar[Run | None] = contextvars.ContextVar("pisa_run", default=None)
+
+
+def current_run() -> Run | None:
+    return _RUN.get()
+
+
+def enter_run(run: Run) -> contextvars.Token:
+    return _RUN.set(run)
+
+
+def exit_run(token: contextvars.Token) -> None:
+    _RUN.reset(token)
+
+
+def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
+    """Valid keys per batch row of a key-padding mask (valid keys first), or None if all are valid.
+
+    Accepts bool masks (True = attend) and additive float masks (0 = attend, -inf = masked) of
+    shape [B, Lk] or [B, 1, 1, Lk] (diffusers' key-padding forms). One host read per call.
+    """
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attn_mask must be a tensor or None, got {type(mask).__name__}")
+    m = mask
+    if m.dim() == 4 and m.shape[1] == 1 and m.shape[2] == 1:
+        m = m[:, 0, 0]
+    if m.dim() != 2 or m.shape[-1] != kv_len or m.shape[0] not in (1, batch):
+        raise ValueError(
+            f"the pisa backend supports only key-padding attention masks ([B, Lk] or [B, 1, 1, Lk]) on sparse "
+            f"calls, got shape {tuple(mask.shape)} for {batch} rows and {kv_len} keys"
+        )
+    valid = m if m.dtype == torch.bool else m == 0
+    lens = valid.sum(-1)
+    prefix = torch.arange(kv_len, device=m.device)[None, :] < lens[:, None]
+    lens_list, ok = lens.tolist(), bool((prefix == valid).all())
+    if not ok:
+        raise ValueError("the pisa backend supports key-padding masks whose valid keys form a prefix of each row")
+    lens_list = lens_list * batch if len(lens_list) == 1 else lens_list
+    if min(lens_list) < 1:
+        raise ValueError("attention mask leaves a row with no valid key")
+    return None if min(lens_list) == kv_len else lens_list
