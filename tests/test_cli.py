@@ -1,0 +1,212 @@
+"""``pisa-attn`` command line and the ``demo`` logic, at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from brute import one_thread  # noqa: F401 (autouse fixture)
+from pisa_attn import cli, pisa_attention
+from pisa_attn.bench import demo
+from pisa_attn.data import dit_qkv
+
+TINY = ["--grid", "2", "8", "8", "--heads", "2", "--head-dim", "32", "--block-size", "16", "--repeats", "1"]
+
+
+def tiny_config(**kw) -> demo.DemoConfig:
+    base = dict(grid=(2, 8, 8), heads=2, head_dim=32, block_size=16, repeats=1, densities=(0.25, 0.5))
+    return demo.DemoConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------- demo logic
+def test_run_demo_reports_measured_errors():
+    cfg = tiny_config()
+    steps = []
+    result = demo.run_demo(cfg, steps.append)
+    assert len(steps) == demo.num_steps(cfg) == 1 + 4 * 2
+    assert [(r.method, r.density) for r in result.rows] == [("dense", None)] + [
+        (m, d) for d in (0.25, 0.5) for m in demo.METHODS
+    ]
+    assert result.tokens == 128 and result.grid == (2, 8, 8) and result.dtype == "float32"
+    dense = result.rows[0]
+    assert dense.rel_l1 == 0.0 and dense.max_abs == 0.0 and dense.time_ms > 0
+    # Recompute one row independently: the table holds real measurements of the same workload.
+    data = dit_qkv((2, 8, 8), heads=2, head_dim=32, seed=0)
+    want = F.scaled_dot_product_attention(data.q, data.k, data.v)
+    for row in result.rows[1:]:
+        out = pisa_attention(data.q, data.k, data.v, density=row.density, block_size=16, mode=row.method)
+        assert row.rel_l1 == pytest.approx(((out - want).abs().mean() / want.abs().mean()).item(), rel=1e-6)
+        assert row.max_abs == pytest.approx((out - want).abs().max().item(), rel=1e-6)
+        assert row.rel_l1 > 0 and row.time_ms > 0 and row.backend == "reference"
+        assert row.exact_blocks == f"{round(row.density * 8)}/8"
+
+
+def test_run_demo_density_one_is_dense_for_every_mode():
+    result = demo.run_demo(tiny_config(densities=(1.0,), seed=3))
+    for row in result.rows:
+        assert row.rel_l1 < 1e-6 and row.max_abs < 1e-5
+
+
+def test_run_demo_text_tokens_use_keep_blocks():
+    result = demo.run_demo(tiny_config(text_tokens=20, densities=(0.25,), modes=("hybrid",)))
+    assert result.tokens == 148
+    assert result.rows[1].exact_blocks == "3/10"  # top-k = round(0.25 · 10); text blocks come on top
+    keep = dit_qkv((2, 8, 8), heads=2, head_dim=32, text_tokens=20).keep_blocks(16)
+    assert keep.shape == (10,) and 2 <= int(keep.sum()) <= 3
+    plain = pisa_attention(*tiny_text_qkv(), density=0.25, block_size=16)
+    kept = pisa_attention(*tiny_text_qkv(), density=0.25, block_size=16, keep_blocks=keep)
+    dense = F.scaled_dot_product_attention(*tiny_text_qkv())
+    want = (kept - dense).abs().mean() / dense.abs().mean()
+    assert result.rows[1].rel_l1 == pytest.approx(want.item(), rel=1e-6)
+    assert not torch.allclose(plain, kept)
+
+
+def tiny_text_qkv():
+    d = dit_qkv((2, 8, 8), heads=2, head_dim=32, text_tokens=20)
+    return d.q, d.k, d.v
+
+
+@pytest.mark.parametrize(
+    "length,rank,want",
+    [(1024, 3, (4, 16, 16)), (2048, 3, (5, 20, 20)), (32768, 3, (12, 52, 52)), (10, 3, (1, 4, 4)), (1024, 2, (32, 32))],
+    ids=lambda x: str(x),
+)
+def test_grid_for_length(length, rank, want):
+    assert demo.grid_for_length(length, rank) == want
+
+
+@pytest.mark.parametrize("length", [100, 777, 5000, 60000])
+def test_grid_for_length_is_close_to_request(length):
+    t, h, w = demo.grid_for_length(length)
+    assert h == w and h % 4 == 0 and abs(t * h * w - length) <= 0.3 * length
+
+
+@pytest.mark.parametrize(
+    "change,name",
+    [
+        (dict(densities=(0.0,)), "density"),
+        (dict(densities=()), "densities"),
+        (dict(modes=("second",)), "modes"),
+        (dict(block_size=24), "block_size"),
+        (dict(heads=0), "heads"),
+        (dict(head_dim=33), "head_dim"),
+        (dict(grid=(4, 4, 4, 4)), "grid"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(backend="cuda"), "backend"),
+        (dict(device="tpu"), "device"),
+        (dict(text_tokens=-1), "text_tokens"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_demo_config_errors_name_the_field(change, name):
+    with pytest.raises(ValueError, match=name):
+        tiny_config(**change).validate()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_demo_cuda_without_cuda_is_a_clear_error(capsys):
+    assert cli.main(["demo", "--device", "cuda", *TINY]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_demo_on_cuda_names_the_backend_that_ran():
+    from pisa_attn import make_plan
+
+    result = demo.run_demo(demo.DemoConfig(grid=(4, 16, 16), heads=2, repeats=2, device="cuda"))
+    data = dit_qkv((4, 16, 16), heads=2, head_dim=64, dtype=torch.bfloat16, device="cuda")
+    for row in result.rows[1:]:
+        plan = make_plan(data.q, data.k, row.density, 64, row.method, False, None, "auto")
+        assert row.backend == plan.backend and torch.isfinite(torch.tensor(row.rel_l1))
+    assert result.rows[0].rel_l1 < 1e-2  # bf16 dense vs fp32 dense: rounding only
+
+
+# ---------------------------------------------------------------- command line
+def test_demo_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "demo.json", tmp_path / "demo.png"
+    rc = cli.main(["demo", *TINY, "--density", "0.25", "0.5", "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for word in ("method", "density", "rel-L1", "max abs", "time (ms)", "dense", *demo.METHODS):
+        assert word in text
+    data = json.loads(out_json.read_text())
+    assert data["grid"] == [2, 8, 8] and len(data["rows"]) == 9
+    assert data["config"]["densities"] == [0.25, 0.5]
+    assert {r["method"] for r in data["rows"]} == {"dense", *demo.METHODS}
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args,name",
+    [
+        (["--density", "0"], "density"),
+        (["--density", "1.5"], "density"),
+        (["--density", "x"], "density"),
+        (["--block-size", "24"], "block-size"),
+        (["--heads", "0"], "heads"),
+        (["--length", "-5"], "length"),
+        (["--modes", "second"], "modes"),
+        (["--bogus"], "unrecognized"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_demo_bad_arguments_exit_2_naming_the_flag(args, name, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", *args])
+    assert e.value.code == 2
+    assert name in capsys.readouterr().err
+
+
+def test_demo_config_error_returns_2(capsys):
+    assert cli.main(["demo", "--head-dim", "300", *TINY[:6]]) == 2
+    assert "head_dim" in capsys.readouterr().err
+
+
+def test_no_subcommand_prints_help(capsys):
+    assert cli.main([]) == 0
+    text = capsys.readouterr().out
+    assert "usage: pisa-attn" in text
+    for cmd in cli.COMMANDS:
+        assert cmd.name in text
+
+
+def test_missing_modules_do_not_break_the_others(tmp_path, monkeypatch, capsys):
+    (tmp_path / "needs_missing_dep.py").write_text("import pisa_no_such_dependency_xyz\n")
+    (tmp_path / "no_add_parser.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    broken = (
+        cli.Command("ghost", "pisa_attn.no_such_module", "not written yet", "nothing"),
+        cli.Command("heavy", "needs_missing_dep", "optional dependency missing", "the xyz extra"),
+        cli.Command("odd", "no_add_parser", "module without add_parser", "nothing"),
+    )
+    monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + broken)
+    assert cli.main([]) == 0
+    listing = capsys.readouterr().out
+    assert all(c.name in listing for c in (*broken, *cli.COMMANDS))
+    assert cli.main(["ghost", "--any", "flags"]) == 1
+    assert "pisa_attn.no_such_module is not part of this installation" in capsys.readouterr().err
+    assert cli.main(["heavy"]) == 1
+    err = capsys.readouterr().err
+    assert "pisa_no_such_dependency_xyz" in err and "the xyz extra" in err
+    assert cli.main(["odd"]) == 1
+    assert "add_parser" in capsys.readouterr().err
+    assert cli.main(["demo", *TINY, "--density", "0.5", "--modes", "hybrid"]) == 0  # unaffected
+
+
+def test_python_m_entry_point_prints_help_without_importing_subcommands(monkeypatch, capsys):
+    imported = []
+    real = cli.importlib.import_module
+    monkeypatch.setattr(cli.importlib, "import_module", lambda name: imported.append(name) or real(name))
+    monkeypatch.setattr(sys, "argv", ["pisa-attn"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("pisa_attn", run_name="__main__")  # what `python -m pisa_attn` runs
+    assert e.value.code == 0 and "usage: pisa-attn" in capsys.readouterr().out
+    assert imported == []
+    cli.build_parser(["demo", "--length", "64"])
+    assert imported == ["pisa_attn.bench.demo"]  # only the chosen command's module

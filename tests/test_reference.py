@@ -1,0 +1,264 @@
+"""The PyTorch reference (``ops/reference.py``) and ``pisa_attention(backend="reference")`` against
+the independent float64 brute force of the paper's equations (``tests/brute.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from brute import one_thread  # noqa: F401 (autouse fixture)
+from brute import MODES, brute_dense, brute_pisa, brute_selection
+from pisa_attn import pisa_attention
+from pisa_attn.ops import reference as ref
+
+# (B, H, Hk, Lq, Lk, D, block_size): aligned, ragged + Lq≠Lk + GQA, MQA with a 1-token tail block.
+SHAPES = [(1, 2, 2, 64, 64, 32, 16), (2, 4, 2, 100, 150, 32, 16), (1, 4, 1, 97, 65, 64, 32)]
+
+
+def shape_id(s) -> str:
+    b, h, hk, lq, lk, d, bs = s
+    return f"B{b}-H{h}-Hk{hk}-Lq{lq}-Lk{lk}-D{d}-bs{bs}"
+
+
+def make_qkv(b, h, hk, lq, lk, d, *, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hk, lk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hk, lk, d, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def random_selection(b, h, nq, nk, seed=0) -> torch.Tensor:
+    """Random exact sets with at least one block per row (the API always selects >= 1)."""
+    g = torch.Generator().manual_seed(seed)
+    sel = torch.rand(b, h, nq, nk, generator=g) < 0.35
+    first = torch.randint(nk, (b, h, nq, 1), generator=g)
+    return sel.scatter(-1, first, True)
+
+
+def forward_with(q, k, v, sel, mode, block_size, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    stats = ref.block_stats(k, v, block_size)
+    return ref.pisa_forward(q, k, v, stats, sel, mode=mode, scale=scale, block_size=block_size)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-11), (torch.float32, 2e-5)], ids=["fp64", "fp32"])
+def test_forward_matches_brute_for_given_selection(shape, mode, dtype, tol):
+    b, h, hk, lq, lk, d, bs = shape
+    q, k, v = make_qkv(b, h, hk, lq, lk, d, dtype=dtype)
+    sel = random_selection(b, h, -(-lq // bs), -(-lk // bs))
+    out, lse = forward_with(q, k, v, sel, mode, bs)
+    want, want_lse = brute_pisa(q, k, v, sel, mode=mode, block_size=bs)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("density", [0.2, 0.5])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_end_to_end_matches_brute(shape, density, mode):
+    b, h, hk, lq, lk, d, bs = shape
+    q, k, v = make_qkv(b, h, hk, lq, lk, d, seed=1)
+    _, _, selected = ref.pisa_reference(q, k, v, density=density, block_size=bs, mode=mode)
+    want_sel = brute_selection(q, k, density=density, block_size=bs)
+    assert torch.equal(selected, want_sel)
+    out, lse = pisa_attention(
+        q, k, v, density=density, block_size=bs, mode=mode, backend="reference", return_lse=True
+    )
+    want, want_lse = brute_pisa(q, k, v, want_sel, mode=mode, block_size=bs)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, want, atol=1e-11, rtol=1e-11)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ragged_B1_H2_L1000_D64(mode):
+    """L=1000 with block 64: the last block holds 40 tokens (its mean, sum and weight use 40)."""
+    q, k, v = make_qkv(1, 2, 2, 1000, 1000, 64, dtype=torch.float32, seed=2)
+    out = pisa_attention(q, k, v, density=0.25, block_size=64, mode=mode, backend="reference")
+    sel = brute_selection(q, k, density=0.25, block_size=64)
+    want, _ = brute_pisa(q, k, v, sel, mode=mode, block_size=64)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["zeroth", "first"])
+def test_one_token_tail_block_is_exact(mode):
+    """A 1-token block equals its centroid, so its Taylor term is exact - but only if the
+    denominator weight is the true count 1 (not block_size) and H_j = 0 for it."""
+    q, k, v = make_qkv(1, 2, 2, 65, 65, 32, dtype=torch.float64, seed=3)
+    sel = torch.zeros(1, 2, 2, 2, dtype=torch.bool)
+    sel[..., 0] = True  # block 0 exact, the ragged 1-token block 1 in the tail
+    out, lse = forward_with(q, k, v, sel, mode, 64)
+    want, want_lse = brute_dense(q, k, v)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-6)
+
+
+def tail_max_inputs(dtype):
+    """Queries alternate ±u on top of a shared w; key block 0 is along w, the ragged last block
+    along u. Pooled scores pick block 0 (the ±u halves cancel in q̄), but for the +u rows the
+    last (tail) block's centroid score (~800) is far above every exact score (~50): exp would
+    overflow without one shared running maximum."""
+    d, bs, lq, lk = 32, 16, 64, 5 * 16 + 5
+    g = torch.Generator().manual_seed(4)
+    u = torch.zeros(d, dtype=torch.float64)
+    w = torch.zeros(d, dtype=torch.float64)
+    u[0], w[1] = 1.0, 1.0
+    sign = torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(lq // 2)
+    q = (d**0.5) * (5.0 * w + 20.0 * sign[:, None] * u) + 0.1 * torch.randn(lq, d, generator=g, dtype=torch.float64)
+    k = 0.3 * torch.randn(lk, d, generator=g, dtype=torch.float64)
+    k[:bs] += 10.0 * w
+    k[-5:] += 40.0 * u
+    v = torch.randn(lk, d, generator=g, dtype=torch.float64)
+    return tuple(x.expand(1, 2, -1, -1).to(dtype) for x in (q, k, v)), bs
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-3)], ids=["fp64", "fp32"])
+def test_tail_block_holds_row_maximum(mode, dtype, tol):
+    (q, k, v), bs = tail_max_inputs(dtype)
+    out, lse, sel = ref.pisa_reference(q, k, v, density=0.2, block_size=bs, mode=mode)  # k = 1 block
+    assert sel[..., 0].all() and not sel[..., -1].any()
+    centroid = (q.double() @ k.double()[..., -5:, :].mean(-2, keepdim=True).transpose(-1, -2)).squeeze(-1) / 32**0.5
+    exact_max = (q.double() @ k.double()[..., :bs, :].transpose(-1, -2)).amax(-1) / 32**0.5
+    assert (centroid[..., ::2] > exact_max[..., ::2] + 500).all()  # the tail holds the row maximum
+    via_api = pisa_attention(q, k, v, density=0.2, block_size=bs, mode=mode, backend="reference")
+    torch.testing.assert_close(via_api, out, atol=0, rtol=0)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    want, want_lse = brute_pisa(q, k, v, sel, mode=mode, block_size=bs)
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_density_one_equals_sdpa(shape, mode):
+    b, h, hk, lq, lk, d, bs = shape
+    q, k, v = make_qkv(b, h, hk, lq, lk, d, dtype=torch.float32, seed=5)
+    out, lse = pisa_attention(q, k, v, density=1.0, block_size=bs, mode=mode, return_lse=True)
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    kx = k.repeat_interleave(h // hk, 1)
+    torch.testing.assert_close(lse, torch.logsumexp(q @ kx.transpose(-1, -2) * d**-0.5, -1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("covariance_aware", [False, True], ids=["plain", "cov"])
+def test_chunking_gives_identical_results(monkeypatch, covariance_aware):
+    b, h, hk, lq, lk, d, bs = 2, 4, 2, 150, 130, 32, 16
+    q, k, v = make_qkv(b, h, hk, lq, lk, d, seed=6)
+    kw = dict(density=0.3, block_size=bs, covariance_aware=covariance_aware)
+    whole = {m: ref.pisa_reference(q, k, v, mode=m, **kw) for m in MODES}
+    rows = []
+    chunk = ref._chunk
+
+    def spy(qc, kx, *args):
+        rows.append(qc.shape[2])
+        return chunk(qc, kx, *args)
+
+    monkeypatch.setattr(ref, "_chunk", spy)
+    monkeypatch.setattr(ref, "_SLAB_ELEMS", b * h * lk * 2 * bs)  # two query blocks per chunk
+    for m in MODES:
+        rows.clear()
+        out, lse, sel = ref.pisa_reference(q, k, v, mode=m, **kw)
+        assert len(rows) == 5 and max(rows) == 2 * bs and sum(rows) == lq
+        assert torch.equal(sel, whole[m][2])
+        torch.testing.assert_close(out, whole[m][0], atol=1e-13, rtol=1e-13)
+        torch.testing.assert_close(lse, whole[m][1], atol=1e-6, rtol=1e-7)
+    monkeypatch.setattr(ref, "_SLAB_ELEMS", 1)  # floor: one query block per chunk
+    rows.clear()
+    out, _, _ = ref.pisa_reference(q, k, v, mode="hybrid", **kw)
+    assert rows == [bs] * 9 + [lq - 9 * bs]
+    torch.testing.assert_close(out, whole["hybrid"][0], atol=1e-13, rtol=1e-13)
+
+
+def test_long_sequence_chunks_stay_bounded(monkeypatch):
+    """The memory bound that lets L=32K run on CPU: no chunk holds more than _SLAB_ELEMS scores
+    (checked on the chunk plan at L=32K without running the O(L²) work)."""
+    seen = []
+
+    def fake_chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale):
+        seen.append(qc.shape[0] * qc.shape[1] * qc.shape[2] * kx.shape[2])
+        return torch.zeros_like(qc), torch.zeros(qc.shape[:3], dtype=qc.dtype)
+
+    monkeypatch.setattr(ref, "_chunk", fake_chunk)
+    b, h, l, d, bs = 1, 8, 32768, 16, 64
+    q = torch.zeros(b, h, l, d)
+    stats = ref.block_stats(q[:, :1], q[:, :1], bs)
+    sel = torch.ones(b, h, l // bs, l // bs, dtype=torch.bool)
+    ref.pisa_forward(q, q[:, :1], q[:, :1], stats, sel, mode="hybrid", scale=0.25, block_size=bs)
+    assert len(seen) > 1 and max(seen) <= ref._SLAB_ELEMS
+    assert max(seen) < l * l  # never an L×L matrix per head, let alone per batch·head
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_large_magnitude_inputs_never_nan(mode, dtype):
+    q, k, v = make_qkv(1, 2, 1, 130, 100, 32, dtype=torch.float32, seed=7)
+    q = (q * 30).to(dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    out, lse = pisa_attention(q, k, v, density=0.25, block_size=16, mode=mode, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    sel = brute_selection(q, k, density=0.25, block_size=16)
+    want, _ = brute_pisa(q, k, v, sel, mode=mode, block_size=16)
+    # fp32 internally: |score| ~ 100 loses ~1e-5 absolute; low-precision inputs add output rounding.
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 4e-3), (torch.bfloat16, 3e-2)], ids=["fp16", "bf16"])
+def test_low_precision_inputs_on_cpu(mode, dtype, tol):
+    q, k, v = make_qkv(2, 4, 2, 100, 90, 64, dtype=dtype, seed=8)
+    out, lse = pisa_attention(q, k, v, density=0.3, block_size=32, mode=mode, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 4, 100)
+    sel = brute_selection(q, k, density=0.3, block_size=32)
+    want, want_lse = brute_pisa(q, k, v, sel, mode=mode, block_size=32)
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-5)
+
+
+def smooth_tail_qkv(eps: float, seed: int = 9):
+    """Keys = per-block centroid + eps·deviation, values driven by the deviation alone: the
+    within-block score spread is O(eps) while each block's value spread is O(1), so the paper's
+    Taylor expansion is the whole story: the 0th-order tail error is O(eps), the 1st-order O(eps²)."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, l, d, bs = 1, 2, 512, 32, 64
+    q = torch.randn(b, h, l, d, generator=g, dtype=torch.float64)
+    centroid = torch.randn(b, h, l // bs, 1, d, generator=g, dtype=torch.float64).expand(-1, -1, -1, bs, -1)
+    dev = torch.randn(b, h, l, d, generator=g, dtype=torch.float64)
+    w = torch.randn(d, d, generator=g, dtype=torch.float64) * d**-0.5
+    return q, centroid.reshape(b, h, l, d) + eps * dev, dev @ w
+
+
+def test_taylor_terms_converge_at_their_order():
+    errs = {}
+    for eps in (0.1, 0.05):
+        q, k, v = smooth_tail_qkv(eps)
+        dense, _ = brute_dense(q, k, v)
+        for mode in MODES:
+            out = pisa_attention(q, k, v, density=0.25, block_size=64, mode=mode)
+            errs[mode, eps] = ((out - dense).abs().mean() / dense.abs().mean()).item()
+        assert errs["drop", eps] > errs["zeroth", eps] > errs["hybrid", eps] > errs["first", eps]
+    ratio = {m: errs[m, 0.05] / errs[m, 0.1] for m in MODES}
+    assert 0.4 < ratio["zeroth"] < 0.6  # first order in eps
+    assert 0.2 < ratio["first"] < 0.3  # second order in eps: the block-wise 1st-order term is exact
+    assert 0.4 < ratio["hybrid"] < 0.6  # H̄ replaces H_j: only the mean part of the 1st-order term
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("grid", [(4, 16, 16), (32, 32)], ids=["video-4x16x16", "image-32x32"])
+def test_error_ordering_on_dit_data(grid, seed):
+    """Paper's ablation order at density 0.125: drop > zeroth > hybrid >= first."""
+    from pisa_attn.data import dit_qkv
+
+    d = dit_qkv(grid, heads=4, head_dim=64, seed=seed)
+    dense = F.scaled_dot_product_attention(d.q, d.k, d.v)
+    err = {}
+    for mode in MODES:
+        out = pisa_attention(d.q, d.k, d.v, density=0.125, block_size=64, mode=mode)
+        err[mode] = ((out - dense).abs().mean() / dense.abs().mean()).item()
+    assert err["drop"] > err["zeroth"] > err["hybrid"] >= err["first"], err
