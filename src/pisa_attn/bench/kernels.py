@@ -1,0 +1,424 @@
+"""``pisa-attn bench``: kernel latency of PISA against dense and block-sparse attention (CUDA).
+
+For every ``B-H-D`` config, sequence length and density it times, on the same random inputs:
+cuDNN SDPA, flash SDPA, FlexAttention keep-or-drop over the SAME blocks PISA selects (64x64,
+compiled), PISA ``drop`` and PISA ``hybrid`` (total time: prepare + selection + attention), the
+phase breakdown of the hybrid call, and the peak extra memory of one PISA call beyond q, k, v, o.
+Writes JSON (and optionally a PNG plot and a markdown table).
+
+    pisa-attn bench --configs 2-16-128 --lengths 4096,32768 --densities 0.125
+    python -m pisa_attn.bench.kernels --out results.json --plot speedup.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CONFIGS = "2-16-128,1-40-128,2-24-64"
+DEFAULT_LENGTHS = "4096,8192,16384,32768,65536"
+DEFAULT_DENSITIES = "0.05,0.125,0.25,0.5"
+COLUMNS = ("sdpa_cudnn", "sdpa_flash", "flex", "pisa_drop", "pisa_hybrid")
+
+
+@dataclass(frozen=True)
+class Config:
+    batch: int
+    heads: int
+    head_dim: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Config":
+        try:
+            b, h, d = (int(x) for x in text.split("-"))
+        except ValueError:
+            raise ValueError(f"config must look like B-H-D (e.g. 2-16-128), got {text!r}") from None
+        if min(b, h, d) < 1:
+            raise ValueError(f"config values must be positive, got {text!r}")
+        return cls(b, h, d)
+
+    def __str__(self) -> str:
+        return f"{self.batch}-{self.heads}-{self.head_dim}"
+
+
+def parse_list(text: str, kind, name: str) -> list:
+    try:
+        out = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} must be a comma-separated list, got {text!r}") from None
+    if not out:
+        raise ValueError(f"--{name} is empty")
+    return out
+
+
+def ideal_ms(dense_ms: float, density: float, block_size: int = 64) -> float:
+    """Floor of a PISA call relative to dense attention: exact part + one centroid per key block."""
+    return dense_ms * (density + 1.0 / block_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+def bench_ms(fn, rep_ms: float = 60.0) -> float:
+    """Median device time of ``fn()`` in ms (events; L2 flushed before each run by do_bench)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=15, rep=rep_ms, return_mode="median"))
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    return run
+
+
+_FLEX = {}
+
+
+def _flex_fn(dynamic: bool):
+    if dynamic not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
+    return _FLEX[dynamic]
+
+
+def flex_block_mask(idx: torch.Tensor, cnt: torch.Tensor, lq: int, lk: int, block_size: int):
+    """FlexAttention BlockMask with exactly PISA's exact blocks (keep-or-drop)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nk = -(-lk // block_size)
+    full = torch.zeros(*idx.shape[:-1], nk, dtype=torch.int32, device=idx.device)
+    full[..., : idx.shape[-1]] = idx
+    return BlockMask.from_kv_blocks(cnt.contiguous(), full, BLOCK_SIZE=block_size, seq_lengths=(lq, lk),
+                                    compute_q_blocks=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# one case
+
+
+def _inputs(cfg: Config, length: int, dtype, layout: str, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (cfg.batch, length, cfg.heads, cfg.head_dim) if layout == "bshd" else (cfg.batch, cfg.heads, length, cfg.head_dim)
+    xs = [torch.randn(shape, generator=g, device="cuda", dtype=dtype) for _ in range(3)]
+    return [x.transpose(1, 2) if layout == "bshd" else x for x in xs]  # [B, H, L, D] views
+
+
+def _plan(q, k, density, mode, block_size=64):
+    from pisa_attn.attention import make_plan
+
+    return make_plan(q, k, density, block_size, mode, False, None, "triton")
+
+
+def _pisa_call(q, k, v, plan):
+    from pisa_attn.ops.triton import op
+
+    return lambda: op.pisa_triton(q, k, v, plan, None, 0)
+
+
+def peak_extra_bytes(fn, out_bytes: int) -> int:
+    """Peak device memory one call allocates beyond its output (run once to warm up first)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    res = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del res
+    return max(0, peak - out_bytes)
+
+
+def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float) -> dict:
+    from torch.nn.attention import SDPBackend
+
+    q, k, v = _inputs(cfg, length, dtype, layout)
+    row = {}
+    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        fn = _sdpa(backend)
+        try:
+            row[name] = bench_ms(lambda: fn(q, k, v), rep_ms)
+        except RuntimeError as e:  # backend unavailable for this shape / build
+            row[name] = None
+            row[name + "_error"] = str(e).splitlines()[0][:200]
+    return row
+
+
+def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep_ms: float,
+               with_flex: bool = True, flex_dynamic: bool = False, phases: bool = True) -> dict:
+    from pisa_attn.ops.triton import attention as attn
+    from pisa_attn.ops.triton import prepare as prep
+    from pisa_attn.ops.triton import select as sel
+
+    q, k, v = _inputs(cfg, length, dtype, layout)
+    row: dict = {}
+    for mode in ("drop", "hybrid"):
+        plan = _plan(q, k, density, mode)
+        fn = _pisa_call(q, k, v, plan)
+        fn()  # compile + autotune outside the timed region
+        row[f"pisa_{mode}"] = bench_ms(fn, rep_ms)
+    plan = _plan(q, k, density, "hybrid")
+    out_bytes = q.numel() * q.element_size()
+    qkvo = 4 * out_bytes
+    row["extra_bytes"] = peak_extra_bytes(_pisa_call(q, k, v, plan), out_bytes)
+    row["extra_frac"] = row["extra_bytes"] / qkvo
+    row["n_select"] = plan.n_select
+    stats = prep.prepare(q, k, v, 64)
+    width = sel.selection_width(plan.n_kv_blocks, plan.n_select, 0)
+    idx, cnt, bits = sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale)
+    if phases:
+        row["t_prepare"] = bench_ms(lambda: prep.prepare(q, k, v, 64), rep_ms)
+        row["t_select"] = bench_ms(lambda: sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale), rep_ms)
+        row["t_attention"] = bench_ms(lambda: attn.attention(
+            q, k, v, stats.kbar, stats.kbar_lo, stats.vbar, stats.hbar_lp, idx, cnt, bits,
+            mode="hybrid", scale=plan.scale, block_size=64, n_select=plan.n_select), rep_ms)
+    if with_flex:
+        try:
+            bm = flex_block_mask(idx, cnt, length, length, 64)
+            flex = _flex_fn(flex_dynamic)
+            opts = {"BLOCK_M": 64, "BLOCK_N": 64}
+            flex(q, k, v, block_mask=bm, kernel_options=opts)
+            row["flex"] = bench_ms(lambda: flex(q, k, v, block_mask=bm, kernel_options=opts), rep_ms)
+        except Exception as e:  # noqa: BLE001 - a baseline failing must not lose the PISA numbers
+            row["flex"] = None
+            row["flex_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return row
+
+
+def environment() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "gpu": props.name,
+        "sm_count": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def grid_cases(configs, lengths, densities) -> list[tuple[Config, int, float]]:
+    return [(c, n, d) for c in configs for n in lengths for d in densities]
+
+
+def parse_cases(text: str) -> list[tuple[Config, int, float]]:
+    """``B-H-D:L:density`` items, comma-separated (an explicit list instead of the full grid)."""
+    out = []
+    for item in parse_list(text, str, "cases"):
+        parts = item.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"--cases items look like 2-16-128:32768:0.125, got {item!r}")
+        out.append((Config.parse(parts[0]), int(parts[1]), float(parts[2])))
+    return out
+
+
+def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex=True, flex_dynamic=False,
+              flex_lengths=None, log=print, on_row=None) -> dict:
+    """Time every (config, length, density) case; dense baselines are timed once per (config, length)."""
+    result = {"meta": {**environment(), "dtype": str(dtype).removeprefix("torch."), "layout": layout,
+                       "block_size": 64, "timing": "triton.testing.do_bench median, L2 flushed, ms"},
+              "rows": []}
+    dense_cache: dict = {}
+    for cfg, length, density in cases:
+        if (cfg, length) not in dense_cache:
+            dense_cache[(cfg, length)] = bench_dense(cfg, length, dtype, layout, rep_ms)
+        dense = dense_cache[(cfg, length)]
+        row = {"config": str(cfg), "length": length, "density": density, **dense}
+        flex = with_flex and (flex_lengths is None or length in flex_lengths)
+        try:
+            row.update(bench_case(cfg, length, density, dtype, layout, rep_ms, flex, flex_dynamic))
+        except torch.cuda.OutOfMemoryError as e:
+            row["error"] = f"OOM: {str(e).splitlines()[0][:160]}"
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - record it and keep the other cases
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        ref = row.get("sdpa_cudnn") or row.get("sdpa_flash")
+        if ref:
+            for col in ("flex", "pisa_drop", "pisa_hybrid"):
+                if row.get(col):
+                    row[f"speedup_{col}"] = ref / row[col]
+            row["ideal_ms"] = ideal_ms(ref, density)
+        result["rows"].append(row)
+        log(format_row(row))
+        if on_row is not None:
+            on_row(result)
+    result["autotune"] = autotune_choices()
+    return result
+
+
+def autotune_choices() -> dict:
+    """Configs the attention autotuner picked and its timings per key (for the notes)."""
+    from pisa_attn.ops.triton import attention as attn
+
+    tuned = attn._attn_tuned
+    out = {}
+    for key, cfg in getattr(tuned, "cache", {}).items():
+        out[str(key)] = {"best": str(cfg)}
+    for cfg, t in (getattr(tuned, "configs_timings", None) or {}).items():
+        out.setdefault("last_timings", {})[str(cfg)] = t if isinstance(t, (int, float)) else list(t)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# reporting
+
+
+def _f(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _x(x):
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def format_row(row: dict) -> str:
+    cols = " ".join(f"{c}={_f(row.get(c))}" for c in COLUMNS)
+    ph = f"prep={_f(row.get('t_prepare'))} sel={_f(row.get('t_select'))} attn={_f(row.get('t_attention'))}"
+    return (f"{row['config']:>9s} L={row['length']:6d} d={row['density']:.3f} | {cols} | "
+            f"x{_f(row.get('speedup_pisa_hybrid'), 2)} hybrid, x{_f(row.get('speedup_pisa_drop'), 2)} drop | "
+            f"{ph} | extra={_f(100 * row['extra_frac'] if 'extra_frac' in row else None, 2)}%")
+
+
+def markdown_table(result: dict) -> str:
+    m = result["meta"]
+    lines = [
+        f"GPU: {m['gpu']} | torch {m['torch']} | triton {m['triton']} | CUDA {m['cuda']} | {m['dtype']}, "
+        f"layout {m['layout']}, block {m['block_size']} | {m['timing']} | {m['date']}",
+        "",
+        "| B-H-D | L | density | cuDNN ms | flash ms | Flex ms | PISA drop ms | PISA hybrid ms | hybrid speed-up | "
+        "drop speed-up | Flex speed-up | prep / select / attn ms | extra mem |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['config']} | {r['length']} | {100 * r['density']:g}% | {_f(r.get('sdpa_cudnn'))} | "
+            f"{_f(r.get('sdpa_flash'))} | {_f(r.get('flex'))} | {_f(r.get('pisa_drop'))} | {_f(r.get('pisa_hybrid'))} | "
+            f"{_x(r.get('speedup_pisa_hybrid'))} | {_x(r.get('speedup_pisa_drop'))} | "
+            f"{_x(r.get('speedup_flex'))} | {_f(r.get('t_prepare'))} / {_f(r.get('t_select'))} / "
+            f"{_f(r.get('t_attention'))} | {_f(100 * r['extra_frac'] if 'extra_frac' in r else None, 2)}% |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    """Speed-up over cuDNN SDPA vs sequence length: one panel per config, one line per density."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
+    densities = sorted({r["density"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(configs), figsize=(5 * len(configs), 4), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, cfg in zip(axes[0], configs):
+        for ci, dens in enumerate(densities):
+            rows = sorted((r for r in result["rows"] if r["config"] == cfg and r["density"] == dens), key=lambda r: r["length"])
+            for col, style in (("pisa_hybrid", "-o"), ("flex", ":x")):
+                pts = [(r["length"], r[f"speedup_{col}"]) for r in rows if r.get(f"speedup_{col}")]
+                if pts:
+                    label = f"{'PISA hybrid' if col == 'pisa_hybrid' else 'Flex (same blocks)'} {100 * dens:g}%"
+                    ax.plot(*zip(*pts), style, color=colors[ci % len(colors)], label=label, markersize=4)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("speed-up vs cuDNN SDPA")
+        ax.set_title(f"B-H-D {cfg}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    m = result["meta"]
+    fig.suptitle(f"{m['gpu']}, torch {m['torch']}, triton {m['triton']}, {m['dtype']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="kernel latency of PISA vs dense attention (CUDA)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated B-H-D triples")
+    p.add_argument("--lengths", default=DEFAULT_LENGTHS, help="comma-separated sequence lengths")
+    p.add_argument("--densities", default=DEFAULT_DENSITIES, help="comma-separated densities in (0, 1]")
+    p.add_argument("--cases", default=None,
+                   help="explicit B-H-D:L:density list instead of the configs x lengths x densities grid")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    p.add_argument("--layout", default="bhsd", choices=("bhsd", "bshd"))
+    p.add_argument("--rep-ms", type=float, default=60.0, help="time budget per measurement (do_bench rep)")
+    p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention column (saves compile time)")
+    p.add_argument("--flex-dynamic", action="store_true", help="compile FlexAttention with dynamic shapes")
+    p.add_argument("--flex-lengths", default=None, help="only time FlexAttention at these lengths (compile time)")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--plot", default=None, help="write a PNG plot of speed-up vs length here")
+    p.add_argument("--markdown", default=None, help="write a markdown table here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("pisa-attn bench: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    try:
+        if args.cases:
+            cases = parse_cases(args.cases)
+        else:
+            cases = grid_cases([Config.parse(c) for c in parse_list(args.configs, str, "configs")],
+                               parse_list(args.lengths, int, "lengths"), parse_list(args.densities, float, "densities"))
+        flex_lengths = None if args.flex_lengths is None else set(parse_list(args.flex_lengths, int, "flex-lengths"))
+    except ValueError as e:
+        print(f"pisa-attn bench: {e}", file=sys.stderr)
+        return 2
+    if any(not (0 < d <= 1) or n < 1 for _, n, d in cases):
+        print("pisa-attn bench: densities must be in (0, 1] and lengths positive", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+
+    def save(result):
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    result = run_bench(cases, dtype, args.layout, args.rep_ms, not args.no_flex, args.flex_dynamic,
+                       flex_lengths, on_row=save)
+    save(result)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown_table(result))
+    if args.plot:
+        plot(result, args.plot)
+    print(markdown_table(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pisa_attn.bench.kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_args(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

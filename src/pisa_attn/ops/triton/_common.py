@@ -1,0 +1,42 @@
+"""Small helpers shared by the Triton launchers (no kernels here)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+COV_EPS = 1e-6  # same constant as ops.reference.COV_EPS (kept here to avoid an import cycle)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (a fixed small number under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def chunking(n_items: int, n_rows: int, device: torch.device, waves: int = 4) -> tuple[int, int]:
+    """Split ``n_items`` per row into chunks so that ``n_rows * n_chunks`` fills ``waves`` waves of
+    the GPU: returns (items per chunk, chunks per row)."""
+    target = max(1, waves * sm_count(device))
+    per = max(1, -(-n_items * n_rows // target))
+    return per, -(-n_items // per)
+

@@ -1,0 +1,187 @@
+"""Prepare phase: one pass over q, k, v for the block statistics PISA needs.
+
+One launch computes, per key block ``j`` (true token counts for the ragged last block):
+centroid ``k̄_j`` (float32, for selection, and as a hi + lo pair in the input dtype for the attention
+tail scan: a single rounding would put an error proportional to |score| into every tail score),
+value mean ``V̂_j / n_j`` (input dtype; the attention kernel weights it by ``n_j``, which keeps
+float16 sums of large values from overflowing), and ``H̄ = (1/N) Σ_j H_j`` with
+``H_j = K_jᵀV_j − k̄_jᵀV̂_j``, reduced on-chip per chunk of blocks and added atomically into one
+``[D, D]`` float32 matrix per kv head (never a per-block ``D×D`` buffer). A second, streaming
+launch writes the query block means used by selection (in the first kernel they shared its
+register budget — one program per SM — and ran latency-bound).
+
+For covariance-aware selection a second, equally cheap pass computes ``||H_j − H̄||_F`` directly
+(``H_j`` lives in registers for one block at a time). The algebraic expansion
+``||H_j||² − 2⟨H_j, H̄⟩ + ||H̄||²`` also needs ``H̄`` first, so it saves no pass and cancels badly
+when ``H_j ≈ H̄``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._common import chunking, interpreting
+
+
+@triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
+def _kv_stats_kernel(
+    k_ptr, v_ptr,
+    kmean_ptr, kbar_ptr, kbar_lo_ptr, vbar_ptr, hbar_ptr,
+    skb, skh, skl, skd,
+    svb, svh, svl, svd,
+    HK, LK, NK, KV_PER, KV_CHUNKS,
+    inv_nk,
+    BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    c = pid % KV_CHUNKS
+    bh = pid // KV_CHUNKS
+    b = (bh // HK).to(tl.int64)
+    h = (bh % HK).to(tl.int64)
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+    stat_row = bh.to(tl.int64) * NK
+    hacc = tl.zeros([D, D], dtype=tl.float32)
+    j0 = c * KV_PER
+    for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
+        rows = j * BS + offs_n
+        valid = rows < LK
+        kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid[:, None], other=0.0)
+        vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid[:, None], other=0.0)
+        kf = kt.to(tl.float32)
+        vf = vt.to(tl.float32)
+        inv_n = 1.0 / tl.minimum(LK - j * BS, BS).to(tl.float32)
+        km = tl.sum(kf, axis=0) * inv_n
+        v_sum = tl.sum(vf, axis=0)
+        out_off = (stat_row + j) * D + offs_d
+        # k̄ in float32 is stored transposed ([D, Nk] per head): the selection GEMM's right operand.
+        tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
+        k_hi = km.to(kt.dtype)
+        tl.store(kbar_ptr + out_off, k_hi)
+        tl.store(kbar_lo_ptr + out_off, (km - k_hi.to(tl.float32)).to(kt.dtype))
+        tl.store(vbar_ptr + out_off, (v_sum * inv_n).to(vt.dtype))
+        # H_j = K_jᵀV_j − k̄_jᵀ V̂_j: the product straight from the bf16/fp16 tiles on the tensor
+        # cores (fp32 accumulate), the rank-1 correction on the CUDA cores; padded rows are 0.
+        if F32:  # Triton 3.9's interpreter mis-evaluates low-precision tl.dot
+            hacc += tl.dot(tl.trans(kf), vf)
+        else:
+            hacc += tl.dot(tl.trans(kt), vt)
+        hacc -= km[:, None] * v_sum[None, :]
+    # Dividing before the atomic add leaves H̄ itself in the buffer (no epilogue launch).
+    tl.atomic_add(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :], hacc * inv_nk)
+
+
+@triton.jit(do_not_specialize=["H", "LQ", "NQ"])
+def _q_mean_kernel(
+    q_ptr, qmean_ptr, sqb, sqh, sql, sqd, H, LQ, NQ,
+    BS: tl.constexpr, D: tl.constexpr,
+):
+    # One block per program: many small independent loads in flight (a streaming pass).
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    rows = i * BS + tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + (bh // H).to(tl.int64) * sqb + (bh % H).to(tl.int64) * sqh + rows[:, None] * sql
+                + offs_d[None, :] * sqd, mask=(rows < LQ)[:, None], other=0.0)
+    qm = tl.sum(q.to(tl.float32), axis=0) / tl.minimum(LQ - i * BS, BS).to(tl.float32)
+    tl.store(qmean_ptr + (bh.to(tl.int64) * NQ + i) * D + offs_d, qm)
+
+
+@triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
+def _hdev_kernel(
+    k_ptr, v_ptr, kmean_ptr, hbar_ptr, hdev_ptr,
+    skb, skh, skl, skd,
+    svb, svh, svl, svd,
+    HK, LK, NK, KV_PER, KV_CHUNKS,
+    BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    c = pid % KV_CHUNKS
+    bh = pid // KV_CHUNKS
+    b = (bh // HK).to(tl.int64)
+    h = (bh % HK).to(tl.int64)
+    offs_n = tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+    hb = tl.load(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
+    stat_row = bh.to(tl.int64) * NK
+    j0 = c * KV_PER
+    for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
+        rows = j * BS + offs_n
+        valid = rows < LK
+        kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid[:, None], other=0.0)
+        vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid[:, None], other=0.0)
+        km = tl.load(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j)
+        v_sum = tl.sum(vt.to(tl.float32), axis=0)
+        if F32:
+            hj = tl.dot(tl.trans(kt.to(tl.float32)), vt.to(tl.float32))
+        else:
+            hj = tl.dot(tl.trans(kt), vt)
+        diff = hj - km[:, None] * v_sum[None, :] - hb
+        tl.store(hdev_ptr + stat_row + j, tl.sqrt(tl.sum(tl.sum(diff * diff, axis=1), axis=0)))
+
+
+@dataclass
+class Stats:
+    """Outputs of the prepare phase (``[B, H|Hk, N, D]`` contiguous)."""
+
+    qmean: Tensor  # [B, H, Nq, D] float32
+    kmean: Tensor  # [B, Hk, Nk, D] float32, a transposed view of [B, Hk, D, Nk] storage
+    kbar: Tensor  # [B, Hk, Nk, D] input dtype: centroids rounded (hi part) for the tail scan
+    kbar_lo: Tensor  # [B, Hk, Nk, D] input dtype: k̄ − hi, rounded
+    vbar: Tensor  # [B, Hk, Nk, D] input dtype: value block means (V̂_j / n_j)
+    hbar: Tensor | None  # [B, Hk, D, D] float32 (None when prepare(keep_hbar=False))
+    hbar_lp: Tensor  # [B, Hk, D, D] input dtype: the attention kernel's operand for q·H̄
+    hdev: Tensor | None  # [B, Hk, Nk] float32, ||H_j − H̄||_F (covariance-aware only)
+
+
+def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, with_hdev: bool = False,
+            keep_hbar: bool = True) -> Stats:
+    """Block statistics of ``[B, H, L, D]`` views (any strides). Issues no host synchronisation.
+
+    ``keep_hbar=False`` frees the float32 ``H̄`` once its input-dtype copy exists (the op path: at
+    short lengths these fixed ``D×D`` buffers dominate the extra memory).
+    """
+    b, h, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    nq, nk = -(-lq // block_size), -(-lk // block_size)
+    dev = q.device
+    kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
+    kbar = torch.empty(b, hk, nk, d, device=dev, dtype=k.dtype)
+    kbar_lo = torch.empty(b, hk, nk, d, device=dev, dtype=k.dtype)
+    vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
+    hbar = torch.zeros(b, hk, d, d, device=dev, dtype=torch.float32)
+    kv_per, kv_chunks = chunking(nk, b * hk, dev)
+    n_kv = b * hk * kv_chunks
+    _kv_stats_kernel[(n_kv,)](
+        k, v, kmean, kbar, kbar_lo, vbar, hbar,
+        *k.stride(), *v.stride(),
+        hk, lk, nk, kv_per, kv_chunks,
+        1.0 / nk,
+        BS=block_size, D=d, F32=interpreting(), num_warps=8 if d >= 128 else 4,
+    )
+    hdev = None
+    if with_hdev:
+        hdev = torch.empty(b, hk, nk, device=dev, dtype=torch.float32)
+        _hdev_kernel[(n_kv,)](
+            k, v, kmean, hbar, hdev,
+            *k.stride(), *v.stride(),
+            hk, lk, nk, kv_per, kv_chunks,
+            BS=block_size, D=d, F32=interpreting(), num_warps=8 if d >= 128 else 4,
+        )
+    # Rounded once here instead of in every attention program (each would read 4·D² bytes).
+    hbar_lp = hbar.to(k.dtype)
+    if not keep_hbar:
+        hbar = None
+    # Allocated last, after the float32 H̄ may be gone: lowers the peak at short lengths.
+    qmean = torch.empty(b, h, nq, d, device=dev, dtype=torch.float32)
+    _q_mean_kernel[(nq, b * h)](q, qmean, *q.stride(), h, lq, nq, BS=block_size, D=d, num_warps=4)
+    return Stats(qmean=qmean, kmean=kmean, kbar=kbar, kbar_lo=kbar_lo, vbar=vbar, hbar=hbar, hbar_lp=hbar_lp, hdev=hdev)

@@ -1,0 +1,195 @@
+"""The Triton kernels against the PyTorch reference at small shapes (interpreter on CPU, or a GPU).
+
+Attention is compared under the SAME selection (the kernel's index list converted to the
+reference's bool mask); selection itself is compared separately (overlap with ``torch.topk``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from pisa_attn import pisa_attention  # noqa: E402
+from pisa_attn.attention import make_plan  # noqa: E402
+from pisa_attn.ops import reference as ref  # noqa: E402
+from pisa_attn.ops.triton import op  # noqa: E402
+from pisa_attn.ops.triton import select as sel  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BF16_TOL = 1e-2  # rel-L1 for bfloat16 outputs (P is rounded to bf16 before PV, as in flash/cuDNN)
+
+
+def rel_l1(a, b):
+    return ((a.double() - b.double()).abs().sum() / b.double().abs().sum()).item()
+
+
+def make_qkv(b, h, hk, lq, lk, d, dtype=torch.bfloat16, layout="bhsd", seed=0):
+    """[B, H, L, D] views; for 'bshd' they are transposes of [B, L, H, D] buffers (strided reads)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def t(heads, length):
+        x = torch.randn(b, length, heads, d, generator=g) if layout == "bshd" else torch.randn(b, heads, length, d, generator=g)
+        x = x.to(dtype).to(DEV)
+        return x.transpose(1, 2) if layout == "bshd" else x
+
+    return t(h, lq), t(hk, lk), t(hk, lk)
+
+
+def ref_with_selection(q, k, v, mask, mode, scale, bs, covariance_aware=False):
+    stats = ref.block_stats(k.double(), v.double(), bs, with_hdev=covariance_aware)
+    return ref.pisa_forward(q.double(), k.double(), v.double(), stats, mask, mode=mode, scale=scale, block_size=bs)
+
+
+def plan_for(q, k, density, bs, mode, cov=False):
+    return make_plan(q, k, density, bs, mode, cov, None, "triton")
+
+
+CASES = [
+    # id, (B, H, Hk, Lq, Lk, D, bs, layout, density), modes
+    ("B1-H2-L200-D32-bs32-bhsd", (1, 2, 2, 200, 200, 32, 32, "bhsd", 0.3), ("hybrid", "zeroth", "drop")),
+    ("B2-H2-Hk1-L150-D64-bs32-bshd-gqa", (2, 2, 1, 150, 150, 64, 32, "bshd", 0.4), ("hybrid",)),
+    ("B1-H1-Lq100-Lk230-D32-bs16-bshd", (1, 1, 1, 100, 230, 32, 16, "bshd", 0.25), ("zeroth",)),
+]
+PARAMS = [pytest.param(case, mode, id=f"{name}-{mode}") for name, case, modes in CASES for mode in modes]
+
+
+@pytest.mark.parametrize("case,mode", PARAMS)
+def test_attention_matches_reference_under_same_selection(case, mode):
+    b, h, hk, lq, lk, d, bs, layout, density = case
+    q, k, v = make_qkv(b, h, hk, lq, lk, d, layout=layout, seed=lq + lk)
+    p = plan_for(q, k, density, bs, mode)
+    stats, (idx, cnt, bits), (out, lse) = op.run_stages(q, k, v, p)
+    mask = sel.selection_to_mask(idx, cnt, p.n_kv_blocks)
+    assert torch.equal(mask, sel.bits_to_mask(bits, p.n_kv_blocks))
+    assert (cnt == p.n_select).all()
+    o_ref, lse_ref = ref_with_selection(q, k, v, mask, mode, p.scale, bs)
+    assert torch.isfinite(out).all()
+    assert rel_l1(out, o_ref) < BF16_TOL
+    assert (lse.double() - lse_ref).abs().max().item() < 2e-2
+    if layout == "bshd":  # output allocated in q's physical layout: the transpose back is free
+        assert out.transpose(1, 2).is_contiguous()
+
+
+def test_prepare_matches_reference_ragged_gqa():
+    b, h, hk, l, d, bs = 2, 2, 1, 203, 32, 32
+    q, k, v = make_qkv(b, h, hk, l, l, d, layout="bshd", seed=3)
+    p = plan_for(q, k, 0.3, bs, "hybrid", cov=True)
+    stats, _, _ = op.run_stages(q, k, v, p)
+    rs = ref.block_stats(k.double(), v.double(), bs, with_hdev=True)
+    counts = rs.counts[:, None]
+    torch.testing.assert_close(stats.qmean.double(), ref.block_means(q.double(), bs, torch.float64), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.kmean.double(), rs.kmean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats.vbar.double() * counts, rs.vsum, rtol=1e-2, atol=2e-2)
+    assert rel_l1(stats.hbar, rs.hbar) < 2e-3  # tf32 on GPU; exact fp32 under the interpreter
+    assert rel_l1(stats.hdev, rs.hdev) < 2e-3
+
+
+def test_selection_matches_topk_with_keep_blocks_cov():
+    cov = True
+    b, h, hk, l, d, bs = 1, 2, 1, 320, 32, 16
+    q, k, v = make_qkv(b, h, hk, l, l, d, seed=5)
+    nk = ref.num_blocks(l, bs)
+    keep = torch.zeros(b, h, nk, dtype=torch.bool)
+    keep[0, 0, [0, 7]] = True
+    keep[0, 1, 19] = True
+    keep = keep.to(DEV)
+    p = plan_for(q, k, 0.2, bs, "hybrid", cov=cov)
+    stats, (idx, cnt, bits), _ = op.run_stages(q, k, v, p, keep, n_keep_max=2)
+    mask = sel.selection_to_mask(idx, cnt, nk)
+    rs = ref.block_stats(k.double(), v.double(), bs, with_hdev=cov)
+    scores = ref.selection_scores(ref.block_means(q.double(), bs, torch.float64), rs, p.scale, cov)
+    expect = ref.select_blocks(scores, p.n_select, keep)
+    assert (mask & keep[:, :, None, :]).sum() == keep.sum() * mask.shape[2]  # keep blocks always exact
+    assert torch.equal(cnt, expect.sum(-1).int())
+    assert (mask & expect).sum().item() / expect.sum().item() > 0.98  # near-ties may resolve differently
+    ascending = (idx[..., 1:] > idx[..., :-1]) | (torch.arange(1, idx.shape[-1], device=idx.device) >= cnt[..., None])
+    assert ascending.all()
+    # A small score scratch (several query chunks, one GEMM + top-k launch each) changes nothing.
+    chunked = sel.select(stats.qmean, stats.kmean, stats.hdev, keep, p.n_select, idx.shape[-1], p.scale, scratch_elems=3 * h * nk)
+    assert torch.equal(sel.selection_to_mask(chunked[0], chunked[1], nk), mask) and torch.equal(chunked[2], bits)
+    # The torch.topk path (used past the fused kernel's size limit) agrees with the kernel.
+    t_idx, t_cnt, t_bits = sel.select_torch(stats.qmean, stats.kmean, stats.hdev, keep, p.n_select, idx.shape[-1], p.scale, chunk_blocks=7)
+    t_mask = sel.selection_to_mask(t_idx, t_cnt, nk)
+    assert torch.equal(t_mask, sel.bits_to_mask(t_bits, nk))
+    assert (t_mask & mask).sum().item() / mask.sum().item() > 0.98
+
+
+def test_mask_selection_roundtrip():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, 3, 5, 70, generator=g) < 0.3
+    idx, cnt, bits = sel.mask_to_selection(mask, 70)
+    assert torch.equal(sel.selection_to_mask(idx, cnt, 70), mask)
+    assert torch.equal(sel.bits_to_mask(bits, 70), mask)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "zeroth"])
+def test_tail_block_above_every_exact_score(mode):
+    """A late tail group holds the row maximum: the accumulator, denominator and tail normaliser must
+    all be rescaled when it raises the running max (the public kernel forgot the tail normaliser)."""
+    bs, d, lq, l = 16, 32, 64, 600  # 38 key blocks: three tail groups of 16 under the interpreter
+    g = torch.Generator().manual_seed(11)
+    u = torch.nn.functional.normalize(torch.randn(d, generator=g), dim=0)
+    q = 2.0 * u + 0.3 * torch.randn(1, 1, lq, d, generator=g)
+    k = 0.3 * torch.randn(1, 1, l, d, generator=g)
+    v = torch.randn(1, 1, l, d, generator=g)
+    k[:, :, 35 * bs : 36 * bs] += 20.0 * u  # block 35 (third group): the row maximum
+    k[:, :, 3 * bs : 4 * bs] += 8.0 * u  # block 3 (first group): a smaller tail peak
+    # hbar ≠ 0 so the first-order term (weighted by the tail normaliser) matters.
+    v[:, :, 35 * bs : 36 * bs] += 3.0 * (k[:, :, 35 * bs : 36 * bs] - k[:, :, 35 * bs : 36 * bs].mean(2, keepdim=True))
+    q, k, v = (x.bfloat16().to(DEV) for x in (q, k, v))
+    nk, nq = ref.num_blocks(l, bs), ref.num_blocks(lq, bs)
+    mask = torch.zeros(1, 1, nq, nk, dtype=torch.bool, device=DEV)
+    mask[..., 10] = True  # every query block: exact set = {10}, far below block 35's centroid score
+    idx, cnt, bits = sel.mask_to_selection(mask, 1)
+    p = plan_for(q, k, 1 / nk, bs, mode)
+    from pisa_attn.ops.triton import attention as attn
+    from pisa_attn.ops.triton import prepare as prep
+
+    stats = prep.prepare(q, k, v, bs)
+    out, lse = attn.attention(q, k, v, stats.kbar, stats.kbar_lo, stats.vbar, stats.hbar_lp, idx, cnt, bits,
+                              mode=mode, scale=p.scale, block_size=bs, n_select=1)
+    o_ref, lse_ref = ref_with_selection(q, k, v, mask, mode, p.scale, bs)
+    s_exact = (q.double() @ k.double()[:, :, 10 * bs : 11 * bs].transpose(-1, -2)).amax(-1) * p.scale
+    s_tail = (q.double() @ stats.kmean.double()[:, :, 35].transpose(-1, -2)).squeeze(-1) * p.scale
+    assert (s_tail > s_exact + 5).float().mean() > 0.9  # the case is adversarial for most rows
+    assert rel_l1(out, o_ref) < BF16_TOL
+    assert (lse.double() - lse_ref).abs().max().item() < 2e-2
+
+
+def test_public_api_triton_matches_reference_backend():
+    layout = "bshd"
+    b, h, l, d = 1, 2, 130, 32
+    q, k, v = make_qkv(b, h, h, l, l, d, layout=layout, seed=21)
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    keep = torch.zeros(ref.num_blocks(l, 32), dtype=torch.bool)
+    keep[0] = True
+    kw = dict(density=0.3, block_size=32, layout=layout, keep_blocks=keep, return_lse=True, mode="hybrid")
+    out_t, lse_t = pisa_attention(q, k, v, backend="triton", **kw)
+    out_r, lse_r = pisa_attention(q, k, v, backend="reference", **kw)
+    assert out_t.shape == q.shape and out_t.dtype == q.dtype
+    assert rel_l1(out_t, out_r) < BF16_TOL  # random data: top-k selections coincide
+    assert (lse_t - lse_r).abs().max().item() < 2e-2
+
+
+def test_density_one_is_dense_attention():
+    q, k, v = make_qkv(1, 2, 1, 96, 96, 32, dtype=torch.float16, seed=8)
+    out = pisa_attention(q, k, v, density=1.0, block_size=32, backend="triton")
+    kx, vx = (x.double().repeat_interleave(2, 1) for x in (k, v))
+    dense = torch.softmax(q.double() @ kx.transpose(-1, -2) * 32**-0.5, -1) @ vx
+    assert rel_l1(out, dense) < 2e-3
+
+
+@pytest.mark.parametrize(
+    "d,dtype,mode,bs,needle",
+    [(96, torch.bfloat16, "hybrid", 64, "head dim 96"), (64, torch.float32, "hybrid", 64, "float32"),
+     (64, torch.bfloat16, "first", 64, "first"), (64, torch.bfloat16, "hybrid", 256, "block_size 256")],
+    ids=["D96", "fp32", "first", "bs256"],
+)
+def test_unsupported_reason(d, dtype, mode, bs, needle):
+    q = torch.zeros(1, 1, 8, d, dtype=dtype, device=DEV)
+    reason = op.unsupported_reason(q, mode, bs)
+    assert reason is not None and needle in reason
+    assert op.unsupported_reason(torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=DEV), "drop", 64) is None
