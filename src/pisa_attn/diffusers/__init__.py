@@ -13,13 +13,17 @@ import warnings
 
 from . import hooks
 from .backend import BACKEND_NAME, check_diffusers, configure, register
+from .capture import capture_qkv
 from .models import ADAPTERS, ModelAdapter, adapter_for
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
 from .state import PisaConfig, PisaState, validate_settings
+from .telemetry import report
 from .tiling import build_layouts, default_tile, install
 
 __all__ = [
     "apply_pisa",
+    "capture_qkv",
+    "report",
     "remove_pisa",
     "pisa_state",
     "stats",

@@ -30,6 +30,16 @@ MODE_IDS = {"drop": 0, "zeroth": 1, "hybrid": 2}
 LN2_C = tl.constexpr(LN2)
 
 
+@triton.jit
+def _merge_max(m_i, s):
+    """The one online-softmax step every term goes through (exact scores and centroid scores
+    alike): raise the running max with a new score tile; return the new max, the factor that
+    rescales everything accumulated so far (acc, the denominator and the tail normaliser), and
+    the tile's weights exp2(s - m)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    return m_new, tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])
+
+
 # Shape scalars are not specialised (no recompiles across lengths/densities); strides still are.
 @triton.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W", "NW", "L_BUCKET", "DENS_BUCKET"])
 def _attn_kernel(
@@ -43,7 +53,7 @@ def _attn_kernel(
     qk_scale, scale,
     L_BUCKET, DENS_BUCKET,  # autotuning keys only
     BS: tl.constexpr, D: tl.constexpr, C: tl.constexpr, MODE: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr, NB: tl.constexpr,
 ):
     i = tl.program_id(0)
     bh = tl.program_id(1)
@@ -69,30 +79,37 @@ def _attn_kernel(
     acc = tl.zeros([BS, D], dtype=tl.float32)
 
     n_exact = tl.load(cnt_ptr + row)
-    for t in range(n_exact):
-        j = tl.load(idx_ptr + row * W + t)
-        cols = j * BS + offs_n
-        if EVEN_K:
+    # NB key blocks per step: NB=2 gathers two selected blocks into one [2·BS, D] tile, so each
+    # step issues [BS x 2BS] tensor-core tiles (the 64x64 ones leave the H100's wgmma underfed).
+    offs_t = tl.arange(0, NB * BS)
+    half = offs_t // BS
+    for t in range(0, n_exact, NB):
+        j0 = tl.load(idx_ptr + row * W + t)
+        if NB == 1:
+            cols = j0 * BS + offs_t
+            cvalid = cols < LK
+        else:
+            j1 = tl.load(idx_ptr + row * W + tl.minimum(t + 1, W - 1))  # in bounds; unused past the count
+            cols = tl.where(half == 0, j0, j1) * BS + (offs_t % BS)
+            cvalid = (cols < LK) & (t + half < n_exact)  # an odd count leaves the last pair half empty
+        if EVEN_K and NB == 1:
             kt = tl.load(k_base + cols[:, None] * skl + offs_d[None, :] * skd)
             vt = tl.load(v_base + cols[:, None] * svl + offs_d[None, :] * svd)
         else:
-            kt = tl.load(k_base + cols[:, None] * skl + offs_d[None, :] * skd, mask=(cols < LK)[:, None], other=0.0)
-            vt = tl.load(v_base + cols[:, None] * svl + offs_d[None, :] * svd, mask=(cols < LK)[:, None], other=0.0)
+            kt = tl.load(k_base + cols[:, None] * skl + offs_d[None, :] * skd, mask=cvalid[:, None], other=0.0)
+            vt = tl.load(v_base + cols[:, None] * svl + offs_d[None, :] * svd, mask=cvalid[:, None], other=0.0)
         if F32:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt)) * qk_scale
-        if not EVEN_K:
-            s = tl.where((cols < LK)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if not (EVEN_K and NB == 1):
+            s = tl.where(cvalid[None, :], s, float("-inf"))
+        m_i, alpha, p = _merge_max(m_i, s)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         pv = p.to(LOWP)
         if F32:
             pv = pv.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(pv, vt)
-        m_i = m_new
 
     if MODE > 0:
         l_tail = tl.zeros([BS], dtype=tl.float32)
@@ -117,9 +134,7 @@ def _attn_kernel(
                     sc = tl.dot(q, tl.trans(kl), sc)
                 sc = sc * qk_scale
                 sc = tl.where(tail[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                a = tl.exp2(sc - m_new[:, None])
+                m_i, alpha, a = _merge_max(m_i, sc)
                 n_j = tl.minimum(LK - cj * BS, BS).to(tl.float32)
                 an = a * n_j[None, :]
                 l_i = l_i * alpha + tl.sum(an, axis=1)
@@ -128,7 +143,6 @@ def _attn_kernel(
                 if F32:
                     anv = anv.to(tl.float32)
                 acc = acc * alpha[:, None] + tl.dot(anv, vb)
-                m_i = m_new
         if MODE == 2:
             hbv = tl.load(hbar_ptr + (b * HK + hk) * D * D + offs_d[:, None] * D + offs_d[None, :])
             if F32:
@@ -144,24 +158,27 @@ def _attn_kernel(
     tl.store(lse_ptr + bh.to(tl.int64) * LQ + offs_m, lse, mask=rvalid)
 
 
-FIXED_CONFIG = {"C": 32, "num_warps": 4, "num_stages": 2}
+# The GPU tests run this fixed config; NB=2 is the paired-gather path (NB=1 ran on the H100 in v1/v2).
+FIXED_CONFIG = {"C": 32, "NB": 2, "num_warps": 4, "num_stages": 2}
 
 
 def _configs():
     if interpreting():
-        return [triton.Config({"C": 16}, num_warps=4, num_stages=1)]
+        return [triton.Config({"C": 16, "NB": 2}, num_warps=4, num_stages=1)]
     # H100 run 1 (notes): 8 warps lost everywhere (2x slower); the exact loop likes 3 stages; the
     # tail scan wants 2 stages so two programs fit per SM (C=32 keeps its k̄ hi/lo + V̂ buffers at
     # the exact loop's size; C=64 won at D=128, C=32 at D=64).
-    return [triton.Config({"C": c}, num_warps=4, num_stages=s) for c, s in ((64, 2), (64, 3), (32, 2))]
+    # NB=2 (paired key blocks, [64 x 128] tiles) is new and untimed: the autotuner decides.
+    return [triton.Config({"C": c, "NB": nb}, num_warps=w, num_stages=s)
+            for c, nb, w, s in ((64, 1, 4, 2), (64, 1, 4, 3), (32, 1, 4, 2), (64, 2, 4, 2), (64, 2, 8, 2), (32, 2, 4, 3))]
 
 
 def _prune(configs, named_args, **kwargs):
     mode = kwargs.get("MODE", named_args.get("MODE", 2))
     if mode == 0:  # no tail scan: C is irrelevant
-        keep = [c for c in configs if c.kwargs["C"] == 64]
+        keep = [c for c in configs if c.kwargs["C"] == 64 or c.num_stages == 3]
     else:  # deeper tail buffers do not leave room for two programs per SM
-        keep = [c for c in configs if c.num_stages == 2]
+        keep = [c for c in configs if c.num_stages == 2 or c.kwargs["NB"] == 2]
     return keep or configs
 
 
@@ -216,9 +233,10 @@ def attention(
                 SPLIT=kbar_lo is not None, F32=interpreting())
     grid = (nq, b * h)
     if interpreting():
-        _attn_kernel[grid](*args, **meta, C=16, num_warps=4)  # small groups: several per row
+        nb = (config or {}).get("NB", 2)
+        _attn_kernel[grid](*args, **meta, C=16, NB=nb, num_warps=4)  # small groups: several per row
     elif config is not None or os.environ.get("PISA_ATTN_AUTOTUNE", "1") == "0":
-        _attn_kernel[grid](*args, **meta, **(config or FIXED_CONFIG))
+        _attn_kernel[grid](*args, **meta, **dict(FIXED_CONFIG, **(config or {})))
     else:
         _attn_tuned[grid](*args, **meta)
     return out, lse

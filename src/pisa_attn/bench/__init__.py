@@ -1,0 +1,1 @@
+"""Benchmarks and accuracy studies (importable, tested at tiny sizes)."""

@@ -1,0 +1,149 @@
+"""Error and tail-mass measurements shared by the accuracy study and the diffusers telemetry.
+
+All inputs are ``[B, H, L, D]``; K/V may have fewer heads than Q (GQA). Nothing here materialises an
+``[Lq, Lk]`` matrix for all query rows at once: dense passes run over query-row chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..ops import reference as ref
+
+# Elements of one [B, H, rows, Lk] score slab a dense pass holds at once (~64 MB in fp32).
+_SLAB = 1 << 24
+
+
+def rel_l1(out: Tensor, dense: Tensor) -> float:
+    """Relative L1 error ``mean|o - d| / mean|d|`` over all elements (float64 accumulation)."""
+    d = dense.double()
+    return float((out.double() - d).abs().mean() / d.abs().mean().clamp_min(1e-300))
+
+
+def rel_l1_per_head(out: Tensor, dense: Tensor) -> Tensor:
+    """Relative L1 error per head: ``[H]`` float64 (batch, tokens and channels pooled)."""
+    d = dense.double()
+    num = (out.double() - d).abs().mean(dim=(0, 2, 3))
+    return num / d.abs().mean(dim=(0, 2, 3)).clamp_min(1e-300)
+
+
+@dataclass
+class Selection:
+    """Exact-set mask and pooled block scores of one (density, covariance_aware) choice.
+
+    selected:     bool ``[B, H, Nq, Nk]``, what PISA computes exactly (incl. ``keep_blocks``)
+    block_scores: ``[B, H, Nq, Nk]`` plain pooled scores ``s·q̄_i·k̄_j`` (no covariance term), the
+                  paper's Figure-3 quantity, whatever score the selection itself used.
+    """
+
+    selected: Tensor
+    block_scores: Tensor
+
+
+def select(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    density: float,
+    block_size: int,
+    covariance_aware: bool = False,
+    scale: float | None = None,
+    keep_blocks: Tensor | None = None,
+    stats: ref.BlockStats | None = None,
+) -> Selection:
+    """PISA's block selection, computed by the reference (the kernels are tested to match it)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if stats is None or (covariance_aware and stats.hdev is None):
+        stats = ref.block_stats(k, v, block_size, with_hdev=covariance_aware)
+    qmean = ref.block_means(q, block_size, stats.kmean.dtype)
+    plain = ref.selection_scores(qmean, stats, scale, False)
+    scores = ref.selection_scores(qmean, stats, scale, True) if covariance_aware else plain
+    n_sel = ref.num_selected(density, stats.kmean.shape[2])
+    keep = None if keep_blocks is None else keep_blocks.to(q.device)
+    return Selection(ref.select_blocks(scores, n_sel, keep), plain)
+
+
+@dataclass
+class DensePass:
+    """Exact attention output plus, per given exact-set mask, the dense softmax mass on the tail.
+
+    out:           ``[B, H, Lq, D]`` in float32 (float64 for float64 inputs)
+    tail_mass:     one ``[B, H, Lq]`` tensor per mask: ``ρ_t = Σ_{tail keys} p_t`` (exact softmax)
+    tail_estimate: with ``kmean``, one ``[B, H, Lq]`` tensor per mask: the block-wise 0th-order
+                   estimate ``Σ_{j∈U} n_j exp(s q_t·k̄_j) / D_t`` of the same mass. By Jensen it is
+                   at most ``ρ_t``; a ratio near 1 means the centroid approximation captures the
+                   tail (tokens of a tail block score alike), near 0 that PISA's tail terms cannot
+                   do much better than dropping it.
+    """
+
+    out: Tensor
+    tail_mass: list[Tensor]
+    tail_estimate: list[Tensor]
+
+
+def dense_pass(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block_size: int,
+    masks: tuple[Tensor, ...] = (),
+    scale: float | None = None,
+    kmean: Tensor | None = None,
+) -> DensePass:
+    """Exact softmax attention over query-row chunks, measuring each mask's tail mass on the way
+    (and its 0th-order estimate when ``kmean``, the ``[B, Hk, Nk, D]`` key-block means, is given)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    kx = ref.expand_kv_heads(k, h).to(dtype)
+    vx = ref.expand_kv_heads(v, h).to(dtype)
+    km = None if kmean is None else ref.expand_kv_heads(kmean, h).to(dtype)
+    counts = ref.block_counts(lk, block_size, q.device, dtype)
+    nk = counts.numel()
+    pad = nk * block_size - lk
+    out = torch.empty(b, h, lq, d, dtype=dtype, device=q.device)
+    tails = [torch.empty(b, h, lq, dtype=dtype, device=q.device) for _ in masks]
+    estimates = [torch.empty(b, h, lq, dtype=dtype, device=q.device) for _ in masks] if km is not None else []
+    rows = max(block_size, (_SLAB // max(1, b * h * lk)) // block_size * block_size)
+    for r0 in range(0, lq, rows):
+        r1 = min(lq, r0 + rows)
+        qc = q[:, :, r0:r1].to(dtype)
+        s = torch.einsum("bhrd,bhld->bhrl", qc, kx) * scale
+        m = s.amax(dim=-1, keepdim=True)
+        p = torch.exp(s - m)
+        z = p.sum(-1, keepdim=True)
+        p = p / z
+        out[:, :, r0:r1] = p @ vx
+        if not masks:
+            continue
+        if pad:
+            p = torch.nn.functional.pad(p, (0, pad))
+        block_mass = p.reshape(b, h, r1 - r0, nk, block_size).sum(-1)  # [B, H, rows, Nk]
+        # A centroid score is a mean of its block's token scores, so exp(c - m) <= 1: no overflow.
+        approx = None if km is None else counts * torch.exp(torch.einsum("bhrd,bhjd->bhrj", qc, km) * scale - m) / z
+        row_block = torch.arange(r0, r1, device=q.device) // block_size
+        for i, mask in enumerate(masks):
+            sel = mask.index_select(2, row_block)
+            tails[i][:, :, r0:r1] = block_mass.masked_fill(sel, 0.0).sum(-1)
+            if approx is not None:
+                estimates[i][:, :, r0:r1] = approx.masked_fill(sel, 0.0).sum(-1)
+    return DensePass(out, tails, estimates)
+
+
+def token_scores(
+    q: Tensor, k: Tensor, selected: Tensor, *, block_size: int, rows: Tensor, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-token pre-softmax scores ``s·q_t·k_n`` of the sampled query ``rows``: (scores
+    ``[B, H, rows, Lk]`` float32, bool mask of the keys in each row's selected blocks)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kx = ref.expand_kv_heads(k, q.shape[1]).float()
+    s = torch.einsum("bhrd,bhld->bhrl", q[:, :, rows].float(), kx) * scale
+    tok_block = torch.arange(k.shape[2], device=q.device) // block_size
+    exact = selected.index_select(2, rows // block_size).index_select(-1, tok_block)
+    return s, exact

@@ -1,0 +1,177 @@
+"""Where the accuracy study gets its q/k/v: the synthetic DiT-like generator or a capture file.
+
+Every sample is ``[B, H, L, D]`` in tiled order together with its :class:`TokenLayout` (``None``
+when a capture file carries no layout: tiling and length analyses are then skipped).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import layout as lay
+from ..data import dit_qkv
+
+
+@dataclass
+class Sample:
+    name: str
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    layout: lay.TokenLayout | None  # the order q/k/v are in (tiled, unless it is a raster layout)
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    def keep_blocks(self, block_size: int) -> Tensor | None:
+        if self.layout is None or self.layout.num_text_tokens == 0:
+            return None
+        return self.layout.keep_blocks(block_size)
+
+    def query_range(self) -> tuple[int, int]:
+        """The queries PISA runs on: the image tokens when they are one contiguous run (the
+        diffusers backend's joint layout, whose text queries attend densely), else all."""
+        n = self.q.shape[2]
+        if self.layout is None or self.layout.num_text_tokens == 0:
+            return 0, n
+        image = torch.nonzero(~self.layout.text_mask_tokens()).squeeze(1)
+        lo, hi = int(image[0]), int(image[-1]) + 1
+        return (lo, hi) if hi - lo == image.numel() else (0, n)
+
+    def raster(self) -> Sample:
+        """The same tokens in original (untiled) order."""
+        if self.layout is None:
+            raise ValueError(f"sample {self.name!r} has no token layout: cannot undo its tiling")
+        undo = [self.layout.from_tiled(x, dim=2) for x in (self.q, self.k, self.v)]
+        return Sample(self.name + " (raster)", *undo, self.layout.raster())
+
+    def crop(self, grid: tuple[int, ...]) -> Sample:
+        """Keep the text and the grid tokens inside ``grid`` (a leading corner of the token grid),
+        re-tiled with the sample's tile and order: a smaller image/video of the same statistics."""
+        if self.layout is None:
+            raise ValueError(f"sample {self.name!r} has no token layout: cannot crop it")
+        full = self.layout.grid_shape
+        coords = self.layout.coords(tiled=False)  # original order, -1 rows for text
+        inside = (coords < torch.tensor(grid)).all(dim=1) & (coords >= 0).all(dim=1)
+        is_text = self.layout.text_mask_tokens().index_select(0, self.layout.inv_perm)
+        keep = torch.nonzero(inside | is_text).squeeze(1)
+        segs = tuple(lay.Grid(tuple(grid)) if isinstance(s, lay.Grid) else s for s in self.layout.segments)
+        new = lay.TokenLayout(segs, self.layout.tile, self.layout.order)
+        if new.order == "compact" and not _text_in_place(new) and _text_in_place(self.layout):
+            new = lay.TokenLayout(segs, self.layout.tile, "tiles")  # as the diffusers backend falls back
+        idx = keep.to(self.q.device)
+        out = [new.to_tiled(self.layout.from_tiled(x, dim=2).index_select(2, idx), dim=2)
+               for x in (self.q, self.k, self.v)]
+        name = f"{self.name} crop {'x'.join(map(str, grid))} of {'x'.join(map(str, full))}"
+        return Sample(name, *out, new)
+
+
+def _text_in_place(layout: lay.TokenLayout) -> bool:
+    """Text tokens sit where the original order has them (diffusers moves only image tokens)."""
+    return torch.equal(layout.text_mask_tokens(), layout.raster().text_mask_tokens())
+
+
+def synthetic_grid(length: int) -> tuple[int, int, int]:
+    """Video-like ``(t, h, w)`` grid of exactly ``length`` tokens: frames of 32x32 tokens when that
+    gives at least two frames, else 16x16, else 8x8."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 64 or length % 64:
+        raise ValueError(f"synthetic lengths must be multiples of 64 tokens (>= 64), got {length!r}")
+    for side in (32, 16, 8):
+        if length % (side * side) == 0 and length // (side * side) >= 2:
+            return (length // (side * side), side, side)
+    return (length // 64, 8, 8)
+
+
+class SyntheticSource:
+    """Seeded DiT-like q/k/v (:func:`pisa_attn.data.dit_qkv`) on video-like grids of any length."""
+
+    kind = "synthetic"
+
+    def __init__(self, *, heads: int, head_dim: int, seed: int, text_tokens: int, dtype, device):
+        self.heads, self.head_dim, self.seed, self.text_tokens = heads, head_dim, seed, text_tokens
+        self.dtype, self.device = dtype, device
+        self._head_types: list[str] = []
+        self._fixed: Sample | None = None  # the density sweep's sample, reused by the length sweep
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "heads": self.heads, "head_dim": self.head_dim, "seed": self.seed,
+                "text_tokens": self.text_tokens, "head_types": self._head_types}
+
+    def _make(self, length: int) -> Sample:
+        grid = synthetic_grid(length)
+        g = dit_qkv(grid, heads=self.heads, head_dim=self.head_dim, text_tokens=self.text_tokens,
+                    seed=self.seed, dtype=self.dtype, device=self.device, tiled=True)
+        self._head_types = list(g.head_types)
+        return Sample(f"synthetic {'x'.join(map(str, grid))}", g.q, g.k, g.v, g.token_layout)
+
+    def fixed(self, length: int) -> list[Sample]:
+        if self._fixed is None or self._fixed.length != length:
+            self._fixed = self._make(length)
+        return [self._fixed]
+
+    def sweep(self, lengths, min_tokens: int = 0) -> list[tuple[int, list[Sample]]]:
+        same = self._fixed is not None
+        return [(n, [self._fixed] if same and n == self._fixed.length else [self._make(n)]) for n in lengths]
+
+
+class CapturedSource:
+    """q/k/v captured from a real pipeline by :func:`pisa_attn.diffusers.capture_qkv`."""
+
+    kind = "safetensors"
+
+    def __init__(self, path: str, *, entries=None, max_entries: int = 4, dtype, device):
+        from ..diffusers.capture import read_qkv_file  # lazy: the synthetic path needs no safetensors
+
+        self.path = str(path)
+        self.file = read_qkv_file(self.path)
+        names = [e.name for e in self.file.entries]
+        if entries:
+            missing = [n for n in entries if n not in names]
+            if missing:
+                raise ValueError(f"entries {missing} are not in {self.path} (it holds {names})")
+            chosen = [e for e in self.file.entries if e.name in set(entries)]
+        else:
+            chosen = self.file.entries[: max(1, max_entries)]
+        self.entries = chosen
+        self.dtype, self.device = dtype, device
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "path": self.path, "model": self.file.meta.get("model"),
+                "entries": [e.name for e in self.entries], "available": len(self.file.entries)}
+
+    def _sample(self, entry) -> Sample:
+        q, k, v = (x.to(device=self.device, dtype=self.dtype) for x in (entry.q, entry.k, entry.v))
+        return Sample(entry.name, q, k, v, entry.layout)
+
+    def fixed(self, length: int | None = None) -> list[Sample]:
+        return [self._sample(e) for e in self.entries]  # the source decides the length
+
+    def sweep(self, lengths, min_tokens: int = 256) -> list[tuple[int, list[Sample]]]:
+        """Crops of every entry, halving the grid (frames first) down to ``len(lengths)`` sizes
+        of at least ``min_tokens`` grid tokens."""
+        full = self.fixed()
+        if any(s.layout is None or len(s.layout.grids) != 1 for s in full):
+            return [(full[0].length, full)] if len({s.length for s in full}) == 1 else []
+        out = []
+        for grid in halving_grids(full[0].layout.grid_shape, len(lengths), min_tokens):
+            crops = [s if grid == s.layout.grid_shape else s.crop(grid) for s in full]
+            out.append((crops[0].length, crops))
+        return sorted(out, key=lambda t: t[0])
+
+
+def halving_grids(grid: tuple[int, ...], count: int, min_tokens: int = 256) -> list[tuple[int, ...]]:
+    """``grid`` and up to ``count - 1`` successive halvings (time first, then the longer side)."""
+    out = [tuple(grid)]
+    g = list(grid)
+    while len(out) < count:
+        axis = 0 if len(g) == 3 and g[0] >= 2 else max(range(len(g) - 2, len(g)), key=lambda a: g[a])
+        if g[axis] < 2 or math.prod(g) // 2 < min_tokens:
+            break
+        g[axis] //= 2
+        out.append(tuple(g))
+    return out

@@ -1,0 +1,281 @@
+"""Opt-in per-layer error telemetry for :func:`apply_pisa` (``telemetry=`` argument).
+
+For a sampled subset of managed self-attention calls it also computes exact attention and logs,
+per (layer, step): the tail mass ρ (dense softmax mass on the blocks PISA approximates), the
+relative L1 error of PISA vs dense and of keep-or-drop sparse attention vs dense at the same
+density. Dense calls (warm-up layers/steps, short sequences) are measured too, as "what PISA
+would cost here". :func:`report` prints a per-layer table and can save a layer x step heat-map;
+that is how a user picks a density or extra dense layers. Measuring costs a dense attention (and
+a drop run) per sampled call, so sample sparingly on large models.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..attention import pisa_attention
+from ..bench import metrics
+from ..ops import reference as ref
+from . import hooks
+
+_ATTR = "_pisa_telemetry"
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Which calls to measure and what to keep.
+
+    sample_rate: probability that a call is measured (seeded with ``seed``), in (0, 1].
+    every:       measure every n-th call instead (calls 0, n, 2n, ... per transformer).
+    drop:        also measure keep-or-drop sparse attention at the same density.
+    include_dense: also measure calls that ran dense (what PISA would cost there).
+    max_records: records kept; later sampled calls are counted but not measured.
+    """
+
+    sample_rate: float = 1.0
+    every: int | None = None
+    seed: int = 0
+    drop: bool = True
+    include_dense: bool = True
+    max_records: int = 10_000
+
+    def __post_init__(self):
+        r = self.sample_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < float(r) <= 1.0:
+            raise ValueError(f"sample_rate must be a float in (0, 1], got {r!r}")
+        e = self.every
+        if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
+            raise ValueError(f"every must be None or a positive int, got {self.every!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if isinstance(self.max_records, bool) or not isinstance(self.max_records, int) or self.max_records < 1:
+            raise ValueError(f"max_records must be a positive int, got {self.max_records!r}")
+
+
+def as_config(cfg) -> TelemetryConfig:
+    """``True`` (every call), a sampling rate in (0, 1], or a :class:`TelemetryConfig`."""
+    if isinstance(cfg, TelemetryConfig):
+        return cfg
+    if cfg is True:
+        return TelemetryConfig()
+    if isinstance(cfg, (int, float)) and not isinstance(cfg, bool):
+        return TelemetryConfig(sample_rate=float(cfg))
+    raise TypeError(f"telemetry must be True, a sampling rate in (0, 1] or a TelemetryConfig, got {cfg!r}")
+
+
+@dataclass
+class Telemetry:
+    """What :func:`attach` keeps on a transformer (still readable after :func:`detach`)."""
+
+    config: TelemetryConfig
+    calls: int = 0  # managed calls observed
+    eligible: int = 0  # calls the sampling considered (all, or sparse only without include_dense)
+    sampled: int = 0  # calls the sampling picked
+    records: list[dict] = field(default_factory=list)
+    skipped: int = 0  # sampled calls not measured because max_records was reached
+    active: bool = True
+    _rng: random.Random = field(default=None, repr=False)
+    _remove: object = field(default=None, repr=False)
+
+    def observe(self, call: hooks.AttentionCall) -> None:
+        self.calls += 1
+        cfg = self.config
+        if call.dense and not cfg.include_dense:
+            return
+        index = self.eligible
+        self.eligible += 1
+        if cfg.every is not None:
+            if index % cfg.every:
+                return
+        elif cfg.sample_rate < 1.0 and self._rng.random() >= cfg.sample_rate:
+            return
+        self.sampled += 1
+        if len(self.records) >= cfg.max_records:
+            self.skipped += 1
+            return
+        self.records.append({"call": index, **measure(call, drop=cfg.drop)})
+
+
+def attach(transformer, config=True) -> Telemetry:
+    """Start measuring ``transformer``'s managed attention calls (replaces earlier telemetry)."""
+    cfg = as_config(config)
+    detach(transformer)
+    tel = Telemetry(cfg, _rng=random.Random(cfg.seed))
+    tel._remove = hooks.add_observer(transformer, tel.observe)
+    transformer.__dict__[_ATTR] = tel
+    return tel
+
+
+def detach(transformer) -> Telemetry | None:
+    """Stop measuring; the records stay readable by :func:`report` / :func:`get`."""
+    tel = get(transformer)
+    if tel is not None and tel.active:
+        tel._remove()
+        tel.active = False
+    return tel
+
+
+def get(transformer) -> Telemetry | None:
+    return transformer.__dict__.get(_ATTR)
+
+
+@torch.no_grad()
+def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
+    """Tail mass and errors of one call, on the queries PISA handles (the image queries) and the
+    valid keys of each batch row, as the diffusers backend runs them."""
+    lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
+    lens = call.meta.get("key_lens")
+    bs = call.block_size
+    heads = call.q.shape[1]
+    groups = defaultdict(list)
+    for row in range(call.q.shape[0]):
+        groups[call.k.shape[2] if not lens else int(lens[row])].append(row)
+    err = {"pisa": [0.0, 0.0], "drop": [0.0, 0.0]}
+    tail_sum = torch.zeros(heads, dtype=torch.float64)
+    n_rows = 0
+    for n, rows in groups.items():
+        idx = torch.tensor(rows, device=call.q.device)
+        q = call.q.index_select(0, idx)[:, :, lo:hi]
+        k, v = (x.index_select(0, idx)[:, :, :n] for x in (call.k, call.v))
+        keep = None
+        if call.keep_blocks is not None:
+            keep = call.keep_blocks[: ref.num_blocks(n, bs)]
+            keep = keep if bool(keep.any()) else None
+        sel = metrics.select(q, k, v, density=call.density, block_size=bs, covariance_aware=call.covariance_aware,
+                             keep_blocks=keep)
+        dense = metrics.dense_pass(q, k, v, block_size=bs, masks=(sel.selected,))
+        kw = dict(density=call.density, block_size=bs, covariance_aware=call.covariance_aware, keep_blocks=keep)
+        if call.dense:  # what PISA would have given here
+            pisa = pisa_attention(q, k, v, mode=call.mode, **kw)
+        else:
+            pisa = call.out.index_select(0, idx)[:, :, lo:hi]
+        outs = {"pisa": pisa}
+        if drop:
+            outs["drop"] = pisa if call.mode == "drop" else pisa_attention(q, k, v, mode="drop", **kw)
+        d = dense.out.double()
+        for name, o in outs.items():
+            err[name][0] += float((o.double() - d).abs().sum())
+            err[name][1] += float(d.abs().sum())
+        tail_sum += dense.tail_mass[0].double().sum(dim=(0, 2)).cpu()
+        n_rows += len(rows) * q.shape[2]
+    per_head = (tail_sum / max(1, n_rows)).tolist()
+    return {
+        "layer": call.layer, "step": call.step, "dense": call.dense, "dense_reason": call.meta.get("dense_reason"),
+        "density": call.density, "mode": call.mode, "tokens": call.k.shape[2],
+        "tail_mass": sum(per_head) / len(per_head), "tail_mass_per_head": per_head,
+        "rel_l1_pisa": err["pisa"][0] / max(err["pisa"][1], 1e-300),
+        "rel_l1_drop": err["drop"][0] / max(err["drop"][1], 1e-300) if drop else None,
+    }
+
+
+# --- report ------------------------------------------------------------------------------------
+def _named_transformers(obj) -> list[tuple[str, object]]:
+    if isinstance(obj, torch.nn.Module):
+        return [("transformer", obj)]
+    found = [(n, getattr(obj, n, None)) for n in ("transformer", "transformer_2")]
+    found = [(n, t) for n, t in found if isinstance(t, torch.nn.Module)]
+    if not found:
+        raise TypeError(f"pipe_or_transformer must be a diffusers pipeline or a transformer, got {type(obj).__name__}")
+    return found
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def summarize(tel: Telemetry) -> dict:
+    """Per-layer means and the layer x step grids of one transformer's records."""
+    by_layer, by_cell = defaultdict(list), defaultdict(list)
+    for r in tel.records:
+        by_layer[r["layer"]].append(r)
+        by_cell[(r["layer"], r["step"])].append(r)
+    layers = sorted(by_layer)
+    steps = sorted({s for _, s in by_cell})
+    rows = []
+    for layer in layers:
+        rs = by_layer[layer]
+        rows.append({
+            "layer": layer, "samples": len(rs), "dense_fraction": _mean([float(r["dense"]) for r in rs]),
+            "tail_mass": _mean([r["tail_mass"] for r in rs]), "rel_l1_pisa": _mean([r["rel_l1_pisa"] for r in rs]),
+            "rel_l1_pisa_max": max(r["rel_l1_pisa"] for r in rs), "rel_l1_drop": _mean([r["rel_l1_drop"] for r in rs]),
+        })
+
+    def grid(key):
+        return [[_mean([r[key] for r in by_cell.get((layer, s), [])]) for s in steps] for layer in layers]
+
+    return {
+        "config": asdict(tel.config), "calls": tel.calls, "eligible": tel.eligible, "sampled": tel.sampled,
+        "records": len(tel.records), "skipped": tel.skipped, "layers": rows,
+        "heatmap": {"layers": layers, "steps": steps, "rel_l1_pisa": grid("rel_l1_pisa"),
+                    "tail_mass": grid("tail_mass")},
+    }
+
+
+def report(pipe_or_transformer, heatmap: str | None = None, *, console=None) -> dict:
+    """Print a per-layer table of the telemetry of ``pipe_or_transformer`` (a pipeline: each of
+    its transformers) and, with ``heatmap`` (a .png path), save layer x step heat-maps of rel-L1
+    and tail mass. Returns ``{transformer name: summary}``. ValueError when nothing was recorded."""
+    from rich.console import Console
+    from rich.table import Table
+
+    found = [(n, get(t)) for n, t in _named_transformers(pipe_or_transformer)]
+    found = [(n, t) for n, t in found if t is not None]
+    if not found:
+        raise ValueError("no telemetry on this pipeline/transformer: use apply_pisa(..., telemetry=rate) first")
+    out = {name: summarize(tel) for name, tel in found}
+    if all(s["records"] == 0 for s in out.values()):
+        raise ValueError("telemetry is attached but recorded no call yet: run the pipeline first")
+    console = console or Console()
+    for name, s in out.items():
+        t = Table(title=f"PISA telemetry, {name}: {s['records']} measured of {s['calls']} calls "
+                        f"(density {_densities(found, name)})")
+        for col in ("layer", "samples", "dense", "tail mass ρ", "rel-L1 PISA", "max", "rel-L1 drop", "PISA/drop"):
+            t.add_column(col, justify="right")
+        for r in s["layers"]:
+            ratio = r["rel_l1_pisa"] / r["rel_l1_drop"] if r["rel_l1_drop"] and r["rel_l1_drop"] > 0 else math.nan
+            t.add_row(str(r["layer"]), str(r["samples"]), f"{r['dense_fraction']:.0%}", f"{r['tail_mass']:.4f}",
+                      f"{r['rel_l1_pisa']:.4f}", f"{r['rel_l1_pisa_max']:.4f}", _fmt(r["rel_l1_drop"]), _fmt(ratio, 2))
+        console.print(t)
+    if heatmap is not None:
+        save_heatmap(out, str(heatmap))
+    return out
+
+
+def _densities(found, name) -> str:
+    tel = dict(found)[name]
+    return ", ".join(f"{d:g}" for d in sorted({r["density"] for r in tel.records})) or "-"
+
+
+def _fmt(x, digits: int = 4) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def save_heatmap(summaries: dict, path: str) -> None:
+    """Layer x step heat-maps (rel-L1 of PISA, tail mass) per transformer into one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(summaries)
+    fig, axes = plt.subplots(n, 2, figsize=(11, 0.5 + 3.2 * n), squeeze=False)
+    for (name, s), row in zip(summaries.items(), axes):
+        hm = s["heatmap"]
+        for ax, key, label in ((row[0], "rel_l1_pisa", "rel-L1 PISA vs dense"), (row[1], "tail_mass", "tail mass ρ")):
+            data = torch.tensor(hm[key], dtype=torch.float64).numpy() if hm["layers"] else [[math.nan]]
+            im = ax.imshow(data, aspect="auto", origin="lower", cmap="magma", interpolation="nearest")
+            ax.set_xlabel("denoising step")
+            ax.set_ylabel("attention layer")
+            ax.set_xticks(range(len(hm["steps"])), [str(x) for x in hm["steps"]], fontsize=6)
+            ax.set_yticks(range(len(hm["layers"])), [str(x) for x in hm["layers"]], fontsize=6)
+            ax.set_title(f"{name}: {label}", fontsize=9)
+            fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,152 @@
+"""Q/K/V capture from tiny offline diffusers pipelines: file round trip, metadata, study on it."""
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("safetensors")
+
+import pisa_attn.diffusers as pd  # noqa: E402
+from diffusers_tiny import GRIDS, TEXT_LEN, prompt_kwargs, tiny_pipeline  # noqa: E402
+from pisa_attn.bench.study import StudyConfig, run_study  # noqa: E402
+from pisa_attn.diffusers import hooks  # noqa: E402
+from pisa_attn.diffusers.capture import (  # noqa: E402
+    capture_qkv,
+    layout_from_json,
+    layout_to_json,
+    read_qkv_file,
+    trim_layout,
+)
+from pisa_attn.layout import make_layout, raster  # noqa: E402
+
+
+def _watch(transformer):
+    """What the backend hands observers, per (step, layer): the first call's q/k/v (batch row 0)."""
+    seen = {}
+
+    def observe(call):
+        seen.setdefault((call.step, call.layer), tuple(x[:1].clone() for x in (call.q, call.k, call.v)))
+
+    return seen, hooks.add_observer(transformer, observe)
+
+
+@pytest.fixture(scope="module")
+def flux_capture(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cap") / "flux.safetensors"
+    pipe = tiny_pipeline("flux")
+    seen, unwatch = _watch(pipe.transformer)
+    with capture_qkv(pipe, layers=[0, 2], steps=range(2), path=path) as cap:
+        pipe(**prompt_kwargs("flux"), num_inference_steps=3)
+    unwatch()
+    return pipe, cap, seen, path
+
+
+def test_flux_capture_round_trips_tensors_and_metadata(flux_capture):
+    pipe, cap, seen, path = flux_capture
+    assert pd.capture_qkv is capture_qkv  # the package exports it
+    assert pd.pisa_state(pipe.transformer) is None  # the capture applied PISA and removed it
+    f = read_qkv_file(str(path))
+    names = ["step0.layer0", "step0.layer2", "step1.layer0", "step1.layer2"]
+    assert [e.name for e in f.entries] == names == cap.names
+    h, w = GRIDS["flux"]
+    length = TEXT_LEN + h * w
+    assert f.meta["model"] == "flux" and f.meta["grid"] == [h, w] and f.meta["text_len"] == TEXT_LEN
+    assert f.meta["dtype"] == "float32" and f.meta["tile"] == [8, 8]
+    for e in f.entries:
+        q, k, v = seen[(e.step, e.layer)]
+        assert e.q.shape == (1, 2, length, 16)
+        assert torch.equal(e.q, q) and torch.equal(e.k, k) and torch.equal(e.v, v)
+        assert e.layout.num_tokens == length and e.layout.num_text_tokens == TEXT_LEN
+        assert e.layout.grid_shape == (h, w) and e.layout.tile == (8, 8)
+        assert e.info["image_range"] == [TEXT_LEN, length] and e.info["key_len"] == length
+        assert e.info["density"] == 1.0 and e.info["pisa_applied_by_capture"] is True
+
+
+def test_study_runs_on_a_capture(flux_capture):
+    _, _, _, path = flux_capture
+    cfg = StudyConfig(source=str(path), block_size=16, densities=(0.25, 1.0), lengths=(1, 2), modes=("drop", "hybrid"),
+                      covariance=False, plots=False, max_entries=2)
+    r = run_study(cfg, progress=False)
+    assert r["source"]["kind"] == "safetensors" and r["source"]["entries"] == ["step0.layer0", "step0.layer2"]
+    ds = r["density_sweep"]
+    assert ds["length"] == TEXT_LEN + 256 and set(ds["rel_l1_per_sample"]) == {"step0.layer0", "step0.layer2"}
+    assert all(errs[1] < 1e-5 < errs[0] for errs in ds["rel_l1"].values())
+    assert r["length_sweep"]["lengths"] == [TEXT_LEN + 128, TEXT_LEN + 256]  # a crop of half the grid
+    assert r["tiling"]["tiled"]["rel_l1"]["drop"][1] < 1e-5
+
+
+def test_padded_text_keys_are_trimmed(tmp_path):
+    pipe = tiny_pipeline("hunyuan")
+    path = tmp_path / "hy.safetensors"
+    with capture_qkv(pipe, steps=0, path=path, dtype=torch.bfloat16):
+        pipe(**prompt_kwargs("hunyuan"), num_inference_steps=2)
+    f = read_qkv_file(str(path))
+    n_grid = 3 * 6 * 10
+    assert f.meta["dtype"] == "bfloat16" and len(f.entries) == 2
+    for e in f.entries:
+        assert e.info["key_len"] == n_grid + 5  # 5 valid of 8 text tokens
+        assert e.q.shape[2] == e.k.shape[2] == n_grid + 5 and e.q.dtype == torch.bfloat16
+        assert e.layout.num_tokens == n_grid + 5 and e.layout.num_text_tokens == 5
+
+
+def test_capture_keeps_users_pisa_and_first_call_wins(tmp_path):
+    pipe = tiny_pipeline("wan")
+    pd.apply_pisa(pipe, density=0.5, block_size=16, min_kv_len=0, dense_layers=0, dense_steps=0)
+    seen, unwatch = _watch(pipe.transformer)
+    path = tmp_path / "wan.safetensors"
+    cap = capture_qkv(pipe, layers=1, path=path)
+    pipe(**prompt_kwargs("wan"), num_inference_steps=2)  # two calls (cond, uncond) per step
+    cap.close()
+    unwatch()
+    assert pd.pisa_state(pipe.transformer) is not None
+    f = read_qkv_file(str(path))
+    assert [e.name for e in f.entries] == ["step0.layer1", "step1.layer1"]
+    for e in f.entries:
+        assert torch.equal(e.q, seen[(e.step, 1)][0])
+        assert e.info["dense"] is False and e.info["density"] == 0.5 and e.info["pisa_applied_by_capture"] is False
+        assert e.layout.grid_shape == GRIDS["wan"] and e.layout.num_text_tokens == 0
+    pd.remove_pisa(pipe)
+
+
+def test_capture_errors(tmp_path):
+    pipe = tiny_pipeline("flux")
+    with pytest.raises(ValueError, match="layers"):
+        capture_qkv(pipe, layers=[-1], path=tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="batch"):
+        capture_qkv(pipe, batch=-1, path=tmp_path / "x.safetensors")
+    with pytest.raises(TypeError, match="dtype"):
+        capture_qkv(pipe, dtype=torch.int8, path=tmp_path / "x.safetensors")
+    cap = capture_qkv(pipe, steps=[99], path=tmp_path / "x.safetensors")
+    pipe(**prompt_kwargs("flux"), num_inference_steps=1)
+    with pytest.raises(ValueError, match="recorded no attention call"):
+        cap.close()
+    assert pd.pisa_state(pipe.transformer) is None and not hooks.observers(pipe.transformer)
+    with pytest.raises(ValueError, match="batch=3"):
+        with capture_qkv(pipe, batch=3, path=tmp_path / "y.safetensors"):
+            pipe(**prompt_kwargs("flux"), num_inference_steps=1)
+    assert pd.pisa_state(pipe.transformer) is None and not hooks.observers(pipe.transformer)
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="not a pisa-attn"):
+        read_qkv_file(str(tmp_path / "plain.safetensors"))
+    with pytest.raises(TypeError, match="pipe"):
+        capture_qkv(object(), path=tmp_path / "z.safetensors")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [make_layout((3, 6, 10), tile=(2, 2, 4), text_after=8), make_layout((3, 6, 10), tile=(2, 2, 4), text_after=8,
+     order="tiles"), make_layout((16, 16), text_before=16, order="tiles"), raster((4, 4), text_after=3)],
+)
+def test_layout_json_round_trip_and_trim(layout):
+    assert layout_from_json(layout_to_json(layout)) == layout
+    n = layout.num_tokens - 2
+    cut = trim_layout(layout, n)
+    if bool(layout.text_mask_tokens()[n:].all()):  # trailing text (padding) can be cut off
+        assert cut is not None and cut.num_tokens == n
+        assert torch.equal(cut.coords(tiled=True), layout.coords(tiled=True)[:n])
+    else:  # compact order puts ragged-edge tiles after the text: no layout describes the prefix
+        assert cut is None
+    with pytest.raises(ValueError, match="malformed"):
+        layout_from_json({"segments": [{"bogus": 1}]})

@@ -1,0 +1,152 @@
+"""The accuracy study (``pisa-attn study``) at CI size, and the measurements it is built on."""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from pisa_attn import pisa_attention
+from pisa_attn.bench import metrics
+from pisa_attn.bench.study import MODES, StudyConfig, add_parser, main, run_study
+from pisa_attn.bench.study_sources import Sample, SyntheticSource, halving_grids, synthetic_grid
+from pisa_attn.data import dit_qkv
+from pisa_attn.ops import reference as ref
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    result = run_study(StudyConfig(size="tiny"), out=str(out), progress=False)
+    return result, out
+
+
+def test_tiny_study_writes_json_and_plots(tiny_study):
+    result, out = tiny_study
+    on_disk = json.loads((out / "study.json").read_text())
+    for key in ("config", "source", "density_sweep", "length_sweep", "scores", "tail_mass", "tiling", "summary"):
+        assert key in on_disk, key
+    variants = [m for m in MODES] + [f"{m}+cov" for m in MODES]
+    assert on_disk["variants"] == variants
+    assert set(on_disk["density_sweep"]["rel_l1"]) == set(variants)
+    assert set(on_disk["length_sweep"]["rel_l1"]) == set(variants)
+    for key in ("block_mean", "block_mean_shifted", "token", "token_shifted"):
+        h = on_disk["scores"][key]
+        assert len(h["edges"]) == len(h["selected"]) + 1 == len(h["tail"]) + 1
+        assert sum(h["selected"]) == h["selected_stats"]["n"] > 0 and sum(h["tail"]) == h["tail_stats"]["n"] > 0
+    assert set(result["plots"]) == {"density.png", "length.png", "scores.png", "tail_mass.png", "tiling.png"}
+    for name in result["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["runtime_s"] < 60
+
+
+def test_study_trends_the_math_guarantees(tiny_study):
+    result, _ = tiny_study
+    ds = result["density_sweep"]
+    dens = ds["densities"]
+    i1 = dens.index(1.0)
+    for name, errs in ds["rel_l1"].items():
+        assert errs[i1] < 1e-5, name  # density 1: every block exact
+        assert all(e > 1e-4 for j, e in enumerate(errs) if j != i1), name  # sparse: a real error
+    for j, d in enumerate(dens):
+        if d < 1.0:  # the generator's default heads: PISA's tail terms never lose to dropping the tail
+            assert ds["rel_l1"]["drop"][j] >= ds["rel_l1"]["hybrid"][j]
+            assert ds["rel_l1"]["drop+cov"][j] >= ds["rel_l1"]["hybrid+cov"][j]
+    tail = ds["tail_mass"]["topk"]
+    assert all(a >= b - 1e-9 for a, b in zip(tail, tail[1:]))  # nested top-k sets
+    assert tail[i1] == 0.0
+    # Jensen: a centroid exponential never exceeds its block's mean exponential.
+    assert all(e <= t + 1e-9 for e, t in zip(ds["tail_estimate"]["topk"], tail))
+    tm = result["tail_mass"]
+    assert len(tm["per_head"]["topk"]) == result["config"]["heads"]
+    assert 0.0 < tm["estimate_ratio"]["topk"] <= 1.0
+    tl = result["tiling"]
+    assert tl["compactness"]["tiled"]["one_tile"] == 1.0 and tl["compactness"]["raster"]["one_tile"] == 0.0
+    assert tl["tiled"]["rel_l1"]["hybrid"][i1] < 1e-5 and tl["raster"]["rel_l1"]["hybrid"][i1] < 1e-5
+
+
+def test_cli_subcommand_runs_and_writes(tmp_path):
+    parser = argparse.ArgumentParser(prog="pisa-attn")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["study", "--size", "tiny", "--out", str(tmp_path), "--modes", "drop,hybrid",
+                              "--no-covariance", "--densities", "0.25,1", "--length", "256", "--lengths", "256",
+                              "--heads", "2", "--no-plots", "--no-progress"])
+    assert args.func(args) == 0
+    r = json.loads((tmp_path / "study.json").read_text())
+    assert r["variants"] == ["drop", "hybrid"] and r["density_sweep"]["length"] == 256
+    assert r["length_sweep"]["lengths"] == [256] and r["plots"] == []
+    assert r["config"]["heads"] == 2 and r["config"]["covariance"] is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(densities=(0.0, 0.5)), "densities"),
+        (dict(density=1.5), "density"),
+        (dict(modes=("hybrid", "bogus")), "modes"),
+        (dict(source="/nonexistent/x.safetensors"), "source"),
+        (dict(size="huge"), "size"),
+        (dict(heads=0), "heads"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(device="tpu"), "device"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        StudyConfig(**kwargs).resolved()
+
+
+def test_main_rejects_bad_list():
+    with pytest.raises(SystemExit):
+        main(["--densities", "a,b"])
+
+
+def test_synthetic_grid_and_halving():
+    assert synthetic_grid(4096) == (4, 32, 32) and synthetic_grid(512) == (2, 16, 16)
+    assert synthetic_grid(64) == (1, 8, 8)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        synthetic_grid(100)
+    assert halving_grids((8, 16, 16), 3, 0) == [(8, 16, 16), (4, 16, 16), (2, 16, 16)]
+    assert halving_grids((16, 16), 5, 64) == [(16, 16), (8, 16), (8, 8)]
+
+
+def _brute_tail(q, k, selected, bs):
+    p = torch.softmax(q.double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5, dim=-1)
+    tok_block = torch.arange(k.shape[2]) // bs
+    exact = selected.index_select(2, torch.arange(q.shape[2]) // bs).index_select(-1, tok_block)
+    return p.masked_fill(exact, 0).sum(-1)
+
+
+def test_dense_pass_matches_brute_force():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 200, 32) for _ in range(3))  # ragged last block
+    stats = ref.block_stats(k, v, 64)
+    sel = metrics.select(q, k, v, density=0.3, block_size=64)
+    dp = metrics.dense_pass(q, k, v, block_size=64, masks=(sel.selected,), kmean=stats.kmean)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.allclose(dp.out, sdpa, atol=1e-5)
+    assert torch.allclose(dp.tail_mass[0].double(), _brute_tail(q, k, sel.selected, 64), atol=1e-6)
+    assert bool((dp.tail_estimate[0] <= dp.tail_mass[0] + 1e-6).all())
+    out = pisa_attention(q, k, v, density=0.3, mode="drop", backend="reference")
+    assert math.isclose(metrics.rel_l1(out, dp.out),
+                        float((out - dp.out).abs().mean() / dp.out.abs().mean()), rel_tol=1e-5)
+    assert metrics.rel_l1(dp.out, dp.out) == 0.0
+
+
+def test_sample_raster_and_crop_keep_tokens():
+    g = dit_qkv((4, 8, 8), heads=2, head_dim=32, seed=3)
+    s = Sample("x", g.q, g.k, g.v, g.token_layout)
+    raw = dit_qkv((4, 8, 8), heads=2, head_dim=32, seed=3, tiled=False)
+    assert torch.equal(s.raster().q, raw.q)
+    crop = s.crop((2, 8, 8))  # the first two frames: the first 128 raster tokens
+    assert crop.length == 128 and crop.layout.grid_shape == (2, 8, 8)
+    assert torch.equal(crop.raster().k, raw.k[:, :, :128])
+    assert s.query_range() == (0, 256)
+
+
+def test_synthetic_source_reuses_fixed_sample():
+    src = SyntheticSource(heads=2, head_dim=32, seed=0, text_tokens=0, dtype=torch.float32, device="cpu")
+    (fixed,) = src.fixed(256)
+    sweep = dict(src.sweep((128, 256)))
+    assert sweep[256][0] is fixed and sweep[128][0].length == 128

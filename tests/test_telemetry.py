@@ -1,0 +1,173 @@
+"""Per-layer error telemetry of apply_pisa: sampling counts, measurements, report and heat-map."""
+
+import io
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import pisa_attn.diffusers as pd  # noqa: E402
+from diffusers_tiny import prompt_kwargs, tiny_pipeline  # noqa: E402
+from pisa_attn import pisa_attention  # noqa: E402
+from pisa_attn.bench import metrics  # noqa: E402
+from pisa_attn.data import dit_qkv  # noqa: E402
+from pisa_attn.diffusers import hooks  # noqa: E402
+from pisa_attn.diffusers import telemetry as tm  # noqa: E402
+
+LAYERS, STEPS = 4, 3  # tiny FLUX: 4 managed attention layers per forward
+SPARSE = dict(density=0.25, block_size=16, min_kv_len=0, dense_layers=1, dense_steps=1)
+
+
+@pytest.fixture(scope="module")
+def every_call():
+    """A tiny FLUX run measured on every call; an extra observer checks the backend's sparse
+    outputs against the PISA recomputation measure() uses for dense calls."""
+    pipe = tiny_pipeline("flux")
+    pd.apply_pisa(pipe, telemetry=tm.TelemetryConfig(every=1), **SPARSE)
+    checked = []
+
+    def check(call):
+        if call.dense:
+            return
+        lo, hi = call.meta["image_range"]
+        out = pisa_attention(call.q[:, :, lo:hi], call.k, call.v, density=call.density, block_size=call.block_size,
+                             mode=call.mode, covariance_aware=call.covariance_aware, keep_blocks=call.keep_blocks)
+        checked.append(float((out - call.out[:, :, lo:hi]).abs().max()))
+
+    remove = hooks.add_observer(pipe.transformer, check)
+    pipe(**prompt_kwargs("flux"), num_inference_steps=STEPS)
+    remove()
+    return pipe, checked
+
+
+def _feed(config, dense_pattern):
+    """Attach telemetry to a bare module and notify it of small synthetic calls."""
+    module = torch.nn.Linear(1, 1)
+    tel = tm.attach(module, config)
+    call = _call(dense=False, grid=(1, 8, 16), text=0)[0]
+    for i, dense in enumerate(dense_pattern):
+        c = hooks.AttentionCall(**{**call.__dict__, "layer": i % LAYERS, "step": i // LAYERS, "dense": dense})
+        hooks.notify(module, c)
+    return tel
+
+
+def test_every_nth_call_is_measured():
+    t = _feed(tm.TelemetryConfig(every=3), [False] * 12)
+    assert (t.calls, t.eligible, t.sampled, len(t.records), t.skipped) == (12, 12, 4, 4, 0)
+    assert [r["call"] for r in t.records] == [0, 3, 6, 9]
+    assert [(r["layer"], r["step"]) for r in t.records] == [(i % LAYERS, i // LAYERS) for i in (0, 3, 6, 9)]
+
+
+def test_sample_rate_is_seeded_and_dense_calls_can_be_excluded():
+    pattern = [i % 3 == 0 for i in range(12)]
+    t = _feed(tm.TelemetryConfig(sample_rate=0.5, seed=7, include_dense=False), pattern)
+    rng = random.Random(7)
+    expect = sum(rng.random() < 0.5 for _ in range(8))
+    assert (t.calls, t.eligible, t.sampled, len(t.records)) == (12, 8, expect, expect)
+    assert all(not r["dense"] for r in t.records)
+    assert _feed(0.5, pattern).eligible == 12  # a float is a sampling rate; dense calls count
+
+
+def test_max_records_caps_measurements():
+    t = _feed(tm.TelemetryConfig(max_records=5), [False] * 9)
+    assert (t.sampled, len(t.records), t.skipped) == (9, 5, 4)
+
+
+def test_records_and_sparse_outputs_are_consistent(every_call):
+    pipe, checked = every_call
+    t = tm.get(pipe.transformer)
+    assert (t.calls, t.sampled, len(t.records)) == (LAYERS * STEPS,) * 3
+    for r in t.records:
+        assert r["dense"] == (r["step"] == 0 or r["layer"] == 0)
+        assert 0.0 < r["tail_mass"] < 1.0 and len(r["tail_mass_per_head"]) == 2
+        assert 0.0 < r["rel_l1_pisa"] < r["rel_l1_drop"]  # the tiny model's tails are far from negligible
+        assert r["density"] == 0.25 and r["mode"] == "hybrid"
+    # measure() recomputes PISA for dense calls: it must be what the backend runs on sparse ones.
+    assert len(checked) == (STEPS - 1) * (LAYERS - 1) and max(checked) < 1e-5
+
+
+def _call(dense: bool, grid=(2, 16, 16), text: int = 64):
+    g = dit_qkv(grid, heads=2, head_dim=32, text_tokens=text, text_position="before", seed=1)
+    keep = g.keep_blocks(64)
+    # The image queries (one contiguous run here), the ones the backend runs PISA on.
+    lo, hi = g.token_layout.text_mask_tokens().logical_not().nonzero()[[0, -1], 0].tolist()
+    assert hi + 1 - lo == g.token_layout.num_tokens - text
+    q = g.q[:, :, lo:hi + 1]
+    kw = dict(density=0.25, block_size=64, mode="hybrid", keep_blocks=keep)
+    dense_out = torch.nn.functional.scaled_dot_product_attention(g.q, g.k, g.v)
+    out = dense_out.clone()
+    if not dense:
+        out[:, :, lo:hi + 1] = pisa_attention(q, g.k, g.v, **kw)
+    meta = {"image_range": (lo, hi + 1), "key_lens": None, "dense_reason": "warmup_step" if dense else None}
+    call = hooks.AttentionCall(model="synthetic", layer=0, step=0, q=g.q, k=g.k, v=g.v, out=out, dense=dense,
+                               density=0.25, mode="hybrid", covariance_aware=False, block_size=64, keep_blocks=keep,
+                               meta=meta)
+    return call, q, g, kw, dense_out[:, :, lo:hi + 1]
+
+
+def test_measure_agrees_between_dense_and_sparse_calls():
+    sparse, q, g, kw, dense = _call(dense=False)
+    a, b = tm.measure(sparse), tm.measure(_call(dense=True)[0])
+    for key in ("tail_mass", "rel_l1_pisa", "rel_l1_drop"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    drop = pisa_attention(q, g.k, g.v, **{**kw, "mode": "drop"})
+    assert a["rel_l1_drop"] == pytest.approx(metrics.rel_l1(drop, dense), rel=1e-5)
+    lo, hi = sparse.meta["image_range"]
+    assert a["rel_l1_pisa"] == pytest.approx(metrics.rel_l1(sparse.out[:, :, lo:hi], dense), rel=1e-5)
+    sel = metrics.select(q, g.k, g.v, density=0.25, block_size=64, keep_blocks=kw["keep_blocks"])
+    p = torch.softmax(q.double() @ g.k.double().transpose(-1, -2) / 32**0.5, -1)
+    rows, keys = torch.arange(q.shape[2]) // 64, torch.arange(g.k.shape[2]) // 64
+    exact = sel.selected.index_select(2, rows).index_select(-1, keys)
+    assert a["tail_mass"] == pytest.approx(float(p.masked_fill(exact, 0).sum(-1).mean()), rel=1e-5)
+    assert tm.measure(sparse, drop=False)["rel_l1_drop"] is None
+
+
+def test_report_prints_table_and_saves_heatmap(every_call, tmp_path):
+    buf = io.StringIO()
+    from rich.console import Console
+
+    assert pd.report is tm.report  # the package exports it
+    out = tm.report(every_call[0], heatmap=tmp_path / "h.png", console=Console(file=buf, width=160))
+    s = out["transformer"]
+    assert s["records"] == sum(r["samples"] for r in s["layers"]) == LAYERS * STEPS
+    assert [r["layer"] for r in s["layers"]] == list(range(LAYERS))
+    assert s["heatmap"]["steps"] == list(range(STEPS)) and len(s["heatmap"]["rel_l1_pisa"]) == LAYERS
+    text = buf.getvalue()
+    assert "rel-L1 PISA" in text and "tail mass" in text
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_remove_pisa_detaches_but_keeps_records(every_call):
+    pipe, _ = every_call
+    n = len(tm.get(pipe.transformer).records)
+    pd.remove_pisa(pipe)
+    assert not tm.get(pipe.transformer).active and not hooks.observers(pipe.transformer)
+    pipe(**prompt_kwargs("flux"), num_inference_steps=1)
+    assert len(tm.get(pipe.transformer).records) == n
+    assert tm.report(pipe, console=_quiet())["transformer"]["records"] == n
+
+
+def _quiet():
+    from rich.console import Console
+
+    return Console(file=io.StringIO())
+
+
+def test_bad_config_and_missing_telemetry():
+    with pytest.raises(ValueError, match="sample_rate"):
+        tm.TelemetryConfig(sample_rate=0.0)
+    with pytest.raises(ValueError, match="every"):
+        tm.TelemetryConfig(every=0)
+    with pytest.raises(ValueError, match="max_records"):
+        tm.TelemetryConfig(max_records=0)
+    with pytest.raises(TypeError, match="telemetry"):
+        tm.as_config("often")
+    with pytest.raises(ValueError, match="sample_rate"):
+        tm.as_config(1.5)
+    pipe = tiny_pipeline("flux")
+    with pytest.raises(ValueError, match="no telemetry"):
+        tm.report(pipe)
+    with pytest.raises(TypeError, match="pipe_or_transformer"):
+        tm.report(object())
