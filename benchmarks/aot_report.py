@@ -63,9 +63,9 @@ def main():
     if "attn" in which:
         for d in (64, 128):
             for mode in (0, 2):
-                for nb, warps, stages in ((1, 4, 2), (1, 4, 3), (2, 4, 2), (2, 8, 2), (2, 4, 3)):
-                    ce = dict(BS=64, D=d, C=64, MODE=mode, EVEN_K=True, SPLIT=True, F32=False, NB=nb)
-                    _report(f"attn D={d} mode={mode} NB={nb}", A._attn_kernel, attn_types, ce, warps, stages)
+                for warps, stages in ((4, 2), (4, 3)):
+                    ce = dict(BS=64, D=d, C=64 if mode == 0 else 32, MODE=mode, EVEN_K=True, SPLIT=True, F32=False)
+                    _report(f"attn D={d} mode={mode}", A._attn_kernel, attn_types, ce, warps, stages)
     if "prep" in which:
         types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "kbar_ptr", "kbar_lo_ptr", "vbar_ptr")}
         types.update(qmean_ptr="*fp32", kmean_ptr="*fp32", hbar_ptr="*fp32", inv_nk="fp32")

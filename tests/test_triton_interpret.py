@@ -194,22 +194,3 @@ def test_unsupported_reason(d, dtype, mode, bs, needle):
     assert reason is not None and needle in reason
     assert op.unsupported_reason(torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=DEV), "drop", 64) is None
 
-
-@pytest.mark.parametrize("nb", [1, 2], ids=["NB1", "NB2"])
-def test_paired_gather_odd_count_ragged(nb):
-    """NB=2 gathers two selected key blocks per step; an odd exact count leaves a half-empty last
-    pair, and the ragged last key block may sit in either half (B1-H2-L300-D32-bs32, k=3)."""
-    from pisa_attn.ops.triton import attention as attn
-
-    q, k, v = make_qkv(1, 2, 2, 300, 300, 32, seed=7)
-    p = plan_for(q, k, 0.3, 32, "hybrid")  # Nk=10 -> k=3 (odd)
-    assert p.n_select % 2 == 1
-    stats, (idx, cnt, bits), _ = op.run_stages(q, k, v, p)
-    out, lse = attn.attention(
-        q, k, v, stats.kbar, stats.kbar_lo, stats.vbar, stats.hbar_lp, idx, cnt, bits,
-        mode="hybrid", scale=p.scale, block_size=32, n_select=p.n_select, config={"NB": nb},
-    )
-    mask = sel.selection_to_mask(idx, cnt, p.n_kv_blocks)
-    o_ref, lse_ref = ref_with_selection(q, k, v, mask, "hybrid", p.scale, 32)
-    assert rel_l1(out, o_ref) < BF16_TOL
-    assert (lse.double() - lse_ref).abs().max().item() < 2e-2

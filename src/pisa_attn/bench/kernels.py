@@ -140,7 +140,23 @@ def peak_extra_bytes(fn, out_bytes: int) -> int:
     return max(0, peak - out_bytes)
 
 
-def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float) -> dict:
+def graph_ms(fn, rep_ms: float) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph: the GPU time without Python/launch
+    overhead (what a captured or ``torch.compile(mode="reduce-overhead")`` model pays)."""
+    fn()  # compile + autotune before capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay, rep_ms)
+
+
+def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float, graphs: bool = False) -> dict:
     from torch.nn.attention import SDPBackend
 
     q, k, v = _inputs(cfg, length, dtype, layout)
@@ -149,6 +165,8 @@ def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float) -> 
         fn = _sdpa(backend)
         try:
             row[name] = bench_ms(lambda: fn(q, k, v), rep_ms)
+            if graphs and name == "sdpa_cudnn":
+                row["sdpa_cudnn_graph"] = graph_ms(lambda: fn(q, k, v), rep_ms)
         except RuntimeError as e:  # backend unavailable for this shape / build
             row[name] = None
             row[name + "_error"] = str(e).splitlines()[0][:200]
@@ -156,7 +174,7 @@ def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float) -> 
 
 
 def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep_ms: float,
-               with_flex: bool = True, flex_dynamic: bool = False, phases: bool = True) -> dict:
+               with_flex: bool = True, flex_dynamic: bool = False, phases: bool = True, graphs: bool = False) -> dict:
     from pisa_attn.ops.triton import attention as attn
     from pisa_attn.ops.triton import prepare as prep
     from pisa_attn.ops.triton import select as sel
@@ -168,6 +186,8 @@ def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep
         fn = _pisa_call(q, k, v, plan)
         fn()  # compile + autotune outside the timed region
         row[f"pisa_{mode}"] = bench_ms(fn, rep_ms)
+        if graphs:
+            row[f"pisa_{mode}_graph"] = graph_ms(fn, rep_ms)
     plan = _plan(q, k, density, "hybrid")
     out_bytes = q.numel() * q.element_size()
     qkvo = 4 * out_bytes
@@ -227,7 +247,7 @@ def parse_cases(text: str) -> list[tuple[Config, int, float]]:
 
 
 def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex=True, flex_dynamic=False,
-              flex_lengths=None, log=print, on_row=None) -> dict:
+              flex_lengths=None, log=print, on_row=None, graphs: bool = False) -> dict:
     """Time every (config, length, density) case; dense baselines are timed once per (config, length)."""
     result = {"meta": {**environment(), "dtype": str(dtype).removeprefix("torch."), "layout": layout,
                        "block_size": 64, "timing": "triton.testing.do_bench median, L2 flushed, ms"},
@@ -235,12 +255,12 @@ def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex
     dense_cache: dict = {}
     for cfg, length, density in cases:
         if (cfg, length) not in dense_cache:
-            dense_cache[(cfg, length)] = bench_dense(cfg, length, dtype, layout, rep_ms)
+            dense_cache[(cfg, length)] = bench_dense(cfg, length, dtype, layout, rep_ms, graphs)
         dense = dense_cache[(cfg, length)]
         row = {"config": str(cfg), "length": length, "density": density, **dense}
         flex = with_flex and (flex_lengths is None or length in flex_lengths)
         try:
-            row.update(bench_case(cfg, length, density, dtype, layout, rep_ms, flex, flex_dynamic))
+            row.update(bench_case(cfg, length, density, dtype, layout, rep_ms, flex, flex_dynamic, graphs=graphs))
         except torch.cuda.OutOfMemoryError as e:
             row["error"] = f"OOM: {str(e).splitlines()[0][:160]}"
             torch.cuda.empty_cache()
@@ -252,6 +272,10 @@ def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex
                 if row.get(col):
                     row[f"speedup_{col}"] = ref / row[col]
             row["ideal_ms"] = ideal_ms(ref, density)
+        if row.get("sdpa_cudnn_graph") and row.get("pisa_hybrid_graph"):  # launch overhead removed on both sides
+            row["speedup_pisa_hybrid_graph"] = row["sdpa_cudnn_graph"] / row["pisa_hybrid_graph"]
+            if row.get("pisa_drop_graph"):
+                row["speedup_pisa_drop_graph"] = row["sdpa_cudnn_graph"] / row["pisa_drop_graph"]
         result["rows"].append(row)
         log(format_row(row))
         if on_row is not None:
@@ -290,7 +314,10 @@ def format_row(row: dict) -> str:
     ph = f"prep={_f(row.get('t_prepare'))} sel={_f(row.get('t_select'))} attn={_f(row.get('t_attention'))}"
     return (f"{row['config']:>9s} L={row['length']:6d} d={row['density']:.3f} | {cols} | "
             f"x{_f(row.get('speedup_pisa_hybrid'), 2)} hybrid, x{_f(row.get('speedup_pisa_drop'), 2)} drop | "
-            f"{ph} | extra={_f(100 * row['extra_frac'] if 'extra_frac' in row else None, 2)}%")
+            f"{ph} | extra={_f(100 * row['extra_frac'] if 'extra_frac' in row else None, 2)}%"
+            + (f" | graphs: cudnn={_f(row.get('sdpa_cudnn_graph'))} drop={_f(row.get('pisa_drop_graph'))} "
+               f"hybrid={_f(row.get('pisa_hybrid_graph'))} x{_f(row.get('speedup_pisa_hybrid_graph'), 2)} hybrid"
+               if "pisa_hybrid_graph" in row else ""))
 
 
 def markdown_table(result: dict) -> str:
@@ -371,6 +398,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention column (saves compile time)")
     p.add_argument("--flex-dynamic", action="store_true", help="compile FlexAttention with dynamic shapes")
     p.add_argument("--flex-lengths", default=None, help="only time FlexAttention at these lengths (compile time)")
+    p.add_argument("--graphs", action="store_true",
+                   help="also time cuDNN SDPA and PISA replayed from CUDA graphs (no Python/launch overhead)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--plot", default=None, help="write a PNG plot of speed-up vs length here")
     p.add_argument("--markdown", default=None, help="write a markdown table here")
@@ -402,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(result, f, indent=1)
 
     result = run_bench(cases, dtype, args.layout, args.rep_ms, not args.no_flex, args.flex_dynamic,
-                       flex_lengths, on_row=save)
+                       flex_lengths, on_row=save, graphs=args.graphs)
     save(result)
     if args.markdown:
         with open(args.markdown, "w") as f:

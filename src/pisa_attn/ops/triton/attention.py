@@ -53,7 +53,7 @@ def _attn_kernel(
     qk_scale, scale,
     L_BUCKET, DENS_BUCKET,  # autotuning keys only
     BS: tl.constexpr, D: tl.constexpr, C: tl.constexpr, MODE: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr, NB: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
 ):
     i = tl.program_id(0)
     bh = tl.program_id(1)
@@ -79,31 +79,21 @@ def _attn_kernel(
     acc = tl.zeros([BS, D], dtype=tl.float32)
 
     n_exact = tl.load(cnt_ptr + row)
-    # NB key blocks per step: NB=2 gathers two selected blocks into one [2·BS, D] tile, so each
-    # step issues [BS x 2BS] tensor-core tiles (the 64x64 ones leave the H100's wgmma underfed).
-    offs_t = tl.arange(0, NB * BS)
-    half = offs_t // BS
-    for t in range(0, n_exact, NB):
-        j0 = tl.load(idx_ptr + row * W + t)
-        if NB == 1:
-            cols = j0 * BS + offs_t
-            cvalid = cols < LK
-        else:
-            j1 = tl.load(idx_ptr + row * W + tl.minimum(t + 1, W - 1))  # in bounds; unused past the count
-            cols = tl.where(half == 0, j0, j1) * BS + (offs_t % BS)
-            cvalid = (cols < LK) & (t + half < n_exact)  # an odd count leaves the last pair half empty
-        if EVEN_K and NB == 1:
+    for t in range(n_exact):
+        j = tl.load(idx_ptr + row * W + t)
+        cols = j * BS + offs_n
+        if EVEN_K:
             kt = tl.load(k_base + cols[:, None] * skl + offs_d[None, :] * skd)
             vt = tl.load(v_base + cols[:, None] * svl + offs_d[None, :] * svd)
         else:
-            kt = tl.load(k_base + cols[:, None] * skl + offs_d[None, :] * skd, mask=cvalid[:, None], other=0.0)
-            vt = tl.load(v_base + cols[:, None] * svl + offs_d[None, :] * svd, mask=cvalid[:, None], other=0.0)
+            kt = tl.load(k_base + cols[:, None] * skl + offs_d[None, :] * skd, mask=(cols < LK)[:, None], other=0.0)
+            vt = tl.load(v_base + cols[:, None] * svl + offs_d[None, :] * svd, mask=(cols < LK)[:, None], other=0.0)
         if F32:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt)) * qk_scale
-        if not (EVEN_K and NB == 1):
-            s = tl.where(cvalid[None, :], s, float("-inf"))
+        if not EVEN_K:
+            s = tl.where((cols < LK)[None, :], s, float("-inf"))
         m_i, alpha, p = _merge_max(m_i, s)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         pv = p.to(LOWP)
@@ -158,26 +148,24 @@ def _attn_kernel(
     tl.store(lse_ptr + bh.to(tl.int64) * LQ + offs_m, lse, mask=rvalid)
 
 
-# The GPU tests run this fixed config; NB=2 is the paired-gather path (NB=1 ran on the H100 in v1/v2).
-FIXED_CONFIG = {"C": 32, "NB": 2, "num_warps": 4, "num_stages": 2}
+FIXED_CONFIG = {"C": 32, "num_warps": 4, "num_stages": 2}
 
 
 def _configs():
     if interpreting():
-        return [triton.Config({"C": 16, "NB": 2}, num_warps=4, num_stages=1)]
+        return [triton.Config({"C": 16}, num_warps=4, num_stages=1)]
     # H100 run 1 (notes): 8 warps lost everywhere (2x slower); the exact loop likes 3 stages; the
     # tail scan wants 2 stages so two programs fit per SM (C=32 keeps its k̄ hi/lo + V̂ buffers at
     # the exact loop's size; C=64 won at D=128, C=32 at D=64).
-    # NB=2 (paired key blocks, [64 x 128] tiles): sm_90 AOT build at D=128 uses 254 regs with 4
-    # warps and 182-216 with 8, one program per SM either way; timed against NB=1 by the autotuner.
-    return [triton.Config({"C": c, "NB": nb}, num_warps=w, num_stages=s)
-            for c, nb, w, s in ((64, 1, 4, 2), (64, 1, 4, 3), (32, 1, 4, 2), (64, 2, 4, 2), (64, 2, 8, 2))]
+    # (v3 also offered NB=2, two gathered key blocks per step as [64 x 128] tiles: the autotuner
+    # picked NB=1 for every shape on the H100, so it was removed.)
+    return [triton.Config({"C": c}, num_warps=4, num_stages=s) for c, s in ((64, 2), (64, 3), (32, 2))]
 
 
 def _prune(configs, named_args, **kwargs):
     mode = kwargs.get("MODE", named_args.get("MODE", 2))
-    if mode == 0:  # no tail scan: C is irrelevant; the exact loop likes 3 stages at NB=1
-        keep = [c for c in configs if c.kwargs["C"] == 64 and (c.kwargs["NB"] == 2 or c.num_stages == 3)]
+    if mode == 0:  # no tail scan: C is irrelevant
+        keep = [c for c in configs if c.kwargs["C"] == 64]
     else:  # deeper tail buffers do not leave room for two programs per SM
         keep = [c for c in configs if c.num_stages == 2]
     return keep or configs
@@ -234,8 +222,7 @@ def attention(
                 SPLIT=kbar_lo is not None, F32=interpreting())
     grid = (nq, b * h)
     if interpreting():
-        nb = (config or {}).get("NB", 2)
-        _attn_kernel[grid](*args, **meta, C=16, NB=nb, num_warps=4)  # small groups: several per row
+        _attn_kernel[grid](*args, **meta, C=16, num_warps=4)  # small groups: several per row
     elif config is not None or os.environ.get("PISA_ATTN_AUTOTUNE", "1") == "0":
         _attn_kernel[grid](*args, **meta, **dict(FIXED_CONFIG, **(config or {})))
     else:
