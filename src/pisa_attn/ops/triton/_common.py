@@ -33,10 +33,11 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def chunking(n_items: int, n_rows: int, device: torch.device, waves: int = 4) -> tuple[int, int]:
-    """Split ``n_items`` per row into chunks so that ``n_rows * n_chunks`` fills ``waves`` waves of
-    the GPU: returns (items per chunk, chunks per row)."""
-    target = max(1, waves * sm_count(device))
-    per = max(1, -(-n_items * n_rows // target))
+def chunking(n_items: int, n_rows: int, device: torch.device, waves: int = 1) -> tuple[int, int]:
+    """Split ``n_items`` per row into equal chunks so that ``n_rows * n_chunks`` programs fill at
+    most ``waves`` waves of the GPU (at least one chunk per row): returns (items per chunk, chunks
+    per row). One wave suits the kv-statistics kernel: one program per SM, and each program's
+    D×D atomic add is a fixed cost, so fewer, longer programs win (v2 used 4 waves: 0.17 ms at 4K)."""
+    chunks = max(1, min(n_items, (waves * sm_count(device)) // max(1, n_rows)))
+    per = -(-n_items // chunks)
     return per, -(-n_items // per)
-
