@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import time
 import json
 import os
 import sys
@@ -140,6 +141,17 @@ def peak_extra_bytes(fn, out_bytes: int) -> int:
     return max(0, peak - out_bytes)
 
 
+def warm_gpu(seconds: float = 1.0) -> None:
+    """Busy the GPU for a moment before the first timing: the first case of a fresh process read
+    2-4x slow on the H100 (clocks and host caches still cold), whatever it was."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def graph_ms(fn, rep_ms: float) -> float:
     """Median time of ``fn`` replayed from a CUDA graph: the GPU time without Python/launch
     overhead (what a captured or ``torch.compile(mode="reduce-overhead")`` model pays)."""
@@ -253,6 +265,7 @@ def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex
                        "block_size": 64, "timing": "triton.testing.do_bench median, L2 flushed, ms"},
               "rows": []}
     dense_cache: dict = {}
+    warm_gpu()
     for cfg, length, density in cases:
         if (cfg, length) not in dense_cache:
             dense_cache[(cfg, length)] = bench_dense(cfg, length, dtype, layout, rep_ms, graphs)
