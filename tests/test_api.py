@@ -233,3 +233,15 @@ def test_property_finite_shapes_and_density_one_is_dense(p):
     want, want_lse = brute_dense(q, k, v)
     torch.testing.assert_close(to(dense).double(), want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(dense_lse.double(), want_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_keep_blocks_under_torch_compile_fullgraph():
+    """The kept-block count is never read on the host while tracing (no graph break)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 32) for _ in range(3))
+    keep = torch.zeros(5, dtype=torch.bool)
+    keep[1] = True
+    fn = torch.compile(
+        lambda q, k, v: pisa_attention(q, k, v, density=0.2, keep_blocks=keep, backend="reference"), fullgraph=True
+    )
+    torch.testing.assert_close(fn(q, k, v), pisa_attention(q, k, v, density=0.2, keep_blocks=keep), rtol=1e-5, atol=1e-5)

@@ -127,7 +127,11 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
             f"(one flag per key block), got {shape}"
         )
     keep = keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks
-    n_keep_max = int(keep.sum(-1).max())
+    if torch.compiler.is_compiling() or (keep.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # No host read while tracing or capturing: the static bound (every block) sizes the index list.
+        n_keep_max = n_kv_blocks
+    else:
+        n_keep_max = int(keep.sum(-1).max())
     return keep.to(device, non_blocking=True), n_keep_max
 
 
