@@ -60,6 +60,7 @@ def test_flux_capture_round_trips_tensors_and_metadata(flux_capture):
         assert e.layout.grid_shape == (h, w) and e.layout.tile == (8, 8)
         assert e.info["image_range"] == [TEXT_LEN, length] and e.info["key_len"] == length
         assert e.info["density"] == 1.0 and e.info["pisa_applied_by_capture"] is True
+        assert e.info["dense"] is True and e.info["scale"] == 16**-0.5  # captures run exact, dense attention
 
 
 def test_study_runs_on_a_capture(flux_capture):
@@ -84,9 +85,30 @@ def test_padded_text_keys_are_trimmed(tmp_path):
     n_grid = 3 * 6 * 10
     assert f.meta["dtype"] == "bfloat16" and len(f.entries) == 2
     for e in f.entries:
+        assert e.info["dense"] is True  # dense calls too give observers the valid keys per row
         assert e.info["key_len"] == n_grid + 5  # 5 valid of 8 text tokens
         assert e.q.shape[2] == e.k.shape[2] == n_grid + 5 and e.q.dtype == torch.bfloat16
         assert e.layout.num_tokens == n_grid + 5 and e.layout.num_text_tokens == 5
+
+
+def test_captured_scale_reaches_the_study(tmp_path):
+    # A call with a non-default softmax scale: the file records it and the study's samples (which
+    # use the default scale) attend as that call did.
+    from pisa_attn.bench.study_sources import CapturedSource
+
+    tr = tiny_pipeline("wan").transformer
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.5)
+    call = hooks.AttentionCall(model="wan", layer=0, step=0, q=q, k=k, v=v, out=out, dense=True, density=1.0,
+                               mode="hybrid", covariance_aware=False, block_size=16, scale=0.5)
+    path = tmp_path / "scaled.safetensors"
+    with capture_qkv(tr, path=path):
+        hooks.notify(tr, call)
+    (e,) = read_qkv_file(str(path)).entries
+    assert e.info["scale"] == 0.5
+    (s,) = CapturedSource(str(path), dtype=torch.float32, device="cpu").fixed()
+    torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(s.q, s.k, s.v), out)
 
 
 def test_capture_keeps_users_pisa_and_first_call_wins(tmp_path):
@@ -137,7 +159,9 @@ def test_capture_errors(tmp_path):
 @pytest.mark.parametrize(
     "layout",
     [make_layout((3, 6, 10), tile=(2, 2, 4), text_after=8), make_layout((3, 6, 10), tile=(2, 2, 4), text_after=8,
-     order="tiles"), make_layout((16, 16), text_before=16, order="tiles"), raster((4, 4), text_after=3)],
+     order="tiles"), make_layout((16, 16), text_before=16, order="tiles"), raster((4, 4), text_after=3),
+     make_layout((3, 6, 10), tile=(2, 2, 4), text_after=8, order="compact_inplace"),
+     make_layout((6, 10), tile=(4, 4), order="compact_inplace", offset=5)],
 )
 def test_layout_json_round_trip_and_trim(layout):
     assert layout_from_json(layout_to_json(layout)) == layout

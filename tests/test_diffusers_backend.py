@@ -245,3 +245,51 @@ def test_compiled_blocks_do_not_recompile_per_step():
         torch._dynamo.reset()
     assert dense.count(False) == 4 and dense.count(True) == 8  # the schedule still switches inside the graph
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_observers_get_key_lengths_and_scale_of_dense_and_sparse_calls():
+    # Observers of dense calls used to get key_lens=None (only the sparse path read the mask), and
+    # no record said which softmax scale the call used.
+    from pisa_attn.diffusers.models import CallInfo
+    from pisa_attn.diffusers.state import Run, enter_run, exit_run
+
+    tr, inputs = tiny_transformer("hunyuan"), forward_inputs("hunyuan")
+    calls = []
+
+    def attend_in_run(calls_args):
+        """backend.attend in a fresh forward run (layers 0, 1, ...) of ``tr``."""
+        token = enter_run(Run(state, 0, CallInfo((3, 6, 10), 8, 0.5), layouts))
+        try:
+            return [backend.attend(q, k, v, m, scale, False) for m, scale in calls_args]
+        finally:
+            exit_run(token)
+
+    with torch.no_grad():
+        pd.apply_pisa(tr, density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=1, dense_steps=0)
+        tr(**inputs)  # builds the layouts
+        state = pd.pisa_state(tr)
+        (layouts,) = state.layouts.values()
+        n = layouts.joint.length
+        q, k, v = _qkv(b=2, lq=n, lk=n)
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[0, n - 3 :], mask[1, n - 1 :] = False, False  # padded trailing text keys
+        causal = mask[:, None, None].expand(2, 1, n, n).tril()  # not a key-padding mask
+        attend_in_run([(causal, None)])  # a dense call takes any mask...
+        remove = pd.hooks.add_observer(tr, calls.append)
+        try:
+            with pytest.raises(ValueError, match="observers"):  # ...but observers need its key lengths
+                attend_in_run([(causal, None)])
+            outs = attend_in_run([(mask, 0.1), (mask, None)])  # layer 0 runs dense, layer 1 sparse
+        finally:
+            remove()
+            pd.remove_pisa(tr)
+    assert [c.dense for c in calls] == [True, False]
+    assert [c.meta["key_lens"] for c in calls] == [[n - 3, n - 1]] * 2
+    assert calls[0].scale == 0.1 and calls[1].scale == 16**-0.5
+    dense = calls[0]
+    torch.testing.assert_close(dense.out, outs[0].transpose(1, 2), rtol=0, atol=0)
+    for row, m in enumerate(dense.meta["key_lens"]):  # what the record says reproduces the call
+        exact = torch.nn.functional.scaled_dot_product_attention(
+            dense.q[row], dense.k[row, :, :m], dense.v[row, :, :m], scale=dense.scale
+        )
+        torch.testing.assert_close(dense.out[row], exact, rtol=1e-5, atol=1e-6)

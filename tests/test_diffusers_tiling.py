@@ -6,14 +6,17 @@ import torch
 from pisa_attn.diffusers.tiling import build_layouts, default_tile
 
 BS = 64
-# (grid, text tokens, text position): Wan 480p / 720p, Hunyuan 720p, FLUX 1024^2 and 1360x768, SD3.5 1024^2.
+# (grid, text tokens, text position): Wan 480p / 720p, Hunyuan 720p, FLUX 1024^2 and 1360x768
+# (also with a 77-token prompt: text not a whole number of blocks), SD3.5 1024^2 and 1360x768.
 CASES = [
     ((21, 30, 52), 0, "none"),
     ((21, 45, 80), 0, "none"),
     ((33, 45, 80), 256, "after"),
     ((64, 64), 512, "before"),
     ((48, 85), 512, "before"),
+    ((48, 85), 77, "before"),
     ((64, 64), 333, "after"),
+    ((48, 85), 333, "after"),
 ]
 
 
@@ -53,11 +56,23 @@ def test_layouts_round_trip_and_keep_text_in_place(grid, text_len, text):
     assert lay.image_only.keep is None and lay.image_only.length == n
 
 
-def test_video_grids_use_compact_blocks():
-    # Wan 480p has ragged edges in every axis; the compact order keeps 510 of 512 blocks one tile.
-    lay = build_layouts((21, 30, 52), 0, "none", (4, 4, 4), BS)
-    assert lay.image.order == "compact"
-    assert lay.image.compactness(BS)["one_tile"] > 0.99
+# One-tile fraction of the joint sequence's image blocks (text kept in place): the "tiles" order
+# the integration used to fall back to reached 94.8 % (Hunyuan), 15.6 % / 0 % (FLUX 1360x768).
+COMPACT = [
+    ((21, 30, 52), 0, "none", 510 / 512),
+    ((33, 45, 80), 256, "after", 1856 / 1856),
+    ((64, 64), 512, "before", 64 / 64),
+    ((48, 85), 512, "before", 60 / 64),
+    ((48, 85), 77, "before", 60 / 63),
+    ((64, 64), 333, "after", 64 / 64),
+]
+
+
+@pytest.mark.parametrize("grid, text_len, text, one_tile", COMPACT)
+def test_joint_blocks_are_compact_tiles(grid, text_len, text, one_tile):
+    lay = build_layouts(grid, text_len, text, default_tile(len(grid), BS), BS)
+    assert lay.image.order == lay.joint.layout.order == "compact_inplace"
+    assert lay.joint.layout.compactness(BS)["one_tile"] >= one_tile - 1e-3
 
 
 def test_masked_text_keys_keep_prefix_blocks():

@@ -211,6 +211,8 @@ BAD = [
     (lambda: L.grid2d(4, 4, text_before=-1), "text_before"),
     (lambda: L.grid2d(4, 4, text_after=-3), "text_after"),
     (lambda: L.grid2d(4, 4, order="hilbert"), "order"),
+    (lambda: L.make_layout((4, 4), offset=3), "offset"),  # only "compact_inplace" uses it
+    (lambda: L.make_layout((4, 4), order="compact_inplace", offset=-1), "offset"),
     (lambda: L.TokenLayout((), (8, 8)), "segments"),
     (lambda: L.TokenLayout((L.Grid((4, 4)), L.Grid((2, 2, 2))), (4, 4)), "rank"),
     (lambda: L.Text(0), "n"),
@@ -233,3 +235,109 @@ def test_bad_types_raise_type_error():
         L.grid2d(4.0, 4)
     with pytest.raises(TypeError, match="x"):
         L.grid2d(4, 4).to_tiled([0] * 16, 0)
+
+
+# --- "compact_inplace": compact tiles, text where the model has it ------------------------------
+def _whole_pieces(grid, tile) -> int:
+    """Pieces of exactly one tile volume: the "compact" order of the bare grid puts them first,
+    one aligned block each."""
+    c = L.make_layout(grid, tile=tile, order="compact").blocks(math.prod(tile))
+    return int(((c.tile_index >= 0) & (c.counts == math.prod(tile))).sum())
+
+
+def _one_tile_blocks(lay, bs) -> int:
+    info = lay.blocks(bs)
+    return int(((info.tile_index >= 0) & (info.counts == bs)).sum())
+
+
+def _check_in_place(lay, bs):
+    """Every segment keeps its original range; text tokens keep their exact positions."""
+    raster = lay.raster()
+    assert torch.equal(lay.segment_ids(), raster.segment_ids())
+    text = lay.text_mask_tokens()
+    assert torch.equal(text, raster.text_mask_tokens())
+    assert torch.equal(lay.perm[text], torch.nonzero(text).flatten())
+    blocks = torch.arange(lay.num_tokens) // bs
+    assert torch.equal(lay.keep_blocks(bs), torch.zeros_like(lay.keep_blocks(bs)).index_fill_(0, blocks[text], True))
+
+
+INPLACE_CASES = CASES + [((16, 16), (8, 8), 77, 0), ((16, 16), (8, 8), 77, 5), ((48, 85), (8, 8), 77, 3)]
+
+
+@pytest.mark.parametrize("case", INPLACE_CASES, ids=[_id(c) for c in INPLACE_CASES])
+def test_compact_inplace_keeps_text_and_aligns_full_tiles(case):
+    grid, tile, tb, ta = case
+    vol = math.prod(tile)
+    lay = L.make_layout(grid, tile=tile, text_before=tb, text_after=ta, order="compact_inplace")
+    _check_in_place(lay, vol)
+    # The full tiles are the bare grid's "compact" tiles, in order, from the first block boundary
+    # at or after the grid's start; as many as fit as whole blocks inside the grid's range.
+    n = math.prod(grid)
+    first = -(-tb // vol) * vol
+    fit = ((tb + n) // vol * vol - first) // vol
+    k = min(_whole_pieces(grid, tile), max(fit, 0))
+    bare = L.make_layout(grid, tile=tile, order="compact")
+    assert torch.equal(lay.perm[first : first + k * vol], bare.perm[: k * vol] + tb)
+    assert _one_tile_blocks(lay, vol) == k
+
+
+def test_compact_inplace_breaks_a_tile_when_blocks_run_short():
+    # 77 text tokens + 16x16: the grid holds 4 tiles but only 3 whole blocks ([128, 320)); the
+    # 4th tile fills the partial blocks on both sides of them, where it shares blocks with text.
+    lay = L.grid2d(16, 16, text_before=77, order="compact_inplace")
+    info = lay.blocks(64)
+    assert info.tile_index.tolist() == [-1, -1, 0, 1, 2, -1]
+    assert info.text_counts.tolist() == [64, 13, 0, 0, 0, 0] and info.counts[-1] == 13
+    assert sorted(lay.coords()[77:128].tolist() + lay.coords()[320:].tolist()) == [
+        [i, j] for i in range(8, 16) for j in range(8, 16)
+    ]  # the broken tile is tile 3, whole, in the two straddling blocks
+    # The image-only stream at offset 77 has the grid part of the joint permutation.
+    image = L.make_layout((16, 16), tile=(8, 8), order="compact_inplace", offset=77)
+    assert torch.equal(lay.perm[77:], image.perm + 77)
+    assert image == L.make_layout((16, 16), tile=(8, 8), order="compact_inplace", offset=77 + 64 * 3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    grid=st.one_of(st.tuples(*[st.integers(1, 14)] * 2), st.tuples(*[st.integers(1, 9)] * 3)),
+    tile_side=st.integers(1, 4),
+    tb=st.integers(0, 70),
+    ta=st.integers(0, 70),
+    offset=st.integers(0, 100),
+)
+def test_compact_inplace_random(grid, tile_side, tb, ta, offset):
+    tile = (tile_side,) * len(grid)
+    vol = tile_side ** len(grid)
+    lay = L.make_layout(grid, tile=tile, text_before=tb, text_after=ta, order="compact_inplace", offset=offset)
+    n = lay.num_tokens
+    assert torch.equal(torch.sort(lay.perm).values, torch.arange(n))
+    x = torch.arange(n) * 3 + 1
+    assert torch.equal(lay.from_tiled(lay.to_tiled(x, 0), 0), x)
+    _check_in_place(lay, vol)
+    if offset:  # offset acts as that much text before the layout
+        shifted = L.TokenLayout((L.Text(offset), *lay.segments), tile, "compact_inplace")
+        assert torch.equal(shifted.perm[offset:], lay.perm + offset)
+    else:  # optimal: a one-tile block is an aligned block inside the grid's range holding a whole piece
+        fit = max(((tb + math.prod(grid)) // vol * vol - -(-tb // vol) * vol) // vol, 0)
+        assert _one_tile_blocks(lay, vol) == min(_whole_pieces(grid, tile), fit)
+
+
+# Real models, text in place (measured, see the module docstring): (grid, text before, after, one-tile blocks).
+REAL = [
+    ("flux-1024", (64, 64), 512, 0, 64 / 64),
+    ("flux-1360x768", (48, 85), 512, 0, 60 / 64),
+    ("sd3-1024", (64, 64), 0, 333, 64 / 64),
+    ("image-then-154-text", (64, 64), 0, 154, 64 / 64),  # SD3 is always 77 + 256 (T5 zeros if absent)
+    ("hunyuan-720p", (33, 45, 80), 0, 256, 1856 / 1856),
+    ("wan-480p", (21, 30, 52), 0, 0, 510 / 512),
+]
+
+
+@pytest.mark.parametrize("grid,tb,ta,one_tile", [r[1:] for r in REAL], ids=[r[0] for r in REAL])
+def test_compact_inplace_real_models(grid, tb, ta, one_tile):
+    lay = L.make_layout(grid, text_before=tb, text_after=ta, order="compact_inplace")
+    stats = lay.compactness(64)
+    assert stats["one_tile"] >= one_tile - 1e-3
+    assert stats["mean_spread"] < 3.3
+    tiles = L.make_layout(grid, text_before=tb, text_after=ta, order="tiles").compactness(64)
+    assert stats["one_tile"] >= tiles["one_tile"]

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import pisa_attn.diffusers as pd  # noqa: E402
-from diffusers_tiny import prompt_kwargs, tiny_pipeline  # noqa: E402
+from diffusers_tiny import forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
 from pisa_attn import pisa_attention  # noqa: E402
 from pisa_attn.bench import metrics  # noqa: E402
 from pisa_attn.data import dit_qkv  # noqa: E402
@@ -88,40 +88,68 @@ def test_records_and_sparse_outputs_are_consistent(every_call):
     assert len(checked) == (STEPS - 1) * (LAYERS - 1) and max(checked) < 1e-5
 
 
-def _call(dense: bool, grid=(2, 16, 16), text: int = 64):
+def _call(dense: bool, grid=(2, 16, 16), text: int = 64, scale=None):
     g = dit_qkv(grid, heads=2, head_dim=32, text_tokens=text, text_position="before", seed=1)
     keep = g.keep_blocks(64)
     # The image queries (one contiguous run here), the ones the backend runs PISA on.
     lo, hi = g.token_layout.text_mask_tokens().logical_not().nonzero()[[0, -1], 0].tolist()
     assert hi + 1 - lo == g.token_layout.num_tokens - text
     q = g.q[:, :, lo:hi + 1]
-    kw = dict(density=0.25, block_size=64, mode="hybrid", keep_blocks=keep)
-    dense_out = torch.nn.functional.scaled_dot_product_attention(g.q, g.k, g.v)
+    kw = dict(density=0.25, block_size=64, mode="hybrid", keep_blocks=keep, scale=scale)
+    dense_out = torch.nn.functional.scaled_dot_product_attention(g.q, g.k, g.v, scale=scale)
     out = dense_out.clone()
     if not dense:
         out[:, :, lo:hi + 1] = pisa_attention(q, g.k, g.v, **kw)
     meta = {"image_range": (lo, hi + 1), "key_lens": None, "dense_reason": "warmup_step" if dense else None}
     call = hooks.AttentionCall(model="synthetic", layer=0, step=0, q=g.q, k=g.k, v=g.v, out=out, dense=dense,
                                density=0.25, mode="hybrid", covariance_aware=False, block_size=64, keep_blocks=keep,
-                               meta=meta)
+                               meta=meta, scale=scale)
     return call, q, g, kw, dense_out[:, :, lo:hi + 1]
 
 
-def test_measure_agrees_between_dense_and_sparse_calls():
-    sparse, q, g, kw, dense = _call(dense=False)
-    a, b = tm.measure(sparse), tm.measure(_call(dense=True)[0])
+@pytest.mark.parametrize("scale", [None, 0.3], ids=["default_scale", "scale0.3"])
+def test_measure_agrees_between_dense_and_sparse_calls(scale):
+    # A record's scale (None: 1/sqrt(32)) drives every recomputation: dense, drop, PISA, tail mass.
+    sparse, q, g, kw, dense = _call(dense=False, scale=scale)
+    assert sparse.scale == (32**-0.5 if scale is None else scale)
+    a, b = tm.measure(sparse), tm.measure(_call(dense=True, scale=scale)[0])
     for key in ("tail_mass", "rel_l1_pisa", "rel_l1_drop"):
         assert a[key] == pytest.approx(b[key], rel=1e-5), key
     drop = pisa_attention(q, g.k, g.v, **{**kw, "mode": "drop"})
     assert a["rel_l1_drop"] == pytest.approx(metrics.rel_l1(drop, dense), rel=1e-5)
     lo, hi = sparse.meta["image_range"]
     assert a["rel_l1_pisa"] == pytest.approx(metrics.rel_l1(sparse.out[:, :, lo:hi], dense), rel=1e-5)
-    sel = metrics.select(q, g.k, g.v, density=0.25, block_size=64, keep_blocks=kw["keep_blocks"])
-    p = torch.softmax(q.double() @ g.k.double().transpose(-1, -2) / 32**0.5, -1)
+    sel = metrics.select(q, g.k, g.v, density=0.25, block_size=64, keep_blocks=kw["keep_blocks"], scale=sparse.scale)
+    p = torch.softmax(q.double() @ g.k.double().transpose(-1, -2) * sparse.scale, -1)
     rows, keys = torch.arange(q.shape[2]) // 64, torch.arange(g.k.shape[2]) // 64
     exact = sel.selected.index_select(2, rows).index_select(-1, keys)
     assert a["tail_mass"] == pytest.approx(float(p.masked_fill(exact, 0).sum(-1).mean()), rel=1e-5)
     assert tm.measure(sparse, drop=False)["rel_l1_drop"] is None
+
+
+def test_hunyuan_dense_warmup_calls_measure_only_valid_keys():
+    # HunyuanVideo pads its text keys. A dense warm-up call must be measured on the valid keys, as
+    # the sparse call on the same inputs is: padded keys counted as valid change ρ and the errors.
+    tr, inputs = tiny_transformer("hunyuan"), forward_inputs("hunyuan")
+    settings = dict(density=0.25, block_size=16, min_kv_len=0, dense_layers=0, telemetry=tm.TelemetryConfig(every=1))
+    records, calls = {}, []
+    with torch.no_grad():
+        for dense_steps in (1, 0):  # the one forward is step 0: a warm-up step, then not
+            pd.apply_pisa(tr, dense_steps=dense_steps, **settings)
+            remove = hooks.add_observer(tr, calls.append)
+            tr(**inputs)
+            remove()
+            records[dense_steps] = tm.get(tr).records
+        pd.remove_pisa(tr)
+    dense, sparse = records[1], records[0]
+    assert [r["dense"] for r in dense] == [True, True] and [r["dense"] for r in sparse] == [False, False]
+    n = calls[0].k.shape[2]
+    assert all(c.meta["key_lens"] == [n - 3] for c in calls)  # 5 of 8 text tokens are valid
+    assert torch.equal(calls[0].k, calls[2].k)  # layer 0 sees the same q/k/v in both forwards
+    a, b = dense[0], sparse[0]
+    for key in ("tail_mass", "rel_l1_pisa", "rel_l1_drop"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    assert a["rel_l1_pisa"] > 0.0
 
 
 def test_report_prints_table_and_saves_heatmap(every_call, tmp_path):

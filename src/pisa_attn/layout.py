@@ -24,6 +24,20 @@ Orders (``TokenLayout.order``):
   length; text starts at a block boundary (it follows whole tiles) and stays contiguous and in
   order; the few leftover pieces smaller than a tile share blocks (a block may straddle text and
   image: it is then a keep block, see :meth:`TokenLayout.keep_blocks`).
+* ``"compact_inplace"``: the same pieces as ``"compact"``, but every segment keeps its original
+  range of positions, so text stays exactly where the model has it (the diffusers integration
+  permutes only image tokens). Within a grid's range ``[s, s + n)`` the order is
+
+      [tail of the leftovers: up to the first block boundary] [full tiles] [rest of the leftovers]
+
+  so the full tiles start on a block boundary whatever ``s`` is. Padding to the boundary is not
+  possible (the permutation is a bijection on the model's tokens), so leftover pieces fill the
+  partial block shared with the text before; when there are too few, the last full tiles are
+  broken up to fill it: ``min(full tiles, aligned blocks inside [s, s + n))`` tiles are one
+  aligned block, which is the most any placement can reach. ``offset`` is the position of the
+  layout's first token in the attention sequence whose blocks count (an image-only layout that
+  must match the image part of a joint ``[text][image]`` sequence); only ``offset % prod(tile)``
+  matters.
 
 Measured (:meth:`TokenLayout.compactness`, 64-token blocks that are exactly one full tile /
 mean RMS token distance to the block centroid):
@@ -36,6 +50,19 @@ mean RMS token distance to the block centroid):
   1x30x52 (4x4x4)       19/25, 3.44        0/25, 8.58         0/25, 14.5
   75x50 (8x8)           56/59, 3.56        18/59, 6.12        0/59, 14.2
   ====================  =================  =================  ===============
+
+With text kept in place (the diffusers models' joint sequences; blocks holding text excluded):
+
+  ===========================================  ==================  ==============
+  model: text + grid (tile)                    compact_inplace     tiles
+  ===========================================  ==================  ==============
+  FLUX 1024^2: 512 + 64x64 (8x8)               64/64, 3.24         64/64, 3.24
+  FLUX 1360x768: 512 + 48x85 (8x8)             60/64, 3.27         10/64, 6.59
+  FLUX 1360x768: 77 + 48x85 (8x8)              60/63, 3.27         0/63, 6.65
+  SD3 1024^2: 64x64 + 333 (8x8)                64/64, 3.24         64/64, 3.24
+  HunyuanVideo 720p: 33x45x80 + 256 (4x4x4)    1856/1856, 2.02     1760/1856, 2.09
+  Wan 480p: 21x30x52, no text (4x4x4)          510/512, 2.07       273/512, 3.29
+  ===========================================  ==================  ==============
 
 On DiT-like data (:func:`pisa_attn.data.dit_qkv`, Wan 480p grid, 8 heads, density 0.125) the
 zeroth-order rel-L1 error is 0.028 (compact), 0.040 (tiles), 0.118 (raster).
@@ -56,7 +83,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-ORDERS = ("compact", "tiles", "raster")
+ORDERS = ("compact", "compact_inplace", "tiles", "raster")
 DEFAULT_TILES = {2: (8, 8), 3: (4, 4, 4)}
 
 
@@ -147,6 +174,7 @@ class TokenLayout:
     segments: tuple[Text | Grid, ...]
     tile: tuple[int, ...] | None = None
     order: str = "compact"
+    offset: int = 0  # "compact_inplace" only: position of the first token in the blocked sequence
 
     def __post_init__(self):
         segs = tuple(self.segments) if isinstance(self.segments, (tuple, list)) else None
@@ -170,6 +198,11 @@ class TokenLayout:
             object.__setattr__(self, "tile", tile)
         else:
             object.__setattr__(self, "tile", None)
+        _check_int("offset", self.offset, 0)
+        if self.offset and self.order != "compact_inplace":
+            raise ValueError(f"offset applies to order='compact_inplace' only, got order={self.order!r}")
+        # Only the phase within a block steers the placement: equal orders compare and hash equal.
+        object.__setattr__(self, "offset", self.offset % math.prod(self.tile) if self.tile else 0)
 
     # --- sizes -------------------------------------------------------------------------------
     @property
@@ -302,15 +335,19 @@ def _segments(grid: Grid, text_before: int, text_after: int) -> tuple[Text | Gri
     return tuple(segs)
 
 
-def make_layout(grid, *, tile=None, text_before: int = 0, text_after: int = 0, order: str = "compact") -> TokenLayout:
+def make_layout(
+    grid, *, tile=None, text_before: int = 0, text_after: int = 0, order: str = "compact", offset: int = 0
+) -> TokenLayout:
     """Layout of ``[text_before tokens][grid][text_after tokens]`` in tiled ``order``.
 
-    ``grid`` is ``(h, w)`` or ``(t, h, w)``; ``tile`` defaults to 8x8 / 4x4x4 (64 tokens).
+    ``grid`` is ``(h, w)`` or ``(t, h, w)``; ``tile`` defaults to 8x8 / 4x4x4 (64 tokens);
+    ``offset``: see ``"compact_inplace"`` in the module docstring.
     """
     g = Grid(_check_shape("grid", grid))
     if tile is None:
         tile = DEFAULT_TILES[len(g.shape)]
-    return TokenLayout(_segments(g, text_before, text_after), tuple(tile) if isinstance(tile, list) else tile, order)
+    tile = tuple(tile) if isinstance(tile, list) else tile
+    return TokenLayout(_segments(g, text_before, text_after), tile, order, offset)
 
 
 def grid2d(h: int, w: int, *, tile=(8, 8), text_before: int = 0, text_after: int = 0, order: str = "compact") -> TokenLayout:
@@ -400,6 +437,44 @@ def _unravel(flat: Tensor, shape) -> Tensor:
     return torch.stack(out[::-1], dim=1)
 
 
+def _compact_parts(shape, tile, target, off) -> tuple[list, list]:
+    """"compact" pieces of one grid whose flat indices start at ``off``: (parts made of pieces of
+    exactly ``target`` tokens, parts of leftover pieces), each part (indices, piece id, sizes)."""
+    fixed = {d for d in range(len(shape)) if shape[d] < tile[d]}
+    boxes: list = []
+    _tile_boxes([0] * len(shape), shape, _adapt_tile(shape, tile, fixed, target), target, boxes)
+    strides = _strides(shape)
+    whole, rest = [], []
+    for origin, core, t in boxes:
+        if 0 in core:
+            continue
+        toks = _box_tokens(origin, core, t, strides) + off
+        n_t, vol = toks.shape
+        part = (toks.reshape(-1), torch.arange(n_t).repeat_interleave(vol), torch.full((n_t,), vol))
+        (whole if vol == target else rest).append(part)
+    return whole, rest
+
+
+def _in_place_part(whole: list, rest: list, start: int, target: int) -> tuple[Tensor, Tensor, Tensor]:
+    """"compact_inplace" order of one grid occupying sequence positions [start, start + n):
+    leftovers up to the first block boundary, then the full tiles (each one aligned block), then
+    the remaining leftovers. When the leftovers cannot fill the gap before the boundary, the last
+    full tiles join the leftovers: only ``m`` whole blocks fit inside the range anyway."""
+    parts = whole + rest
+    idx = torch.cat([p[0] for p in parts])
+    sizes = torch.cat([p[2] for p in parts])
+    base = list(itertools.accumulate([p[2].numel() for p in parts], initial=0))  # piece ids per part
+    pid = torch.cat([p[1] + base[i] for i, p in enumerate(parts)])
+    n, n_whole = idx.numel(), sum(p[0].numel() for p in whole)
+    gap = -start % target  # tokens before the first block boundary inside the range
+    m = max(0, ((start + n) // target * target - start - gap) // target)  # whole blocks inside
+    keep = min(n_whole // target, m) * target
+    spare = torch.cat([torch.arange(n_whole, n), torch.arange(keep, n_whole)])  # leftovers, broken tiles
+    h = min(gap, spare.numel())
+    order = torch.cat([spare[spare.numel() - h :], torch.arange(keep), spare[: spare.numel() - h]])
+    return idx[order], pid[order], sizes
+
+
 @functools.lru_cache(maxsize=64)
 def _tables(layout: TokenLayout) -> _Tables:
     offsets = list(itertools.accumulate([s.num_tokens for s in layout.segments], initial=0))
@@ -417,17 +492,12 @@ def _tables(layout: TokenLayout) -> _Tables:
             sizes = torch.bincount(tid)
             head.append((si, (idx + off, tid, sizes)))
             continue
-        fixed = {d for d in range(len(seg.shape)) if seg.shape[d] < layout.tile[d]}
-        boxes: list = []
-        _tile_boxes([0] * len(seg.shape), seg.shape, _adapt_tile(seg.shape, layout.tile, fixed, target), target, boxes)
-        strides = _strides(seg.shape)
-        for origin, core, tile in boxes:
-            if 0 in core:
-                continue
-            toks = _box_tokens(origin, core, tile, strides) + off
-            n_t, vol = toks.shape
-            part = (toks.reshape(-1), torch.arange(n_t).repeat_interleave(vol), torch.full((n_t,), vol))
-            (head if vol == target else tail).append((si, part))
+        whole, rest = _compact_parts(seg.shape, layout.tile, target, off)
+        if layout.order == "compact_inplace":  # the grid keeps its own range of positions
+            head.append((si, _in_place_part(whole, rest, layout.offset + off, target)))
+            continue
+        head.extend((si, p) for p in whole)
+        tail.extend((si, p) for p in rest)
     perm_parts, piece_parts, size_parts, seg_parts = [], [], [], []
     n_pieces = 0
     for si, (idx, pid, sizes) in head + middle + tail:

@@ -61,9 +61,9 @@ class Sample:
         is_text = self.layout.text_mask_tokens().index_select(0, self.layout.inv_perm)
         keep = torch.nonzero(inside | is_text).squeeze(1)
         segs = tuple(lay.Grid(tuple(grid)) if isinstance(s, lay.Grid) else s for s in self.layout.segments)
-        new = lay.TokenLayout(segs, self.layout.tile, self.layout.order)
+        new = lay.TokenLayout(segs, self.layout.tile, self.layout.order, self.layout.offset)
         if new.order == "compact" and not _text_in_place(new) and _text_in_place(self.layout):
-            new = lay.TokenLayout(segs, self.layout.tile, "tiles")  # as the diffusers backend falls back
+            new = lay.TokenLayout(segs, self.layout.tile, "compact_inplace")  # text in place, as in diffusers
         idx = keep.to(self.q.device)
         out = [new.to_tiled(self.layout.from_tiled(x, dim=2).index_select(2, idx), dim=2)
                for x in (self.q, self.k, self.v)]
@@ -146,6 +146,11 @@ class CapturedSource:
 
     def _sample(self, entry) -> Sample:
         q, k, v = (x.to(device=self.device, dtype=self.dtype) for x in (entry.q, entry.k, entry.v))
+        scale = entry.info.get("scale")  # absent in older captures: the default 1/sqrt(D)
+        if scale is not None and scale != q.shape[-1] ** -0.5:
+            # Every study quantity (selection, softmax, token scores) depends on scale·q only, and
+            # the study uses the default scale: fold the captured call's scale into q.
+            q = q * (scale * q.shape[-1] ** 0.5)
         return Sample(entry.name, q, k, v, entry.layout)
 
     def fixed(self, length: int | None = None) -> list[Sample]:

@@ -9,7 +9,8 @@ what the call is and runs it:
 * managed self-attention (the adapter's layers, sequence length of the tiled joint or image-only
   sequence): the :class:`~.schedule.Schedule` decides dense or sparse; sparse calls run
   :func:`pisa_attn.pisa_attention` on the image queries with text key blocks kept exact, text
-  queries attend densely; observers (``hooks``) see every managed call;
+  queries attend densely; observers (``hooks``) see every managed call (with the valid keys per
+  row of a key-padding mask, dense calls too, and the softmax scale used);
 * anything else (cross-attention, the Hunyuan token refiner): dense, uncounted;
 * no run (the backend selected with ``set_attention_backend("pisa")`` on a transformer without
   :func:`apply_pisa`): self-attention calls of at least ``min_kv_len`` keys run sparse with the
@@ -241,18 +242,20 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale, enable_g
     state, cfg = run.state, run.state.config
     layer = run.next_layer()
     reason = cfg.schedule.dense_reason(layer, run.step, k.shape[1])
-    lens = None
+    observed = bool(hooks.observers(state.transformer))
+    # Sparse calls need the valid keys per row; so do observers of dense calls (telemetry must not
+    # count padded keys, capture trims them), read from the mask the same way.
+    lens = _run_key_lengths(run, mask, q.shape[0], k.shape[1]) if reason is None or observed else None
     if reason is not None:
         out = dense_attention(q, k, v, mask, scale, enable_gqa)
     else:
-        lens = _run_key_lengths(run, mask, q.shape[0], k.shape[1])
         settings = (cfg.density, cfg.mode, cfg.covariance_aware, cfg.block_size)
         out = sparse_attention(q, k, v, seq, lens, scale, settings)
     state.stats["sparse" if reason is None else "dense"] += 1
     if reason is not None:
         state.stats[reason] += 1
-    if hooks.observers(state.transformer):
-        _notify(run, seq, layer, reason, lens, q, k, v, out)
+    if observed:
+        _notify(run, seq, layer, reason, lens, scale, q, k, v, out)
     return out
 
 
@@ -273,7 +276,7 @@ def _attend_unmanaged(q, k, v, mask, scale, enable_gqa):
     return sparse_attention(q, k, v, None, lens, scale, (d.density, d.mode, d.covariance_aware, d.block_size))
 
 
-def _notify(run: Run, seq: Sequence, layer: int, reason, lens, q, k, v, out) -> None:
+def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, out) -> None:
     state, cfg = run.state, run.state.config
     call = hooks.AttentionCall(
         model=state.adapter.name,
@@ -289,6 +292,7 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, q, k, v, out) -> 
         covariance_aware=cfg.covariance_aware,
         block_size=cfg.block_size,
         keep_blocks=seq.keep,
+        scale=scale,  # None (the dispatcher's default) becomes 1/sqrt(D), what SDPA and PISA used
         meta={
             "token_layout": seq.layout,
             "text_len": seq.text_len,

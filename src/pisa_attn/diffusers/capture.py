@@ -8,12 +8,13 @@
 Tensors are named ``step{S}.layer{L}.q|k|v`` (``[1, H, L, D]``, tiled order as PISA sees them).
 The file's metadata (str -> str) holds JSON: ``format``, ``version``, ``model``, ``dtype``, the
 first entry's ``grid`` / ``text_len`` / ``tile`` / ``token_layout``, and ``entries`` with every
-entry's step, layer, layout, image-query range and the PISA settings of the run.
+entry's step, layer, layout, image-query range, softmax ``scale`` and the PISA settings of the run.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -33,14 +34,18 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # --- token layout <-> JSON ---------------------------------------------------------------------
 def layout_to_json(layout: TokenLayout) -> dict:
     segs = [{"text": s.n, "name": s.name} if isinstance(s, Text) else {"grid": list(s.shape)} for s in layout.segments]
-    return {"segments": segs, "tile": list(layout.tile) if layout.tile else None, "order": layout.order}
+    out = {"segments": segs, "tile": list(layout.tile) if layout.tile else None, "order": layout.order}
+    if layout.offset:
+        out["offset"] = layout.offset
+    return out
 
 
 def layout_from_json(d: dict) -> TokenLayout:
     try:
         segs = tuple(Text(int(s["text"]), s.get("name", "text")) if "text" in s else Grid(tuple(s["grid"]))
                      for s in d["segments"])
-        return TokenLayout(segs, tuple(d["tile"]) if d.get("tile") else None, d.get("order", "compact"))
+        tile = tuple(d["tile"]) if d.get("tile") else None
+        return TokenLayout(segs, tile, d.get("order", "compact"), int(d.get("offset", 0)))
     except (KeyError, TypeError) as e:
         raise ValueError(f"malformed token layout description {d!r}: {e}") from None
 
@@ -62,7 +67,7 @@ def trim_layout(layout: TokenLayout, n: int) -> TokenLayout | None:
         segs[s] = Text(segs[s].n - cut, segs[s].name)
     else:
         del segs[s]
-    new = TokenLayout(tuple(segs), layout.tile, layout.order)
+    new = TokenLayout(tuple(segs), layout.tile, layout.order, layout.offset)
     same = torch.equal(new.coords(tiled=True), layout.coords(tiled=True)[:n]) and torch.equal(
         new.text_mask_tokens(), layout.text_mask_tokens()[:n]
     )
@@ -221,10 +226,10 @@ class QKVCapture:
         self._removers = []
         self._closed = False
         found = _transformers(pipe)
-        # Capture needs the tiled, post-RoPE tensors only a managed model exposes. Density 1 keeps
-        # the run exact; it takes the sparse path on every call because only that path reads the
-        # key-padding mask (valid keys per row, needed to drop padded text keys).
-        exact = dict(density=1.0, dense_layers=0, dense_steps=0, min_kv_len=0)
+        # Capture needs the tiled, post-RoPE tensors only a managed model exposes. Every call runs
+        # dense (the model's own exact attention): observers get the valid keys per row of dense
+        # calls too, which is what drops padded text keys. Density 1 is what the entries record.
+        exact = dict(density=1.0, dense_steps=sys.maxsize)
         if not isinstance(pipe, torch.nn.Module) and all(pisa_state(tr) is None for _, tr in found):
             self._applied.append(apply_pisa(pipe, **exact))  # the pipeline hook marks generation starts
         else:
@@ -279,7 +284,7 @@ class QKVCapture:
         self.entries[name] = {
             "step": call.step, "layer": call.layer, "model": call.model, "dense": call.dense,
             "dense_reason": call.meta.get("dense_reason"), "density": call.density, "mode": call.mode,
-            "covariance_aware": call.covariance_aware, "block_size": call.block_size,
+            "covariance_aware": call.covariance_aware, "block_size": call.block_size, "scale": call.scale,
             "grid": list(call.meta["grid"]) if call.meta.get("grid") is not None else None,
             "text_len": call.meta.get("text_len"),
             "image_range": [int(image[0]), min(int(image[1]), n)] if image is not None else None,
@@ -330,7 +335,7 @@ def capture_qkv(pipe, layers=None, steps=None, path: str = "qkv.safetensors", *,
 
     Attaches at once; run the pipeline, then :meth:`QKVCapture.close` (or use ``with``) writes
     the file. When PISA is not applied, it applies it for the capture (at density 1: the run stays
-    exact) and removes it on close.
+    exact: every call runs dense) and removes it on close.
 
     Args:
         pipe: a diffusers pipeline (``transformer`` / ``transformer_2``) or a transformer model.

@@ -19,6 +19,10 @@ class AttentionCall:
 
     ``q``/``k``/``v``/``out`` are ``[B, H, L, D]`` in the token order PISA sees (tiled: image/video
     tokens reordered into 2D/3D tiles, text tokens kept contiguous), post-norm and post-RoPE.
+    ``scale`` is the softmax scale the call used (``None`` when constructing: ``1 / sqrt(D)``, the
+    default of SDPA and :func:`pisa_attn.pisa_attention`); observers recomputing attention must use it.
+    ``meta["key_lens"]``: valid (leading, unmasked) keys per batch row, or None when all are valid;
+    set on dense and sparse calls alike.
     """
 
     model: str  # adapter name: "flux", "sd3", "wan", "hunyuan", ...
@@ -34,7 +38,11 @@ class AttentionCall:
     covariance_aware: bool
     block_size: int
     keep_blocks: Tensor | None = None
-    meta: dict[str, Any] = field(default_factory=dict)  # grid, text segments, tile, ...
+    meta: dict[str, Any] = field(default_factory=dict)  # grid, text segments, tile, key_lens, ...
+    scale: float | None = None  # a float after construction (see the class docstring)
+
+    def __post_init__(self):
+        self.scale = float(self.q.shape[-1] ** -0.5 if self.scale is None else self.scale)
 
 
 Observer = Callable[[AttentionCall], None]

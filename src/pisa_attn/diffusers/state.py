@@ -158,7 +158,8 @@ def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
     if m.dim() != 2 or m.shape[-1] != kv_len or m.shape[0] not in (1, batch):
         raise ValueError(
             f"the pisa backend supports only key-padding attention masks ([B, Lk] or [B, 1, 1, Lk]) on sparse "
-            f"calls, got shape {tuple(mask.shape)} for {batch} rows and {kv_len} keys"
+            f"calls and on calls observers (capture, telemetry) watch, got shape {tuple(mask.shape)} for {batch} "
+            f"rows and {kv_len} keys"
         )
     valid = m if m.dtype == torch.bool else m == 0
     lens = valid.sum(-1)

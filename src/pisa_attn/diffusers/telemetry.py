@@ -127,7 +127,7 @@ def get(transformer) -> Telemetry | None:
 @torch.no_grad()
 def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
     """Tail mass and errors of one call, on the queries PISA handles (the image queries) and the
-    valid keys of each batch row, as the diffusers backend runs them."""
+    valid keys of each batch row and the softmax scale, as the diffusers backend runs them."""
     lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
     lens = call.meta.get("key_lens")
     bs = call.block_size
@@ -146,10 +146,10 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
         if call.keep_blocks is not None:
             keep = call.keep_blocks[: ref.num_blocks(n, bs)]
             keep = keep if bool(keep.any()) else None
-        sel = metrics.select(q, k, v, density=call.density, block_size=bs, covariance_aware=call.covariance_aware,
-                             keep_blocks=keep)
-        dense = metrics.dense_pass(q, k, v, block_size=bs, masks=(sel.selected,))
-        kw = dict(density=call.density, block_size=bs, covariance_aware=call.covariance_aware, keep_blocks=keep)
+        kw = dict(density=call.density, block_size=bs, covariance_aware=call.covariance_aware, keep_blocks=keep,
+                  scale=call.scale)
+        sel = metrics.select(q, k, v, **kw)
+        dense = metrics.dense_pass(q, k, v, block_size=bs, masks=(sel.selected,), scale=call.scale)
         if call.dense:  # what PISA would have given here
             pisa = pisa_attention(q, k, v, mode=call.mode, **kw)
         else:

@@ -36,26 +36,16 @@ def _sequence(layout: TokenLayout, text_before: int, n_image: int, block_size: i
     return Sequence(layout, layout.num_text_tokens, text_before, text_before + n_image, keep)
 
 
-def _joint_matches(joint: TokenLayout, image: TokenLayout, text_before: int) -> bool:
-    """True when ``joint``'s order is [text_before][image's order][text_after] (text in place)."""
-    n = image.num_tokens
-    expect = torch.cat(
-        [torch.arange(text_before), image.perm + text_before, torch.arange(text_before + n, joint.num_tokens)]
-    )
-    return torch.equal(joint.perm, expect)
-
-
 def build_layouts(grid: tuple[int, ...], text_len: int, text: str, tile: tuple[int, ...], block_size: int) -> Layouts:
     """Layouts of one grid. The hooks move only image tokens (text stays where the model puts it),
-    so the joint layout must keep text in place: "compact" order when it does (no text, or text
-    after a grid without ragged edges), else "tiles" order (text always in place)."""
+    so the joint layout uses the "compact_inplace" order: text in place, full tiles on block
+    boundaries of the joint sequence. The image stream's layout is the same order offset by the
+    text before it, so its permutation is exactly the image part of the joint one; the image-only
+    sequence (SD3.5's attn2, text after: offset 0) counts blocks from its own first token."""
     before = text_len if text == "before" else 0
     after = text_len if text == "after" else 0
-    for order in ("compact", "tiles"):
-        image = make_layout(grid, tile=tile, order=order)
-        joint = make_layout(grid, tile=tile, text_before=before, text_after=after, order=order)
-        if _joint_matches(joint, image, before):
-            break
+    image = make_layout(grid, tile=tile, order="compact_inplace", offset=before)
+    joint = make_layout(grid, tile=tile, text_before=before, text_after=after, order="compact_inplace")
     n = image.num_tokens
     return Layouts(image, _sequence(joint, before, n, block_size), _sequence(image, 0, n, block_size))
 
