@@ -27,16 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-# Wan2.1-T2V-1.3B transformer config (diffusers WanTransformer3DModel).
-WAN_1_3B = dict(
-    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
-)  # fmt: skip
-WAN_TINY = dict(
-    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-    text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64,
-)  # fmt: skip
+from pisa_attn.bench.model_configs import WAN_1_3B, WAN_TINY
+
 # (latent frames, latent height, latent width, text tokens): 480x832, 81 frames -> 21x60x104 latents.
 SHAPE_480P = (21, 60, 104, 512)
 SHAPE_TINY = (3, 12, 20, 8)

@@ -1,0 +1,22 @@
+"""Transformer configs the GPU benchmarks build with random weights (diffusers constructor kwargs)."""
+
+# Wan2.1-T2V-1.3B (diffusers WanTransformer3DModel), and a tiny one for CPU checks of the scripts.
+WAN_1_3B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)  # fmt: skip
+WAN_TINY = dict(
+    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+    text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64,
+)  # fmt: skip
+# FLUX.1-dev (diffusers FluxTransformer2DModel), and a tiny one.
+FLUX_DEV = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)  # fmt: skip
+FLUX_TINY = dict(
+    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+)  # fmt: skip
