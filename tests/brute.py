@@ -17,21 +17,10 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from torch import Tensor
 
 MODES = ("hybrid", "zeroth", "first", "drop")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Autouse fixture for the test modules that import it: tiny tensors on busy shared cores run
-    ~30x faster on one thread (each multi-threaded tiny matmul waits for a descheduled worker)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _f64(x: Tensor) -> Tensor:

@@ -1,8 +1,19 @@
 import os
 
+import pytest
 import torch
 
 # Without a GPU, Triton kernels run through Triton's interpreter. The variable must be set before
 # any kernel module is imported (triton.jit reads it at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Every test runs on one torch thread: the suite's tensors are tiny, and on 2 shared cores each
+    multi-threaded tiny matmul waits for a descheduled worker (~30x slower); pytest -n 2 uses both."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brute import one_thread  # noqa: F401 (autouse fixture)
 from brute import MODES, brute_dense, brute_pisa, brute_selection
 from pisa_attn import pisa_attention
 from pisa_attn.ops import reference as ref

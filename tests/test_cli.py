@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from brute import one_thread  # noqa: F401 (autouse fixture)
 from pisa_attn import cli, pisa_attention
 from pisa_attn.bench import demo
 from pisa_attn.data import dit_qkv

@@ -14,14 +14,6 @@ from pisa_attn.diffusers.state import key_lengths  # noqa: E402
 from diffusers_tiny import TILE_BLOCK, forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _qkv(b=1, lq=128, lk=128, h=2, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(b, n, h, d, generator=g) for n in (lq, lk, lk))

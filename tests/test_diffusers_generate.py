@@ -11,14 +11,6 @@ pytest.importorskip("diffusers")
 from pisa_attn.diffusers import generate  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="pisa-attn")
     generate.add_parser(parser.add_subparsers(dest="command"))

@@ -13,15 +13,6 @@ from diffusers_tiny import FAMILIES, GRIDS, TEXT_LEN, TILE_BLOCK, attention_laye
 SPARSE = dict(block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The CPU is shared by several test runs: one thread is ~30x faster than contended threads.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def models():
     return {f: tiny_transformer(f) for f in FAMILIES}

@@ -17,14 +17,6 @@ CALLS_PER_STEP = {"flux": 1, "sd3": 1, "wan": 2, "hunyuan": 1}
 STEPS = 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_schedule_reasons():
     s = Schedule(dense_layers=2, dense_steps=3, min_kv_len=100)
     assert s.dense_reason(layer=5, step=0, kv_len=1000) == "warmup_step"

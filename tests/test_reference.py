@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from brute import one_thread  # noqa: F401 (autouse fixture)
 from brute import MODES, brute_dense, brute_pisa, brute_selection
 from pisa_attn import pisa_attention
 from pisa_attn.ops import reference as ref

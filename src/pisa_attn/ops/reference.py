@@ -188,7 +188,6 @@ def pisa_forward(
     b, h, lq, d = q.shape
     lk = k.shape[2]
     nq = num_blocks(lq, block_size)
-    nk = num_blocks(lk, block_size)
     kx = expand_kv_heads(k, h)
     vx = expand_kv_heads(v, h)
     kmean = expand_kv_heads(stats.kmean, h).to(dtype)
