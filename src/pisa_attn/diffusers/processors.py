@@ -12,8 +12,10 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 
-def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x.unflatten(-1, (heads, -1))  # [B, L, H*D] -> [B, L, H, D]
+def _project(x: torch.Tensor, heads: int, to_q, to_k, to_v, norm_q, norm_k):
+    """q, k, v as [B, L, H, D] from one token stream (image or text), with its q/k norms."""
+    q, k, v = (proj(x).unflatten(-1, (heads, -1)) for proj in (to_q, to_k, to_v))
+    return (q if norm_q is None else norm_q(q)), (k if norm_k is None else norm_k(k)), v
 
 
 class DispatchJointAttnProcessor:
@@ -26,21 +28,11 @@ class DispatchJointAttnProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
         # Like JointAttnProcessor2_0, no mask: SD3's joint attention never passes one.
         n_image = hidden_states.shape[1]
-        query = _heads(attn.to_q(hidden_states), attn.heads)
-        key = _heads(attn.to_k(hidden_states), attn.heads)
-        value = _heads(attn.to_v(hidden_states), attn.heads)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
+        query, key, value = _project(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v,
+                                     attn.norm_q, attn.norm_k)
         if encoder_hidden_states is not None:
-            eq = _heads(attn.add_q_proj(encoder_hidden_states), attn.heads)
-            ek = _heads(attn.add_k_proj(encoder_hidden_states), attn.heads)
-            ev = _heads(attn.add_v_proj(encoder_hidden_states), attn.heads)
-            if attn.norm_added_q is not None:
-                eq = attn.norm_added_q(eq)
-            if attn.norm_added_k is not None:
-                ek = attn.norm_added_k(ek)
+            eq, ek, ev = _project(encoder_hidden_states, attn.heads, attn.add_q_proj, attn.add_k_proj,
+                                  attn.add_v_proj, attn.norm_added_q, attn.norm_added_k)
             query = torch.cat([query, eq], dim=1)
             key = torch.cat([key, ek], dim=1)
             value = torch.cat([value, ev], dim=1)
