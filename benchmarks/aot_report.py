@@ -56,21 +56,29 @@ def _report(label, fn, types, constexprs, num_warps, num_stages=3):
 
 
 def main():
-    attn_types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "kbar_ptr", "kbar_lo_ptr", "vbar_ptr", "o_ptr")}
-    attn_types.update(hbar_ptr="*bf16", idx_ptr="*i32", cnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
+    attn_types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "vbar_ptr", "o_ptr")}
+    attn_types.update(kbar_ptr="*fp16", kscale_ptr="*fp32", hbar_ptr="*bf16", idx_ptr="*i32", cnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                       qk_scale="fp32", scale="fp32")
     which = sys.argv[1:] or ["attn", "prep", "select"]
     if "attn" in which:
         for d in (64, 128):
             for mode in (0, 2):
-                for warps, stages in ((4, 2), (4, 3)):
-                    ce = dict(BS=64, D=d, C=64 if mode == 0 else 32, MODE=mode, EVEN_K=True, SPLIT=True, F32=False)
-                    _report(f"attn D={d} mode={mode}", A._attn_kernel, attn_types, ce, warps, stages)
+                for warps, stages, se, st in ((4, 2, None, None), (4, 3, None, None), (4, 2, 3, 2), (4, 2, 3, 1)):
+                    for c in ((64,) if mode == 0 else (32, 64)):
+                        ce = dict(BS=64, D=d, C=c, MODE=mode, EVEN_K=True, LOG2_BS=6.0, F32=False,
+                                  S_EXACT=se, S_TAIL=st)
+                        _report(f"attn D={d} mode={mode} C={c} se={se} st={st}", A._attn_kernel, attn_types, ce,
+                                warps, stages)
     if "prep" in which:
-        types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "kbar_ptr", "kbar_lo_ptr", "vbar_ptr")}
-        types.update(qmean_ptr="*fp32", kmean_ptr="*fp32", hbar_ptr="*fp32", inv_nk="fp32")
+        types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "vbar_ptr")}
+        types.update(kbar_ptr="*fp16", kscale_ptr="*fp32", qmean_ptr="*fp32", kmean_ptr="*fp32", hbar_ptr="*fp32", inv_nk="fp32")
         for d in (64, 128):
             _report(f"kv_stats D={d}", P._kv_stats_kernel, types, dict(BS=64, D=d, F32=False), 8 if d >= 128 else 4, 3)
+            t3 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", kbar_ptr="*fp16", kscale_ptr="*fp32",
+                      vbar_ptr="*bf16", vsum_ptr="*fp32")
+            _report(f"kv_means D={d}", P._kv_means_kernel, t3, dict(BS=64, D=d), 4, 3)
+            t4 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", vsum_ptr="*fp32", hbar_ptr="*fp32", inv_nk="fp32")
+            _report(f"hbar D={d}", P._hbar_kernel, t4, dict(BS=64, D=d, F32=False), 8 if d >= 128 else 4, 3)
             _report(f"q_mean D={d}", P._q_mean_kernel, dict(q_ptr="*bf16", qmean_ptr="*fp32"), dict(BS=64, D=d), 4, 3)
             t2 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", hbar_ptr="*fp32", hdev_ptr="*fp32")
             _report(f"hdev D={d}", P._hdev_kernel, t2, dict(BS=64, D=d, F32=False), 8 if d >= 128 else 4, 3)

@@ -84,6 +84,26 @@ def test_prepare_matches_reference_ragged_gqa():
     torch.testing.assert_close(stats.vbar.double() * counts, rs.vsum, rtol=1e-2, atol=2e-2)
     assert rel_l1(stats.hbar, rs.hbar) < 2e-3  # tf32 on GPU; exact fp32 under the interpreter
     assert rel_l1(stats.hdev, rs.hdev) < 2e-3
+    # Tail-scan centroids: float16 times a power of two per block, 11 significant bits.
+    ks = stats.kscale.double()
+    assert torch.equal(torch.exp2(torch.log2(ks).round()), ks)
+    torch.testing.assert_close(stats.kbar.double() * ks[..., None], rs.kmean, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("q_mag,k_mag", [(1e-6, 1e6), (1e5, 1e-5)], ids=["tiny-q-huge-k", "huge-q-tiny-k"])
+def test_tail_scan_far_outside_float16_range(q_mag, k_mag):
+    """Centroids and queries are rescaled by powers of two before the float16 tail product: inputs
+    whose values overflow or underflow float16 still give the reference's answer."""
+    b, h, l, d, bs = 1, 2, 160, 32, 16
+    q, k, v = make_qkv(b, h, h, l, l, d, seed=5)
+    q, k = (q.float() * q_mag).bfloat16(), (k.float() * k_mag).bfloat16()
+    p = plan_for(q, k, 0.25, bs, "hybrid")
+    _, (idx, cnt, bits), (out, lse) = op.run_stages(q, k, v, p)
+    mask = sel.selection_to_mask(idx, cnt, p.n_kv_blocks)
+    o_ref, lse_ref = ref_with_selection(q, k, v, mask, "hybrid", p.scale, bs)
+    assert torch.isfinite(out).all()
+    assert rel_l1(out, o_ref) < BF16_TOL
+    assert (lse.double() - lse_ref).abs().max().item() < 2e-2
 
 
 def test_selection_matches_topk_with_keep_blocks_cov():
@@ -124,9 +144,12 @@ def test_mask_selection_roundtrip():
     assert torch.equal(sel.bits_to_mask(bits, 70), mask)
 
 
+@pytest.mark.parametrize("tail_first", [False, True], ids=["exact-then-tail", "tail-then-exact"])
+@pytest.mark.parametrize("peak", ["tail", "exact"])
 @pytest.mark.parametrize("mode", ["hybrid", "zeroth"])
-def test_tail_block_above_every_exact_score(mode):
-    """A late tail group holds the row maximum: the accumulator, denominator and tail normaliser must
+def test_running_max_raised_by_the_later_phase(mode, peak, tail_first):
+    """The phase that runs second holds the row maximum (a tail group after the exact blocks, or the
+    exact block after the tail scan): the accumulator, the denominator and the tail normaliser must
     all be rescaled when it raises the running max (the public kernel forgot the tail normaliser)."""
     bs, d, lq, l = 16, 32, 64, 600  # 38 key blocks: three tail groups of 16 under the interpreter
     g = torch.Generator().manual_seed(11)
@@ -134,26 +157,32 @@ def test_tail_block_above_every_exact_score(mode):
     q = 2.0 * u + 0.3 * torch.randn(1, 1, lq, d, generator=g)
     k = 0.3 * torch.randn(1, 1, l, d, generator=g)
     v = torch.randn(1, 1, l, d, generator=g)
-    k[:, :, 35 * bs : 36 * bs] += 20.0 * u  # block 35 (third group): the row maximum
+    if peak == "tail":
+        k[:, :, 35 * bs : 36 * bs] += 20.0 * u  # block 35 (third group): the row maximum
+    else:  # the exact block tops a tail that still carries real mass
+        k[:, :, 10 * bs : 11 * bs] += 20.0 * u
     k[:, :, 3 * bs : 4 * bs] += 8.0 * u  # block 3 (first group): a smaller tail peak
-    # hbar ≠ 0 so the first-order term (weighted by the tail normaliser) matters.
-    v[:, :, 35 * bs : 36 * bs] += 3.0 * (k[:, :, 35 * bs : 36 * bs] - k[:, :, 35 * bs : 36 * bs].mean(2, keepdim=True))
+    # H̄ ≠ 0 so the first-order term (weighted by the tail normaliser) matters.
+    for j in (3, 35):
+        kj = k[:, :, j * bs : (j + 1) * bs]
+        v[:, :, j * bs : (j + 1) * bs] += 6.0 * (kj - kj.mean(2, keepdim=True))
     q, k, v = (x.bfloat16().to(DEV) for x in (q, k, v))
     nk, nq = ref.num_blocks(l, bs), ref.num_blocks(lq, bs)
     mask = torch.zeros(1, 1, nq, nk, dtype=torch.bool, device=DEV)
-    mask[..., 10] = True  # every query block: exact set = {10}, far below block 35's centroid score
+    mask[..., 10] = True  # every query block: exact set = {10}
     idx, cnt, bits = sel.mask_to_selection(mask, 1)
     p = plan_for(q, k, 1 / nk, bs, mode)
     from pisa_attn.ops.triton import attention as attn
     from pisa_attn.ops.triton import prepare as prep
 
     stats = prep.prepare(q, k, v, bs)
-    out, lse = attn.attention(q, k, v, stats.kbar, stats.kbar_lo, stats.vbar, stats.hbar_lp, idx, cnt, bits,
-                              mode=mode, scale=p.scale, block_size=bs, n_select=1)
+    out, lse = attn.attention(q, k, v, *stats.tail(), idx, cnt, bits, mode=mode, scale=p.scale,
+                              block_size=bs, n_select=1, config={"TAIL_FIRST": tail_first})
     o_ref, lse_ref = ref_with_selection(q, k, v, mask, mode, p.scale, bs)
     s_exact = (q.double() @ k.double()[:, :, 10 * bs : 11 * bs].transpose(-1, -2)).amax(-1) * p.scale
-    s_tail = (q.double() @ stats.kmean.double()[:, :, 35].transpose(-1, -2)).squeeze(-1) * p.scale
-    assert (s_tail > s_exact + 5).float().mean() > 0.9  # the case is adversarial for most rows
+    s_tail = (q.double() @ stats.kmean.double()[:, :, [3, 35]].transpose(-1, -2)).amax(-1) * p.scale
+    gap = s_tail - s_exact if peak == "tail" else s_exact - s_tail
+    assert (gap > (5 if peak == "tail" else 1)).float().mean() > 0.9  # adversarial for most rows
     assert rel_l1(out, o_ref) < BF16_TOL
     assert (lse.double() - lse_ref).abs().max().item() < 2e-2
 

@@ -50,7 +50,7 @@ def stages(q, k, v, plan, keep=None, n_keep_max=0, poison=True):
     if poison:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
-    attn.attention(q, k, v, stats.kbar, stats.kbar_lo, stats.vbar, stats.hbar_lp, idx, cnt, bits,
+    attn.attention(q, k, v, *stats.tail(), idx, cnt, bits,
                    mode=plan.mode, scale=plan.scale, block_size=plan.block_size, n_select=plan.n_select,
                    out=out, lse=lse)
     return stats, (idx, cnt, bits), out, lse
@@ -124,7 +124,7 @@ def test_tail_maximum_adversarial(mode):
     idx, cnt, bits = sel.mask_to_selection(mask, 4)
     stats = prep.prepare(q, k, v, bs)
     out = torch.full_like(q, float("nan"))
-    _, lse = attn.attention(q, k, v, stats.kbar, stats.kbar_lo, stats.vbar, stats.hbar_lp, idx, cnt, bits,
+    _, lse = attn.attention(q, k, v, *stats.tail(), idx, cnt, bits,
                             mode=mode, scale=d**-0.5, block_size=bs, n_select=4, out=out)
     stats64 = ref.block_stats(k.double(), v.double(), bs)
     o_ref, lse_ref = ref.pisa_forward(q.double(), k.double(), v.double(), stats64, mask, mode=mode,

@@ -213,7 +213,7 @@ def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep
         row["t_prepare"] = bench_ms(lambda: prep.prepare(q, k, v, 64), rep_ms)
         row["t_select"] = bench_ms(lambda: sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale), rep_ms)
         row["t_attention"] = bench_ms(lambda: attn.attention(
-            q, k, v, stats.kbar, stats.kbar_lo, stats.vbar, stats.hbar_lp, idx, cnt, bits,
+            q, k, v, *stats.tail(), idx, cnt, bits,
             mode="hybrid", scale=plan.scale, block_size=64, n_select=plan.n_select), rep_ms)
     if with_flex:
         try:

@@ -5,9 +5,14 @@ once share one head's keys and values in L2.
 
 * Phase 1: exact attention over the program's index list (ascending key blocks, dynamic count).
 * Phase 2 (``zeroth``/``hybrid``): scan of the centroids ``k̄_j`` in groups of ``C``, exact
-  blocks masked through the selection bitmask. Weights ``α = exp(s q·k̄_j − m)`` enter the
-  denominator as ``n_j α`` and the numerator as ``n_j α · V̂_j/n_j``.
+  blocks masked through the selection bitmask. ``log n_j`` is added to the centroid score, so the
+  weight ``n_j α`` (``α = exp(s q·k̄_j − m)``) comes out of the same online-softmax step as an
+  exact tile's and multiplies the value means ``V̂_j/n_j`` (the same arithmetic as an exact
+  tile, through the same ``_step``). The score is one float16 product of q and the power-of-two-scaled k̄ (see
+  ``prepare``), both scales folded back afterwards.
 * Phase 3 (``hybrid``): ``ℓ_tail · s (q H̄)`` once (``H̄`` in the input dtype).
+
+Phases 1 and 2 may run in either order (``TAIL_FIRST``, an autotuning choice).
 
 Exact and tail scores share the running maximum ``m``; whenever it rises, the accumulator, the
 denominator and the tail normaliser ``ℓ_tail`` are all rescaled by the same factor (a tail block
@@ -17,6 +22,7 @@ into the scale) so the exponentials are ``exp2``.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -37,13 +43,76 @@ def _merge_max(m_i, s):
     rescales everything accumulated so far (acc, the denominator and the tail normaliser), and
     the tile's weights exp2(s - m)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    return m_new, tl.exp2(m_i - m_new), tl.exp2(s - m_new[:, None])
+    # A row with nothing seen yet (-inf so far, e.g. a fully masked centroid group) keeps finite
+    # arithmetic: exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, tl.exp2(m_i - m_use), tl.exp2(s - m_use[:, None])
+
+
+@triton.jit
+def _step(m_i, l_i, acc, s, v, LOWP: tl.constexpr, F32: tl.constexpr):
+    """One key tile (exact keys, or a group of centroids) into the running (m, l, acc): returns
+    them updated plus the rescale factor and the tile's row sums (the tail normaliser needs both)."""
+    m_i, alpha, p = _merge_max(m_i, s)
+    ps = tl.sum(p, axis=1)
+    pv = p.to(LOWP)
+    if F32:
+        pv = pv.to(tl.float32)
+    return m_i, l_i * alpha + ps, acc * alpha[:, None] + tl.dot(pv, v), alpha, ps
+
+
+@triton.jit
+def _tail_phase(q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_ptr, row, NW, stat_base, n_exact,
+                NK, LK, qk_scale, offs_d, BS: tl.constexpr, D: tl.constexpr, C: tl.constexpr,
+                EVEN_K: tl.constexpr, LOG2_BS: tl.constexpr, LOWP: tl.constexpr, F32: tl.constexpr,
+                S_TAIL: tl.constexpr):
+    """Phase 2: the centroids of every key block outside the row's exact set, in groups of C,
+    through the same online-softmax step as the exact tiles; returns (m, l, acc, Σ_tail α)."""
+    if n_exact < NK:
+        # q in float16, scaled by a power of two so its largest entry sits in [2^13, 2^14):
+        # bf16 -> fp16 is then exact (8 mantissa bits into 11) whatever the magnitude.
+        qf = q.to(tl.float32)
+        qmax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+        q_s = tl.where(qmax > 0, tl.exp2(tl.ceil(tl.log2(qmax)) - 14.0), 1.0)
+        q16 = (qf / q_s).to(tl.float16)
+        if F32:
+            q16 = q16.to(tl.float32)
+        offs_c = tl.arange(0, C)
+        for g0 in tl.range(0, NK, C, num_stages=S_TAIL):
+            cj = g0 + offs_c
+            cvalid = cj < NK
+            word = tl.load(bits_ptr + row * NW + cj // 32, mask=cvalid, other=-1)
+            tail = (((word >> (cj % 32)) & 1) == 0) & cvalid
+            kb = tl.load(kbar_ptr + (stat_base + cj)[:, None] * D + offs_d[None, :], mask=cvalid[:, None], other=0.0)
+            ks = tl.load(kscale_ptr + stat_base + cj, mask=cvalid, other=1.0)
+            vb = tl.load(vbar_ptr + (stat_base + cj)[:, None] * D + offs_d[None, :], mask=cvalid[:, None], other=0.0)
+            if F32:
+                kb = kb.to(tl.float32)
+                vb = vb.to(tl.float32)
+            # s·q·k̄_j + log2 n_j (base 2): the weight is n_j α straight from the softmax step.
+            sc = tl.dot(q16, tl.trans(kb)) * ((qk_scale * q_s) * ks)[None, :]
+            if EVEN_K:
+                sc = sc + LOG2_BS
+            else:
+                n_j = tl.maximum(tl.minimum(LK - cj * BS, BS), 1).to(tl.float32)  # 1: padding columns
+                sc = sc + tl.log2(n_j)[None, :]
+            sc = tl.where(tail[None, :], sc, float("-inf"))
+            m_i, l_i, acc, alpha, ps = _step(m_i, l_i, acc, sc, vb, LOWP, F32)
+            # l_tail holds BS·Σα: every block but a ragged last one has n_j = BS.
+            l_tail = l_tail * alpha + ps
+            if not EVEN_K:
+                if g0 + C >= NK:  # the group holding the ragged last block
+                    n_last = (LK - (NK - 1) * BS).to(tl.float32)
+                    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+                    a_last = tl.sum(tl.where((cj == NK - 1)[None, :], tl.exp2(sc - m_use[:, None]), 0.0), axis=1)
+                    l_tail += a_last * (BS / n_last - 1.0)
+    return m_i, l_i, acc, l_tail
 
 
 # Shape scalars are not specialised (no recompiles across lengths/densities); strides still are.
 @triton.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W", "NW", "L_BUCKET", "DENS_BUCKET"])
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, kbar_ptr, kbar_lo_ptr, vbar_ptr, hbar_ptr,
+    q_ptr, k_ptr, v_ptr, kbar_ptr, kscale_ptr, vbar_ptr, hbar_ptr,
     idx_ptr, cnt_ptr, bits_ptr, o_ptr, lse_ptr,
     sqb, sqh, sql, sqd,
     skb, skh, skl, skd,
@@ -52,8 +121,9 @@ def _attn_kernel(
     H, HK, LQ, LK, NQ, NK, W, NW,
     qk_scale, scale,
     L_BUCKET, DENS_BUCKET,  # autotuning keys only
-    BS: tl.constexpr, D: tl.constexpr, C: tl.constexpr, MODE: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, F32: tl.constexpr,
+    BS: tl.constexpr, D: tl.constexpr, C: tl.constexpr, MODE: tl.constexpr, LOG2_BS: tl.constexpr,
+    EVEN_K: tl.constexpr, F32: tl.constexpr,
+    S_EXACT: tl.constexpr = None, S_TAIL: tl.constexpr = None, TAIL_FIRST: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     bh = tl.program_id(1)
@@ -79,7 +149,15 @@ def _attn_kernel(
     acc = tl.zeros([BS, D], dtype=tl.float32)
 
     n_exact = tl.load(cnt_ptr + row)
-    for t in range(n_exact):
+    l_tail = tl.zeros([BS], dtype=tl.float32)  # Σ_tail α (without n_j): the first order's weight
+    stat_base = (b * HK + hk) * NK
+    # TAIL_FIRST: the centroid scan runs before the exact loop, so its float16 copy of q is dead
+    # while the exact loop runs (fewer live registers there); the result is the same softmax.
+    if MODE > 0 and TAIL_FIRST:
+        m_i, l_i, acc, l_tail = _tail_phase(
+            q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_ptr, row, NW, stat_base, n_exact,
+            NK, LK, qk_scale, offs_d, BS, D, C, EVEN_K, LOG2_BS, LOWP, F32, S_TAIL)
+    for t in tl.range(0, n_exact, num_stages=S_EXACT):
         j = tl.load(idx_ptr + row * W + t)
         cols = j * BS + offs_n
         if EVEN_K:
@@ -94,51 +172,19 @@ def _attn_kernel(
         s = tl.dot(q, tl.trans(kt)) * qk_scale
         if not EVEN_K:
             s = tl.where((cols < LK)[None, :], s, float("-inf"))
-        m_i, alpha, p = _merge_max(m_i, s)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = p.to(LOWP)
+        m_i, l_i, acc, alpha, ps = _step(m_i, l_i, acc, s, vt, LOWP, F32)
+        if MODE > 0 and TAIL_FIRST:  # the tail normaliser is rescaled with everything else
+            l_tail = l_tail * alpha
+    if MODE > 0 and not TAIL_FIRST:
+        m_i, l_i, acc, l_tail = _tail_phase(
+            q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_ptr, row, NW, stat_base, n_exact,
+            NK, LK, qk_scale, offs_d, BS, D, C, EVEN_K, LOG2_BS, LOWP, F32, S_TAIL)
+    if MODE == 2:
+        hbv = tl.load(hbar_ptr + (b * HK + hk) * D * D + offs_d[:, None] * D + offs_d[None, :])
         if F32:
-            pv = pv.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(pv, vt)
-
-    if MODE > 0:
-        l_tail = tl.zeros([BS], dtype=tl.float32)
-        if n_exact < NK:
-            stat_base = (b * HK + hk) * NK
-            offs_c = tl.arange(0, C)
-            for g0 in range(0, NK, C):
-                cj = g0 + offs_c
-                cvalid = cj < NK
-                word = tl.load(bits_ptr + row * NW + cj // 32, mask=cvalid, other=-1)
-                tail = (((word >> (cj % 32)) & 1) == 0) & cvalid
-                kb = tl.load(kbar_ptr + (stat_base + cj)[:, None] * D + offs_d[None, :], mask=cvalid[:, None], other=0.0)
-                vb = tl.load(vbar_ptr + (stat_base + cj)[:, None] * D + offs_d[None, :], mask=cvalid[:, None], other=0.0)
-                if F32:
-                    kb = kb.to(tl.float32)
-                    vb = vb.to(tl.float32)
-                sc = tl.dot(q, tl.trans(kb))
-                if SPLIT:  # k̄ = hi + lo: centroid scores as accurate as the exact ones
-                    kl = tl.load(kbar_lo_ptr + (stat_base + cj)[:, None] * D + offs_d[None, :], mask=cvalid[:, None], other=0.0)
-                    if F32:
-                        kl = kl.to(tl.float32)
-                    sc = tl.dot(q, tl.trans(kl), sc)
-                sc = sc * qk_scale
-                sc = tl.where(tail[None, :], sc, float("-inf"))
-                m_i, alpha, a = _merge_max(m_i, sc)
-                n_j = tl.minimum(LK - cj * BS, BS).to(tl.float32)
-                an = a * n_j[None, :]
-                l_i = l_i * alpha + tl.sum(an, axis=1)
-                l_tail = l_tail * alpha + tl.sum(a, axis=1)
-                anv = an.to(LOWP)
-                if F32:
-                    anv = anv.to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(anv, vb)
-        if MODE == 2:
-            hbv = tl.load(hbar_ptr + (b * HK + hk) * D * D + offs_d[:, None] * D + offs_d[None, :])
-            if F32:
-                hbv = hbv.to(tl.float32)
-            qh = tl.dot(q, hbv)
-            acc += (l_tail * scale)[:, None] * qh
+            hbv = hbv.to(tl.float32)
+        qh = tl.dot(q, hbv)
+        acc += (l_tail * (scale / BS))[:, None] * qh
 
     out = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * LN2_C
@@ -148,32 +194,35 @@ def _attn_kernel(
     tl.store(lse_ptr + bh.to(tl.int64) * LQ + offs_m, lse, mask=rvalid)
 
 
-FIXED_CONFIG = {"C": 32, "num_warps": 4, "num_stages": 2}
+FIXED_CONFIG = {"C": 64, "num_warps": 4, "num_stages": 2, "S_EXACT": 3, "S_TAIL": 1}
 
 
 def _configs():
     if interpreting():
         return [triton.Config({"C": 16}, num_warps=4, num_stages=1)]
-    # H100 run 1 (notes): 8 warps lost everywhere (2x slower); the exact loop likes 3 stages; the
-    # tail scan wants 2 stages so two programs fit per SM (C=32 keeps its k̄ hi/lo + V̂ buffers at
-    # the exact loop's size; C=64 won at D=128, C=32 at D=64).
+    # H100/H200 runs (notes): 8 warps lost everywhere (2x slower); the exact loop likes 3 stages;
+    # the tail wants few buffers so two programs fit per SM, hence per-loop depths (S_EXACT for the
+    # exact loop, S_TAIL for the centroid scan). 3 stages for both loops left one program per SM
+    # (hybrid 9.6 ms vs 6.5 at 32K on an H200).
     # (v3 also offered NB=2, two gathered key blocks per step as [64 x 128] tiles: the autotuner
     # picked NB=1 for every shape on the H100, so it was removed.)
-    return [triton.Config({"C": c}, num_warps=4, num_stages=s) for c, s in ((64, 2), (64, 3), (32, 2))]
+    tail = [dict(C=c, S_EXACT=3, S_TAIL=t, TAIL_FIRST=f) for c, t in ((64, 1), (32, 2)) for f in (False, True)]
+    return ([triton.Config({"C": 64}, num_warps=4, num_stages=s) for s in (2, 3)]
+            + [triton.Config(kw, num_warps=4, num_stages=2) for kw in tail])
 
 
 def _prune(configs, named_args, **kwargs):
     mode = kwargs.get("MODE", named_args.get("MODE", 2))
-    if mode == 0:  # no tail scan: C is irrelevant
-        keep = [c for c in configs if c.kwargs["C"] == 64]
-    else:  # deeper tail buffers do not leave room for two programs per SM
-        keep = [c for c in configs if c.num_stages == 2]
+    if mode == 0:  # no tail scan: C and S_TAIL are irrelevant
+        keep = [c for c in configs if "S_TAIL" not in c.kwargs]
+    else:
+        keep = [c for c in configs if "S_TAIL" in c.kwargs]
     return keep or configs
 
 
 _attn_tuned = triton.autotune(
     configs=_configs(),
-    key=["L_BUCKET", "DENS_BUCKET", "BS", "D", "MODE", "EVEN_K", "SPLIT"],
+    key=["L_BUCKET", "DENS_BUCKET", "BS", "D", "MODE", "EVEN_K"],
     prune_configs_by={"early_config_prune": _prune},
 )(_attn_kernel)
 
@@ -194,7 +243,7 @@ def autotune_key(lk: int, density: float) -> tuple[int, int]:
 
 def attention(
     q: Tensor, k: Tensor, v: Tensor,
-    kbar: Tensor, kbar_lo: Tensor | None, vbar: Tensor, hbar: Tensor,
+    kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor,
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, n_select: int,
     out: Tensor | None = None, lse: Tensor | None = None, config: dict | None = None,
@@ -212,19 +261,21 @@ def attention(
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
     args = (
-        q, k, v, kbar, kbar if kbar_lo is None else kbar_lo, vbar, hbar, idx, cnt, bits, out, lse,
+        q, k, v, kbar, kscale, vbar, hbar, idx, cnt, bits, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         h, hk, lq, lk, nq, nk, idx.shape[-1], bits.shape[-1],
         scale * LOG2E, scale,
         *autotune_key(lk, n_select / nk),
     )
     meta = dict(BS=block_size, D=d, MODE=MODE_IDS[mode], EVEN_K=lk % block_size == 0,
-                SPLIT=kbar_lo is not None, F32=interpreting())
+                LOG2_BS=math.log2(block_size), F32=interpreting())
     grid = (nq, b * h)
     if interpreting():
-        _attn_kernel[grid](*args, **meta, C=16, num_warps=4)  # small groups: several per row
+        # small groups: several per row; a config may still pick e.g. TAIL_FIRST
+        _attn_kernel[grid](*args, **meta, **{"C": 16, "num_warps": 4, **(config or {})})
     elif config is not None or os.environ.get("PISA_ATTN_AUTOTUNE", "1") == "0":
-        _attn_kernel[grid](*args, **meta, **dict(FIXED_CONFIG, **(config or {})))
+        cfg = FIXED_CONFIG if config is None else {"C": 64, "num_warps": 4, "num_stages": 2, **config}
+        _attn_kernel[grid](*args, **meta, **cfg)
     else:
         _attn_tuned[grid](*args, **meta)
     return out, lse

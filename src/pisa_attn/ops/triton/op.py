@@ -69,7 +69,7 @@ def pisa_fwd(
         keep = keep.contiguous()
     idx, cnt, bits = _sel.select(stats.qmean, stats.kmean, stats.hdev, keep, n_select, width, scale,
                                  scratch_elems=_score_scratch(q, k))
-    tail = (stats.kbar, stats.kbar_lo, stats.vbar, stats.hbar_lp)
+    tail = stats.tail()
     del stats  # the means and ||H_j − H̄|| are dead: freed before the attention outputs exist
     return _attn.attention(q, k, v, *tail, idx, cnt, bits, mode=mode, scale=scale, block_size=block_size,
                            n_select=n_select)
@@ -98,7 +98,7 @@ def run_stages(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None
     sel = _sel.select(stats.qmean, stats.kmean, stats.hdev, keep, plan.n_select, width, plan.scale,
                       scratch_elems=_score_scratch(q, k))
     res = _attn.attention(
-        q, k, v, stats.kbar, stats.kbar_lo, stats.vbar, stats.hbar_lp, *sel,
+        q, k, v, *stats.tail(), *sel,
         mode=plan.mode, scale=plan.scale, block_size=plan.block_size, n_select=plan.n_select,
     )
     return stats, sel, res

@@ -1,14 +1,21 @@
-"""Prepare phase: one pass over q, k, v for the block statistics PISA needs.
+"""Prepare phase: the block statistics PISA needs, in three launches over q, k, v.
 
-One launch computes, per key block ``j`` (true token counts for the ragged last block):
-centroid ``k̄_j`` (float32, for selection, and as a hi + lo pair in the input dtype for the attention
-tail scan: a single rounding would put an error proportional to |score| into every tail score),
-value mean ``V̂_j / n_j`` (input dtype; the attention kernel weights it by ``n_j``, which keeps
-float16 sums of large values from overflowing), and ``H̄ = (1/N) Σ_j H_j`` with
-``H_j = K_jᵀV_j − k̄_jᵀV̂_j``, reduced on-chip per chunk of blocks and added atomically into one
-``[D, D]`` float32 matrix per kv head (never a per-block ``D×D`` buffer). A second, streaming
-launch writes the query block means used by selection (in the first kernel they shared its
-register budget — one program per SM — and ran latency-bound).
+1. ``_kv_means_kernel`` (streaming, one key block per program; true counts for the ragged last
+   block): centroid ``k̄_j`` in float32 (selection) and, for the attention tail scan, as float16
+   divided by a power of two ``2^e_j`` chosen from the block's largest entry (11 mantissa bits
+   instead of bfloat16's 8, one tensor-core product per tail score, no overflow whatever the
+   magnitude); value mean ``V̂_j / n_j`` in the input dtype (weighted by ``n_j`` in the kernel,
+   which keeps float16 sums of large values from overflowing); ``V̂_j`` in float32 (scratch).
+2. ``_hbar_kernel``: ``H̄ = (1/N) Σ_j H_j`` with ``H_j = K_jᵀV_j − k̄_jᵀV̂_j``, a GEMM-like loop
+   (tensor-core product, rank-1 correction from the stored means) reduced on-chip per chunk of
+   blocks and added atomically into one ``[D, D]`` float32 matrix per kv head (never a per-block
+   ``D×D`` buffer).
+3. ``_q_mean_kernel`` (streaming): the query block means used by selection.
+
+One fused kv launch (means, reductions and the D×D product in one loop) was measured slower on an
+H200 (0.66 vs 0.48 ms at 32K, 2-16-128): its block-wide reductions put barriers into a loop that
+ran one 8-warp program per SM, so it stalled on shared memory; the split kernels have no barrier
+in their loops.
 
 For covariance-aware selection a second, equally cheap pass computes ``||H_j − H̄||_F`` directly
 (``H_j`` lives in registers for one block at a time). The algebraic expansion
@@ -28,16 +35,52 @@ from torch import Tensor
 from ._common import chunking, interpreting
 
 
-@triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
-def _kv_stats_kernel(
+@triton.jit(do_not_specialize=["HK", "LK", "NK"])
+def _kv_means_kernel(
     k_ptr, v_ptr,
-    kmean_ptr, kbar_ptr, kbar_lo_ptr, vbar_ptr, hbar_ptr,
+    kmean_ptr, kbar_ptr, kscale_ptr, vbar_ptr, vsum_ptr,
+    skb, skh, skl, skd,
+    svb, svh, svl, svd,
+    HK, LK, NK,
+    BS: tl.constexpr, D: tl.constexpr,
+):
+    # One block per program: a streaming pass with many independent loads in flight.
+    j = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HK).to(tl.int64)
+    h = (bh % HK).to(tl.int64)
+    rows = j * BS + tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    valid = (rows < LK)[:, None]
+    kf = tl.load(k_ptr + b * skb + h * skh + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
+    vt = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
+    inv_n = 1.0 / tl.minimum(LK - j * BS, BS).to(tl.float32)
+    km = tl.sum(kf.to(tl.float32), axis=0) * inv_n
+    v_sum = tl.sum(vt.to(tl.float32), axis=0)
+    out_off = (bh.to(tl.int64) * NK + j) * D + offs_d
+    # k̄ in float32 is stored transposed ([D, Nk] per head): the selection GEMM's right operand.
+    tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
+    # Power-of-two scale: the block's largest |k̄| lands in [2^13, 2^14), far from fp16's
+    # overflow, and the scaling itself is exact.
+    amax = tl.max(tl.abs(km), axis=0)
+    ks = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(amax)) - 14.0), 1.0)
+    tl.store(kbar_ptr + out_off, (km / ks).to(tl.float16))
+    tl.store(kscale_ptr + bh.to(tl.int64) * NK + j, ks)
+    tl.store(vbar_ptr + out_off, (v_sum * inv_n).to(vt.dtype))
+    tl.store(vsum_ptr + out_off, v_sum)
+
+
+@triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
+def _hbar_kernel(
+    k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK, KV_PER, KV_CHUNKS,
     inv_nk,
     BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
 ):
+    # Only tensor-core work and two vector loads per block (the means come from _kv_means_kernel):
+    # a GEMM-like loop with nothing that needs a block-wide reduction or barrier.
     pid = tl.program_id(0)
     offs_n = tl.arange(0, BS)
     offs_d = tl.arange(0, D)
@@ -47,7 +90,6 @@ def _kv_stats_kernel(
     h = (bh % HK).to(tl.int64)
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
-    stat_row = bh.to(tl.int64) * NK
     hacc = tl.zeros([D, D], dtype=tl.float32)
     j0 = c * KV_PER
     for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
@@ -55,22 +97,12 @@ def _kv_stats_kernel(
         valid = rows < LK
         kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid[:, None], other=0.0)
         vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid[:, None], other=0.0)
-        kf = kt.to(tl.float32)
-        vf = vt.to(tl.float32)
-        inv_n = 1.0 / tl.minimum(LK - j * BS, BS).to(tl.float32)
-        km = tl.sum(kf, axis=0) * inv_n
-        v_sum = tl.sum(vf, axis=0)
-        out_off = (stat_row + j) * D + offs_d
-        # k̄ in float32 is stored transposed ([D, Nk] per head): the selection GEMM's right operand.
-        tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
-        k_hi = km.to(kt.dtype)
-        tl.store(kbar_ptr + out_off, k_hi)
-        tl.store(kbar_lo_ptr + out_off, (km - k_hi.to(tl.float32)).to(kt.dtype))
-        tl.store(vbar_ptr + out_off, (v_sum * inv_n).to(vt.dtype))
+        km = tl.load(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j)
+        v_sum = tl.load(vsum_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d)
         # H_j = K_jᵀV_j − k̄_jᵀ V̂_j: the product straight from the bf16/fp16 tiles on the tensor
         # cores (fp32 accumulate), the rank-1 correction on the CUDA cores; padded rows are 0.
         if F32:  # Triton 3.9's interpreter mis-evaluates low-precision tl.dot
-            hacc += tl.dot(tl.trans(kf), vf)
+            hacc += tl.dot(tl.trans(kt.to(tl.float32)), vt.to(tl.float32))
         else:
             hacc += tl.dot(tl.trans(kt), vt)
         hacc -= km[:, None] * v_sum[None, :]
@@ -96,7 +128,7 @@ def _q_mean_kernel(
 
 @triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
 def _hdev_kernel(
-    k_ptr, v_ptr, kmean_ptr, hbar_ptr, hdev_ptr,
+    k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr, hdev_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK, KV_PER, KV_CHUNKS,
@@ -120,7 +152,7 @@ def _hdev_kernel(
         kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid[:, None], other=0.0)
         vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid[:, None], other=0.0)
         km = tl.load(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j)
-        v_sum = tl.sum(vt.to(tl.float32), axis=0)
+        v_sum = tl.load(vsum_ptr + (stat_row + j) * D + offs_d)
         if F32:
             hj = tl.dot(tl.trans(kt.to(tl.float32)), vt.to(tl.float32))
         else:
@@ -135,12 +167,16 @@ class Stats:
 
     qmean: Tensor  # [B, H, Nq, D] float32
     kmean: Tensor  # [B, Hk, Nk, D] float32, a transposed view of [B, Hk, D, Nk] storage
-    kbar: Tensor  # [B, Hk, Nk, D] input dtype: centroids rounded (hi part) for the tail scan
-    kbar_lo: Tensor  # [B, Hk, Nk, D] input dtype: k̄ − hi, rounded
+    kbar: Tensor  # [B, Hk, Nk, D] float16: k̄_j / kscale_j, the tail scan's operand
+    kscale: Tensor  # [B, Hk, Nk] float32: the power of two each row of ``kbar`` was divided by
     vbar: Tensor  # [B, Hk, Nk, D] input dtype: value block means (V̂_j / n_j)
     hbar: Tensor | None  # [B, Hk, D, D] float32 (None when prepare(keep_hbar=False))
     hbar_lp: Tensor  # [B, Hk, D, D] input dtype: the attention kernel's operand for q·H̄
     hdev: Tensor | None  # [B, Hk, Nk] float32, ||H_j − H̄||_F (covariance-aware only)
+
+    def tail(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What the attention kernel reads besides q, k, v and the selection."""
+        return self.kbar, self.kscale, self.vbar, self.hbar_lp
 
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, with_hdev: bool = False,
@@ -155,28 +191,32 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, with_hdev: bool = 
     nq, nk = -(-lq // block_size), -(-lk // block_size)
     dev = q.device
     kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
-    kbar = torch.empty(b, hk, nk, d, device=dev, dtype=k.dtype)
-    kbar_lo = torch.empty(b, hk, nk, d, device=dev, dtype=k.dtype)
+    kbar = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float16)
+    kscale = torch.empty(b, hk, nk, device=dev, dtype=torch.float32)
     vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
     hbar = torch.zeros(b, hk, d, d, device=dev, dtype=torch.float32)
     kv_per, kv_chunks = chunking(nk, b * hk, dev)
     n_kv = b * hk * kv_chunks
-    _kv_stats_kernel[(n_kv,)](
-        k, v, kmean, kbar, kbar_lo, vbar, hbar,
-        *k.stride(), *v.stride(),
-        hk, lk, nk, kv_per, kv_chunks,
-        1.0 / nk,
-        BS=block_size, D=d, F32=interpreting(), num_warps=8 if d >= 128 else 4,
+    warps = 8 if d >= 128 else 4
+    vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)  # scratch, freed below
+    _kv_means_kernel[(nk, b * hk)](
+        k, v, kmean, kbar, kscale, vbar, vsum, *k.stride(), *v.stride(), hk, lk, nk,
+        BS=block_size, D=d, num_warps=4,
+    )
+    _hbar_kernel[(n_kv,)](
+        k, v, kmean, vsum, hbar, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks, 1.0 / nk,
+        BS=block_size, D=d, F32=interpreting(), num_warps=warps,
     )
     hdev = None
     if with_hdev:
         hdev = torch.empty(b, hk, nk, device=dev, dtype=torch.float32)
         _hdev_kernel[(n_kv,)](
-            k, v, kmean, hbar, hdev,
+            k, v, kmean, vsum, hbar, hdev,
             *k.stride(), *v.stride(),
             hk, lk, nk, kv_per, kv_chunks,
-            BS=block_size, D=d, F32=interpreting(), num_warps=8 if d >= 128 else 4,
+            BS=block_size, D=d, F32=interpreting(), num_warps=warps,
         )
+    del vsum
     # Rounded once here instead of in every attention program (each would read 4·D² bytes).
     hbar_lp = hbar.to(k.dtype)
     if not keep_hbar:
@@ -184,4 +224,4 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, with_hdev: bool = 
     # Allocated last, after the float32 H̄ may be gone: lowers the peak at short lengths.
     qmean = torch.empty(b, h, nq, d, device=dev, dtype=torch.float32)
     _q_mean_kernel[(nq, b * h)](q, qmean, *q.stride(), h, lq, nq, BS=block_size, D=d, num_warps=4)
-    return Stats(qmean=qmean, kmean=kmean, kbar=kbar, kbar_lo=kbar_lo, vbar=vbar, hbar=hbar, hbar_lp=hbar_lp, hdev=hdev)
+    return Stats(qmean=qmean, kmean=kmean, kbar=kbar, kscale=kscale, vbar=vbar, hbar=hbar, hbar_lp=hbar_lp, hdev=hdev)
