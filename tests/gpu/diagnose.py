@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -54,19 +53,13 @@ def run_length(length: int, density: float, rep: float, once: bool = False) -> d
     if once:
         return _attention_configs(res, q, k, v, stats, plan, idx, cnt, bits, rep, once)
     res["t_prepare"] = bk.bench_ms(lambda: prep.prepare(q, k, v, 64), rep)
-    os.environ["PISA_ATTN_PREP"] = "fused"
-    res["t_prepare_fused"] = bk.bench_ms(lambda: prep.prepare(q, k, v, 64), rep)
-    os.environ.pop("PISA_ATTN_PREP")
     res["t_prepare_cov"] = bk.bench_ms(lambda: prep.prepare(q, k, v, 64, with_hdev=True), rep)
     res["t_select"] = bk.bench_ms(lambda: sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale), rep)
-    for variant in sorted(set(getattr(sel, "_TOPK_VARIANTS", {})) | {"wide"}) if hasattr(sel, "TOPK") else ():
-        old = sel.TOPK["variant"]
-        sel.TOPK["variant"] = variant
-        try:
-            res[f"t_select_{variant}"] = bk.bench_ms(lambda: sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale), rep)
-        except Exception as e:  # noqa: BLE001 - a variant that fails to compile must not stop the run
-            res[f"t_select_{variant}_error"] = f"{type(e).__name__}: {str(e)[:160]}"
-        sel.TOPK["variant"] = old
+    for warps in (1, 2, 4, 8):  # top-k program width (rows spread over fewer warps: fewer barriers)
+        old = sel.TOPK_WARPS["warps"]
+        sel.TOPK_WARPS["warps"] = warps
+        res[f"t_select_w{warps}"] = bk.bench_ms(lambda: sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale), rep)
+        sel.TOPK_WARPS["warps"] = old
     res["t_select_torch"] = bk.bench_ms(lambda: sel.select_torch(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale), rep)
     t_idx, t_cnt, _ = sel.select_torch(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale)
     a, b_ = sel.selection_to_mask(idx, cnt, plan.n_kv_blocks), sel.selection_to_mask(t_idx, t_cnt, plan.n_kv_blocks)
@@ -92,6 +85,14 @@ def _attention_configs(res, q, k, v, stats, plan, idx, cnt, bits, rep, once):
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for one config
                 res[name] = None
                 res[name + "_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    # Where the hybrid-minus-drop time goes: the tail scan alone (empty exact sets), zeroth order.
+    tail_cfg = dict(C=64, num_warps=4, num_stages=2, S_EXACT=3, S_TAIL=2)
+    none_cnt, none_bits = torch.zeros_like(cnt), torch.zeros_like(bits)
+    for mode in ("hybrid", "zeroth"):
+        for name, fn in ((f"attn_{mode}_best", att(mode, config=tail_cfg)),
+                         (f"attn_{mode}_tail_only", att(mode, idx, none_cnt, none_bits, config=tail_cfg))):
+            fn()
+            res[name] = None if once else bk.bench_ms(fn, rep)
     if once:
         return res
     same_idx = idx[:, :, :1].expand_as(idx).contiguous()  # every query block reads one list

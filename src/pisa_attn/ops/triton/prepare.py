@@ -1,15 +1,15 @@
 """Prepare phase: the block statistics PISA needs, in three launches over q, k, v.
 
 1. ``_kv_means_kernel`` (streaming, one key block per program; true counts for the ragged last
-   block): centroid ``k̄_j`` in float32 (selection) and, for the attention tail scan, as float16
-   divided by a power of two ``2^e_j`` chosen from the block's largest entry (11 mantissa bits
-   instead of bfloat16's 8, one tensor-core product per tail score, no overflow whatever the
-   magnitude); value mean ``V̂_j / n_j`` in the input dtype (weighted by ``n_j`` in the kernel,
+   block): centroid ``k̄_j`` in float32 (selection) and the head's largest centroid entry;
+   value mean ``V̂_j / n_j`` in the input dtype (weighted by ``n_j`` in the kernel,
    which keeps float16 sums of large values from overflowing); ``V̂_j`` in float32 (scratch).
 2. ``_hbar_kernel``: ``H̄ = (1/N) Σ_j H_j`` with ``H_j = K_jᵀV_j − k̄_jᵀV̂_j``, a GEMM-like loop
    (tensor-core product, rank-1 correction from the stored means) reduced on-chip per chunk of
    blocks and added atomically into one ``[D, D]`` float32 matrix per kv head (never a per-block
-   ``D×D`` buffer).
+   ``D×D`` buffer); on the way it writes the centroids for the attention tail scan as float16
+   divided by one power of two per head (11 mantissa bits instead of bfloat16's 8, one
+   tensor-core product per tail score, no overflow whatever the magnitude).
 3. ``_q_mean_kernel`` (streaming): the query block means used by selection.
 
 One fused kv launch (means, reductions and the D×D product in one loop) was measured slower on an
@@ -38,7 +38,7 @@ from ._common import chunking, interpreting
 @triton.jit(do_not_specialize=["HK", "LK", "NK"])
 def _kv_means_kernel(
     k_ptr, v_ptr,
-    kmean_ptr, kbar_ptr, kscale_ptr, vbar_ptr, vsum_ptr,
+    kmean_ptr, kmax_ptr, vbar_ptr, vsum_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK,
@@ -60,19 +60,15 @@ def _kv_means_kernel(
     out_off = (bh.to(tl.int64) * NK + j) * D + offs_d
     # k̄ in float32 is stored transposed ([D, Nk] per head): the selection GEMM's right operand.
     tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
-    # Power-of-two scale: the block's largest |k̄| lands in [2^13, 2^14), far from fp16's
-    # overflow, and the scaling itself is exact.
-    amax = tl.max(tl.abs(km), axis=0)
-    ks = tl.where(amax > 0, tl.exp2(tl.ceil(tl.log2(amax)) - 14.0), 1.0)
-    tl.store(kbar_ptr + out_off, (km / ks).to(tl.float16))
-    tl.store(kscale_ptr + bh.to(tl.int64) * NK + j, ks)
+    # The head's largest |k̄| picks the float16 scale of its centroids (written by _hbar_kernel).
+    tl.atomic_max(kmax_ptr + bh, tl.max(tl.abs(km), axis=0))
     tl.store(vbar_ptr + out_off, (v_sum * inv_n).to(vt.dtype))
     tl.store(vsum_ptr + out_off, v_sum)
 
 
 @triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
 def _hbar_kernel(
-    k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr,
+    k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr, kmax_ptr, kbar_ptr, kscale_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK, KV_PER, KV_CHUNKS,
@@ -91,6 +87,12 @@ def _hbar_kernel(
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
     hacc = tl.zeros([D, D], dtype=tl.float32)
+    # Power-of-two scale per head: its largest |k̄| lands in [2^13, 2^14), far from fp16's
+    # overflow, and the scaling itself is exact (one scalar for the attention kernel to fold back).
+    kmax = tl.load(kmax_ptr + bh)
+    ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
+    if c == 0:
+        tl.store(kscale_ptr + bh, ks)
     j0 = c * KV_PER
     for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
         rows = j * BS + offs_n
@@ -99,6 +101,7 @@ def _hbar_kernel(
         vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid[:, None], other=0.0)
         km = tl.load(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j)
         v_sum = tl.load(vsum_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d)
+        tl.store(kbar_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d, (km / ks).to(tl.float16))
         # H_j = K_jᵀV_j − k̄_jᵀ V̂_j: the product straight from the bf16/fp16 tiles on the tensor
         # cores (fp32 accumulate), the rank-1 correction on the CUDA cores; padded rows are 0.
         if F32:  # Triton 3.9's interpreter mis-evaluates low-precision tl.dot
@@ -167,8 +170,8 @@ class Stats:
 
     qmean: Tensor  # [B, H, Nq, D] float32
     kmean: Tensor  # [B, Hk, Nk, D] float32, a transposed view of [B, Hk, D, Nk] storage
-    kbar: Tensor  # [B, Hk, Nk, D] float16: k̄_j / kscale_j, the tail scan's operand
-    kscale: Tensor  # [B, Hk, Nk] float32: the power of two each row of ``kbar`` was divided by
+    kbar: Tensor  # [B, Hk, Nk, D] float16: k̄_j / kscale, the tail scan's operand
+    kscale: Tensor  # [B, Hk] float32: the power of two each head's ``kbar`` was divided by
     vbar: Tensor  # [B, Hk, Nk, D] input dtype: value block means (V̂_j / n_j)
     hbar: Tensor | None  # [B, Hk, D, D] float32 (None when prepare(keep_hbar=False))
     hbar_lp: Tensor  # [B, Hk, D, D] input dtype: the attention kernel's operand for q·H̄
@@ -192,7 +195,8 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, with_hdev: bool = 
     dev = q.device
     kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
     kbar = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float16)
-    kscale = torch.empty(b, hk, nk, device=dev, dtype=torch.float32)
+    kscale = torch.empty(b, hk, device=dev, dtype=torch.float32)
+    kmax = torch.zeros(b, hk, device=dev, dtype=torch.float32)
     vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
     hbar = torch.zeros(b, hk, d, d, device=dev, dtype=torch.float32)
     kv_per, kv_chunks = chunking(nk, b * hk, dev)
@@ -200,11 +204,11 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, with_hdev: bool = 
     warps = 8 if d >= 128 else 4
     vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)  # scratch, freed below
     _kv_means_kernel[(nk, b * hk)](
-        k, v, kmean, kbar, kscale, vbar, vsum, *k.stride(), *v.stride(), hk, lk, nk,
+        k, v, kmean, kmax, vbar, vsum, *k.stride(), *v.stride(), hk, lk, nk,
         BS=block_size, D=d, num_warps=4,
     )
     _hbar_kernel[(n_kv,)](
-        k, v, kmean, vsum, hbar, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks, 1.0 / nk,
+        k, v, kmean, vsum, hbar, kmax, kbar, kscale, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks, 1.0 / nk,
         BS=block_size, D=d, F32=interpreting(), num_warps=warps,
     )
     hdev = None
