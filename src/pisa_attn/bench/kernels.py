@@ -335,20 +335,24 @@ def format_row(row: dict) -> str:
 
 def markdown_table(result: dict) -> str:
     m = result["meta"]
+    graphs = any("pisa_hybrid_graph" in r for r in result["rows"])
     lines = [
         f"GPU: {m['gpu']} | torch {m['torch']} | triton {m['triton']} | CUDA {m['cuda']} | {m['dtype']}, "
         f"layout {m['layout']}, block {m['block_size']} | {m['timing']} | {m['date']}",
         "",
         "| B-H-D | L | density | cuDNN ms | flash ms | Flex ms | PISA drop ms | PISA hybrid ms | hybrid speed-up | "
-        "drop speed-up | Flex speed-up | prep / select / attn ms | extra mem |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "drop speed-up | Flex speed-up | " + ("graph: cuDNN / hybrid ms (x) | " if graphs else "")
+        + "prep / select / attn ms | extra mem |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if graphs else "") + "---|",
     ]
     for r in result["rows"]:
+        graph = (f"{_f(r.get('sdpa_cudnn_graph'))} / {_f(r.get('pisa_hybrid_graph'))} "
+                 f"({_x(r.get('speedup_pisa_hybrid_graph'))}) | ") if graphs else ""
         lines.append(
             f"| {r['config']} | {r['length']} | {100 * r['density']:g}% | {_f(r.get('sdpa_cudnn'))} | "
             f"{_f(r.get('sdpa_flash'))} | {_f(r.get('flex'))} | {_f(r.get('pisa_drop'))} | {_f(r.get('pisa_hybrid'))} | "
             f"{_x(r.get('speedup_pisa_hybrid'))} | {_x(r.get('speedup_pisa_drop'))} | "
-            f"{_x(r.get('speedup_flex'))} | {_f(r.get('t_prepare'))} / {_f(r.get('t_select'))} / "
+            f"{_x(r.get('speedup_flex'))} | {graph}{_f(r.get('t_prepare'))} / {_f(r.get('t_select'))} / "
             f"{_f(r.get('t_attention'))} | {_f(100 * r['extra_frac'] if 'extra_frac' in r else None, 2)}% |"
         )
     return "\n".join(lines) + "\n"
