@@ -79,7 +79,7 @@ def main():
                       kmax_ptr="*fp32", kbar_ptr="*fp16", kscale_ptr="*fp32")
             _report(f"hbar D={d}", P._hbar_kernel, t4, dict(BS=64, D=d, F32=False), 8 if d >= 128 else 4, 3)
             _report(f"q_mean D={d}", P._q_mean_kernel, dict(q_ptr="*bf16", qmean_ptr="*fp32"), dict(BS=64, D=d), 4, 3)
-            t2 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", hbar_ptr="*fp32", hdev_ptr="*fp32")
+            t2 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", vsum_ptr="*fp32", hbar_ptr="*fp32", hdev_ptr="*fp32")
             _report(f"hdev D={d}", P._hdev_kernel, t2, dict(BS=64, D=d, F32=False), 8 if d >= 128 else 4, 3)
     if "select" in which:
         types = dict(scores_ptr="*fp32", hdev_ptr="*fp32", keep_ptr="*u8", idx_ptr="*i32", cnt_ptr="*i32",

@@ -66,6 +66,26 @@ def _kv_means_kernel(
     tl.store(vsum_ptr + out_off, v_sum)
 
 
+@triton.jit
+def _add_block_h(acc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, skd, svl, svd,
+                 BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
+    """``acc + H_j`` with ``H_j = K_jᵀV_j − k̄_jᵀ V̂_j`` (and ``k̄_j``): the product straight from the
+    bf16/fp16 tiles on the tensor cores (fp32 accumulate), the rank-1 correction on the CUDA cores
+    from the means ``_kv_means_kernel`` stored; padded rows are 0."""
+    rows = j * BS + tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    valid = (rows < LK)[:, None]
+    kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
+    vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
+    km = tl.load(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j)
+    v_sum = tl.load(vsum_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d)
+    if F32:  # Triton 3.9's interpreter mis-evaluates low-precision tl.dot
+        acc = tl.dot(tl.trans(kt.to(tl.float32)), vt.to(tl.float32), acc)
+    else:
+        acc = tl.dot(tl.trans(kt), vt, acc)
+    return acc - km[:, None] * v_sum[None, :], km
+
+
 @triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
 def _hbar_kernel(
     k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr, kmax_ptr, kbar_ptr, kscale_ptr,
@@ -78,7 +98,6 @@ def _hbar_kernel(
     # Only tensor-core work and two vector loads per block (the means come from _kv_means_kernel):
     # a GEMM-like loop with nothing that needs a block-wide reduction or barrier.
     pid = tl.program_id(0)
-    offs_n = tl.arange(0, BS)
     offs_d = tl.arange(0, D)
     c = pid % KV_CHUNKS
     bh = pid // KV_CHUNKS
@@ -95,20 +114,9 @@ def _hbar_kernel(
         tl.store(kscale_ptr + bh, ks)
     j0 = c * KV_PER
     for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
-        rows = j * BS + offs_n
-        valid = rows < LK
-        kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid[:, None], other=0.0)
-        vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid[:, None], other=0.0)
-        km = tl.load(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j)
-        v_sum = tl.load(vsum_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d)
+        hacc, km = _add_block_h(hacc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, skd, svl, svd,
+                                BS, D, F32)
         tl.store(kbar_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d, (km / ks).to(tl.float16))
-        # H_j = K_jᵀV_j − k̄_jᵀ V̂_j: the product straight from the bf16/fp16 tiles on the tensor
-        # cores (fp32 accumulate), the rank-1 correction on the CUDA cores; padded rows are 0.
-        if F32:  # Triton 3.9's interpreter mis-evaluates low-precision tl.dot
-            hacc += tl.dot(tl.trans(kt.to(tl.float32)), vt.to(tl.float32))
-        else:
-            hacc += tl.dot(tl.trans(kt), vt)
-        hacc -= km[:, None] * v_sum[None, :]
     # Dividing before the atomic add leaves H̄ itself in the buffer (no epilogue launch).
     tl.atomic_add(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :], hacc * inv_nk)
 
@@ -142,7 +150,6 @@ def _hdev_kernel(
     bh = pid // KV_CHUNKS
     b = (bh // HK).to(tl.int64)
     h = (bh % HK).to(tl.int64)
-    offs_n = tl.arange(0, BS)
     offs_d = tl.arange(0, D)
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
@@ -150,17 +157,9 @@ def _hdev_kernel(
     stat_row = bh.to(tl.int64) * NK
     j0 = c * KV_PER
     for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
-        rows = j * BS + offs_n
-        valid = rows < LK
-        kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid[:, None], other=0.0)
-        vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid[:, None], other=0.0)
-        km = tl.load(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j)
-        v_sum = tl.load(vsum_ptr + (stat_row + j) * D + offs_d)
-        if F32:
-            hj = tl.dot(tl.trans(kt.to(tl.float32)), vt.to(tl.float32))
-        else:
-            hj = tl.dot(tl.trans(kt), vt)
-        diff = hj - km[:, None] * v_sum[None, :] - hb
+        hj, _ = _add_block_h(tl.zeros([D, D], dtype=tl.float32), k_base, v_base, kmean_ptr, vsum_ptr, bh, j,
+                             NK, LK, skl, skd, svl, svd, BS, D, F32)
+        diff = hj - hb
         tl.store(hdev_ptr + stat_row + j, tl.sqrt(tl.sum(tl.sum(diff * diff, axis=1), axis=0)))
 
 
