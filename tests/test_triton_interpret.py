@@ -205,7 +205,7 @@ def test_sharded_keys_merge_to_the_unsharded_call(backend, mode):
     re-based per shard and the global H̄: the merged partials equal the unsharded attend stage."""
     be = REF if backend == "reference" else TRITON
     dtype = torch.float64 if backend == "reference" else torch.bfloat16
-    b, h, hk, lq, lk, d, bs = 2, 2, 2, 96, 230, 32, 16  # 15 key blocks, the last of 6 tokens
+    b, h, hk, lq, lk, d, bs = 1, 2, 2, 96, 230, 32, 16  # 15 key blocks, the last of 6 tokens; Hk > 1
     q, k, v = make_qkv(b, h, hk, lq, lk, d, dtype=dtype, seed=31)
     p = make_plan(q, k, 0.2, bs, mode, False, None, backend)
     stats, sel, _ = run_plan(be, q, k, v, p)
