@@ -152,7 +152,7 @@ def get_backend(name: str) -> Backend:
         try:
             from .ops.triton import op
         except ImportError as e:  # triton not installed
-            raise ValueError(f"backend='triton' requested but triton is unavailable ({e})") from None
+            raise ValueError(f"the triton backend is unavailable: triton cannot be imported ({e})") from None
         return op.BACKEND
     raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {name!r}")
 
