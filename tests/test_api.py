@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from brute import MODES, brute_dense, brute_pisa, brute_selection
-from pisa_attn import pisa_attention
+from pisa_attn import pisa_attention, spec
 from pisa_attn.ops import reference as ref
 
 
@@ -75,6 +75,10 @@ BAD_INPUTS = [
     ("keep-wrong-heads", _with(keep_blocks=torch.ones(1, 3, 1, dtype=torch.bool)), ValueError, "keep_blocks"),
     ("keep-per-query-block", _with(keep_blocks=torch.ones(1, 4, 1, 1, dtype=torch.bool)), ValueError, "keep_blocks"),
     ("keep-float", _with(keep_blocks=torch.ones(1)), TypeError, "keep_blocks"),
+    ("cov-truthy-str", _with(covariance_aware="no"), TypeError, "covariance_aware"),
+    ("cov-int", _with(covariance_aware=1), TypeError, "covariance_aware"),
+    ("return-lse-truthy-str", _with(return_lse="no"), TypeError, "return_lse"),
+    ("return-lse-none", _with(return_lse=None), TypeError, "return_lse"),
     ("keep-list", _with(keep_blocks=[True]), TypeError, "keep_blocks"),
 ]
 
@@ -84,6 +88,20 @@ def test_bad_input_raises_naming_the_argument(build, exc, pattern):
     kw = build()
     with pytest.raises(exc, match=pattern):
         pisa_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+
+
+@pytest.mark.parametrize(
+    "density,n,k", [(0.25, 10, 3), (0.15, 10, 2), (0.05, 10, 1), (0.35, 10, 4), (0.01, 10, 1), (1.0, 7, 7), (0.5, 3, 2)]
+)
+def test_selected_count_is_density_times_blocks_rounded_half_up(density, n, k):
+    assert spec.num_selected(density, n) == k
+
+
+def test_reference_backend_is_differentiable():
+    q, k, v = make_qkv(1, 2, 2, 48, 48, 16)
+    q.requires_grad_()
+    pisa_attention(q, k, v, density=0.5, block_size=16, backend="reference").sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
 def test_keep_blocks_on_another_accelerator_rejected():
@@ -168,7 +186,7 @@ def test_keep_blocks_are_exact_and_do_not_count_against_k():
     q, k, v = make_qkv(2, 4, 2, 160, 160, 32, seed=8)  # 10 key blocks of 16
     keep = torch.zeros(10, dtype=torch.bool)
     keep[[0, 7]] = True
-    n_sel = ref.num_selected(0.2, 10)
+    n_sel = spec.num_selected(0.2, 10)
     _, _, sel = ref.pisa_reference(q, k, v, density=0.2, block_size=16, keep_blocks=keep)
     assert sel[..., keep].all()
     assert (sel[..., ~keep].sum(-1) == n_sel).all()

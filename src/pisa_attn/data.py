@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from . import layout as lay
+from .spec import num_selected
 
 HEAD_TYPES = ("spatial", "temporal", "mixed", "global")
 # Per head type: positional (σ, gain) per axis (t, h, w): the positional logit of a key at
@@ -266,7 +267,8 @@ def describe(q: Tensor, k: Tensor, *, block_size: int = 64, density: float = 0.1
              seed: int = 0) -> dict[str, list[float]]:
     """Per-head attention statistics of ``[B, H, L, D]`` q/k on a sample of query blocks.
 
-    ``tail_mass``: softmax mass outside each query block's best ``round(density · N)`` key blocks
+    ``tail_mass``: softmax mass outside each query block's best ``k`` key blocks (PISA's count:
+    :func:`pisa_attn.spec.num_selected`, density · N rounded half up)
     (ranked by their true mass: the oracle tail); ``tail_block_std``: mass-weighted std of the
     scores inside those tail blocks (small means the tail is flat, where Taylor terms work).
     """
@@ -274,7 +276,7 @@ def describe(q: Tensor, k: Tensor, *, block_size: int = 64, density: float = 0.1
     nk = length // block_size
     if nk < 1 or k.shape[2] != length:
         raise ValueError(f"q and k need the same length of at least block_size, got {q.shape[2]} and {k.shape[2]}")
-    n_sel = max(1, round(density * nk))
+    n_sel = num_selected(density, nk)
     n_q = min(nk, query_blocks)
     pick = torch.randperm(nk, generator=torch.Generator().manual_seed(seed))[:n_q].to(q.device)
     rows = (pick[:, None] * block_size + torch.arange(block_size, device=q.device)).flatten()

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import BACKENDS, make_plan, pisa_attention
-from ..ops.reference import MODES
+from ..spec import MODES
 from .metrics import rel_l1
 
 METHODS = ("drop", "zeroth", "hybrid", "first")  # from plain block-sparse to the accuracy bound

@@ -124,9 +124,10 @@ def _plan(q, k, density, mode, block_size=64):
 
 
 def _pisa_call(q, k, v, plan):
-    from pisa_attn.ops.triton import op
+    from pisa_attn.attention import get_backend
 
-    return lambda: op.pisa_triton(q, k, v, plan, None, 0)
+    forward = get_backend("triton").forward
+    return lambda: forward(q, k, v, plan)
 
 
 def peak_extra_bytes(fn, out_bytes: int) -> int:
@@ -187,10 +188,10 @@ def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float, gra
 
 def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep_ms: float,
                with_flex: bool = True, flex_dynamic: bool = False, phases: bool = True, graphs: bool = False) -> dict:
-    from pisa_attn.ops.triton import attention as attn
-    from pisa_attn.ops.triton import prepare as prep
-    from pisa_attn.ops.triton import select as sel
+    from pisa_attn import spec
+    from pisa_attn.attention import get_backend
 
+    be = get_backend("triton")
     q, k, v = _inputs(cfg, length, dtype, layout)
     row: dict = {}
     for mode in ("drop", "hybrid"):
@@ -206,18 +207,21 @@ def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep
     row["extra_bytes"] = peak_extra_bytes(_pisa_call(q, k, v, plan), out_bytes)
     row["extra_frac"] = row["extra_bytes"] / qkvo
     row["n_select"] = plan.n_select
-    stats = prep.prepare(q, k, v, 64)
-    width = sel.selection_width(plan.n_kv_blocks, plan.n_select, 0)
-    idx, cnt, bits = sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale)
+    stats = be.prepare(q, k, v, 64)
+    width = spec.selection_width(plan.n_kv_blocks, plan.n_select)
+
+    def select():
+        return be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=width, scale=plan.scale)
+
+    sel = select()
     if phases:
-        row["t_prepare"] = bench_ms(lambda: prep.prepare(q, k, v, 64), rep_ms)
-        row["t_select"] = bench_ms(lambda: sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale), rep_ms)
-        row["t_attention"] = bench_ms(lambda: attn.attention(
-            q, k, v, *stats.tail(), idx, cnt, bits,
-            mode="hybrid", scale=plan.scale, block_size=64, n_select=plan.n_select), rep_ms)
+        row["t_prepare"] = bench_ms(lambda: be.prepare(q, k, v, 64), rep_ms)
+        row["t_select"] = bench_ms(select, rep_ms)
+        row["t_attention"] = bench_ms(lambda: be.attend(q, k, v, stats, sel, mode="hybrid", scale=plan.scale,
+                                                        block_size=64, n_select=plan.n_select), rep_ms)
     if with_flex:
         try:
-            bm = flex_block_mask(idx, cnt, length, length, 64)
+            bm = flex_block_mask(sel.idx, sel.cnt, length, length, 64)
             flex = _flex_fn(flex_dynamic)
             opts = {"BLOCK_M": 64, "BLOCK_N": 64}
             flex(q, k, v, block_mask=bm, kernel_options=opts)

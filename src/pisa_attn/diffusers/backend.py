@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import pisa_attention
-from ..ops import reference as ref
+from .. import spec
 from . import hooks
 from .schedule import DEFAULT_MIN_KV_LEN
 from .state import Run, Sequence, current_run, key_lengths, validate_settings
@@ -300,7 +300,7 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, o
             "image_range": (seq.image_lo, seq.image_hi),
             "key_lens": lens,
             "dense_reason": reason,
-            "n_select": ref.num_selected(cfg.density, math.ceil(k.shape[1] / cfg.block_size)),
+            "n_select": spec.num_selected(cfg.density, math.ceil(k.shape[1] / cfg.block_size)),
         },
     )
     hooks.notify(state.transformer, call)

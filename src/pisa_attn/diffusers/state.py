@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..layout import TokenLayout
-from ..ops import reference as ref
+from .. import spec
 from .models import CallInfo, ModelAdapter
 from .schedule import Schedule, StepTracker
 
@@ -27,8 +27,8 @@ def validate_settings(density, mode, block_size) -> None:
         raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__}")
     if not 0.0 < float(density) <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
-    if mode not in ref.MODES:
-        raise ValueError(f"mode must be one of {ref.MODES}, got {mode!r}")
+    if mode not in spec.MODES:
+        raise ValueError(f"mode must be one of {spec.MODES}, got {mode!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
 
@@ -70,7 +70,7 @@ class Sequence:
         """Keep flags for the first ``kv_len`` keys (masked trailing text keys dropped)."""
         if self.keep is None:
             return None
-        keep = self.keep[: ref.num_blocks(kv_len, block_size)]
+        keep = self.keep[: spec.num_blocks(kv_len, block_size)]
         return keep if bool(keep.any()) else None
 
 

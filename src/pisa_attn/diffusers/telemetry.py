@@ -20,7 +20,7 @@ import torch
 
 from ..attention import pisa_attention
 from ..bench import metrics
-from ..ops import reference as ref
+from .. import spec
 from . import hooks
 
 _ATTR = "_pisa_telemetry"
@@ -144,7 +144,7 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
         k, v = (x.index_select(0, idx)[:, :, :n] for x in (call.k, call.v))
         keep = None
         if call.keep_blocks is not None:
-            keep = call.keep_blocks[: ref.num_blocks(n, bs)]
+            keep = call.keep_blocks[: spec.num_blocks(n, bs)]
             keep = keep if bool(keep.any()) else None
         kw = dict(density=call.density, block_size=bs, covariance_aware=call.covariance_aware, keep_blocks=keep,
                   scale=call.scale)

@@ -12,10 +12,8 @@
    tensor-core product per tail score, no overflow whatever the magnitude).
 3. ``_q_mean_kernel`` (streaming): the query block means used by selection.
 
-One fused kv launch (means, reductions and the D×D product in one loop) was measured slower on an
-H200 (0.66 vs 0.48 ms at 32K, 2-16-128): its block-wide reductions put barriers into a loop that
-ran one 8-warp program per SM, so it stalled on shared memory; the split kernels have no barrier
-in their loops.
+The kv kernels are split so that no loop holds a block-wide reduction or barrier (a fused launch
+stalled on shared memory: see notes/kernel-notes.md).
 
 For covariance-aware selection a second, equally cheap pass computes ``||H_j − H̄||_F`` directly
 (``H_j`` lives in registers for one block at a time). The algebraic expansion
@@ -26,12 +24,14 @@ when ``H_j ≈ H̄``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..stages import slice_blocks
 from ._common import chunking, interpreting
 
 
@@ -165,28 +165,43 @@ def _hdev_kernel(
 
 @dataclass
 class Stats:
-    """Outputs of the prepare phase (``[B, H|Hk, N, D]`` contiguous)."""
+    """Outputs of the prepare stage (``[B, H|Hk, N, D]`` contiguous unless noted)."""
 
-    qmean: Tensor  # [B, H, Nq, D] float32
-    kmean: Tensor  # [B, Hk, Nk, D] float32, a transposed view of [B, Hk, D, Nk] storage
+    qmean: Tensor | None  # [B, H, Nq, D] float32
+    kmean: Tensor | None  # [B, Hk, Nk, D] float32, a transposed view of [B, Hk, D, Nk] storage
     kbar: Tensor  # [B, Hk, Nk, D] float16: k̄_j / kscale, the tail scan's operand
     kscale: Tensor  # [B, Hk] float32: the power of two each head's ``kbar`` was divided by
     vbar: Tensor  # [B, Hk, Nk, D] input dtype: value block means (V̂_j / n_j)
-    hbar: Tensor | None  # [B, Hk, D, D] float32 (None when prepare(keep_hbar=False))
+    hbar: Tensor | None  # [B, Hk, D, D] float32 (None after a lean prepare)
     hbar_lp: Tensor  # [B, Hk, D, D] input dtype: the attention kernel's operand for q·H̄
     hdev: Tensor | None  # [B, Hk, Nk] float32, ||H_j − H̄||_F (covariance-aware only)
+
+    BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "vbar": 2, "hdev": 2}
+    # kbar is only meaningful with the kscale it was divided by: a shard keeps its own.
+    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ("kscale",)
 
     def tail(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What the attention kernel reads besides q, k, v and the selection."""
         return self.kbar, self.kscale, self.vbar, self.hbar_lp
 
+    def blocks(self, lo: int, hi: int) -> "Stats":
+        return slice_blocks(self, lo, hi)
 
-def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, with_hdev: bool = False,
-            keep_hbar: bool = True) -> Stats:
+    def with_hbar(self, hbar: Tensor) -> "Stats":
+        return Stats(self.qmean, self.kmean, self.kbar, self.kscale, self.vbar, hbar,
+                     hbar.to(self.hbar_lp.dtype), self.hdev)
+
+    def for_attend(self) -> "Stats":
+        self.qmean = self.kmean = self.hbar = self.hdev = None  # in place: no allocation per call
+        return self
+
+
+def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
+            lean: bool = False) -> Stats:
     """Block statistics of ``[B, H, L, D]`` views (any strides). Issues no host synchronisation.
 
-    ``keep_hbar=False`` frees the float32 ``H̄`` once its input-dtype copy exists (the op path: at
-    short lengths these fixed ``D×D`` buffers dominate the extra memory).
+    ``lean`` frees the float32 ``H̄`` once its input-dtype copy exists (the fused path: at short
+    lengths these fixed ``D×D`` buffers dominate the extra memory).
     """
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -210,21 +225,45 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, with_hdev: bool = 
         k, v, kmean, vsum, hbar, kmax, kbar, kscale, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks, 1.0 / nk,
         BS=block_size, D=d, F32=interpreting(), num_warps=warps,
     )
-    hdev = None
-    if with_hdev:
-        hdev = torch.empty(b, hk, nk, device=dev, dtype=torch.float32)
-        _hdev_kernel[(n_kv,)](
-            k, v, kmean, vsum, hbar, hdev,
-            *k.stride(), *v.stride(),
-            hk, lk, nk, kv_per, kv_chunks,
-            BS=block_size, D=d, F32=interpreting(), num_warps=warps,
-        )
+    hdev = _hdev(k, v, kmean, vsum, hbar, block_size) if with_hdev else None
     del vsum
     # Rounded once here instead of in every attention program (each would read 4·D² bytes).
     hbar_lp = hbar.to(k.dtype)
-    if not keep_hbar:
+    if lean:
         hbar = None
     # Allocated last, after the float32 H̄ may be gone: lowers the peak at short lengths.
     qmean = torch.empty(b, h, nq, d, device=dev, dtype=torch.float32)
     _q_mean_kernel[(nq, b * h)](q, qmean, *q.stride(), h, lq, nq, BS=block_size, D=d, num_warps=4)
     return Stats(qmean=qmean, kmean=kmean, kbar=kbar, kscale=kscale, vbar=vbar, hbar=hbar, hbar_lp=hbar_lp, hdev=hdev)
+
+
+def _hdev(k: Tensor, v: Tensor, kmean: Tensor, vsum: Tensor, hbar: Tensor, block_size: int) -> Tensor:
+    b, hk, lk, d = k.shape
+    nk = kmean.shape[2]
+    kv_per, kv_chunks = chunking(nk, b * hk, k.device)
+    hdev = torch.empty(b, hk, nk, device=k.device, dtype=torch.float32)
+    _hdev_kernel[(b * hk * kv_chunks,)](
+        k, v, kmean, vsum, hbar, hdev,
+        *k.stride(), *v.stride(),
+        hk, lk, nk, kv_per, kv_chunks,
+        BS=block_size, D=d, F32=interpreting(), num_warps=8 if d >= 128 else 4,
+    )
+    return hdev
+
+
+def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int) -> Tensor:
+    """||H_j − H̄||_F ``[B, Hk, Nk]`` of the blocks of ``k``/``v`` (described by ``stats``) against
+    any float32 ``hbar`` ``[B, Hk, D, D]``, e.g. the global H̄ of a sharded sequence. Reruns the
+    streaming means pass for the float32 value sums, which prepare does not keep."""
+    b, hk, lk, d = k.shape
+    nk = stats.kbar.shape[2]
+    dev = k.device
+    kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
+    kmax = torch.zeros(b, hk, device=dev, dtype=torch.float32)
+    vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
+    vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)
+    _kv_means_kernel[(nk, b * hk)](
+        k, v, kmean, kmax, vbar, vsum, *k.stride(), *v.stride(), hk, lk, nk,
+        BS=block_size, D=d, num_warps=4,
+    )
+    return _hdev(k, v, kmean, vsum, hbar.float().contiguous(), block_size)
