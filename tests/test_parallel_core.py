@@ -239,3 +239,24 @@ def test_merge_is_exact_softmax_split():
     assert torch.equal(out2, torch.zeros_like(full)) and torch.isneginf(lse2).all()
     out3, _ = merge([(nan_out, empty_lse), part(slice(0, 8))])
     assert torch.allclose(out3, full, atol=1e-12)
+
+
+@pytest.mark.parametrize("nk", [1, 31, 33, 70])
+def test_selection_blocks_is_the_mask_restricted_to_the_shard(nk):
+    """Selection.blocks (index-list and bit-shift arithmetic) names the same exact set as the
+    bool mask cut to [lo, hi), with the same width; re-based indices stay inside the shard."""
+    from pisa_attn.ops.selection import Selection, idx_to_mask
+
+    g = torch.Generator().manual_seed(nk)
+    for width in (1, 3, nk):
+        first = Selection.from_mask(torch.rand(2, 3, 4, nk, generator=g) < 0.3, width)
+        mask = idx_to_mask(first.idx, first.cnt, nk)  # at most `width` per row, as select makes them
+        sel = Selection.from_mask(mask, width)
+        for lo in range(0, nk + 1, 4):
+            for hi in range(lo, nk + 1, 7):
+                got, want = sel.blocks(lo, hi), Selection.from_mask(mask[..., lo:hi], max(1, min(hi - lo, width)))
+                assert got.idx.shape == want.idx.shape and torch.equal(got.cnt, want.cnt), (width, lo, hi)
+                assert torch.equal(got.bits, want.bits), (width, lo, hi)
+                assert torch.equal(idx_to_mask(got.idx, got.cnt, hi - lo), mask[..., lo:hi]), (width, lo, hi)
+                if hi > lo:
+                    assert 0 <= got.idx.min() and got.idx.max() < hi - lo

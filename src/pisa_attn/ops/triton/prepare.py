@@ -222,7 +222,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
         BS=block_size, D=d, num_warps=4,
     )
     _hbar_kernel[(n_kv,)](
-        k, v, kmean, vsum, hbar, kmax, kbar, kscale, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks, 1.0 / nk,
+        k, v, kmean, vsum, hbar, kmax, kbar, kscale, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks, 1.0 / max(nk, 1),
         BS=block_size, D=d, F32=interpreting(), num_warps=warps,
     )
     hdev = _hdev(k, v, kmean, vsum, hbar, block_size) if with_hdev else None
