@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..layout import TokenLayout, make_layout
 from .models import CallInfo
-from .parallel import tokens_stay_in_model_order
+from .parallel import check_token_split, tokens_stay_in_model_order
 from .state import Layouts, PisaState, Run, Sequence, current_run, enter_run, exit_run
 
 
@@ -78,6 +78,7 @@ def _pre_hook(state: PisaState, signature: inspect.Signature):
         if layouts is None:
             layouts = build_layouts(info.grid, info.text_len, adapter.text, cfg.tile, cfg.block_size)
             state.layouts[key] = layouts
+        check_token_split(module, layouts.joint)  # before diffusers shards the tokens (context parallelism)
         previous = state.tracker.step
         step = state.tracker.observe(info.timestep)
         if step == 0 and previous != 0:  # a new generation (also detected without the pipeline hook)
