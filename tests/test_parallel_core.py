@@ -1,7 +1,7 @@
-"""Ring and Ulysses PISA on 2 (and 3) gloo CPU ranks equal single-process PISA on the whole sequence.
+"""Ring and Ulysses PISA on 2 gloo CPU ranks equal single-process PISA on the whole sequence
+(3 and 4 ranks, Ulysses x ring: test_parallel_four_ranks.py, which reuses these cases).
 
-All cases run inside one spawn per world size (process start dominates); each case is then
-asserted on its own. Inputs are float64 so that a different block selection (an O(1e-2) change)
+All cases run inside one spawn (process start dominates); each case is then asserted on its own. Inputs are float64 so that a different block selection (an O(1e-2) change)
 cannot hide under the tolerance; ring partials merge through float32 LSEs (the reference returns
 float32 LSE), hence ring's 1e-5.
 """
@@ -16,7 +16,7 @@ import torch
 from pisa_attn import pisa_attention
 from pisa_attn.spec import num_blocks
 from pisa_attn.ops.merge import merge
-from pisa_attn.parallel import ring_pisa_attention, ulysses_pisa_attention
+from pisa_attn.parallel import ring_pisa_attention, ulysses_pisa_attention, unified_pisa_attention
 from pisa_attn.parallel.launch import run_local
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # conftest sets it without a GPU; ranks inherit it
@@ -48,19 +48,16 @@ CASES = {
     "ulysses-zeroth-mqa": spec("ulysses", 160, "zeroth", hk=1, layout="bshd", keep="head"),
     "ulysses-drop-perm": spec("ulysses", 150, "drop", shards=[100, 50], cov=True, h=2, hk=2, perm=True, keep="flat"),
 }
-CASES3 = {
-    "ring3-hybrid-unaligned": spec("ring", 230, shards=[90, 60, 80], cov=True, h=3, hk=3),
-    "ring3-first-perm": spec("ring", 192, "first", h=3, hk=1, layout="bshd", perm=True, keep="flat"),
-    "ulysses3-hybrid-perm": spec("ulysses", 180, cov=True, h=6, hk=2, perm=True, keep="head"),
-}
-TOL = {"ring": 1e-5, "ulysses": 1e-12}
+TOL = {"ring": 1e-5, "ulysses": 1e-12, "unified": 1e-5}
 
 
 def _lengths(total: int, shards, world: int) -> list[int]:
     return shards or [total // world + (r < total % world) for r in range(world)]
 
 
-def _run_case(rank, world, c):
+def _run_case(rank, world, c, groups=None):
+    """One case on this rank (``rank``/``world`` within the case's ranks); ``groups``: the process
+    groups the entry takes (default group: none), e.g. {"ulysses_group": .., "ring_group": ..}."""
     total, h, dtype = c["total"], c["h"], c["dtype"]
     g = torch.Generator().manual_seed(total * 7 + h)
     q = torch.randn(2, h, total, 32, generator=g, dtype=dtype)
@@ -99,8 +96,8 @@ def _run_case(rank, world, c):
         extra["q_perm"] = q_order
     if c["exact_rest"]:
         extra["exact_rest"] = True
-    fn = ring_pisa_attention if c["algo"] == "ring" else ulysses_pisa_attention
-    out, lse = fn(*local, layout=c["layout"], return_lse=True, **extra, **kw)
+    fn = {"ring": ring_pisa_attention, "ulysses": ulysses_pisa_attention, "unified": unified_pisa_attention}[c["algo"]]
+    out, lse = fn(*local, layout=c["layout"], return_lse=True, **extra, **kw, **(groups or {}))
     if c["layout"] == "bshd":
         out = out.transpose(1, 2)
     assert out.dtype == dtype and out.shape == want[:, :, sl].shape
@@ -174,11 +171,6 @@ def two_ranks():
     return run_local(_worker, 2, CASES, True)
 
 
-@pytest.fixture(scope="module")
-def three_ranks():
-    return run_local(_worker, 3, CASES3, False)
-
-
 def _check(results, name, algo):
     for rank, res in enumerate(results):
         err_out, err_lse = res[name]
@@ -188,11 +180,6 @@ def _check(results, name, algo):
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_equal_single_process(two_ranks, name):
     _check(two_ranks, name, CASES[name]["algo"])
-
-
-@pytest.mark.parametrize("name", list(CASES3))
-def test_three_ranks_equal_single_process(three_ranks, name):
-    _check(three_ranks, name, CASES3[name]["algo"])
 
 
 @pytest.mark.parametrize(

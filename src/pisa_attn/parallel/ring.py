@@ -217,7 +217,7 @@ def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size,
     stages. ``q``: this rank's query blocks (whole blocks of the global query sequence, which may
     differ from the key sequence). ``q_exact``: optional further queries (any count) that attend
     every key exactly, in the same pass. Returns ``((out, lse), (out_exact, lse_exact) | None)``,
-    outputs in q's dtype, LSEs float32 (float64 for float64 inputs on the reference)."""
+    outputs in q's dtype, LSEs float32."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dev = q.device
     blocks = [spec.num_blocks(k_bounds[r + 1] - k_bounds[r], block_size) for r in range(world)]
@@ -265,7 +265,9 @@ def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size,
                 exchange.wait()
             cur, src = nxt, prev
     with phase("merge", dev):
-        res = [merge(p, out_dtype=qg.dtype) if p else _no_rows(qg, wide) for p, (qg, *_) in zip(parts, groups)]
+        res = [merge(p, out_dtype=qg.dtype) if p else _no_rows(qg) for p, (qg, *_) in zip(parts, groups)]
+    # float32 LSEs on every rank (a rank without queries too): the ranks exchange them afterwards.
+    res = [(o, l.float()) for o, l in res]
     return res[0], (res[1] if len(res) > 1 else None)
 
 
@@ -277,9 +279,9 @@ def _every_block(q: Tensor, n_blocks: int, block_size: int) -> Selection:
     return Selection(*(x.expand(b, h, nq, x.shape[-1]).contiguous() for x in one))
 
 
-def _no_rows(q: Tensor, lse_dtype) -> tuple[Tensor, Tensor]:
+def _no_rows(q: Tensor) -> tuple[Tensor, Tensor]:
     b, h, lq, d = q.shape
-    return q.new_zeros(b, h, lq, d), torch.full((b, h, lq), float("-inf"), dtype=lse_dtype, device=q.device)
+    return q.new_zeros(b, h, lq, d), torch.full((b, h, lq), float("-inf"), device=q.device)
 
 
 class _KVShard:
