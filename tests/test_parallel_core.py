@@ -253,3 +253,31 @@ def test_selection_blocks_is_the_mask_restricted_to_the_shard(nk):
                 assert torch.equal(idx_to_mask(got.idx, got.cnt, hi - lo), mask[..., lo:hi]), (width, lo, hi)
                 if hi > lo:
                     assert 0 <= got.idx.min() and got.idx.max() < hi - lo
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the Triton merge runs through the CPU interpreter here")
+@pytest.mark.parametrize("n, dtype, d", [(1, torch.float32, 16), (3, torch.bfloat16, 32), (4, torch.float32, 48)])
+def test_triton_merge_matches_torch_merge(n, dtype, d):
+    """One-pass kernel vs the PyTorch merge: partials in a [B, L, H, D] layout, rows with no term in
+    some partial (lse -inf, NaN output), rows with no term anywhere; output dtype and layout kept."""
+    from pisa_attn.ops.merge import merge_torch
+    from pisa_attn.ops.triton import merge as kernel
+
+    g = torch.Generator().manual_seed(n)
+    parts = []
+    for i in range(n):
+        o = torch.randn(2, 3, 70, d, generator=g).to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        lse = torch.randn(2, 3, 70, generator=g) * 3
+        lse[0, 0, : 5 + i] = float("-inf")  # rows 0-4: no term anywhere; 5..: no term in some partials
+        o[0, 0, : 5 + i] = float("nan")
+        parts.append((o, lse))
+    assert kernel.supports(parts)
+    out_dtype = dtype if dtype != torch.float32 else None
+    got, got_lse = kernel.merge(parts, out_dtype)
+    want, want_lse = merge_torch(parts, out_dtype)
+    assert got.dtype == want.dtype and got.stride() == parts[0][0].stride()
+    assert torch.equal(torch.isneginf(got_lse), torch.isneginf(want_lse)) and torch.isfinite(got).all()
+    fin = torch.isfinite(want_lse)
+    assert (got_lse - want_lse)[fin].abs().max() < 1e-6
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # one bfloat16 rounding apart at most
+    assert ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1)).max() <= tol

@@ -137,7 +137,8 @@ def _bench(rank: int, world: int):
     spec = importlib.util.spec_from_file_location("bench_parallel", BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    args = mod.parse_args(["--tiny", "--kinds", "ulysses", "--iters", "1", "--warmup", "0"])  # ring: above
+    args = mod.parse_args(["--tiny", "--dense", "--kinds", "ulysses,ring", "--iters", "1", "--warmup", "0",
+                           "--out", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_parallel_{os.getpid()}")])
     res = mod.bench_rank(rank, world, args)
     return None if res is None else (res, mod.table(res))
 
@@ -191,14 +192,19 @@ def test_clear_errors(ranks):
 
 
 def test_bench_tiny(ranks):
+    """The benchmark's rows, differences against 1-rank PISA, phase split and table (tiny, CPU)."""
     res, text = ranks[0]["bench"]
     assert ranks[1]["bench"] is None
-    configs = ["dense 1 rank", "pisa 1 rank", "dense ulysses x2", "pisa ulysses x2"]
-    assert [r["config"] for r in res["rows"]] == configs
-    for row in res["rows"][2:]:
+    (shape,) = res["shapes"]
+    configs = ["dense 1 GPU", "pisa 1 GPU", "pisa ulysses x2", "pisa ring x2", "dense ulysses x2"]
+    assert [r["config"] for r in shape["rows"]] == configs and not shape["skipped"]
+    for row in shape["rows"][2:]:
         assert row["max_abs_diff"] < TOL and row["finite"] and row["speedup"] > 0
-    assert res["pisa_vs_dense_1rank"] > 1e-3
-    assert text.splitlines()[-1].startswith("pisa ulysses x2")
+    ring = shape["rows"][3]["phases_ms"]
+    assert ring["calls"] > 0 and all(ring[k] > 0 for k in ("attend", "wait", "merge", "stats", "select"))
+    assert "a2a" in shape["rows"][2]["phases_ms"]
+    assert shape["pisa_vs_dense_1gpu_max_abs"] > 1e-3
+    assert text.splitlines()[-1].lstrip().startswith("dense ulysses x2")
 
 
 def test_masks_rejected():

@@ -116,7 +116,7 @@ def ring_pisa_attention(
     keep, n_keep_max = normalize_keep_blocks(keep_blocks, sh.batch, sh.heads, n_kv, q.device)
     dev = q.device
 
-    with phase("redistribute", dev):
+    with phase("redist", dev):
         qa = plan.to_q.apply(qh, 2, group)
         ka, va = (plan.to_k.apply(x, 2, group) for x in (kh, vh))
         rest = plan.rest_index(dev) if exact_rest else None
@@ -127,7 +127,7 @@ def ring_pisa_attention(
         covariance_aware=covariance_aware, scale=scale, keep=keep, n_keep_max=n_keep_max, q_exact=q_rest,
     )  # fmt: skip
 
-    with phase("redistribute", dev):
+    with phase("redist", dev):
         # Queries that q_perm leaves out come back as out = 0, lse = -inf (no term at all)...
         out = plan.to_q.reverse(out, 2, group)
         lse = plan.to_q.reverse(lse, 2, group, fill=float("-inf")) if return_lse else None

@@ -105,7 +105,7 @@ def _ulysses(qh, kh, vh, fn: HeadFn, sh: Shards, group, perm):
         # Exact GQA with fewer kv heads than ranks: each rank needs the kv heads of its query heads.
         kh, vh = expand_kv_heads(kh, sh.heads), expand_kv_heads(vh, sh.heads)
     dev = qh.device
-    with phase("all_to_all", dev):
+    with phase("a2a", dev):
         if sh.q_lens == sh.k_lens:
             qf, kf, vf = _seq_to_heads([qh, kh, vh], sh.q_lens, sh, group)
         else:
@@ -120,7 +120,7 @@ def _ulysses(qh, kh, vh, fn: HeadFn, sh: Shards, group, perm):
         with phase("permute", dev):
             out = out.index_select(2, inv)
             lse = None if lse is None else lse.index_select(2, inv)
-    with phase("all_to_all", dev):
+    with phase("a2a", dev):
         out = _heads_to_seq(out, sh.q_lens, sh, group)
         if lse is not None:
             lse = _heads_to_seq(lse[..., None], sh.q_lens, sh, group)[..., 0]
