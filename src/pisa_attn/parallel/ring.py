@@ -285,30 +285,24 @@ def _no_rows(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _KVShard:
-    """One K/V shard as it travels: ``k``/``v`` [B, Hk, L, D] views whose memory (``wire``) is
-    contiguous, so a shard is sent as it lies, without a packing copy."""
+    """One K/V shard as it travels: ``k``/``v`` [B, Hk, L, D] views of ``wire``, two contiguous
+    [L, B, Hk, D] buffers. Every rank uses this one memory order (the bytes a rank receives are
+    read as the sender laid them out); it is the order redistributed tokens arrive in, and for
+    B = 1 also diffusers' [B, L, H, D], so a shard is sent as it lies, without a packing copy."""
 
-    # [B, Hk, L, D] -> memory order: bhsd (contiguous), bshd (diffusers' layout), lbhd (redistributed)
-    _ORDERS = ((0, 1, 2, 3), (0, 2, 1, 3), (2, 0, 1, 3))
+    _ORDER, _INVERSE = (2, 0, 1, 3), (1, 2, 0, 3)
 
-    def __init__(self, k: Tensor, v: Tensor, order: tuple[int, ...], wire: list[Tensor]):
-        self.k, self.v, self.order, self.wire = k, v, order, wire
+    def __init__(self, wire: list[Tensor]):
+        self.wire = wire
+        self.k, self.v = (w.permute(self._INVERSE) for w in wire)
 
     @classmethod
     def local(cls, k: Tensor, v: Tensor) -> "_KVShard":
-        for order in cls._ORDERS:
-            wk, wv = k.permute(order), v.permute(order)
-            if wk.is_contiguous() and wv.is_contiguous():
-                return cls(k, v, order, [wk, wv])
-        return cls.local(k.contiguous(), v.contiguous())
+        return cls([x.permute(cls._ORDER).contiguous() for x in (k, v)])  # no copy when already so laid out
 
     def like(self, n_tokens: int) -> "_KVShard":
-        """An empty shard of ``n_tokens`` tokens in the same memory order (a receive buffer)."""
-        inv = [self.order.index(i) for i in range(4)]
-        shape = list(self.k.shape)
-        shape[2] = n_tokens
-        wire = [x.new_empty([shape[i] for i in self.order]) for x in (self.k, self.v)]
-        return _KVShard(wire[0].permute(inv), wire[1].permute(inv), self.order, wire)
+        """An empty shard of ``n_tokens`` tokens (a receive buffer)."""
+        return _KVShard([w.new_empty((n_tokens, *w.shape[1:])) for w in self.wire])
 
 
 def _gather_stats(be: Backend, local, k: Tensor, v: Tensor, blocks: list[int], group, covariance_aware: bool,
