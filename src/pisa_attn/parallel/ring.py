@@ -258,6 +258,8 @@ def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size,
                         s_shard, n_sel = _every_block(qg, blocks[src], block_size), blocks[src]
                     else:
                         s_shard = selg.blocks(c0, c0 + blocks[src])
+                        # The kernel picks its config by density: a shard holds its share of the top-k.
+                        n_sel = max(1, round(n_sel * blocks[src] / n_kv))
                     acc.append(be.attend(qg, ks, vs, shards[src], s_shard, mode=mode_g, scale=scale,
                                          block_size=block_size, n_select=n_sel, out_dtype=wide))
         if nxt is not None:
