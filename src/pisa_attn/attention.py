@@ -19,10 +19,10 @@ from .ops.stages import Backend
 log = logging.getLogger("pisa_attn")
 
 LAYOUTS = ("bhsd", "bshd")
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "hopper", "triton", "reference")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-INFERENCE_ONLY = ("triton",)  # backends whose kernels have no backward
+INFERENCE_ONLY = ("hopper", "triton")  # backends whose kernels have no backward
 
 _logged: set[str] = set()
 
@@ -54,7 +54,7 @@ class PisaPlan:
     mode: str
     covariance_aware: bool
     scale: float
-    backend: str  # "triton" or "reference": what actually runs
+    backend: str  # "hopper", "triton" or "reference": what actually runs
 
 
 def _check_tensor(name: str, x) -> None:
@@ -142,8 +142,8 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
 
 
 def get_backend(name: str) -> Backend:
-    """The stage implementation called ``name`` (``"reference"`` or ``"triton"``); ValueError when
-    it cannot be loaded (Triton not installed)."""
+    """The stage implementation called ``name`` (``"reference"``, ``"triton"`` or ``"hopper"``);
+    ValueError when it cannot be loaded (Triton not installed, or without Gluon for ``"hopper"``)."""
     if name == "reference":
         from .ops import reference
 
@@ -154,27 +154,38 @@ def get_backend(name: str) -> Backend:
         except ImportError as e:  # triton not installed
             raise ValueError(f"the triton backend is unavailable: triton cannot be imported ({e})") from None
         return op.BACKEND
+    if name == "hopper":
+        try:
+            from .ops.gluon import op
+        except ImportError as e:  # no triton, or a triton without Gluon
+            raise ValueError(f"the hopper backend is unavailable: its Gluon kernel cannot be imported ({e})") from None
+        return op.BACKEND
     raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {name!r}")
+
+
+def _reason(name: str, q: Tensor, mode: str, block_size: int) -> str | None:
+    try:
+        return get_backend(name).unsupported_reason(q, mode, block_size)
+    except ValueError as e:
+        return str(e)
 
 
 def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int) -> str:
     if backend == "reference":
         return "reference"
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if backend == "triton":
-        if not q.is_cuda and not interpret:
+    if backend in ("triton", "hopper"):
+        if backend == "triton" and not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
-        reason = get_backend("triton").unsupported_reason(q, mode, block_size)
+        reason = _reason(backend, q, mode, block_size)
         if reason is not None:
-            raise ValueError(f"backend='triton' does not support this call: {reason}")
-        return "triton"
-    # auto
+            raise ValueError(f"backend={backend!r} does not support this call: {reason}")
+        return backend
+    # auto: the Hopper kernel where it runs, else the portable Triton kernels, else PyTorch
     if not q.is_cuda:
         return "reference"
-    try:
-        reason = get_backend("triton").unsupported_reason(q, mode, block_size)
-    except ValueError as e:
-        reason = str(e)
+    if _reason("hopper", q, mode, block_size) is None:
+        return "hopper"
+    reason = _reason("triton", q, mode, block_size)
     if reason is None:
         return "triton"
     _log_once(f"pisa_attention: using the PyTorch reference on CUDA because {reason}", logging.WARNING)
@@ -228,14 +239,15 @@ def pisa_attention(
             the CPU (recommended for CUDA graphs: its count is then read without a device sync).
         return_lse: also return the log-sum-exp of the (approximated) softmax denominator,
             ``[B, H, Lq]`` float32, natural log of scaled scores (as flash-attn's softmax_lse).
-        backend: ``"auto"`` (Triton kernels for supported CUDA inputs, else the reference),
-            ``"triton"`` (force the kernels; CPU tensors need ``TRITON_INTERPRET=1``),
-            ``"reference"`` (force PyTorch).
+        backend: ``"auto"`` (the Hopper kernel on sm_90 GPUs where it applies, else the Triton
+            kernels for supported CUDA inputs, else the reference), ``"hopper"`` (force the
+            warp-specialised sm_90 kernel), ``"triton"`` (force the portable kernels; CPU tensors
+            need ``TRITON_INTERPRET=1``), ``"reference"`` (force PyTorch).
 
     Returns:
         ``out`` with the shape and layout of ``q``, or ``(out, lse)`` when ``return_lse``.
 
-    The Triton kernels are inference-only: a call that would run them on inputs requiring grad
+    The kernels (hopper, triton) are inference-only: a call that would run them on inputs requiring grad
     (with autograd enabled) raises ValueError; the reference backend is differentiable.
     """
     qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,

@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..launch import Desc, Launcher
+from ..triton.attention import _alloc_like_layout
 from ..triton.pairs import pair_union
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -353,10 +354,7 @@ def attention(
     bs = block_size
     nq, nk = -(-lq // bs), -(-lk // bs)
     if out is None:
-        if q.stride(1) < q.stride(2):  # q is a [B, L, H, D] buffer: keep that layout
-            out = torch.empty(b, lq, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
-        else:
-            out = torch.empty(b, h, lq, d, device=q.device, dtype=q.dtype)
+        out = _alloc_like_layout(q)
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
     uidx, ucnt = pair_union(bits, nk, idx.shape[-1])
