@@ -9,8 +9,10 @@ PY      = $(VENV)/bin/python
 # the test extras on top (pytest, hypothesis, matplotlib and the diffusers stack).
 CORE    = $(VENV)/.pisa-core
 EXTRAS  = $(VENV)/.pisa-test
+# --dist loadscope: a module's tests share one worker, so a module-scoped fixture (the spawned
+# process groups, the tiny models) is built once, not once per worker.
 # pytest exits with 5 when a marker selects no test; that is not a failure here.
-PYTEST  = $(PY) -m pytest -q -n 2 --durations=15
+PYTEST  = $(PY) -m pytest -q -n 2 --dist loadscope --durations=15
 
 .PHONY: setup demo test test-slow clean
 
