@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import re
 import runpy
 import subprocess
 import sys
@@ -269,3 +271,13 @@ print("torch imported:", "torch" in sys.modules)
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert run.stdout.startswith(f"pisa-attn {cli.__version__}\n") and "usage: pisa-attn" in run.stdout
     assert run.stdout.rstrip().endswith("torch imported: False")
+
+
+def test_readme_cpu_example_runs_as_written(capsys):
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)  # the first example: the CPU one
+    assert "cuda" not in code
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.strip()
+    claimed = re.search(r"# (\d\.\d+)\s*$", code.strip()).group(1)  # the value its last line promises
+    assert printed == f"rel-L1 vs dense: {claimed}"
