@@ -12,7 +12,7 @@ EXTRAS  = $(VENV)/.pisa-test
 # --dist loadscope: a module's tests share one worker, so a module-scoped fixture (the spawned
 # process groups, the tiny models) is built once, not once per worker.
 # pytest exits with 5 when a marker selects no test; that is not a failure here.
-PYTEST  = $(PY) -m pytest -q -n 2 --dist loadscope --durations=15
+PYTEST  = $(PY) -m pytest -q --durations=15
 
 .PHONY: setup demo test test-slow clean
 
@@ -34,9 +34,10 @@ demo: $(CORE)
 
 # Everything but the tests marked `slow` (under 5 minutes on 2 cores).
 test: $(EXTRAS)
-	$(PYTEST) -m "not slow" || [ $$? -eq 5 ]
+	$(PYTEST) -n 2 --dist loadscope -m "not slow" || [ $$? -eq 5 ]
 
-# The tests marked `slow` (torch.compile through inductor); CI runs them after `make test`.
+# The tests marked `slow` (torch.compile through inductor); CI runs them after `make test`. One
+# process: starting xdist workers (each imports and collects the whole suite) costs more than it saves.
 test-slow: $(EXTRAS)
 	$(PYTEST) -m slow || [ $$? -eq 5 ]
 
