@@ -87,7 +87,7 @@ def _kv_stats_kernel(
     svb, svh, svl, svd,
     HK, LK, NK, KV_PER, KV_CHUNKS,
     inv_nk,
-    BS: tl.constexpr, D: tl.constexpr, CB: tl.constexpr, F32: tl.constexpr,
+    BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     c = pid % KV_CHUNKS
@@ -124,16 +124,13 @@ def _kv_stats_kernel(
         ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
         tl.store(kbar_ptr + out_off, (km / ks).to(tl.float16))
         tl.store(kscale_ptr + bh.to(tl.int64) * NK + j, ks)
-    # Σ_j k̄_j V̂_jᵀ of the run, read back from what the loop stored (other threads wrote it),
-    # in exact float32: H_j is the difference of two large terms.
+    # Σ_j k̄_j V̂_jᵀ of the run as rank-1 updates, the means read back from what the loop stored
+    # (other threads wrote them) straight into the accumulator's row and column layouts.
     tl.debug_barrier()
-    for jc in range(j0, j1, CB):
-        cols = jc + tl.arange(0, CB)
-        cm = cols < j1
-        kmt = tl.load(kmean_t + offs_d[:, None] * NK + cols[None, :], mask=cm[None, :], other=0.0)
-        vs = tl.load(vsum_ptr + (bh.to(tl.int64) * NK + cols)[:, None] * D + offs_d[None, :], mask=cm[:, None],
-                     other=0.0)
-        hacc = tl.dot(kmt, -vs, hacc, input_precision="ieee")
+    for j in range(j0, j1):
+        km = tl.load(kmean_t + offs_d * NK + j)
+        v_sum = tl.load(vsum_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d)
+        hacc -= km[:, None] * v_sum[None, :]
     # Dividing before the atomic add leaves H̄ itself in the buffer (no epilogue launch).
     tl.atomic_add(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :], hacc * inv_nk)
 
@@ -232,7 +229,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)  # scratch, freed below
     _kv_stats_kernel[(b * hk * kv_chunks,)](
         k, v, kmean, kbar, kscale, vbar, vsum, hbar, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks,
-        1.0 / nk, BS=block_size, D=d, CB=32, F32=interpreting(), num_warps=8 if d >= 128 else 4,
+        1.0 / nk, BS=block_size, D=d, F32=interpreting(), num_warps=8 if d >= 128 else 4,
     )
     hdev = _hdev(k, v, kmean, vsum, hbar, block_size) if with_hdev else None
     del vsum
