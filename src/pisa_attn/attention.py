@@ -54,6 +54,7 @@ class PisaPlan:
     mode: str
     covariance_aware: bool
     scale: float
+    query_block: int  # tokens per selection row (block_size: the paper's per-block selection)
     backend: str  # "hopper", "triton" or "reference": what actually runs
 
 
@@ -67,7 +68,7 @@ def _check_tensor(name: str, x) -> None:
 
 
 def validate(q, k, v, *, density, block_size, mode, scale=None, layout="bhsd", backend="auto",
-             covariance_aware=False, return_lse=False) -> tuple[Tensor, Tensor, Tensor]:
+             covariance_aware=False, return_lse=False, query_block=None) -> tuple[Tensor, Tensor, Tensor]:
     """Check a call's tensors and settings (ValueError/TypeError naming the argument); return
     ``q, k, v`` as ``[B, H, L, D]`` views. ``keep_blocks`` is checked by :func:`normalize_keep_blocks`,
     which needs the block count."""
@@ -83,7 +84,7 @@ def validate(q, k, v, *, density, block_size, mode, scale=None, layout="bhsd", b
     if not (k.device == q.device and v.device == q.device):
         raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
     spec.check_settings(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
-                        scale=scale)
+                        scale=scale, query_block=query_block)
     spec.check_flag("return_lse", return_lse)
     qh, kh, vh = (to_bhsd(x, layout) for x in (q, k, v))
     _validate_shapes(qh, kh, vh)
@@ -214,6 +215,7 @@ def pisa_attention(
     keep_blocks: Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    query_block: int | None = None,
 ):
     """Piecewise Sparse Attention: a drop-in for ``F.scaled_dot_product_attention`` in DiTs.
 
@@ -237,6 +239,9 @@ def pisa_attention(
         keep_blocks: optional bool ``[Nk]`` or broadcastable ``[B, H, Nk]``: key blocks always
             computed exactly (text or sink tokens); they do not count against ``k``. May live on
             the CPU (recommended for CUDA graphs: its count is then read without a device sync).
+        query_block: tokens per selection row: ``None`` (= ``block_size``, the paper's per-block
+            selection) or 2 or 4 times ``block_size``: consecutive query blocks then share one
+            pooled selection (faster on the Hopper kernel, which loads shared blocks once; coarser).
         return_lse: also return the log-sum-exp of the (approximated) softmax denominator,
             ``[B, H, Lq]`` float32, natural log of scaled scores (as flash-attn's softmax_lse).
         backend: ``"auto"`` (the Hopper kernel on sm_90 GPUs where it applies, else the Triton
@@ -251,8 +256,9 @@ def pisa_attention(
     (with autograd enabled) raises ValueError; the reference backend is differentiable.
     """
     qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
-                          backend=backend, covariance_aware=covariance_aware, return_lse=return_lse)
-    p = make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend)
+                          backend=backend, covariance_aware=covariance_aware, return_lse=return_lse,
+                          query_block=query_block)
+    p = make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend, query_block)
     _check_inference_only(p.backend, (q, k, v))
     keep, n_keep_max = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, q.device)
     out, lse = run(qh, kh, vh, p, keep, n_keep_max)
@@ -260,7 +266,8 @@ def pisa_attention(
     return (out, lse) if return_lse else out
 
 
-def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware, scale, backend) -> PisaPlan:
+def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware, scale, backend,
+              query_block=None) -> PisaPlan:
     """The cheap, shape-only planning step ([B, H, L, D] inputs, already validated)."""
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -279,6 +286,7 @@ def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware,
         mode=mode,
         covariance_aware=bool(covariance_aware),
         scale=float(d**-0.5 if scale is None else scale),
+        query_block=block_size * spec.query_block_factor(query_block, block_size),
         backend=_choose_backend(backend, q, mode, block_size),
     )
 

@@ -26,9 +26,10 @@ def register(be: Backend) -> Backend:
     return be
 
 
-def _run(be: Backend, q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware):
+def _run(be: Backend, q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware, query_block):
     _, _, res = run_stages(be, q, k, v, block_size=block_size, n_select=n_select, width=width, mode=mode,
-                           scale=scale, covariance_aware=covariance_aware, keep=keep, lean=True)
+                           scale=scale, covariance_aware=covariance_aware, keep=keep, lean=True,
+                           query_block=query_block)
     return res
 
 
@@ -44,13 +45,15 @@ def pisa_fwd(
     scale: float,
     block_size: int,
     covariance_aware: bool,
+    query_block: int,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    return _run(_REGISTRY[backend], q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware)
+    return _run(_REGISTRY[backend], q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware,
+                query_block)
 
 
 @pisa_fwd.register_fake
-def _pisa_fwd_fake(q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware, backend):
+def _pisa_fwd_fake(q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware, query_block, backend):
     b, h, lq, d = q.shape
     if q.stride(1) < q.stride(2):  # the kernels write the output in q's physical layout
         out = q.new_empty(b, lq, h, d).transpose(1, 2)
@@ -64,6 +67,6 @@ def forward(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | N
     width = forward_width(plan, keep, n_keep_max)
     if torch.compiler.is_compiling():
         return torch.ops.pisa_attn.pisa_fwd(q, k, v, keep, plan.n_select, width, plan.mode, plan.scale,
-                                            plan.block_size, plan.covariance_aware, be.name)
+                                            plan.block_size, plan.covariance_aware, plan.query_block, be.name)
     return _run(be, q, k, v, keep, plan.n_select, width, plan.mode, plan.scale, plan.block_size,
-                plan.covariance_aware)
+                plan.covariance_aware, plan.query_block)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from .. import spec
-from .selection import Selection
+from .selection import Selection, pool_query_means
 
 
 @dataclass(frozen=True)
@@ -85,17 +85,23 @@ def run_stages(
     covariance_aware: bool = False,
     keep: Tensor | None = None,
     lean: bool = False,
+    query_block: int | None = None,
 ):
     """prepare -> select -> attend on one device: returns ``(stats, selection, (out, lse))``.
 
     ``keep``: bool ``[B|1, H|1, Nk]`` on q's device, always-exact blocks (``width`` must cover
     ``n_select`` plus the most kept blocks of any row). ``lean``: only the output is wanted, so
     intermediates are freed as soon as the next stage no longer needs them (the returned stats
-    then hold only what ``attend`` read).
+    then hold only what ``attend`` read). ``query_block``: tokens per selection row (see
+    :func:`pisa_attn.spec.query_block_factor`); the selection has one row per ``block_size``
+    query block all the same.
     """
     stats = be.prepare(q, k, v, block_size, with_hdev=covariance_aware, lean=lean)
-    sel = be.select(stats.qmean, stats.kmean, n_select=n_select, width=width, scale=scale, hdev=stats.hdev,
+    factor = spec.query_block_factor(query_block, block_size)
+    qmean = pool_query_means(stats.qmean, q.shape[2], block_size, factor)
+    sel = be.select(qmean, stats.kmean, n_select=n_select, width=width, scale=scale, hdev=stats.hdev,
                     keep=keep, scratch_elems=be.score_scratch(q, k))
+    sel = sel.repeat_rows(factor, stats.qmean.shape[2])
     if lean:
         stats = stats.for_attend()  # query means and selection-only terms die before attend allocates
     res = be.attend(q, k, v, stats, sel, mode=mode, scale=scale, block_size=block_size, n_select=n_select)
@@ -109,6 +115,7 @@ def run_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | 
     return run_stages(
         be, q, k, v, block_size=plan.block_size, n_select=plan.n_select, width=forward_width(plan, keep, n_keep_max),
         mode=plan.mode, scale=plan.scale, covariance_aware=plan.covariance_aware, keep=keep, lean=lean,
+        query_block=plan.query_block,
     )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..launch import Launcher, spec_class
 from ..stages import slice_blocks
 from ._common import chunking, interpreting
 
@@ -209,6 +210,10 @@ class Stats:
         return self
 
 
+_launch_kv = Launcher(_kv_stats_kernel)
+_launch_qmean = Launcher(_q_mean_kernel)
+
+
 def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
             lean: bool = False) -> Stats:
     """Block statistics of ``[B, H, L, D]`` views (any strides). Issues no host synchronisation.
@@ -227,10 +232,11 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     hbar = torch.zeros(b, hk, d, d, device=dev, dtype=torch.float32)
     kv_per, kv_chunks = chunking(nk, b * hk, dev)
     vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)  # scratch, freed below
-    _kv_stats_kernel[(b * hk * kv_chunks,)](
-        k, v, kmean, kbar, kscale, vbar, vsum, hbar, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks,
-        1.0 / nk, BS=block_size, D=d, F32=interpreting(), num_warps=8 if d >= 128 else 4,
-    )
+    warps = 8 if d >= 128 else 4
+    args = (k, v, kmean, kbar, kscale, vbar, vsum, hbar, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks,
+            1.0 / nk)
+    _launch_kv((k.dtype, block_size, d, warps, spec_class(k, v, *k.stride(), *v.stride())), (b * hk * kv_chunks,),
+               args, dict(BS=block_size, D=d, F32=interpreting()), num_warps=warps)
     hdev = _hdev(k, v, kmean, vsum, hbar, block_size) if with_hdev else None
     del vsum
     # Rounded once here instead of in every attention program (each would read 4·D² bytes).
@@ -239,7 +245,8 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
         hbar = None
     # Allocated last, after the float32 H̄ may be gone: lowers the peak at short lengths.
     qmean = torch.empty(b, h, nq, d, device=dev, dtype=torch.float32)
-    _q_mean_kernel[(nq, b * h)](q, qmean, *q.stride(), h, lq, nq, BS=block_size, D=d, num_warps=4)
+    _launch_qmean((q.dtype, block_size, d, spec_class(q, *q.stride())), (nq, b * h), (q, qmean, *q.stride(), h, lq, nq),
+                  dict(BS=block_size, D=d), num_warps=4)
     return Stats(qmean=qmean, kmean=kmean, kbar=kbar, kscale=kscale, vbar=vbar, hbar=hbar, hbar_lp=hbar_lp, hdev=hdev)
 
 

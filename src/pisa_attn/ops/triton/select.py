@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ...spec import COV_EPS
 from .. import reference as _ref
+from ..launch import Launcher, spec_class
 from ..selection import Selection
 from ._common import next_pow2
 
@@ -97,6 +98,9 @@ def _topk_kernel(
     tl.store(bits_ptr + out_rows[:, None] * NW + w_idx[None, :], words, mask=rvalid[:, None] & (w_idx < NW)[None, :])
 
 
+_launch_topk = Launcher(_topk_kernel)
+
+
 def select(
     qmean: Tensor,
     kmean: Tensor,
@@ -143,11 +147,9 @@ def select(
         sc = scratch[: b * h * c * nk].view(b, hk, g, c, nk)
         # [B, Hk, G, c, D] @ [B, Hk, 1, D, Nk]: GQA groups share their kv head's centroids.
         torch.matmul(qmean[:, :, c0 : c0 + c].view(b, hk, g, c, d), kmean_t.unsqueeze(2), out=sc)
-        _topk_kernel[(triton.cdiv(b * h * c, r),)](
-            sc, hdev if hdev is not None else sc, keep_u8, idx, cnt, bits,
-            h, hk, nq, nk, n_sel, width, nw, scale, c0, c, b * h * c,
-            ksb, ksh,
-            R=r, NKP=nkp, COV=hdev is not None, HAS_KEEP=keep is not None,
-            num_warps=warps,
-        )
+        args = (sc, hdev if hdev is not None else sc, keep_u8, idx, cnt, bits,
+                h, hk, nq, nk, n_sel, width, nw, scale, c0, c, b * h * c, ksb, ksh)
+        _launch_topk((r, nkp, warps, hdev is not None, keep is not None, spec_class(*args[:6])),
+                     (triton.cdiv(b * h * c, r),), args,
+                     dict(R=r, NKP=nkp, COV=hdev is not None, HAS_KEEP=keep is not None), num_warps=warps)
     return Selection(idx, cnt, bits)
