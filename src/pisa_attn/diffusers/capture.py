@@ -204,7 +204,7 @@ class QKVCapture:
 
     def __init__(self, pipe, layers=None, steps=None, path: str = "qkv.safetensors", *, batch: int = 0,
                  dtype: torch.dtype | None = None, max_bytes: int | None = None):
-        from . import apply_pisa, pisa_state
+        from .apply import apply_pisa, pisa_state
 
         self.layers, self.steps = _index_set("layers", layers), _index_set("steps", steps)
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
@@ -322,7 +322,7 @@ class QKVCapture:
         for remove in self._removers:
             remove()
         if self._applied:
-            from . import remove_pisa
+            from .apply import remove_pisa
 
             for obj in self._applied:
                 remove_pisa(obj)
