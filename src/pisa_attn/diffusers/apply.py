@@ -4,7 +4,11 @@ it off again (processor routing, boundary hooks, warm-up schedule, telemetry, pi
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
+from typing import Any
 
+from . import hooks
+from . import telemetry as tm
 from .backend import register
 from .models import ModelAdapter, adapter_for
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
@@ -75,8 +79,53 @@ def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_ste
     )
 
 
-def _route_attention(state: PisaState, member) -> None:
-    """Point the adapter's self-attention processors at the pisa backend (SD3's direct-SDPA
+@dataclass
+class _Plan:
+    """Everything :func:`apply_pisa` will do to one transformer, checked before anything is done."""
+
+    transformer: Any
+    adapter: ModelAdapter
+    config: PisaConfig
+    modules: list[tuple[str, Any]]  # the managed self-attention modules (name, module)
+
+
+def _managed_modules(transformer, adapter: ModelAdapter) -> list[tuple[str, Any]]:
+    """The adapter's self-attention modules; ValueError when one cannot be routed to the backend."""
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    found = []
+    for name, module in transformer.named_modules():
+        if not any(fnmatch.fnmatchcase(name, p) for p in adapter.attention):
+            continue
+        proc = module.processor
+        replaced = adapter.joint_processor and type(proc) is JointAttnProcessor2_0
+        if not replaced and not hasattr(proc, "_attention_backend"):
+            raise ValueError(
+                f"attention module {name!r} uses {type(proc).__name__}, which does not call diffusers' attention "
+                f"dispatcher, so PISA cannot run it (reset custom or fused attention processors first)"
+            )
+        found.append((name, module))
+    if not found:
+        raise ValueError(f"no self-attention modules matching {adapter.attention} in {type(transformer).__name__}")
+    for kind in ("token_module", "rope_module", "untile_module"):
+        sub = getattr(adapter, kind)
+        try:
+            if sub is not None:
+                transformer.get_submodule(sub)
+        except AttributeError:
+            raise ValueError(f"{type(transformer).__name__} has no submodule {sub!r} (the adapter's {kind})") from None
+    return found
+
+
+def _plan(transformer, settings: dict) -> _Plan:
+    adapter = adapter_for(transformer)
+    adapter.check(transformer)
+    config = _config(adapter, transformer, **settings)
+    return _Plan(transformer, adapter, config, _managed_modules(transformer, adapter))
+
+
+def _route_attention(state: PisaState, modules, member) -> None:
+    """Point the managed self-attention processors at the pisa backend (SD3's direct-SDPA
     processors are first replaced by dispatcher-routed ones); record how to undo it."""
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
@@ -84,30 +133,31 @@ def _route_attention(state: PisaState, member) -> None:
 
     replaced: dict[int, object] = {}
     seen: set[int] = set()
-    n = 0
-    for name, module in state.transformer.named_modules():
-        if not any(fnmatch.fnmatchcase(name, p) for p in state.adapter.attention):
-            continue
-        n += 1
+    for _, module in modules:
         proc = module.processor
         if state.adapter.joint_processor and type(proc) is JointAttnProcessor2_0:
             new = replaced.setdefault(id(proc), DispatchJointAttnProcessor())
             module.set_processor(new)
             state.restore.append(lambda m=module, p=proc: m.set_processor(p))
             proc = new
-        if not hasattr(proc, "_attention_backend"):
-            raise ValueError(
-                f"attention module {name!r} uses {type(proc).__name__}, which does not call diffusers' attention "
-                f"dispatcher, so PISA cannot run it (reset custom or fused attention processors first)"
-            )
         if id(proc) in seen:
             continue
         seen.add(id(proc))
         had, old = "_attention_backend" in proc.__dict__, proc.__dict__.get("_attention_backend")
         proc._attention_backend = member
         state.restore.append(lambda p=proc, h=had, o=old: setattr(p, "_attention_backend", o) if h else delattr(p, "_attention_backend"))
-    if n == 0:
-        raise ValueError(f"no self-attention modules matching {state.adapter.attention} in {type(state.transformer).__name__}")
+
+
+def _install(state: PisaState, member) -> None:
+    """Route the processors and register the boundary hooks of ``state`` (undone by :func:`_undo`,
+    also after a partial install)."""
+    try:
+        _route_attention(state, _managed_modules(state.transformer, state.adapter), member)
+        install(state)
+    except BaseException:
+        _undo(state)
+        raise
+    state.transformer.__dict__[_STATE_ATTR] = state
 
 
 def _hook_pipeline(pipe, states: list[PisaState]) -> None:
@@ -122,6 +172,30 @@ def _hook_pipeline(pipe, states: list[PisaState]) -> None:
 
     pipe.__dict__["progress_bar"] = progress_bar
     pipe.__dict__[_PIPE_ATTR] = states
+
+
+_MISSING = object()
+# What apply_pisa keeps in a transformer's / pipeline's __dict__ (put back as it was on failure).
+_TRANSFORMER_KEYS = (_STATE_ATTR, tm.ATTR, hooks.ATTR)
+_PIPE_KEYS = ("progress_bar", _PIPE_ATTR)
+
+
+class _Saved:
+    """The parts of a transformer or pipeline ``__dict__`` that apply_pisa changes, to put back."""
+
+    def __init__(self, obj, keys) -> None:
+        self.obj = obj
+        self.values = {k: obj.__dict__.get(k, _MISSING) for k in keys}
+        self.lists = {k: list(v) for k, v in self.values.items() if isinstance(v, list)}  # observers
+
+    def restore(self) -> None:
+        for k, v in self.values.items():
+            if v is _MISSING:
+                self.obj.__dict__.pop(k, None)
+            else:
+                self.obj.__dict__[k] = v
+                if k in self.lists:
+                    v[:] = self.lists[k]
 
 
 def apply_pisa(
@@ -155,33 +229,46 @@ def apply_pisa(
     ``None`` means the model's default from the paper's appendix D (Wan2.1-1.3B: 1 layer / 15 steps,
     Wan2.1-14B and HunyuanVideo: 1 / 10, FLUX.1 and SD3.5: 4 / 0; covariance-aware selection for the
     image models only). Applying again replaces the previous settings. Returns its argument.
+
+    All arguments and every transformer are checked before anything changes; when applying fails,
+    the pipeline and its transformers are left exactly as they were (an earlier apply_pisa included).
     """
     member = register()
     transformers, pipe = _transformers(pipe_or_transformer)
-    tracker = StepTracker()  # shared: Wan2.2's two experts count one sequence of denoising steps
-    states = []
-    for tr in transformers:
-        adapter = adapter_for(tr)
-        adapter.check(tr)
-        cfg = _config(adapter, tr, density, dense_layers, dense_steps, tile, mode, covariance_aware, block_size, min_kv_len)
-        if pisa_state(tr) is not None:
-            remove_pisa(tr)
-        state = PisaState(tr, adapter, cfg, tracker)
-        try:
-            _route_attention(state, member)
-            install(state)
-        except Exception:
-            _undo(state)
-            raise
-        tr.__dict__[_STATE_ATTR] = state
-        states.append(state)
-        if telemetry is not None:
-            from . import telemetry as tm
+    tel = None if telemetry is None else tm.as_config(telemetry)
+    settings = dict(density=density, dense_layers=dense_layers, dense_steps=dense_steps, tile=tile, mode=mode,
+                    cov=covariance_aware, block_size=block_size, min_kv_len=min_kv_len)  # fmt: skip
+    plans = [_plan(tr, settings) for tr in transformers]
 
-            tm.attach(tr, telemetry)
-    if pipe is not None:
-        _unhook_pipeline(pipe)
-        _hook_pipeline(pipe, states)
+    saved = [_Saved(tr, _TRANSFORMER_KEYS) for tr in transformers]
+    saved += [_Saved(pipe, _PIPE_KEYS)] if pipe is not None else []
+    previous = [(pisa_state(tr), tm.get(tr)) for tr in transformers]
+    active = [t is not None and t.active for _, t in previous]
+    new: list[PisaState] = []
+    tracker = StepTracker()  # shared: Wan2.2's two experts count one sequence of denoising steps
+    try:
+        for plan in plans:
+            tr = plan.transformer
+            remove_pisa(tr)
+            state = PisaState(tr, plan.adapter, plan.config, tracker)
+            new.append(state)
+            _install(state, member)
+            if tel is not None:
+                tm.attach(tr, tel)
+        if pipe is not None:
+            _unhook_pipeline(pipe)
+            _hook_pipeline(pipe, new)
+    except BaseException:
+        for state in reversed(new):
+            _undo(state)
+        for s in saved:
+            s.restore()  # state, telemetry and observer entries (the observer lists in place)
+        for (old, old_tel), was_active in zip(previous, active):
+            if old is not None:
+                _install(old, member)
+            if old_tel is not None:
+                old_tel.active = was_active
+        raise
     return pipe_or_transformer
 
 
@@ -192,15 +279,6 @@ def _undo(state: PisaState) -> None:
         fn()
     state.handles.clear()
     state.restore.clear()
-
-
-def _detach_telemetry(transformer) -> None:
-    try:
-        from . import telemetry as tm
-    except ImportError:  # telemetry's optional dependencies missing: nothing can be attached
-        return
-    if tm.get(transformer) is not None:
-        tm.detach(transformer)
 
 
 def _unhook_pipeline(pipe) -> None:
@@ -216,7 +294,7 @@ def remove_pisa(pipe_or_transformer):
         state = tr.__dict__.pop(_STATE_ATTR, None)
         if state is None:
             continue
-        _detach_telemetry(tr)
+        tm.detach(tr)
         _undo(state)
     if pipe is not None:
         _unhook_pipeline(pipe)

@@ -23,7 +23,7 @@ from ..bench import metrics
 from ..ops import reference as ref
 from . import hooks
 
-_ATTR = "_pisa_telemetry"
+ATTR = "_pisa_telemetry"
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def attach(transformer, config=True) -> Telemetry:
     detach(transformer)
     tel = Telemetry(cfg, _rng=random.Random(cfg.seed))
     tel._remove = hooks.add_observer(transformer, tel.observe)
-    transformer.__dict__[_ATTR] = tel
+    transformer.__dict__[ATTR] = tel
     return tel
 
 
@@ -121,7 +121,7 @@ def detach(transformer) -> Telemetry | None:
 
 
 def get(transformer) -> Telemetry | None:
-    return transformer.__dict__.get(_ATTR)
+    return transformer.__dict__.get(ATTR)
 
 
 @torch.no_grad()
