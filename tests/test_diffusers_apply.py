@@ -192,3 +192,37 @@ def test_failure_while_installing_rolls_back(monkeypatch, managed):
     with torch.no_grad():
         torch.testing.assert_close(tr(**inputs).sample, expect, rtol=0, atol=0)
     pd.remove_pisa(pipe)
+
+
+@pytest.mark.parametrize("head_dim", [8, 512])
+def test_head_dim_outside_kernel_range_refused_at_apply(head_dim):
+    tr = tiny_transformer("wan", attention_head_dim=head_dim)
+    before = snapshot(tr)
+    with pytest.raises(ValueError, match=rf"head dim.*\b{head_dim}\b"):
+        pd.apply_pisa(tr, density=0.5)
+    assert_same(before, snapshot(tr))
+
+
+def test_stats_and_report_on_a_compile_wrapper():
+    tr = tiny_transformer("wan")
+    compiled = torch.compile(tr, backend="eager")
+    pd.apply_pisa(compiled, telemetry=True, **SPARSE)
+    try:
+        assert pd.pisa_state(compiled) is pd.pisa_state(tr) is not None
+        with torch.no_grad():
+            tr(**forward_inputs("wan"))  # the wrapped model itself, eagerly
+        assert pd.stats(compiled) == pd.stats(tr) == {"sparse": 2}
+        assert tm.get(compiled) is tm.get(tr) and len(tm.get(compiled).records) == 2
+        summary = pd.report(compiled, console=_quiet_console())
+        assert summary["transformer"]["records"] == 2
+    finally:
+        pd.remove_pisa(compiled)
+    assert pd.pisa_state(tr) is None
+
+
+def _quiet_console():
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO())

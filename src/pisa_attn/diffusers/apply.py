@@ -10,7 +10,8 @@ from typing import Any
 from . import hooks
 from . import telemetry as tm
 from .backend import register
-from .models import ModelAdapter, adapter_for
+from ..attention import MAX_HEAD_DIM, MIN_HEAD_DIM
+from .models import ModelAdapter, adapter_for, transformers_of
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
 from .state import PisaConfig, PisaState, validate_settings
 from .tiling import default_tile, install
@@ -20,8 +21,9 @@ _PIPE_ATTR = "_pisa_pipeline_states"
 
 
 def pisa_state(transformer) -> PisaState | None:
-    """The :class:`PisaState` :func:`apply_pisa` attached to ``transformer``, or None."""
-    return transformer.__dict__.get(_STATE_ATTR)
+    """The :class:`PisaState` :func:`apply_pisa` attached to ``transformer`` (or to the model a
+    ``torch.compile`` wrapper holds), or None."""
+    return getattr(transformer, "_orig_mod", transformer).__dict__.get(_STATE_ATTR)
 
 
 def stats(transformer) -> dict[str, int]:
@@ -35,18 +37,8 @@ def stats(transformer) -> dict[str, int]:
 
 def _transformers(obj) -> tuple[list, object | None]:
     """(transformers to manage, pipeline or None) for a pipeline or a transformer."""
-    import torch
-
-    if isinstance(obj, torch.nn.Module):
-        return [getattr(obj, "_orig_mod", obj)], None  # torch.compile(model) wraps the model
-    found = [getattr(obj, name, None) for name in ("transformer", "transformer_2")]
-    found = [getattr(t, "_orig_mod", t) for t in found if isinstance(t, torch.nn.Module)]
-    if not found:
-        raise TypeError(
-            f"pipe_or_transformer must be a diffusers pipeline with a transformer or a transformer model, "
-            f"got {type(obj).__name__}"
-        )
-    return found, obj
+    found, pipe = transformers_of(obj)
+    return [t for _, t in found], pipe
 
 
 def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
@@ -88,6 +80,14 @@ class _Plan:
     config: PisaConfig
     modules: list[tuple[str, Any]]  # the managed self-attention modules (name, module)
 
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """Transformer block of each managed module, forward order: its parent module's rank among
+        the parents (SD3.5's attn and attn2 share a block)."""
+        parents = [name.rpartition(".")[0] for name, _ in self.modules]
+        index = {p: i for i, p in enumerate(dict.fromkeys(parents))}
+        return tuple(index[p] for p in parents)
+
 
 def _managed_modules(transformer, adapter: ModelAdapter) -> list[tuple[str, Any]]:
     """The adapter's self-attention modules; ValueError when one cannot be routed to the backend."""
@@ -103,6 +103,13 @@ def _managed_modules(transformer, adapter: ModelAdapter) -> list[tuple[str, Any]
             raise ValueError(
                 f"attention module {name!r} uses {type(proc).__name__}, which does not call diffusers' attention "
                 f"dispatcher, so PISA cannot run it (reset custom or fused attention processors first)"
+            )
+        heads = module.heads
+        head_dim = getattr(module, "head_dim", None) or module.inner_dim // heads
+        if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"PISA runs head dims in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; attention module {name!r} has head dim "
+                f"{head_dim} ({heads} heads)"
             )
         found.append((name, module))
     if not found:
@@ -217,7 +224,7 @@ def apply_pisa(
         pipe_or_transformer: a FLUX.1 / SD3 / Wan2.1 / HunyuanVideo pipeline (its ``transformer`` and
             ``transformer_2`` are managed) or one of their transformer models.
         density: fraction of key blocks computed exactly (``pisa_attention``'s ``density``).
-        dense_layers: the first attention layers (forward order) that always run dense.
+        dense_layers: the first transformer blocks whose attention layers always run dense.
         dense_steps: the first denoising steps that run dense.
         tile: token tile, ``(h, w)`` / ``(t, h, w)``; default 8x8 / 4x4x4 (``block_size`` tokens).
         mode: ``"hybrid"``, ``"zeroth"``, ``"first"`` or ``"drop"``.
@@ -226,7 +233,7 @@ def apply_pisa(
         min_kv_len: calls with fewer keys run dense (too few tokens for sparsity to pay).
         telemetry: passed to ``pisa_attn.diffusers.telemetry.attach`` when not None.
 
-    ``None`` means the model's default from the paper's appendix D (Wan2.1-1.3B: 1 layer / 15 steps,
+    ``None`` means the model's default from the paper's appendix D (Wan2.1-1.3B: 1 block / 15 steps,
     Wan2.1-14B and HunyuanVideo: 1 / 10, FLUX.1 and SD3.5: 4 / 0; covariance-aware selection for the
     image models only). Applying again replaces the previous settings. Returns its argument.
 
@@ -250,7 +257,7 @@ def apply_pisa(
         for plan in plans:
             tr = plan.transformer
             remove_pisa(tr)
-            state = PisaState(tr, plan.adapter, plan.config, tracker)
+            state = PisaState(tr, plan.adapter, plan.config, tracker, blocks=plan.blocks)
             new.append(state)
             _install(state, member)
             if tel is not None:

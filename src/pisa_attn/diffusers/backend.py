@@ -241,7 +241,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale, enable_g
         return dense_attention(q, k, v, mask, scale, enable_gqa)
     state, cfg = run.state, run.state.config
     layer = run.next_layer()
-    reason = cfg.schedule.dense_reason(layer, run.step, k.shape[1])
+    reason = run.dense_reason(layer, k.shape[1])
     observed = bool(hooks.observers(state.transformer))
     # Sparse calls need the valid keys per row; so do observers of dense calls (telemetry must not
     # count padded keys, capture trims them), read from the mask the same way.
@@ -300,6 +300,7 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, o
             "image_range": (seq.image_lo, seq.image_hi),
             "key_lens": lens,
             "dense_reason": reason,
+            "block": run.block(layer),
             "n_select": ref.num_selected(cfg.density, math.ceil(k.shape[1] / cfg.block_size)),
         },
     )

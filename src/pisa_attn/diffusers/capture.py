@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ..layout import Grid, Text, TokenLayout
 from . import hooks
+from .models import transformers_of
 
 FORMAT = "pisa-attn-qkv"
 VERSION = 1
@@ -186,14 +187,9 @@ def _index_set(name: str, value) -> frozenset[int] | None:
 
 
 def _transformers(obj) -> list[tuple[str, torch.nn.Module]]:
-    if isinstance(obj, torch.nn.Module):
-        return [("", obj)]
-    found = [(n, getattr(obj, n, None)) for n in ("transformer", "transformer_2")]
-    found = [(("" if n == "transformer" else n + "."), t) for n, t in found if isinstance(t, torch.nn.Module)]
-    if not found:
-        raise TypeError(f"pipe must be a diffusers pipeline with a transformer or a transformer model, "
-                        f"got {type(obj).__name__}")
-    return found
+    """(entry-name prefix, transformer): ``transformer_2``'s entries are prefixed."""
+    found, _ = transformers_of(obj)
+    return [("" if n == "transformer" else n + ".", t) for n, t in found]
 
 
 class QKVCapture:

@@ -44,6 +44,8 @@ class ModelAdapter:
     attention:      ``fnmatch`` patterns of the managed self-attention modules.
     joint_processor: its processors call SDPA directly and are replaced by a dispatcher-routed
                     equivalent (SD3).
+    skipped_blocks: indices of the transformer blocks a forward call skips (SD3's skip-layer
+                    guidance), from its bound arguments.
     """
 
     name: str
@@ -63,6 +65,7 @@ class ModelAdapter:
     untile_module: str = "proj_out"
     joint_processor: bool = False
     image_model: bool = field(default=False)
+    skipped_blocks: Callable[[dict], frozenset[int]] = lambda arguments: frozenset()
 
 
 def timestep_value(timestep) -> float:
@@ -164,6 +167,7 @@ SD3 = ModelAdapter(
     token_inputs=("block_controlnet_hidden_states",),
     joint_processor=True,
     image_model=True,
+    skipped_blocks=lambda a: frozenset(a.get("skip_layers") or ()),
 )
 
 
@@ -241,3 +245,18 @@ def adapter_for(transformer) -> ModelAdapter:
                 return adapter
     supported = ", ".join(a.class_name for a in ADAPTERS)
     raise TypeError(f"PISA has no adapter for {type(transformer).__name__}; supported transformers: {supported}")
+
+
+def transformers_of(obj) -> tuple[list[tuple[str, Any]], Any]:
+    """``([(name, transformer), ...], pipeline or None)`` for a pipeline (its ``transformer`` and
+    ``transformer_2``) or one transformer; ``torch.compile`` wrappers are seen through."""
+    if isinstance(obj, torch.nn.Module):
+        return [("transformer", getattr(obj, "_orig_mod", obj))], None
+    found = [(n, getattr(obj, n, None)) for n in ("transformer", "transformer_2")]
+    found = [(n, getattr(t, "_orig_mod", t)) for n, t in found if isinstance(t, torch.nn.Module)]
+    if not found:
+        raise TypeError(
+            f"pipe_or_transformer must be a diffusers pipeline with a transformer or a transformer model, "
+            f"got {type(obj).__name__}"
+        )
+    return found, obj

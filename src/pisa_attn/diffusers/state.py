@@ -86,11 +86,14 @@ class Layouts:
 class Run:
     """One forward call of a managed transformer."""
 
-    def __init__(self, state: "PisaState", step: int, info: CallInfo, layouts: Layouts) -> None:
+    def __init__(
+        self, state: "PisaState", step: int, info: CallInfo, layouts: Layouts, blocks: tuple[int, ...] = ()
+    ) -> None:
         self.state = state
         self.step = step
         self.info = info
         self.layouts = layouts
+        self.blocks = blocks  # transformer block of each managed attention layer of this forward
         self.layer = 0  # next managed attention layer, in forward order
         self.key_lens: dict[tuple, list[int] | None] = {}  # per attention mask: valid keys per row
 
@@ -108,6 +111,14 @@ class Run:
         self.layer += 1
         return layer
 
+    def block(self, layer: int) -> int:
+        """The transformer block the ``layer``-th managed attention call of this forward belongs to."""
+        return self.blocks[layer] if layer < len(self.blocks) else layer
+
+    def dense_reason(self, layer: int, kv_len: int) -> str | None:
+        """The schedule's decision for the ``layer``-th managed call (see :class:`Schedule`)."""
+        return self.state.config.schedule.dense_reason(self.block(layer), self.step, kv_len)
+
 
 @dataclass
 class PisaState:
@@ -123,6 +134,12 @@ class PisaState:
     read_cache: dict = field(default_factory=dict)  # the adapter's read_call cache
     stats: Counter = field(default_factory=Counter)  # calls per outcome since the last generation start
     runs: list = field(default_factory=list)  # (context token, run) of forwards in progress
+    blocks: tuple[int, ...] = ()  # transformer block of each managed attention module, forward order
+
+    def forward_blocks(self, arguments: dict) -> tuple[int, ...]:
+        """Blocks of the managed attention calls of one forward (blocks the call skips left out)."""
+        skipped = self.adapter.skipped_blocks(arguments)
+        return tuple(b for b in self.blocks if b not in skipped) if skipped else self.blocks
 
     def new_generation(self) -> None:
         self.tracker.reset()

@@ -22,6 +22,7 @@ from ..attention import pisa_attention
 from ..bench import metrics
 from ..ops import reference as ref
 from . import hooks
+from .models import transformers_of
 
 ATTR = "_pisa_telemetry"
 
@@ -121,7 +122,7 @@ def detach(transformer) -> Telemetry | None:
 
 
 def get(transformer) -> Telemetry | None:
-    return transformer.__dict__.get(ATTR)
+    return getattr(transformer, "_orig_mod", transformer).__dict__.get(ATTR)
 
 
 @torch.no_grad()
@@ -174,16 +175,6 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
 
 
 # --- report ------------------------------------------------------------------------------------
-def _named_transformers(obj) -> list[tuple[str, object]]:
-    if isinstance(obj, torch.nn.Module):
-        return [("transformer", obj)]
-    found = [(n, getattr(obj, n, None)) for n in ("transformer", "transformer_2")]
-    found = [(n, t) for n, t in found if isinstance(t, torch.nn.Module)]
-    if not found:
-        raise TypeError(f"pipe_or_transformer must be a diffusers pipeline or a transformer, got {type(obj).__name__}")
-    return found
-
-
 def _mean(xs) -> float:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else math.nan
@@ -224,7 +215,7 @@ def report(pipe_or_transformer, heatmap: str | None = None, *, console=None) -> 
     from rich.console import Console
     from rich.table import Table
 
-    found = [(n, get(t)) for n, t in _named_transformers(pipe_or_transformer)]
+    found = [(n, get(t)) for n, t in transformers_of(pipe_or_transformer)[0]]
     found = [(n, t) for n, t in found if t is not None]
     if not found:
         raise ValueError("no telemetry on this pipeline/transformer: use apply_pisa(..., telemetry=rate) first")

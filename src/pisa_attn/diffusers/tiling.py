@@ -88,7 +88,7 @@ def _pre_hook(state: PisaState, signature: inspect.Signature):
                 new = _tile_token_input(layouts.image, bound.arguments[name])
                 changed |= new is not bound.arguments[name]
                 bound.arguments[name] = new
-        run = Run(state, step, info, layouts)
+        run = Run(state, step, info, layouts, state.forward_blocks(bound.arguments))
         state.runs.append((enter_run(run), run))
         return (bound.args, bound.kwargs) if changed else None
 
