@@ -136,25 +136,32 @@ def test_set_attention_backend_switches_after_apply():
 def test_sd3_processor_routed_through_dispatcher():
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-    from pisa_attn.diffusers.processors import DispatchJointAttnProcessor
+    from pisa_attn.diffusers.processors import joint_attention
 
     tr, inputs = tiny_transformer("sd3"), forward_inputs("sd3", batch=2)
     originals = {n: m.processor for n, m in tr.named_modules() if hasattr(m, "processor")}
     assert all(type(p) is JointAttnProcessor2_0 for p in originals.values())
+    routed = []
     with torch.no_grad():
         native = tr(**inputs).sample
         for m in tr.modules():
-            if hasattr(m, "processor"):
-                m.set_processor(DispatchJointAttnProcessor())
-        routed = tr(**inputs).sample
+            if hasattr(m, "processor"):  # the dispatcher path of the processor, on the native backend
+                def via(attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+                    routed.append(1)
+                    return joint_attention(attn, hidden_states, encoder_hidden_states, ad.AttentionBackendName.NATIVE)
+
+                m.processor = via
+        via_dispatcher = tr(**inputs).sample
         for n, m in tr.named_modules():
             if hasattr(m, "processor"):
-                m.set_processor(originals[n])
+                m.processor = originals[n]
         pd.apply_pisa(tr, density=0.5)
-        assert all(type(m.processor) is DispatchJointAttnProcessor for n, m in tr.named_modules() if n.endswith("attn"))
+        assert all(m.processor._attention_backend == "pisa" for n, m in tr.named_modules() if n.endswith("attn"))
         pd.remove_pisa(tr)
-    torch.testing.assert_close(routed, native, rtol=1e-6, atol=1e-6)
+    assert len(routed) == 3
+    torch.testing.assert_close(via_dispatcher, native, rtol=1e-6, atol=1e-6)
     assert all(m.processor is originals[n] for n, m in tr.named_modules() if hasattr(m, "processor"))
+    assert all("_attention_backend" not in vars(p) for p in originals.values())
 
 
 def test_processor_without_dispatcher_rejected():
@@ -285,3 +292,35 @@ def test_observers_get_key_lengths_and_scale_of_dense_and_sparse_calls():
             dense.q[row], dense.k[row, :, :m], dense.v[row, :, :m], scale=dense.scale
         )
         torch.testing.assert_close(dense.out[row], exact, rtol=1e-5, atol=1e-6)
+
+
+def test_sd3_follows_set_attention_backend_and_context_manager(monkeypatch):
+    # SD3's JointAttnProcessor2_0 calls SDPA itself: selecting "pisa" used to change nothing.
+    tr, inputs = tiny_transformer("sd3"), forward_inputs("sd3")
+    calls = []
+    unmanaged = backend._attend_unmanaged
+    monkeypatch.setattr(backend, "_attend_unmanaged", lambda *a: calls.append(a[0].shape) or unmanaged(*a))
+    old = pd.configure()
+    try:
+        with torch.no_grad():
+            native = tr(**inputs).sample
+            pd.configure(density=1.0, block_size=TILE_BLOCK, min_kv_len=0)
+            with ad.attention_backend("pisa"):
+                exact = tr(**inputs).sample
+            assert len(calls) == 3  # attn and attn2 of block 0, attn of block 1
+            pd.configure(density=0.25)
+            with ad.attention_backend("pisa"):
+                sparse = tr(**inputs).sample
+            tr.set_attention_backend("pisa")
+            via_set = tr(**inputs).sample
+            assert len(calls) == 9
+            tr.reset_attention_backend()
+            ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
+            again = tr(**inputs).sample
+    finally:
+        pd.configure(**old.__dict__)
+        ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
+    torch.testing.assert_close(exact, native, rtol=1e-5, atol=1e-5)  # same math through the dispatcher
+    assert not torch.allclose(sparse, native, rtol=0, atol=1e-4)
+    torch.testing.assert_close(via_set, sparse, rtol=0, atol=0)
+    assert torch.equal(again, native) and len(calls) == 9  # back on SD3's own processor

@@ -91,15 +91,12 @@ class _Plan:
 
 def _managed_modules(transformer, adapter: ModelAdapter) -> list[tuple[str, Any]]:
     """The adapter's self-attention modules; ValueError when one cannot be routed to the backend."""
-    from diffusers.models.attention_processor import JointAttnProcessor2_0
-
     found = []
     for name, module in transformer.named_modules():
         if not any(fnmatch.fnmatchcase(name, p) for p in adapter.attention):
             continue
         proc = module.processor
-        replaced = adapter.joint_processor and type(proc) is JointAttnProcessor2_0
-        if not replaced and not hasattr(proc, "_attention_backend"):
+        if not hasattr(proc, "_attention_backend"):
             raise ValueError(
                 f"attention module {name!r} uses {type(proc).__name__}, which does not call diffusers' attention "
                 f"dispatcher, so PISA cannot run it (reset custom or fused attention processors first)"
@@ -132,21 +129,10 @@ def _plan(transformer, settings: dict) -> _Plan:
 
 
 def _route_attention(state: PisaState, modules, member) -> None:
-    """Point the managed self-attention processors at the pisa backend (SD3's direct-SDPA
-    processors are first replaced by dispatcher-routed ones); record how to undo it."""
-    from diffusers.models.attention_processor import JointAttnProcessor2_0
-
-    from .processors import DispatchJointAttnProcessor
-
-    replaced: dict[int, object] = {}
+    """Point the managed self-attention processors at the pisa backend; record how to undo it."""
     seen: set[int] = set()
     for _, module in modules:
         proc = module.processor
-        if state.adapter.joint_processor and type(proc) is JointAttnProcessor2_0:
-            new = replaced.setdefault(id(proc), DispatchJointAttnProcessor())
-            module.set_processor(new)
-            state.restore.append(lambda m=module, p=proc: m.set_processor(p))
-            proc = new
         if id(proc) in seen:
             continue
         seen.add(id(proc))

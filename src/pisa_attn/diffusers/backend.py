@@ -85,12 +85,15 @@ def register():
     check_diffusers()
     from diffusers.models import attention_dispatch as ad
 
+    from .processors import route_joint_processor
+
     member = _enum_member(ad.AttentionBackendName, "PISA", BACKEND_NAME)
     if ad._AttentionBackendRegistry._backends.get(member) is not dispatcher_attention:
-        # supports_context_parallel: .parallel runs Ulysses/ring itself (issue 6).
+        # supports_context_parallel: .parallel runs Ulysses/ring itself.
         ad._AttentionBackendRegistry.register(member, constraints=[], supports_context_parallel=True)(
             dispatcher_attention
         )
+    route_joint_processor(member)  # SD3's processor calls SDPA itself unless routed
     return member
 
 

@@ -42,8 +42,6 @@ class ModelAdapter:
     token_inputs:   forward arguments holding image-token tensors [B, L, ...] (or lists of them:
                     ControlNet residuals, per-token timesteps) reordered on entry.
     attention:      ``fnmatch`` patterns of the managed self-attention modules.
-    joint_processor: its processors call SDPA directly and are replaced by a dispatcher-routed
-                    equivalent (SD3).
     skipped_blocks: indices of the transformer blocks a forward call skips (SD3's skip-layer
                     guidance), from its bound arguments.
     """
@@ -63,7 +61,6 @@ class ModelAdapter:
     check: Callable[[Any], None] = lambda transformer: None
     token_inputs: tuple[str, ...] = ()
     untile_module: str = "proj_out"
-    joint_processor: bool = False
     image_model: bool = field(default=False)
     skipped_blocks: Callable[[dict], frozenset[int]] = lambda arguments: frozenset()
 
@@ -165,7 +162,6 @@ SD3 = ModelAdapter(
     read_call=_sd3_read,
     defaults=lambda config: {"dense_layers": 4, "dense_steps": 0, "covariance_aware": True},
     token_inputs=("block_controlnet_hidden_states",),
-    joint_processor=True,
     image_model=True,
     skipped_blocks=lambda a: frozenset(a.get("skip_layers") or ()),
 )
