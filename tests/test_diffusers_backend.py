@@ -324,3 +324,57 @@ def test_sd3_follows_set_attention_backend_and_context_manager(monkeypatch):
     assert not torch.allclose(sparse, native, rtol=0, atol=1e-4)
     torch.testing.assert_close(via_set, sparse, rtol=0, atol=0)
     assert torch.equal(again, native) and len(calls) == 9  # back on SD3's own processor
+
+
+def _flux_masked(mask, **settings):
+    """(native, PISA) FLUX outputs with ``attention_mask`` over the joint [text, image] sequence."""
+    tr, inputs = tiny_transformer("flux"), forward_inputs("flux")
+    inputs["joint_attention_kwargs"] = {"attention_mask": mask}
+    with torch.no_grad():
+        native = tr(**inputs).sample
+        pd.apply_pisa(tr, block_size=TILE_BLOCK, min_kv_len=0, **settings)
+        try:
+            return native, tr(**inputs).sample
+        finally:
+            pd.remove_pisa(tr)
+
+
+def _flux_joint_layout():
+    from pisa_attn.diffusers.tiling import build_layouts
+
+    return build_layouts((16, 16), 16, "before", (4, 4), TILE_BLOCK).joint.layout
+
+
+@pytest.mark.parametrize("shape", ["key_padding", "full"])
+def test_mask_follows_tokens_on_dense_calls(shape):
+    # Dense (warm-up) calls used to apply the mask in model order to keys PISA had re-ordered.
+    n = 16 + 256
+    g = torch.Generator().manual_seed(0)
+    if shape == "key_padding":
+        mask = torch.rand(1, n, generator=g) > 0.3  # masks scattered image (and text) keys
+    else:
+        mask = (torch.rand(1, 1, n, n, generator=g) > 0.5) | torch.eye(n, dtype=torch.bool)
+    native, pisa = _flux_masked(mask, density=0.5, dense_steps=1)
+    torch.testing.assert_close(pisa, native, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_follows_tokens_on_sparse_calls():
+    # A mask whose valid keys are a prefix once tiled (not in model order) runs sparse on the
+    # right keys; at density 1 that is the masked dense output.
+    n, layout = 16 + 256, _flux_joint_layout()
+    tiled = torch.zeros(1, n, dtype=torch.bool)
+    tiled[:, : n - 40] = True
+    mask = layout.from_tiled(tiled, 1)
+    assert not torch.equal(mask, tiled)
+    native, pisa = _flux_masked(mask, density=1.0, dense_layers=0, dense_steps=0)
+    torch.testing.assert_close(pisa, native, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_that_tiling_breaks_is_refused_on_sparse_calls():
+    # Valid keys a prefix in model order (text + the first image rows) are not one once tiled: the
+    # sparse kernel cannot honour that mask, so the call refuses it instead of masking other keys.
+    n = 16 + 256
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[:, : n - 40] = True
+    with pytest.raises(ValueError, match="attention mask.*token tiling"):
+        _flux_masked(mask, density=0.5, dense_layers=0, dense_steps=0)

@@ -242,6 +242,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale, enable_g
     seq = run.sequence(q.shape[1], k.shape[1])
     if seq is None:  # cross-attention, text refiner, ...: not one of PISA's layers
         return dense_attention(q, k, v, mask, scale, enable_gqa)
+    if mask is not None:  # written for the model's token order; the tokens are in tiled order
+        mask = run.tiled_mask(mask, seq, q.shape[0])
     state, cfg = run.state, run.state.config
     layer = run.next_layer()
     reason = run.dense_reason(layer, k.shape[1])

@@ -96,6 +96,7 @@ class Run:
         self.blocks = blocks  # transformer block of each managed attention layer of this forward
         self.layer = 0  # next managed attention layer, in forward order
         self.key_lens: dict[tuple, list[int] | None] = {}  # per attention mask: valid keys per row
+        self.masks: dict[tuple, Tensor] = {}  # per attention mask and sequence: the mask in tiled order
 
     def sequence(self, q_len: int, kv_len: int) -> Sequence | None:
         """The managed sequence a call belongs to, or None (cross-attention, text refiner, ...)."""
@@ -105,6 +106,14 @@ class Run:
             if seq.length == q_len:
                 return seq
         return None
+
+    def tiled_mask(self, mask: Tensor, seq: Sequence, batch: int) -> Tensor:
+        """``mask`` (over ``seq`` in the model's token order) reordered like the tokens, once per
+        forward (one mask serves every layer)."""
+        key = (mask.data_ptr(), tuple(mask.shape), mask.dtype, seq.layout)
+        if key not in self.masks:
+            self.masks[key] = seq.layout.mask_to_tiled(mask, batch)
+        return self.masks[key]
 
     def next_layer(self) -> int:
         layer = self.layer
@@ -183,7 +192,11 @@ def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
     prefix = torch.arange(kv_len, device=m.device)[None, :] < lens[:, None]
     lens_list, ok = lens.tolist(), bool((prefix == valid).all())
     if not ok:
-        raise ValueError("the pisa backend supports key-padding masks whose valid keys form a prefix of each row")
+        raise ValueError(
+            "the pisa backend supports attention masks whose valid keys form a prefix of each row in the order "
+            "PISA runs the tokens in (after its token tiling when apply_pisa manages the model): the sparse kernel "
+            "reads a key count per row, not a mask"
+        )
     lens_list = lens_list * batch if len(lens_list) == 1 else lens_list
     if min(lens_list) < 1:
         raise ValueError("attention mask leaves a row with no valid key")
