@@ -378,3 +378,27 @@ def test_mask_that_tiling_breaks_is_refused_on_sparse_calls():
     mask[:, : n - 40] = True
     with pytest.raises(ValueError, match="attention mask.*token tiling"):
         _flux_masked(mask, density=0.5, dense_layers=0, dense_steps=0)
+
+
+def _misaligned_joint(text_len=13, grid=(6, 10), seed=0):
+    """q/k/v [B, L, H, D] of a [text][image] sequence whose image starts mid-block, and its Sequence."""
+    from pisa_attn.diffusers.tiling import build_layouts
+
+    seq = build_layouts(grid, text_len, "before", (4, 4), TILE_BLOCK).joint
+    q, k, v = _qkv(lq=seq.length, lk=seq.length, seed=seed)
+    return q, k, v, seq
+
+
+def test_image_query_blocks_follow_the_key_tile_grid():
+    # 13 text tokens before the image: cut at the first image query, every 16-row query block would
+    # straddle two key tiles. The image queries must get what PISA gives them in the sequence's own
+    # block grid (the one the key blocks and tiles follow).
+    q, k, v, seq = _misaligned_joint()
+    lo, hi = seq.image_lo, seq.image_hi
+    assert lo % TILE_BLOCK
+    for mode in ("zeroth", "hybrid"):
+        out = backend.sparse_attention(q, k, v, seq, None, None, (0.25, mode, False, TILE_BLOCK))
+        whole = pisa_attention(q, k, v, density=0.25, mode=mode, block_size=TILE_BLOCK, layout="bshd",
+                               keep_blocks=seq.keep)  # fmt: skip
+        torch.testing.assert_close(out[:, lo:hi], whole[:, lo:hi], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[:, :lo], backend.dense_attention(q[:, :lo], k, v, None, None, False))

@@ -341,6 +341,17 @@ class TokenLayout:
         }
 
 
+def block_floor(position: int, block_size: int) -> int:
+    """The block boundary at or before ``position``.
+
+    Queries ``[lo, hi)`` of a blocked sequence (the image queries after a text prefix) run as rows
+    ``[block_floor(lo), hi)``: their query blocks are then the key blocks, i.e. the tiles the layout
+    put on block boundaries; cut at ``lo``, every query block would straddle two tiles. The extra
+    rows before ``lo`` are computed and dropped.
+    """
+    return position - position % block_size
+
+
 # --- constructors ------------------------------------------------------------------------------
 def _segments(grid: Grid, text_before: int, text_after: int) -> tuple[Text | Grid, ...]:
     _check_int("text_before", text_before, 0)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import pisa_attention
+from ..layout import block_floor
 from ..ops import reference as ref
 from . import hooks
 from .schedule import DEFAULT_MIN_KV_LEN
@@ -212,6 +213,9 @@ def _row_groups(lens: list[int] | None, batch: int, kv_len: int) -> list[tuple[o
 def sparse_attention(q, k, v, seq: Sequence | None, lens, scale, settings) -> Tensor:
     """PISA on the image queries (text key blocks kept exact), dense attention for text queries.
 
+    The image queries run from the block boundary at or before the first of them, so their query
+    blocks are the tiles the key blocks are (the text rows computed on the way are dropped).
+
     ``lens``: valid (unmasked, leading) keys per batch row, or None. ``settings``: density, mode,
     covariance_aware, block_size. Returns [B, Lq, H, D].
     """
@@ -224,11 +228,12 @@ def sparse_attention(q, k, v, seq: Sequence | None, lens, scale, settings) -> Te
         keep = None if seq is None else seq.keep_for(n, bs)
         return pisa_attention(q, k[:, :n], v[:, :n], **pisa_kwargs(density, mode, cov, bs, scale, keep))
     out = _empty_bshd(q, v)
+    start = block_floor(lo, bs)  # query blocks on the key blocks' grid (see layout.block_floor)
     for rows, n in groups:
         kk, vv = k[rows, :n], v[rows, :n]
         keep = None if seq is None else seq.keep_for(n, bs)
         kw = pisa_kwargs(density, mode, cov, bs, scale, keep)
-        out[rows, lo:hi] = pisa_attention(q[rows, lo:hi], kk, vv, **kw)
+        out[rows, lo:hi] = pisa_attention(q[rows, start:hi], kk, vv, **kw)[:, lo - start :]
         for a, b in texts:
             out[rows, a:b] = dense_attention(q[rows, a:b], kk, vv, None, scale, q.shape[2] != k.shape[2])
     return out

@@ -20,6 +20,7 @@ import torch
 
 from ..attention import pisa_attention
 from ..bench import metrics
+from ..layout import block_floor
 from ..ops import reference as ref
 from . import hooks
 from .models import transformers_of
@@ -132,6 +133,8 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
     lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
     lens = call.meta.get("key_lens")
     bs = call.block_size
+    start = block_floor(lo, bs)  # query blocks on the key blocks' grid, as the backend runs them
+    cut = lo - start  # leading rows (text) computed for the blocks' sake, not measured
     heads = call.q.shape[1]
     groups = defaultdict(list)
     for row in range(call.q.shape[0]):
@@ -141,7 +144,7 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
     n_rows = 0
     for n, rows in groups.items():
         idx = torch.tensor(rows, device=call.q.device)
-        q = call.q.index_select(0, idx)[:, :, lo:hi]
+        q = call.q.index_select(0, idx)[:, :, start:hi]
         k, v = (x.index_select(0, idx)[:, :, :n] for x in (call.k, call.v))
         keep = None
         if call.keep_blocks is not None:
@@ -152,18 +155,18 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
         sel = metrics.select(q, k, v, **kw)
         dense = metrics.dense_pass(q, k, v, block_size=bs, masks=(sel.selected,), scale=call.scale)
         if call.dense:  # what PISA would have given here
-            pisa = pisa_attention(q, k, v, mode=call.mode, **kw)
+            pisa = pisa_attention(q, k, v, mode=call.mode, **kw)[:, :, cut:]
         else:
             pisa = call.out.index_select(0, idx)[:, :, lo:hi]
         outs = {"pisa": pisa}
         if drop:
-            outs["drop"] = pisa if call.mode == "drop" else pisa_attention(q, k, v, mode="drop", **kw)
-        d = dense.out.double()
+            outs["drop"] = pisa if call.mode == "drop" else pisa_attention(q, k, v, mode="drop", **kw)[:, :, cut:]
+        d = dense.out[:, :, cut:].double()
         for name, o in outs.items():
             err[name][0] += float((o.double() - d).abs().sum())
             err[name][1] += float(d.abs().sum())
-        tail_sum += dense.tail_mass[0].double().sum(dim=(0, 2)).cpu()
-        n_rows += len(rows) * q.shape[2]
+        tail_sum += dense.tail_mass[0][:, :, cut:].double().sum(dim=(0, 2)).cpu()
+        n_rows += len(rows) * (hi - lo)
     per_head = (tail_sum / max(1, n_rows)).tolist()
     return {
         "layer": call.layer, "step": call.step, "dense": call.dense, "dense_reason": call.meta.get("dense_reason"),
