@@ -1,13 +1,17 @@
 """State shared by the hooks and the backend: per-transformer settings and per-forward runs.
 
-The transformer-level hook opens a :class:`Run` for each forward call (its step, grid, layouts and
-a counter of managed attention layers) and publishes it in a context variable; the attention
-backend, called deep inside the model by diffusers' dispatcher, reads it from there.
+Each forward call of a managed transformer opens a :class:`Run` (its step, grid, layouts and a
+counter of managed attention layers) when it starts running and publishes it in a context
+variable; the attention backend, called deep inside the model by diffusers' dispatcher, reads it
+from there. Runs are opened and closed by opaque ops (see :mod:`.tiling`), so under
+``torch.compile`` this happens when the graph runs, never while it is traced.
 """
 
 from __future__ import annotations
 
 import contextvars
+import itertools
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,10 +144,16 @@ class PisaState:
     handles: list = field(default_factory=list)  # hook handles
     restore: list = field(default_factory=list)  # callables undoing processor/backend changes
     layouts: dict = field(default_factory=dict)  # (grid, text_len) -> Layouts
-    read_cache: dict = field(default_factory=dict)  # the adapter's read_call cache
+    read_cache: dict = field(default_factory=dict)  # the adapter's read_grid cache
     stats: Counter = field(default_factory=Counter)  # calls per outcome since the last generation start
     runs: list = field(default_factory=list)  # (context token, run) of forwards in progress
     blocks: tuple[int, ...] = ()  # transformer block of each managed attention module, forward order
+    handle: int = field(init=False)  # how the opaque ops (ints in a graph) find this state
+    tiling: tuple | None = None  # (perm, inv_perm) of the forward being run or traced
+
+    def __post_init__(self) -> None:
+        self.handle = next(_HANDLES)
+        _STATES[self.handle] = self
 
     def forward_blocks(self, arguments: dict) -> tuple[int, ...]:
         """Blocks of the managed attention calls of one forward (blocks the call skips left out)."""
@@ -153,6 +163,17 @@ class PisaState:
     def new_generation(self) -> None:
         self.tracker.reset()
         self.stats.clear()
+
+
+_HANDLES = itertools.count(1)
+_STATES: weakref.WeakValueDictionary[int, PisaState] = weakref.WeakValueDictionary()
+
+
+def state_of(handle: int) -> PisaState:
+    state = _STATES.get(handle)
+    if state is None:
+        raise RuntimeError("this PISA state was removed (remove_pisa) after the graph calling it was compiled")
+    return state
 
 
 _RUN: contextvars.ContextVar[Run | None] = contextvars.ContextVar("pisa_run", default=None)
@@ -168,6 +189,16 @@ def enter_run(run: Run) -> contextvars.Token:
 
 def exit_run(token: contextvars.Token) -> None:
     _RUN.reset(token)
+
+
+def open_run(run: Run) -> None:
+    run.state.runs.append((enter_run(run), run))
+
+
+def close_run(state: PisaState) -> None:
+    """Close ``state``'s innermost run if it is the current one (no-op otherwise)."""
+    if state.runs and current_run() is state.runs[-1][1]:
+        exit_run(state.runs.pop()[0])
 
 
 def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
