@@ -10,6 +10,7 @@ import pisa_attn.diffusers as pd  # noqa: E402
 from diffusers.models import attention_dispatch as ad  # noqa: E402
 from pisa_attn import pisa_attention  # noqa: E402
 from pisa_attn.diffusers import backend  # noqa: E402
+from pisa_attn.diffusers import calls as pisa_calls  # noqa: E402
 from pisa_attn.diffusers.state import key_lengths  # noqa: E402
 from diffusers_tiny import TILE_BLOCK, forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
 
@@ -210,14 +211,14 @@ def test_hunyuan_refiner_stays_dense_under_global_pisa():
         mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
         token = enter_run(run)
         try:
-            text_only = backend.attend(q, k, v, mask, None, False)
+            text_only = pisa_calls.attend(q, k, v, mask, None, False)
         finally:
             exit_run(token)
         pd.remove_pisa(tr)
     ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     assert run.layer == 0
-    torch.testing.assert_close(text_only, backend.dense_attention(q, k, v, mask, None, False), rtol=0, atol=0)
+    torch.testing.assert_close(text_only, pisa_calls.dense_attention(q, k, v, mask, None, False), rtol=0, atol=0)
 
 
 def test_compiled_blocks_do_not_recompile_per_step():
@@ -256,10 +257,10 @@ def test_observers_get_key_lengths_and_scale_of_dense_and_sparse_calls():
     calls = []
 
     def attend_in_run(calls_args):
-        """backend.attend in a fresh forward run (layers 0, 1, ...) of ``tr``."""
+        """calls.attend in a fresh forward run (layers 0, 1, ...) of ``tr``."""
         token = enter_run(Run(state, 0, CallInfo((3, 6, 10), 8, 0.5), layouts))
         try:
-            return [backend.attend(q, k, v, m, scale, False) for m, scale in calls_args]
+            return [pisa_calls.attend(q, k, v, m, scale, False) for m, scale in calls_args]
         finally:
             exit_run(token)
 
@@ -298,8 +299,8 @@ def test_sd3_follows_set_attention_backend_and_context_manager(monkeypatch):
     # SD3's JointAttnProcessor2_0 calls SDPA itself: selecting "pisa" used to change nothing.
     tr, inputs = tiny_transformer("sd3"), forward_inputs("sd3")
     calls = []
-    unmanaged = backend._attend_unmanaged
-    monkeypatch.setattr(backend, "_attend_unmanaged", lambda *a: calls.append(a[0].shape) or unmanaged(*a))
+    unmanaged = pisa_calls._attend_unmanaged
+    monkeypatch.setattr(pisa_calls, "_attend_unmanaged", lambda *a: calls.append(a[0].shape) or unmanaged(*a))
     old = pd.configure()
     try:
         with torch.no_grad():
@@ -397,8 +398,8 @@ def test_image_query_blocks_follow_the_key_tile_grid():
     lo, hi = seq.image_lo, seq.image_hi
     assert lo % TILE_BLOCK
     for mode in ("zeroth", "hybrid"):
-        out = backend.sparse_attention(q, k, v, seq, None, None, (0.25, mode, False, TILE_BLOCK))
+        out = pisa_calls.sparse_attention(q, k, v, seq, None, None, (0.25, mode, False, TILE_BLOCK))
         whole = pisa_attention(q, k, v, density=0.25, mode=mode, block_size=TILE_BLOCK, layout="bshd",
                                keep_blocks=seq.keep)  # fmt: skip
         torch.testing.assert_close(out[:, lo:hi], whole[:, lo:hi], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(out[:, :lo], backend.dense_attention(q[:, :lo], k, v, None, None, False))
+        torch.testing.assert_close(out[:, :lo], pisa_calls.dense_attention(q[:, :lo], k, v, None, None, False))

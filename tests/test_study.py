@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pisa_attn import pisa_attention
-from pisa_attn.bench import metrics
+from pisa_attn import metrics
 from pisa_attn.bench.study import MODES, StudyConfig, add_parser, main, run_study
 from pisa_attn.bench.study_sources import Sample, SyntheticSource, halving_grids, synthetic_grid
 from pisa_attn.data import dit_qkv

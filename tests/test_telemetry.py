@@ -11,7 +11,7 @@ pytest.importorskip("diffusers")
 import pisa_attn.diffusers as pd  # noqa: E402
 from diffusers_tiny import forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
 from pisa_attn import pisa_attention  # noqa: E402
-from pisa_attn.bench import metrics  # noqa: E402
+from pisa_attn import metrics  # noqa: E402
 from pisa_attn.data import dit_qkv  # noqa: E402
 from pisa_attn.diffusers import hooks  # noqa: E402
 from pisa_attn.diffusers import telemetry as tm  # noqa: E402

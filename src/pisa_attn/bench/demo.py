@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..attention import BACKENDS, make_plan, pisa_attention
 from ..ops.reference import MODES
-from .metrics import rel_l1
+from ..metrics import rel_l1
 
 METHODS = ("drop", "zeroth", "hybrid", "first")  # from plain block-sparse to the accuracy bound
 DEFAULT_DENSITIES = (0.0625, 0.125, 0.25)

@@ -24,7 +24,7 @@ from torch import Tensor
 from .. import __version__
 from ..attention import make_plan, pisa_attention
 from ..ops import reference as ref
-from . import metrics
+from .. import metrics
 from .study_sources import CapturedSource, Sample, SyntheticSource
 
 MODES = ("drop", "zeroth", "hybrid", "first")

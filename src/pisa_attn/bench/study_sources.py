@@ -133,7 +133,7 @@ class CapturedSource:
     kind = "safetensors"
 
     def __init__(self, path: str, *, entries=None, max_entries: int = 4, dtype, device):
-        from ..diffusers.capture import read_qkv_file  # lazy: the synthetic path needs no safetensors
+        from ..qkv_file import read_qkv_file
 
         self.path = str(path)
         self.file = read_qkv_file(self.path)

@@ -12,7 +12,8 @@ import warnings
 
 from . import hooks
 from .apply import apply_pisa, pisa_state, remove_pisa, stats
-from .backend import BACKEND_NAME, check_diffusers, configure, register
+from .backend import BACKEND_NAME, check_diffusers, register
+from .calls import configure
 from .capture import capture_qkv
 from .models import ADAPTERS, ModelAdapter, adapter_for
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker

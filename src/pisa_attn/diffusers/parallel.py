@@ -31,7 +31,7 @@ from torch import Tensor
 from ..parallel import ring_pisa_attention, ulysses_attention
 from ..parallel.comm import gather_ints
 from . import hooks
-from .backend import dense_attention, sparse_attention
+from .calls import dense_attention, sparse_attention
 from .state import Sequence, current_run
 
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..attention import pisa_attention
-from ..bench import metrics
+from .. import metrics
 from ..layout import block_floor
 from ..ops import reference as ref
 from . import hooks

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..ops import reference as ref
+from .ops import reference as ref
 
 # Elements of one [B, H, rows, Lk] score slab a dense pass holds at once (~64 MB in fp32).
 _SLAB = 1 << 24

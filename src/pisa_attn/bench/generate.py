@@ -214,7 +214,7 @@ def run(args) -> int:
     _check_args(args)
     import torch
 
-    from . import adapter_for, apply_pisa, stats
+    from ..diffusers import adapter_for, apply_pisa, stats
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
