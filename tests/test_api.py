@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from brute import MODES, brute_dense, brute_pisa, brute_selection
-from pisa_attn import pisa_attention
+from pisa_attn import pisa_attention, spec
 from pisa_attn.ops import reference as ref
 
 
@@ -75,6 +75,10 @@ BAD_INPUTS = [
     ("keep-wrong-heads", _with(keep_blocks=torch.ones(1, 3, 1, dtype=torch.bool)), ValueError, "keep_blocks"),
     ("keep-per-query-block", _with(keep_blocks=torch.ones(1, 4, 1, 1, dtype=torch.bool)), ValueError, "keep_blocks"),
     ("keep-float", _with(keep_blocks=torch.ones(1)), TypeError, "keep_blocks"),
+    ("cov-truthy-str", _with(covariance_aware="no"), TypeError, "covariance_aware"),
+    ("cov-int", _with(covariance_aware=1), TypeError, "covariance_aware"),
+    ("return-lse-truthy-str", _with(return_lse="no"), TypeError, "return_lse"),
+    ("return-lse-none", _with(return_lse=None), TypeError, "return_lse"),
     ("keep-list", _with(keep_blocks=[True]), TypeError, "keep_blocks"),
 ]
 
@@ -84,6 +88,20 @@ def test_bad_input_raises_naming_the_argument(build, exc, pattern):
     kw = build()
     with pytest.raises(exc, match=pattern):
         pisa_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+
+
+@pytest.mark.parametrize(
+    "density,n,k", [(0.25, 10, 3), (0.15, 10, 2), (0.05, 10, 1), (0.35, 10, 4), (0.01, 10, 1), (1.0, 7, 7), (0.5, 3, 2)]
+)
+def test_selected_count_is_density_times_blocks_rounded_half_up(density, n, k):
+    assert spec.num_selected(density, n) == k
+
+
+def test_reference_backend_is_differentiable():
+    q, k, v = make_qkv(1, 2, 2, 48, 48, 16)
+    q.requires_grad_()
+    pisa_attention(q, k, v, density=0.5, block_size=16, backend="reference").sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
 def test_keep_blocks_on_another_accelerator_rejected():
@@ -117,7 +135,10 @@ def test_gqa_equals_repeated_kv_heads_B1_H4_L96_D32(hk, mode):
     torch.testing.assert_close(out.double(), brute_pisa(q, k, v, sel, mode=mode, block_size=16)[0], atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("lq,lk", [(40, 200), (200, 40), (1, 33), (33, 1)], ids=lambda x: f"{x}")
+LQ_LK = [(40, 200), (200, 40), (1, 33), (33, 1)]
+
+
+@pytest.mark.parametrize("lq,lk", LQ_LK, ids=[f"B2-H2-Lq{a}-Lk{b}-D32" for a, b in LQ_LK])
 def test_lq_differs_from_lk(lq, lk):
     q, k, v = make_qkv(2, 2, 2, lq, lk, 32, seed=3)
     out, lse = pisa_attention(q, k, v, density=0.5, block_size=16, return_lse=True)
@@ -168,7 +189,7 @@ def test_keep_blocks_are_exact_and_do_not_count_against_k():
     q, k, v = make_qkv(2, 4, 2, 160, 160, 32, seed=8)  # 10 key blocks of 16
     keep = torch.zeros(10, dtype=torch.bool)
     keep[[0, 7]] = True
-    n_sel = ref.num_selected(0.2, 10)
+    n_sel = spec.num_selected(0.2, 10)
     _, _, sel = ref.pisa_reference(q, k, v, density=0.2, block_size=16, keep_blocks=keep)
     assert sel[..., keep].all()
     assert (sel[..., ~keep].sum(-1) == n_sel).all()
@@ -234,13 +255,27 @@ def test_property_finite_shapes_and_density_one_is_dense(p):
     torch.testing.assert_close(dense_lse.double(), want_lse, atol=2e-5, rtol=1e-5)
 
 
-def test_keep_blocks_under_torch_compile_fullgraph():
-    """The kept-block count is never read on the host while tracing (no graph break)."""
+def _compiled_keep_blocks_matches_eager(backend: str) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 300, 32) for _ in range(3))
     keep = torch.zeros(5, dtype=torch.bool)
     keep[1] = True
     fn = torch.compile(
-        lambda q, k, v: pisa_attention(q, k, v, density=0.2, keep_blocks=keep, backend="reference"), fullgraph=True
+        lambda q, k, v: pisa_attention(q, k, v, density=0.2, keep_blocks=keep, backend="reference"),
+        fullgraph=True,
+        backend=backend,
     )
     torch.testing.assert_close(fn(q, k, v), pisa_attention(q, k, v, density=0.2, keep_blocks=keep), rtol=1e-5, atol=1e-5)
+
+
+def test_keep_blocks_under_torch_compile_fullgraph():
+    """The kept-block count is never read on the host while tracing: dynamo traces the whole call
+    (fullgraph: a graph break raises) and AOTAutograd retraces it with fake tensors."""
+    _compiled_keep_blocks_matches_eager("aot_eager")
+
+
+@pytest.mark.slow
+def test_keep_blocks_under_torch_compile_inductor():
+    """The same graph through torch.compile's default backend (C++ code generation on CPU: tens of
+    seconds cold, hence slow)."""
+    _compiled_keep_blocks_matches_eager("inductor")

@@ -8,13 +8,18 @@ float32 LSE), hence ring's 1e-5.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from pisa_attn import pisa_attention
-from pisa_attn.ops import reference as ref
+from pisa_attn.spec import num_blocks
+from pisa_attn.ops.merge import merge
 from pisa_attn.parallel import ring_pisa_attention, ulysses_pisa_attention
 from pisa_attn.parallel.launch import run_local
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # conftest sets it without a GPU; ranks inherit it
 
 BS = 16
 
@@ -60,7 +65,7 @@ def _run_case(rank, world, c):
     v = torch.randn(2, c["hk"], total, 32, generator=g, dtype=dtype)
     order = torch.randperm(total, generator=g) if c["perm"] else torch.arange(total)
     q_order = order[total // 5 :] if c["q_subset"] else order  # e.g. the image queries after the text
-    n_kv = ref.num_blocks(total, BS)
+    n_kv = num_blocks(total, BS)
     keep = None
     if c["keep"] == "flat":
         keep = torch.zeros(n_kv, dtype=torch.bool)
@@ -115,13 +120,46 @@ def _error_cases(rank, world):
     bad = torch.zeros(64, dtype=torch.long)
     res["bad-perm"] = _expect_error(lambda: ulysses_pisa_attention(w, w, w, block_size=16, perm=bad))
     res["ring-bad-perm"] = _expect_error(lambda: ring_pisa_attention(w, w, w, block_size=16, perm=torch.arange(63)))
+    res["ring-truthy-flag"] = _expect_error(lambda: ring_pisa_attention(w, w, w, block_size=16, return_lse="no"))
+    res["ulysses-truthy-flag"] = _expect_error(
+        lambda: ulysses_pisa_attention(w, w, w, block_size=16, covariance_aware="no")
+    )
     return res
+
+
+def _ring_on_triton_stages(rank, world):
+    """The ring's steps with the Triton backend's stages (one argument) equal one process on the
+    kernels: LSE to float32 rounding, output to bfloat16 rounding (the kernel rounds probabilities
+    to bfloat16 against each shard's own running maximum; the ring's output is bfloat16)."""
+    from pisa_attn import make_plan
+    from pisa_attn.attention import get_backend
+    from pisa_attn.ops.stages import run_plan
+    from pisa_attn.parallel import ring
+
+    be = get_backend("triton")
+    g = torch.Generator().manual_seed(3)
+    total, bs = 160, 16
+    q, k, v = (torch.randn(1, 2, total, 32, generator=g).bfloat16() for _ in range(3))
+    keep = torch.zeros(1, 1, total // bs, dtype=torch.bool)
+    keep[..., 2] = True
+    plan = make_plan(q, k, 0.3, bs, "hybrid", True, None, "triton")
+    stats, sel, _ = run_plan(be, q, k, v, plan, keep, n_keep_max=1)
+    want, want_lse = be.attend(q, k, v, stats, sel, mode="hybrid", scale=plan.scale, block_size=bs,
+                               n_select=plan.n_select, out_dtype=torch.float32)
+    bounds = [0, 96, total]  # block-aligned, uneven
+    sl = slice(bounds[rank], bounds[rank + 1])
+    out, lse = ring._ring_aligned(q[:, :, sl], k[:, :, sl], v[:, :, sl], bounds, None, be, density=0.3, block_size=bs,
+                                  mode="hybrid", covariance_aware=True, scale=plan.scale, keep=keep, n_keep_max=1)
+    err = ((out.double() - want[:, :, sl].double()).abs().sum() / want[:, :, sl].double().abs().sum()).item()
+    return err, float((lse - want_lse[:, :, sl]).abs().max())
 
 
 def _worker(rank, world, cases, with_errors):
     res = {name: _run_case(rank, world, spec) for name, spec in cases.items()}
     if with_errors:
         res["errors"] = _error_cases(rank, world)
+        if INTERPRETED:
+            res["ring-triton"] = _ring_on_triton_stages(rank, world)
     return res
 
 
@@ -167,10 +205,23 @@ def test_clear_errors(two_ranks, case, words):
         assert msg.startswith("ValueError") and words in msg, msg
 
 
-def test_merge_partials_is_exact_softmax_split():
-    """The LSE merge of two disjoint key sets equals attention over their union (and tolerates -inf)."""
-    from pisa_attn.parallel import merge_partials
+@pytest.mark.parametrize("case, words", [("ring-truthy-flag", "return_lse"), ("ulysses-truthy-flag", "covariance_aware")])
+def test_flags_must_be_booleans(two_ranks, case, words):
+    for res in two_ranks:
+        msg = res["errors"][case]
+        assert msg.startswith("TypeError") and words in msg, msg
 
+
+@pytest.mark.skipif(not INTERPRETED, reason="the gloo ranks run the Triton kernels through the CPU interpreter")
+def test_ring_steps_run_on_the_triton_stages(two_ranks):
+    for rank, res in enumerate(two_ranks):
+        err_out, err_lse = res["ring-triton"]
+        assert err_out < 4e-3 and err_lse < 1e-5, (rank, err_out, err_lse)
+
+
+def test_merge_is_exact_softmax_split():
+    """The LSE merge of disjoint key sets equals attention over their union; rows with no term in a
+    partial (lse -inf, output possibly NaN as a kernel's 0/0) are ignored; no term anywhere gives (0, -inf)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 16, generator=g, dtype=torch.float64) for _ in range(3))
     s = q @ k.transpose(-1, -2)
@@ -179,10 +230,12 @@ def test_merge_partials_is_exact_softmax_split():
     def part(cols):
         return torch.softmax(s[..., cols], -1) @ v[:, :, cols], torch.logsumexp(s[..., cols], -1)
 
-    out, lse = merge_partials(*part(slice(0, 3)), *part(slice(3, 8)))
+    out, lse = merge([part(slice(0, 3)), part(slice(3, 8))])
     assert torch.allclose(out, full, atol=1e-12) and torch.allclose(lse, torch.logsumexp(s, -1), atol=1e-12)
-    empty_out, empty_lse = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
-    out2, lse2 = merge_partials(empty_out, empty_lse, empty_out, empty_lse)
-    assert torch.equal(out2, empty_out) and torch.isneginf(lse2).all()
-    out3, _ = merge_partials(empty_out, empty_lse, out, lse)
+    out, lse = merge([part(slice(0, 2)), part(slice(2, 5)), part(slice(5, 8))], out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and torch.allclose(out.double(), full, atol=1e-6)
+    nan_out, empty_lse = torch.full_like(full, float("nan")), torch.full_like(lse, float("-inf"))
+    out2, lse2 = merge([(nan_out, empty_lse), (nan_out, empty_lse)])
+    assert torch.equal(out2, torch.zeros_like(full)) and torch.isneginf(lse2).all()
+    out3, _ = merge([(nan_out, empty_lse), part(slice(0, 8))])
     assert torch.allclose(out3, full, atol=1e-12)

@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from brute import MODES, brute_dense, brute_pisa, brute_selection
-from pisa_attn import pisa_attention
+from pisa_attn import make_plan, pisa_attention
 from pisa_attn.ops import reference as ref
+from pisa_attn.ops.selection import Selection
+from pisa_attn.ops.stages import run_plan
 
 # (B, H, Hk, Lq, Lk, D, block_size): aligned, ragged + Lq≠Lk + GQA, MQA with a 1-token tail block.
 SHAPES = [(1, 2, 2, 64, 64, 32, 16), (2, 4, 2, 100, 150, 32, 16), (1, 4, 1, 97, 65, 64, 32)]
@@ -261,3 +263,31 @@ def test_error_ordering_on_dit_data(grid, seed):
         out = pisa_attention(d.q, d.k, d.v, density=0.125, block_size=64, mode=mode)
         err[mode] = ((out - dense).abs().mean() / dense.abs().mean()).item()
     assert err["drop"] > err["zeroth"] > err["hybrid"] >= err["first"], err
+
+
+# ---------------------------------------------------------------- the stage contract
+@pytest.mark.parametrize("cov", [False, True], ids=["plain", "cov"])
+def test_stages_compose_to_the_public_call(cov):
+    """prepare -> select -> attend of the reference backend is what pisa_attention runs, and the
+    select stage is the top-k mask of the pooled scores, as a Selection."""
+    q, k, v = make_qkv(2, 4, 2, 100, 150, 32, seed=4)
+    keep = torch.zeros(2, 4, 10, dtype=torch.bool)
+    keep[0, 1, 3] = True
+    plan = make_plan(q, k, 0.3, 16, "hybrid", cov, None, "reference")
+    stats, sel, (out, lse) = run_plan(ref.BACKEND, q, k, v, plan, keep, n_keep_max=1)
+    assert isinstance(sel, Selection) and sel.idx.shape[-1] == plan.n_select + 1
+    scores = ref.selection_scores(ref.block_means(q, 16, torch.float64), stats.kmean, plan.scale, stats.hdev)
+    assert torch.equal(sel.to_mask(10), ref.select_blocks(scores, plan.n_select, keep))
+    want = pisa_attention(q, k, v, density=0.3, block_size=16, covariance_aware=cov, keep_blocks=keep, return_lse=True)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+def test_select_stage_chunks_bounded_by_scratch():
+    """A small score scratch (query-block chunks) selects the same blocks."""
+    q, k, v = make_qkv(1, 2, 1, 300, 300, 32, seed=5)
+    stats = ref.prepare(q, k, v, 16, with_hdev=True)
+    kw = dict(n_select=4, width=6, scale=0.2, hdev=stats.hdev, keep=torch.ones(1, 1, 19, dtype=torch.bool) & (torch.arange(19) < 2))
+    whole = ref.select(stats.qmean, stats.kmean, **kw)
+    chunked = ref.select(stats.qmean, stats.kmean, scratch_elems=3 * 2 * 19, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    assert (whole.cnt == 6).all()

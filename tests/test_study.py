@@ -90,6 +90,8 @@ def test_cli_subcommand_runs_and_writes(tmp_path):
         (dict(heads=0), "heads"),
         (dict(dtype="int8"), "dtype"),
         (dict(device="tpu"), "device"),
+        (dict(block_size=48), "block_size"),
+        (dict(head_dim=33), "head_dim"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, word):

@@ -11,11 +11,15 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from pisa_attn import pisa_attention  # noqa: E402
+from pisa_attn import pisa_attention, spec  # noqa: E402
 from pisa_attn.attention import make_plan  # noqa: E402
 from pisa_attn.ops import reference as ref  # noqa: E402
+from pisa_attn.ops.selection import Selection, bits_to_mask, idx_to_mask  # noqa: E402
+from pisa_attn.ops.stages import run_plan  # noqa: E402
 from pisa_attn.ops.triton import op  # noqa: E402
-from pisa_attn.ops.triton import select as sel  # noqa: E402
+from pisa_attn.ops.merge import merge  # noqa: E402
+from pisa_attn.ops.reference import BACKEND as REF  # noqa: E402
+from pisa_attn.ops.triton.op import BACKEND as TRITON  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_TOL = 1e-2  # rel-L1 for bfloat16 outputs (P is rounded to bf16 before PV, as in flash/cuDNN)
@@ -37,13 +41,22 @@ def make_qkv(b, h, hk, lq, lk, d, dtype=torch.bfloat16, layout="bhsd", seed=0):
     return t(h, lq), t(hk, lk), t(hk, lk)
 
 
-def ref_with_selection(q, k, v, mask, mode, scale, bs, covariance_aware=False):
-    stats = ref.block_stats(k.double(), v.double(), bs, with_hdev=covariance_aware)
-    return ref.pisa_forward(q.double(), k.double(), v.double(), stats, mask, mode=mode, scale=scale, block_size=bs)
+def ref_with_selection(q, k, v, selection, mode, scale, bs):
+    """The reference backend's prepare and attend stages in float64 under a given selection."""
+    q, k, v = (x.double() for x in (q, k, v))
+    stats = REF.prepare(q, k, v, bs)
+    return REF.attend(q, k, v, stats, selection, mode=mode, scale=scale, block_size=bs)
 
 
 def plan_for(q, k, density, bs, mode, cov=False):
     return make_plan(q, k, density, bs, mode, cov, None, "triton")
+
+
+def check_selection(s: Selection, nk: int):
+    """idx and bits name the same set; returns it as a mask."""
+    mask = idx_to_mask(s.idx, s.cnt, nk)
+    assert torch.equal(mask, bits_to_mask(s.bits, nk))
+    return mask
 
 
 CASES = [
@@ -60,11 +73,10 @@ def test_attention_matches_reference_under_same_selection(case, mode):
     b, h, hk, lq, lk, d, bs, layout, density = case
     q, k, v = make_qkv(b, h, hk, lq, lk, d, layout=layout, seed=lq + lk)
     p = plan_for(q, k, density, bs, mode)
-    stats, (idx, cnt, bits), (out, lse) = op.run_stages(q, k, v, p)
-    mask = sel.selection_to_mask(idx, cnt, p.n_kv_blocks)
-    assert torch.equal(mask, sel.bits_to_mask(bits, p.n_kv_blocks))
-    assert (cnt == p.n_select).all()
-    o_ref, lse_ref = ref_with_selection(q, k, v, mask, mode, p.scale, bs)
+    stats, s, (out, lse) = run_plan(TRITON, q, k, v, p)
+    mask = check_selection(s, p.n_kv_blocks)
+    assert (s.cnt == p.n_select).all()
+    o_ref, lse_ref = ref_with_selection(q, k, v, s, mode, p.scale, bs)
     assert torch.isfinite(out).all()
     assert rel_l1(out, o_ref) < BF16_TOL
     assert (lse.double() - lse_ref).abs().max().item() < 2e-2
@@ -76,7 +88,7 @@ def test_prepare_matches_reference_ragged_gqa():
     b, h, hk, l, d, bs = 2, 2, 1, 203, 32, 32
     q, k, v = make_qkv(b, h, hk, l, l, d, layout="bshd", seed=3)
     p = plan_for(q, k, 0.3, bs, "hybrid", cov=True)
-    stats, _, _ = op.run_stages(q, k, v, p)
+    stats, _, _ = run_plan(TRITON, q, k, v, p)
     rs = ref.block_stats(k.double(), v.double(), bs, with_hdev=True)
     counts = rs.counts[:, None]
     torch.testing.assert_close(stats.qmean.double(), ref.block_means(q.double(), bs, torch.float64), rtol=1e-5, atol=1e-5)
@@ -84,10 +96,10 @@ def test_prepare_matches_reference_ragged_gqa():
     torch.testing.assert_close(stats.vbar.double() * counts, rs.vsum, rtol=1e-2, atol=2e-2)
     assert rel_l1(stats.hbar, rs.hbar) < 2e-3  # tf32 on GPU; exact fp32 under the interpreter
     assert rel_l1(stats.hdev, rs.hdev) < 2e-3
-    # Tail-scan centroids: float16 times one power of two per head, 11 significant bits.
+    # Tail-scan centroids: float16 times one power of two per block, 11 significant bits.
     ks = stats.kscale.double()
-    assert ks.shape == (b, hk) and torch.equal(torch.exp2(torch.log2(ks).round()), ks)
-    torch.testing.assert_close(stats.kbar.double() * ks[..., None, None], rs.kmean, rtol=1e-3, atol=1e-6)
+    assert ks.shape == rs.kmean.shape[:3] and torch.equal(torch.exp2(torch.log2(ks).round()), ks)
+    torch.testing.assert_close(stats.kbar.double() * ks[..., None], rs.kmean, rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("q_mag,k_mag", [(1e-6, 1e6), (1e5, 1e-5)], ids=["tiny-q-huge-k", "huge-q-tiny-k"])
@@ -98,9 +110,9 @@ def test_tail_scan_far_outside_float16_range(q_mag, k_mag):
     q, k, v = make_qkv(b, h, h, l, l, d, seed=5)
     q, k = (q.float() * q_mag).bfloat16(), (k.float() * k_mag).bfloat16()
     p = plan_for(q, k, 0.25, bs, "hybrid")
-    _, (idx, cnt, bits), (out, lse) = op.run_stages(q, k, v, p)
-    mask = sel.selection_to_mask(idx, cnt, p.n_kv_blocks)
-    o_ref, lse_ref = ref_with_selection(q, k, v, mask, "hybrid", p.scale, bs)
+    _, s, (out, lse) = run_plan(TRITON, q, k, v, p)
+    check_selection(s, p.n_kv_blocks)
+    o_ref, lse_ref = ref_with_selection(q, k, v, s, "hybrid", p.scale, bs)
     assert torch.isfinite(out).all()
     assert rel_l1(out, o_ref) < BF16_TOL
     assert (lse.double() - lse_ref).abs().max().item() < 2e-2
@@ -110,38 +122,41 @@ def test_selection_matches_topk_with_keep_blocks_cov():
     cov = True
     b, h, hk, l, d, bs = 1, 2, 1, 320, 32, 16
     q, k, v = make_qkv(b, h, hk, l, l, d, seed=5)
-    nk = ref.num_blocks(l, bs)
+    nk = spec.num_blocks(l, bs)
     keep = torch.zeros(b, h, nk, dtype=torch.bool)
     keep[0, 0, [0, 7]] = True
     keep[0, 1, 19] = True
     keep = keep.to(DEV)
     p = plan_for(q, k, 0.2, bs, "hybrid", cov=cov)
-    stats, (idx, cnt, bits), _ = op.run_stages(q, k, v, p, keep, n_keep_max=2)
-    mask = sel.selection_to_mask(idx, cnt, nk)
+    stats, s, _ = run_plan(TRITON, q, k, v, p, keep, n_keep_max=2)
+    idx, cnt = s.idx, s.cnt
+    mask = check_selection(s, nk)
     rs = ref.block_stats(k.double(), v.double(), bs, with_hdev=cov)
-    scores = ref.selection_scores(ref.block_means(q.double(), bs, torch.float64), rs, p.scale, cov)
+    scores = ref.selection_scores(ref.block_means(q.double(), bs, torch.float64), rs.kmean, p.scale, rs.hdev)
     expect = ref.select_blocks(scores, p.n_select, keep)
     assert (mask & keep[:, :, None, :]).sum() == keep.sum() * mask.shape[2]  # keep blocks always exact
     assert torch.equal(cnt, expect.sum(-1).int())
     assert (mask & expect).sum().item() / expect.sum().item() > 0.98  # near-ties may resolve differently
     ascending = (idx[..., 1:] > idx[..., :-1]) | (torch.arange(1, idx.shape[-1], device=idx.device) >= cnt[..., None])
     assert ascending.all()
+    kw = dict(n_select=p.n_select, width=idx.shape[-1], scale=p.scale, hdev=stats.hdev, keep=keep)
     # A small score scratch (several query chunks, one GEMM + top-k launch each) changes nothing.
-    chunked = sel.select(stats.qmean, stats.kmean, stats.hdev, keep, p.n_select, idx.shape[-1], p.scale, scratch_elems=3 * h * nk)
-    assert torch.equal(sel.selection_to_mask(chunked[0], chunked[1], nk), mask) and torch.equal(chunked[2], bits)
-    # The torch.topk path (used past the fused kernel's size limit) agrees with the kernel.
-    t_idx, t_cnt, t_bits = sel.select_torch(stats.qmean, stats.kmean, stats.hdev, keep, p.n_select, idx.shape[-1], p.scale, chunk_blocks=7)
-    t_mask = sel.selection_to_mask(t_idx, t_cnt, nk)
-    assert torch.equal(t_mask, sel.bits_to_mask(t_bits, nk))
+    chunked = TRITON.select(stats.qmean, stats.kmean, scratch_elems=3 * h * nk, **kw)
+    assert torch.equal(check_selection(chunked, nk), mask) and torch.equal(chunked.bits, s.bits)
+    # The reference's chunked torch.topk selection (the kernels' path past their size limit) agrees.
+    t_mask = check_selection(ref.select(stats.qmean, stats.kmean, scratch_elems=7 * b * h * nk, **kw), nk)
     assert (t_mask & mask).sum().item() / mask.sum().item() > 0.98
 
 
 def test_mask_selection_roundtrip():
     g = torch.Generator().manual_seed(0)
     mask = torch.rand(2, 3, 5, 70, generator=g) < 0.3
-    idx, cnt, bits = sel.mask_to_selection(mask, 70)
-    assert torch.equal(sel.selection_to_mask(idx, cnt, 70), mask)
-    assert torch.equal(sel.bits_to_mask(bits, 70), mask)
+    s = Selection.from_mask(mask, 70)
+    assert torch.equal(check_selection(s, 70), mask) and torch.equal(s.to_mask(70), mask)
+    # Restricted to blocks [lo, hi): the same set, re-based.
+    part = s.blocks(33, 61)
+    assert torch.equal(check_selection(part, 28), mask[..., 33:61])
+    assert part.idx.shape[-1] == 28
 
 
 @pytest.mark.parametrize("peak", ["tail", "exact"])
@@ -166,18 +181,14 @@ def test_running_max_in_either_phase(mode, peak):
         kj = k[:, :, j * bs : (j + 1) * bs]
         v[:, :, j * bs : (j + 1) * bs] += 6.0 * (kj - kj.mean(2, keepdim=True))
     q, k, v = (x.bfloat16().to(DEV) for x in (q, k, v))
-    nk, nq = ref.num_blocks(l, bs), ref.num_blocks(lq, bs)
+    nk, nq = spec.num_blocks(l, bs), spec.num_blocks(lq, bs)
     mask = torch.zeros(1, 1, nq, nk, dtype=torch.bool, device=DEV)
     mask[..., 10] = True  # every query block: exact set = {10}
-    idx, cnt, bits = sel.mask_to_selection(mask, 1)
     p = plan_for(q, k, 1 / nk, bs, mode)
-    from pisa_attn.ops.triton import attention as attn
-    from pisa_attn.ops.triton import prepare as prep
-
-    stats = prep.prepare(q, k, v, bs)
-    out, lse = attn.attention(q, k, v, *stats.tail(), idx, cnt, bits, mode=mode, scale=p.scale,
-                              block_size=bs, n_select=1)
-    o_ref, lse_ref = ref_with_selection(q, k, v, mask, mode, p.scale, bs)
+    stats = TRITON.prepare(q, k, v, bs)
+    out, lse = TRITON.attend(q, k, v, stats, Selection.from_mask(mask, 1), mode=mode, scale=p.scale, block_size=bs,
+                             n_select=1)
+    o_ref, lse_ref = ref_with_selection(q, k, v, Selection.from_mask(mask, 1), mode, p.scale, bs)
     s_exact = (q.double() @ k.double()[:, :, 10 * bs : 11 * bs].transpose(-1, -2)).amax(-1) * p.scale
     s_tail = (q.double() @ stats.kmean.double()[:, :, [3, 35]].transpose(-1, -2)).amax(-1) * p.scale
     gap = s_tail - s_exact if peak == "tail" else s_exact - s_tail
@@ -186,13 +197,57 @@ def test_running_max_in_either_phase(mode, peak):
     assert (lse.double() - lse_ref).abs().max().item() < 2e-2
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide", "ignore:divide by zero encountered in log2")
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("mode", ["hybrid", "zeroth", "drop"])
+def test_sharded_keys_merge_to_the_unsharded_call(backend, mode):
+    """Attend to three K/V shards (the ragged last block in the last one) with the global selection
+    re-based per shard and the global H̄: the merged partials equal the unsharded attend stage."""
+    be = REF if backend == "reference" else TRITON
+    dtype = torch.float64 if backend == "reference" else torch.bfloat16
+    b, h, hk, lq, lk, d, bs = 1, 2, 2, 96, 230, 32, 16  # 15 key blocks, the last of 6 tokens; Hk > 1
+    q, k, v = make_qkv(b, h, hk, lq, lk, d, dtype=dtype, seed=31)
+    p = make_plan(q, k, 0.2, bs, mode, False, None, backend)
+    stats, sel, _ = run_plan(be, q, k, v, p)
+    whole = be.attend(q, k, v, stats, sel, mode=mode, scale=p.scale, block_size=bs, n_select=p.n_select,
+                      out_dtype=torch.float32)
+    parts = []
+    for lo, hi in ((0, 4), (4, 9), (9, 15)):
+        ks, vs = (x[:, :, lo * bs : min(hi * bs, lk)] for x in (k, v))
+        shard = stats.blocks(lo, hi).with_hbar(stats.hbar)
+        parts.append(be.attend(q, ks, vs, shard, sel.blocks(lo, hi), mode=mode, scale=p.scale, block_size=bs,
+                               n_select=p.n_select, out_dtype=torch.float32))
+    if mode == "drop":  # some rows have no exact block in some shard: (unspecified, -inf), ignored
+        # (the interpreter warns about the kernel's 0/0 there)
+        assert any(torch.isneginf(lse).any() for _, lse in parts)
+    out, lse = merge(parts)
+    assert torch.isfinite(out).all()
+    if backend == "reference":
+        torch.testing.assert_close(out, whole[0].float(), rtol=1e-6, atol=1e-6)
+    else:  # the kernel rounds P to bfloat16 against each shard's own running maximum
+        assert rel_l1(out, whole[0]) < 2e-3
+    torch.testing.assert_close(lse, whole[1], rtol=1e-5, atol=1e-5)
+
+
+def test_deviation_against_a_given_hbar():
+    """||H_j − H̄|| against a passed-in H̄ (a sharded caller's global one) is prepare's own hdev when
+    given prepare's H̄, and follows the H̄ it is given."""
+    q, k, v = make_qkv(1, 2, 2, 64, 100, 32, seed=13)
+    stats = TRITON.prepare(q, k, v, 16, with_hdev=True)
+    assert torch.equal(TRITON.deviation(k, v, stats, stats.hbar, 16), stats.hdev)
+    other = torch.randn_like(stats.hbar)
+    rs = REF.prepare(q.double(), k.double(), v.double(), 16)
+    want = REF.deviation(k.double(), v.double(), rs, other.double(), 16)
+    assert rel_l1(TRITON.deviation(k, v, stats, other, 16), want) < 2e-3
+
+
 def test_public_api_triton_matches_reference_backend():
     layout = "bshd"
     b, h, l, d = 1, 2, 130, 32
     q, k, v = make_qkv(b, h, h, l, l, d, layout=layout, seed=21)
     if layout == "bshd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    keep = torch.zeros(ref.num_blocks(l, 32), dtype=torch.bool)
+    keep = torch.zeros(spec.num_blocks(l, 32), dtype=torch.bool)
     keep[0] = True
     kw = dict(density=0.3, block_size=32, layout=layout, keep_blocks=keep, return_lse=True, mode="hybrid")
     out_t, lse_t = pisa_attention(q, k, v, backend="triton", **kw)
@@ -200,6 +255,14 @@ def test_public_api_triton_matches_reference_backend():
     assert out_t.shape == q.shape and out_t.dtype == q.dtype
     assert rel_l1(out_t, out_r) < BF16_TOL  # random data: top-k selections coincide
     assert (lse_t - lse_r).abs().max().item() < 2e-2
+
+
+def test_inference_only_error_at_the_forward_call():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, seed=2)
+    with pytest.raises(ValueError, match="inference-only"):
+        pisa_attention(q.requires_grad_(), k, v, block_size=32, backend="triton")
+    with torch.no_grad():
+        assert pisa_attention(q, k, v, block_size=32, backend="triton").shape == q.shape
 
 
 def test_density_one_is_dense_attention():

@@ -1,23 +1,28 @@
-"""Public entry point: validation, layout handling and backend dispatch for PISA attention."""
+"""Public entry point: validation, layout handling and backend dispatch for PISA attention.
+
+``pisa_attention`` = :func:`validate` -> :func:`make_plan` (shape-only) -> :func:`run`, which is
+prepare -> select -> attend of the chosen backend (:mod:`pisa_attn.ops.stages`).
+"""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .ops import reference as ref
+from . import spec
+from .ops.stages import Backend
 
 log = logging.getLogger("pisa_attn")
 
 LAYOUTS = ("bhsd", "bshd")
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "hopper", "triton", "reference")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+INFERENCE_ONLY = ("hopper", "triton")  # backends whose kernels have no backward
 
 _logged: set[str] = set()
 
@@ -49,7 +54,7 @@ class PisaPlan:
     mode: str
     covariance_aware: bool
     scale: float
-    backend: str  # "triton" or "reference": what actually runs
+    backend: str  # "hopper", "triton" or "reference": what actually runs
 
 
 def _check_tensor(name: str, x) -> None:
@@ -61,32 +66,33 @@ def _check_tensor(name: str, x) -> None:
         raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {x.dtype}")
 
 
-def _validate(q, k, v, density, block_size, mode, scale, layout, keep_blocks, backend):
+def validate(q, k, v, *, density, block_size, mode, scale=None, layout="bhsd", backend="auto",
+             covariance_aware=False, return_lse=False) -> tuple[Tensor, Tensor, Tensor]:
+    """Check a call's tensors and settings (ValueError/TypeError naming the argument); return
+    ``q, k, v`` as ``[B, H, L, D]`` views. ``keep_blocks`` is checked by :func:`normalize_keep_blocks`,
+    which needs the block count."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if mode not in ref.MODES:
-        raise ValueError(f"mode must be one of {ref.MODES}, got {mode!r}")
+    spec.check_mode(mode)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not (k.dtype == q.dtype and v.dtype == q.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (k.device == q.device and v.device == q.device):
         raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
-    if isinstance(density, bool) or not isinstance(density, (int, float)):
-        raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__}")
-    if not (0.0 < float(density) <= 1.0):  # also rejects NaN
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale must be None or a positive finite float, got {scale!r}")
+    spec.check_settings(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
+                        scale=scale)
+    spec.check_flag("return_lse", return_lse)
+    qh, kh, vh = (to_bhsd(x, layout) for x in (q, k, v))
+    _validate_shapes(qh, kh, vh)
+    return qh, kh, vh
 
 
-def _to_bhsd(x: Tensor, layout: str) -> Tensor:
-    return x if layout == "bhsd" else x.transpose(1, 2)  # a view: kernels read strides
+def to_bhsd(x: Tensor, layout: str) -> Tensor:
+    """``[B, H, L, D]`` view of a ``layout`` tensor (a view: kernels read strides); its own inverse."""
+    return x if layout == "bhsd" else x.transpose(1, 2)
 
 
 def _validate_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -135,37 +141,63 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
     return keep.to(device, non_blocking=True), n_keep_max
 
 
-def _triton_module():
+def get_backend(name: str) -> Backend:
+    """The stage implementation called ``name`` (``"reference"``, ``"triton"`` or ``"hopper"``);
+    ValueError when it cannot be loaded (Triton not installed, or without Gluon for ``"hopper"``)."""
+    if name == "reference":
+        from .ops import reference
+
+        return reference.BACKEND
+    if name == "triton":
+        try:
+            from .ops.triton import op
+        except ImportError as e:  # triton not installed
+            raise ValueError(f"the triton backend is unavailable: triton cannot be imported ({e})") from None
+        return op.BACKEND
+    if name == "hopper":
+        try:
+            from .ops.gluon import op
+        except ImportError as e:  # no triton, or a triton without Gluon
+            raise ValueError(f"the hopper backend is unavailable: its Gluon kernel cannot be imported ({e})") from None
+        return op.BACKEND
+    raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {name!r}")
+
+
+def _reason(name: str, q: Tensor, mode: str, block_size: int) -> str | None:
     try:
-        from .ops.triton import op
-    except ImportError as e:  # triton not installed
-        return None, f"triton is unavailable ({e})"
-    return op, None
+        return get_backend(name).unsupported_reason(q, mode, block_size)
+    except ValueError as e:
+        return str(e)
 
 
 def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int) -> str:
     if backend == "reference":
         return "reference"
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if backend == "triton":
-        if not q.is_cuda and not interpret:
+    if backend in ("triton", "hopper"):
+        if backend == "triton" and not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
-        op, why = _triton_module()
-        if op is None:
-            raise ValueError(f"backend='triton' requested but {why}")
-        reason = op.unsupported_reason(q, mode, block_size)
+        reason = _reason(backend, q, mode, block_size)
         if reason is not None:
-            raise ValueError(f"backend='triton' does not support this call: {reason}")
-        return "triton"
-    # auto
+            raise ValueError(f"backend={backend!r} does not support this call: {reason}")
+        return backend
+    # auto: the Hopper kernel where it runs, else the portable Triton kernels, else PyTorch
     if not q.is_cuda:
         return "reference"
-    op, why = _triton_module()
-    reason = why if op is None else op.unsupported_reason(q, mode, block_size)
+    if _reason("hopper", q, mode, block_size) is None:
+        return "hopper"
+    reason = _reason("triton", q, mode, block_size)
     if reason is None:
         return "triton"
     _log_once(f"pisa_attention: using the PyTorch reference on CUDA because {reason}", logging.WARNING)
     return "reference"
+
+
+def _check_inference_only(backend: str, tensors) -> None:
+    if backend in INFERENCE_ONLY and torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        raise ValueError(
+            f"the {backend} backend is inference-only (its kernels have no backward), but q/k/v require grad: "
+            "call under torch.no_grad() / torch.inference_mode(), or pass backend='reference' for gradients"
+        )
 
 
 def pisa_attention(
@@ -193,8 +225,8 @@ def pisa_attention(
         q: ``[B, H, Lq, D]`` (``layout="bhsd"``) or ``[B, Lq, H, D]`` (``layout="bshd"``).
         k, v: ``[B, Hk, Lk, D]`` / ``[B, Lk, Hk, D]``; ``H`` must be a multiple of ``Hk`` (GQA).
             ``Lq`` may differ from ``Lk``; neither needs to be a multiple of ``block_size``.
-        density: fraction of key blocks computed exactly, in (0, 1];
-            ``k = max(1, round(density · ceil(Lk / block_size)))``. ``1.0`` is dense attention.
+        density: fraction of key blocks computed exactly, in (0, 1]: ``k = max(1, density · N)``
+            rounded half up, ``N = ceil(Lk / block_size)``. ``1.0`` is dense attention.
         block_size: tokens per query and key block (power of two >= 16).
         mode: ``"hybrid"`` (exact + block-wise 0th order + global 1st-order correction, the
             paper's method), ``"zeroth"`` (no 1st-order term), ``"first"`` (exact block-wise
@@ -207,20 +239,24 @@ def pisa_attention(
             the CPU (recommended for CUDA graphs: its count is then read without a device sync).
         return_lse: also return the log-sum-exp of the (approximated) softmax denominator,
             ``[B, H, Lq]`` float32, natural log of scaled scores (as flash-attn's softmax_lse).
-        backend: ``"auto"`` (Triton kernels for supported CUDA inputs, else the reference),
-            ``"triton"`` (force the kernels; CPU tensors need ``TRITON_INTERPRET=1``),
-            ``"reference"`` (force PyTorch).
+        backend: ``"auto"`` (the Hopper kernel on sm_90 GPUs where it applies, else the Triton
+            kernels for supported CUDA inputs, else the reference), ``"hopper"`` (force the
+            warp-specialised sm_90 kernel), ``"triton"`` (force the portable kernels; CPU tensors
+            need ``TRITON_INTERPRET=1``), ``"reference"`` (force PyTorch).
 
     Returns:
         ``out`` with the shape and layout of ``q``, or ``(out, lse)`` when ``return_lse``.
+
+    The kernels (hopper, triton) are inference-only: a call that would run them on inputs requiring grad
+    (with autograd enabled) raises ValueError; the reference backend is differentiable.
     """
-    _validate(q, k, v, density, block_size, mode, scale, layout, keep_blocks, backend)
-    qh, kh, vh = (_to_bhsd(x, layout) for x in (q, k, v))
-    _validate_shapes(qh, kh, vh)
+    qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
+                          backend=backend, covariance_aware=covariance_aware, return_lse=return_lse)
     p = make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend)
+    _check_inference_only(p.backend, (q, k, v))
     keep, n_keep_max = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, q.device)
     out, lse = run(qh, kh, vh, p, keep, n_keep_max)
-    out = out if layout == "bhsd" else out.transpose(1, 2)
+    out = to_bhsd(out, layout)
     return (out, lse) if return_lse else out
 
 
@@ -228,7 +264,7 @@ def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware,
     """The cheap, shape-only planning step ([B, H, L, D] inputs, already validated)."""
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
-    nk = ref.num_blocks(lk, block_size)
+    nk = spec.num_blocks(lk, block_size)
     return PisaPlan(
         batch=b,
         heads=h,
@@ -237,9 +273,9 @@ def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware,
         kv_len=lk,
         head_dim=d,
         block_size=block_size,
-        n_q_blocks=ref.num_blocks(lq, block_size),
+        n_q_blocks=spec.num_blocks(lq, block_size),
         n_kv_blocks=nk,
-        n_select=ref.num_selected(float(density), nk),
+        n_select=spec.num_selected(float(density), nk),
         mode=mode,
         covariance_aware=bool(covariance_aware),
         scale=float(d**-0.5 if scale is None else scale),
@@ -250,16 +286,9 @@ def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware,
 def run(
     q: Tensor, k: Tensor, v: Tensor, p: PisaPlan, keep: Tensor | None = None, n_keep_max: int = 0
 ) -> tuple[Tensor, Tensor]:
-    """The run step: statistics, selection and attention on [B, H, L, D] views.
+    """The run step: the backend's prepare -> select -> attend on [B, H, L, D] views.
 
     ``keep`` is a bool [B|1, H|1, Nk] on the device of ``q``; ``n_keep_max`` bounds its per-row
-    count (it sizes the kernels' static index list: at most ``n_select + n_keep_max`` exact blocks).
+    count (it sizes the static index list: at most ``n_select + n_keep_max`` exact blocks).
     """
-    if p.backend == "triton":
-        op, _ = _triton_module()
-        return op.pisa_triton(q, k, v, p, keep, n_keep_max)
-    stats = ref.block_stats(k, v, p.block_size, with_hdev=p.covariance_aware)
-    qmean = ref.block_means(q, p.block_size, stats.kmean.dtype)
-    scores = ref.selection_scores(qmean, stats, p.scale, p.covariance_aware)
-    selected = ref.select_blocks(scores, p.n_select, keep)
-    return ref.pisa_forward(q, k, v, stats, selected, mode=p.mode, scale=p.scale, block_size=p.block_size)
+    return get_backend(p.backend).forward(q, k, v, p, keep, n_keep_max)

@@ -1,9 +1,9 @@
 """Token layouts: where image/video tokens sit in the sequence PISA sees.
 
 PISA pools queries and keys over runs of ``block_size`` consecutive tokens, so a block must be a
-compact patch of the image/video: in raster order a 64-token block is a thin line and the 0th-order
-(centroid) tail error is about 3x worse. A :class:`TokenLayout` describes a sequence (ordered text
-and grid segments) and a permutation into *tiled* order.
+compact patch of the image/video: in raster order a 64-token block is a thin line, far from its
+centroid, and the 0th-order (centroid) tail error is several times larger. A :class:`TokenLayout`
+describes a sequence (ordered text and grid segments) and a permutation into *tiled* order.
 
 Orders (``TokenLayout.order``):
 
@@ -39,33 +39,8 @@ Orders (``TokenLayout.order``):
   must match the image part of a joint ``[text][image]`` sequence); only ``offset % prod(tile)``
   matters.
 
-Measured (:meth:`TokenLayout.compactness`, 64-token blocks that are exactly one full tile /
-mean RMS token distance to the block centroid):
-
-  ====================  =================  =================  ===============
-  grid (tile)           compact            tiles              raster
-  ====================  =================  =================  ===============
-  21x30x52 (4x4x4)      510/512, 2.07      273/512, 3.29      0/512, 15.0
-  33x45x80 (4x4x4)      1856/1857, 2.02    1760/1857, 2.09    0/1857, 22.3
-  1x30x52 (4x4x4)       19/25, 3.44        0/25, 8.58         0/25, 14.5
-  75x50 (8x8)           56/59, 3.56        18/59, 6.12        0/59, 14.2
-  ====================  =================  =================  ===============
-
-With text kept in place (the diffusers models' joint sequences; blocks holding text excluded):
-
-  ===========================================  ==================  ==============
-  model: text + grid (tile)                    compact_inplace     tiles
-  ===========================================  ==================  ==============
-  FLUX 1024^2: 512 + 64x64 (8x8)               64/64, 3.24         64/64, 3.24
-  FLUX 1360x768: 512 + 48x85 (8x8)             60/64, 3.27         10/64, 6.59
-  FLUX 1360x768: 77 + 48x85 (8x8)              60/63, 3.27         0/63, 6.65
-  SD3 1024^2: 64x64 + 333 (8x8)                64/64, 3.24         64/64, 3.24
-  HunyuanVideo 720p: 33x45x80 + 256 (4x4x4)    1856/1856, 2.02     1760/1856, 2.09
-  Wan 480p: 21x30x52, no text (4x4x4)          510/512, 2.07       273/512, 3.29
-  ===========================================  ==================  ==============
-
-On DiT-like data (:func:`pisa_attn.data.dit_qkv`, Wan 480p grid, 8 heads, density 0.125) the
-zeroth-order rel-L1 error is 0.028 (compact), 0.040 (tiles), 0.118 (raster).
+:meth:`TokenLayout.compactness` measures how many blocks of a layout are exactly one tile and how
+far their tokens sit from the block centroid (per-grid numbers: ``notes/token-layouts.md``).
 
 Original order is the concatenation of segments, each grid flattened row-major ((t, h, w) or
 (h, w)), as DiT patchifiers emit it. ``perm[i]`` is the original index of tiled position ``i``:

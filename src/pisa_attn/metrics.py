@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import spec
 from .ops import reference as ref
 
 # Elements of one [B, H, rows, Lk] score slab a dense pass holds at once (~64 MB in fp32).
@@ -31,7 +32,7 @@ def rel_l1_per_head(out: Tensor, dense: Tensor) -> Tensor:
 
 
 @dataclass
-class Selection:
+class ExactSet:
     """Exact-set mask and pooled block scores of one (density, covariance_aware) choice.
 
     selected:     bool ``[B, H, Nq, Nk]``, what PISA computes exactly (incl. ``keep_blocks``)
@@ -54,17 +55,18 @@ def select(
     scale: float | None = None,
     keep_blocks: Tensor | None = None,
     stats: ref.BlockStats | None = None,
-) -> Selection:
-    """PISA's block selection, computed by the reference (the kernels are tested to match it)."""
+) -> ExactSet:
+    """PISA's block selection, by the reference's select stage (the kernels are tested to match
+    it); ``stats`` of k/v may be passed in to share them between calls."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if stats is None or (covariance_aware and stats.hdev is None):
         stats = ref.block_stats(k, v, block_size, with_hdev=covariance_aware)
     qmean = ref.block_means(q, block_size, stats.kmean.dtype)
-    plain = ref.selection_scores(qmean, stats, scale, False)
-    scores = ref.selection_scores(qmean, stats, scale, True) if covariance_aware else plain
-    n_sel = ref.num_selected(density, stats.kmean.shape[2])
+    nk = stats.kmean.shape[2]
     keep = None if keep_blocks is None else keep_blocks.to(q.device)
-    return Selection(ref.select_blocks(scores, n_sel, keep), plain)
+    sel = ref.select(qmean, stats.kmean, n_select=spec.num_selected(density, nk), scale=scale,
+                     hdev=stats.hdev if covariance_aware else None, keep=keep)
+    return ExactSet(sel.to_mask(nk), ref.selection_scores(qmean, stats.kmean, scale))
 
 
 @dataclass
@@ -101,10 +103,10 @@ def dense_pass(
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, lq, d = q.shape
     lk = k.shape[2]
-    kx = ref.expand_kv_heads(k, h).to(dtype)
-    vx = ref.expand_kv_heads(v, h).to(dtype)
-    km = None if kmean is None else ref.expand_kv_heads(kmean, h).to(dtype)
-    counts = ref.block_counts(lk, block_size, q.device, dtype)
+    kx = spec.expand_kv_heads(k, h).to(dtype)
+    vx = spec.expand_kv_heads(v, h).to(dtype)
+    km = None if kmean is None else spec.expand_kv_heads(kmean, h).to(dtype)
+    counts = spec.block_counts(lk, block_size, q.device, dtype)
     nk = counts.numel()
     pad = nk * block_size - lk
     out = torch.empty(b, h, lq, d, dtype=dtype, device=q.device)
@@ -142,7 +144,7 @@ def token_scores(
     """Per-token pre-softmax scores ``s·q_t·k_n`` of the sampled query ``rows``: (scores
     ``[B, H, rows, Lk]`` float32, bool mask of the keys in each row's selected blocks)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    kx = ref.expand_kv_heads(k, q.shape[1]).float()
+    kx = spec.expand_kv_heads(k, q.shape[1]).float()
     s = torch.einsum("bhrd,bhld->bhrl", q[:, :, rows].float(), kx) * scale
     tok_block = torch.arange(k.shape[2], device=q.device) // block_size
     exact = selected.index_select(2, rows // block_size).index_select(-1, tok_block)

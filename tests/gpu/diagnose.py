@@ -22,7 +22,10 @@ import time
 
 import torch
 
+from pisa_attn import spec
 from pisa_attn.bench import kernels as bk
+from pisa_attn.ops import reference as ref
+from pisa_attn.ops.selection import idx_to_mask
 from pisa_attn.ops.triton import attention as attn
 from pisa_attn.ops.triton import prepare as prep
 from pisa_attn.ops.triton import select as sel
@@ -48,21 +51,23 @@ def run_length(length: int, density: float, rep: float, once: bool = False) -> d
     plan = bk._plan(q, k, density, "hybrid")
     res["n_select"] = plan.n_select
     stats = prep.prepare(q, k, v, 64)
-    width = sel.selection_width(plan.n_kv_blocks, plan.n_select, 0)
-    idx, cnt, bits = sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale)
+    width = spec.selection_width(plan.n_kv_blocks, plan.n_select)
+    kw = dict(n_select=plan.n_select, width=width, scale=plan.scale)
+    idx, cnt, bits = sel.select(stats.qmean, stats.kmean, **kw)
     if once:
         return _attention_configs(res, q, k, v, stats, plan, idx, cnt, bits, rep, once)
     res["t_prepare"] = bk.bench_ms(lambda: prep.prepare(q, k, v, 64), rep)
     res["t_prepare_cov"] = bk.bench_ms(lambda: prep.prepare(q, k, v, 64, with_hdev=True), rep)
-    res["t_select"] = bk.bench_ms(lambda: sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale), rep)
+    res["t_select"] = bk.bench_ms(lambda: sel.select(stats.qmean, stats.kmean, **kw), rep)
     for warps in (1, 2, 4, 8):  # top-k program width (rows spread over fewer warps: fewer barriers)
         old = sel.TOPK_WARPS["warps"]
         sel.TOPK_WARPS["warps"] = warps
-        res[f"t_select_w{warps}"] = bk.bench_ms(lambda: sel.select(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale), rep)
+        res[f"t_select_w{warps}"] = bk.bench_ms(lambda: sel.select(stats.qmean, stats.kmean, **kw), rep)
         sel.TOPK_WARPS["warps"] = old
-    res["t_select_torch"] = bk.bench_ms(lambda: sel.select_torch(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale), rep)
-    t_idx, t_cnt, _ = sel.select_torch(stats.qmean, stats.kmean, None, None, plan.n_select, width, plan.scale)
-    a, b_ = sel.selection_to_mask(idx, cnt, plan.n_kv_blocks), sel.selection_to_mask(t_idx, t_cnt, plan.n_kv_blocks)
+    # The reference's chunked torch.topk selection (the kernels' path past MAX_FUSED_BLOCKS).
+    res["t_select_torch"] = bk.bench_ms(lambda: ref.select(stats.qmean, stats.kmean, scratch_elems=1 << 24, **kw), rep)
+    t_idx, t_cnt, _ = ref.select(stats.qmean, stats.kmean, scratch_elems=1 << 24, **kw)
+    a, b_ = idx_to_mask(idx, cnt, plan.n_kv_blocks), idx_to_mask(t_idx, t_cnt, plan.n_kv_blocks)
     res["select_agreement"] = (a & b_).sum().item() / b_.sum().item()
     return _attention_configs(res, q, k, v, stats, plan, idx, cnt, bits, rep, once)
 

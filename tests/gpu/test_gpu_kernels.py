@@ -1,4 +1,5 @@
-"""GPU checks of the Triton kernels at real sizes (skipped without CUDA).
+"""GPU checks of the kernel backends (Triton; Hopper where the GPU is sm_90) at real sizes
+(skipped without CUDA).
 
 Against the float64 reference under the kernel's own selection, with outputs poisoned (NaN) before
 each run; density 1 against SDPA's own bf16 error; the tail-maximum adversarial case; selection
@@ -14,11 +15,26 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from pisa_attn import pisa_attention  # noqa: E402
-from pisa_attn.attention import make_plan  # noqa: E402
+from pisa_attn import pisa_attention, spec  # noqa: E402
+from pisa_attn.attention import get_backend, make_plan  # noqa: E402
 from pisa_attn.ops import reference as ref  # noqa: E402
+from pisa_attn.ops.selection import Selection, bits_to_mask, idx_to_mask  # noqa: E402
 
 BF16_TOL = 1e-2
+
+
+def _hopper_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA"
+    try:
+        return get_backend("hopper").unsupported_reason(torch.empty(1, 1, 64, 128, device="cuda",
+                                                                    dtype=torch.bfloat16), "hybrid", 64)
+    except ValueError as e:
+        return str(e)
+
+
+KERNELS = ["triton", pytest.param("hopper", marks=pytest.mark.skipif(_hopper_reason() is not None,
+                                                                        reason=f"hopper: {_hopper_reason()}"))]
 
 
 def rel_l1(a, b):
@@ -36,24 +52,39 @@ def qkv(b, h, hk, lq, lk, d, dtype, layout, seed):
     return t(h, lq), t(hk, lk), t(hk, lk)
 
 
-def stages(q, k, v, plan, keep=None, n_keep_max=0, poison=True):
-    """Prepare + select + attention with NaN-poisoned out / lse (every element must be written)."""
-    from pisa_attn.ops.triton import attention as attn
-    from pisa_attn.ops.triton import prepare as prep
-    from pisa_attn.ops.triton import select as sel
+def launcher(backend):
+    """The attention launcher of a kernel backend (it takes preallocated, poisoned outputs)."""
+    if backend == "hopper":
+        from pisa_attn.ops.gluon import attention as attn
+    else:
+        from pisa_attn.ops.triton import attention as attn
+    return attn.attention
 
-    stats = prep.prepare(q, k, v, plan.block_size, with_hdev=plan.covariance_aware)
-    width = sel.selection_width(plan.n_kv_blocks, plan.n_select, n_keep_max)
-    idx, cnt, bits = sel.select(stats.qmean, stats.kmean, stats.hdev, keep, plan.n_select, width, plan.scale)
+
+def stages(q, k, v, plan, keep=None, n_keep_max=0, poison=True, backend="triton"):
+    """The backend's prepare + select, then its attention launcher with NaN-poisoned out / lse
+    (every element must be written)."""
+    from pisa_attn.ops.triton import attention as attn
+
+    be = get_backend(backend)
+    stats = be.prepare(q, k, v, plan.block_size, with_hdev=plan.covariance_aware)
+    width = spec.selection_width(plan.n_kv_blocks, plan.n_select, n_keep_max)
+    sel = be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=width, scale=plan.scale,
+                    hdev=stats.hdev, keep=keep)
     out = attn._alloc_like_layout(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     if poison:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
-    attn.attention(q, k, v, *stats.tail(), idx, cnt, bits,
-                   mode=plan.mode, scale=plan.scale, block_size=plan.block_size, n_select=plan.n_select,
-                   out=out, lse=lse)
-    return stats, (idx, cnt, bits), out, lse
+    launcher(backend)(q, k, v, *stats.tail(), *sel, mode=plan.mode, scale=plan.scale, block_size=plan.block_size,
+                      n_select=plan.n_select, out=out, lse=lse)
+    return stats, sel, out, lse
+
+
+def check_selection(s: Selection, nk: int):
+    mask = idx_to_mask(s.idx, s.cnt, nk)
+    assert torch.equal(mask, bits_to_mask(s.bits, nk))
+    return mask
 
 
 CASES = {
@@ -64,49 +95,45 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("mode", ["hybrid", "zeroth", "drop"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_fp64_reference(name, mode):
-    from pisa_attn.ops.triton import select as sel
-
+def test_matches_fp64_reference(name, mode, backend):
     b, h, hk, lq, lk, d, dtype, layout, density = CASES[name]
     q, k, v = qkv(b, h, hk, lq, lk, d, dtype, layout, seed=len(name) + len(mode))
-    plan = make_plan(q, k, density, 64, mode, False, None, "triton")
-    _, (idx, cnt, bits), out, lse = stages(q, k, v, plan)
-    mask = sel.selection_to_mask(idx, cnt, plan.n_kv_blocks)
-    assert torch.equal(mask, sel.bits_to_mask(bits, plan.n_kv_blocks))
-    assert (cnt == plan.n_select).all()
+    plan = make_plan(q, k, density, 64, mode, False, None, backend)
+    _, sel, out, lse = stages(q, k, v, plan, backend=backend)
+    mask = check_selection(sel, plan.n_kv_blocks)
+    assert (sel.cnt == plan.n_select).all()
     stats64 = ref.block_stats(k.double(), v.double(), 64)
     o_ref, lse_ref = ref.pisa_forward(q.double(), k.double(), v.double(), stats64, mask, mode=mode,
                                       scale=plan.scale, block_size=64)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()  # poisoned: every element written
     err = rel_l1(out, o_ref)
     lse_err = (lse.double() - lse_ref).abs().max().item()
-    print(f"\n[{name} {mode}] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
+    print(f"\n[{backend} {name} {mode}] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
     assert err < (BF16_TOL if dtype == torch.bfloat16 else 2e-3)
     assert lse_err < 1e-2
 
 
-def test_density_one_within_sdpa_noise():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_density_one_within_sdpa_noise(backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = qkv(1, 4, 4, 4096, 4096, 128, torch.bfloat16, "bhsd", seed=1)
-    out = pisa_attention(q, k, v, density=1.0, backend="triton")
+    out = pisa_attention(q, k, v, density=1.0, backend=backend)
     dense = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * 128**-0.5, -1) @ v.double()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     ours, theirs = rel_l1(out, dense), rel_l1(sdpa, dense)
-    print(f"\n[density 1] ours {ours:.2e}  sdpa flash {theirs:.2e}")
+    print(f"\n[{backend} density 1] ours {ours:.2e}  sdpa flash {theirs:.2e}")
     assert ours <= 1.5 * theirs + 1e-4
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("mode", ["hybrid", "zeroth"])
-def test_tail_maximum_adversarial(mode):
+def test_tail_maximum_adversarial(mode, backend):
     """Later tail groups hold each row's maximum, far above every exact score."""
-    from pisa_attn.ops.triton import attention as attn
-    from pisa_attn.ops.triton import prepare as prep
-    from pisa_attn.ops.triton import select as sel
-
     d, lq, lk, bs = 128, 2048, 16384, 64
     g = torch.Generator(device="cuda").manual_seed(7)
     u = torch.nn.functional.normalize(torch.randn(d, generator=g, device="cuda"), dim=0)
@@ -121,22 +148,20 @@ def test_tail_maximum_adversarial(mode):
     nk, nq = lk // bs, lq // bs
     mask = torch.zeros(1, 2, nq, nk, dtype=torch.bool, device="cuda")
     mask[..., 100:104] = True
-    idx, cnt, bits = sel.mask_to_selection(mask, 4)
-    stats = prep.prepare(q, k, v, bs)
+    stats = get_backend("triton").prepare(q, k, v, bs)
     out = torch.full_like(q, float("nan"))
-    _, lse = attn.attention(q, k, v, *stats.tail(), idx, cnt, bits,
-                            mode=mode, scale=d**-0.5, block_size=bs, n_select=4, out=out)
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    launcher(backend)(q, k, v, *stats.tail(), *Selection.from_mask(mask, 4), mode=mode, scale=d**-0.5,
+                      block_size=bs, n_select=4, out=out, lse=lse)
     stats64 = ref.block_stats(k.double(), v.double(), bs)
     o_ref, lse_ref = ref.pisa_forward(q.double(), k.double(), v.double(), stats64, mask, mode=mode,
                                       scale=d**-0.5, block_size=bs)
     err, lse_err = rel_l1(out, o_ref), (lse.double() - lse_ref).abs().max().item()
-    print(f"\n[tail max {mode}] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
+    print(f"\n[{backend} tail max {mode}] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
     assert err < BF16_TOL and lse_err < 1e-2
 
 
 def test_selection_overlap_and_keep_blocks():
-    from pisa_attn.ops.triton import select as sel
-
     q, k, v = qkv(1, 4, 4, 16384, 16384, 128, torch.bfloat16, "bshd", seed=3)
     nk = 256
     keep = torch.zeros(nk, dtype=torch.bool)
@@ -144,13 +169,16 @@ def test_selection_overlap_and_keep_blocks():
     keep_dev = keep.reshape(1, 1, nk).cuda()
     for cov in (False, True):
         plan = make_plan(q, k, 0.125, 64, "hybrid", cov, None, "triton")
-        stats, (idx, cnt, _), out, _ = stages(q, k, v, plan, keep_dev, n_keep_max=3)
-        mask = sel.selection_to_mask(idx, cnt, nk)
-        chunked = sel.select(stats.qmean, stats.kmean, stats.hdev, keep_dev, plan.n_select, idx.shape[-1],
-                             plan.scale, scratch_elems=4 * 5 * nk)  # 5 query blocks per chunk
-        assert torch.equal(sel.selection_to_mask(chunked[0], chunked[1], nk), mask)
+        stats, sel, out, _ = stages(q, k, v, plan, keep_dev, n_keep_max=3)
+        cnt = sel.cnt
+        mask = check_selection(sel, nk)
+        chunked = get_backend("triton").select(
+            stats.qmean, stats.kmean, n_select=plan.n_select, width=sel.idx.shape[-1], scale=plan.scale,
+            hdev=stats.hdev, keep=keep_dev, scratch_elems=4 * 5 * nk,  # 5 query blocks per chunk
+        )  # fmt: skip
+        assert torch.equal(check_selection(chunked, nk), mask)
         rs = ref.block_stats(k.float(), v.float(), 64, with_hdev=cov)
-        scores = ref.selection_scores(ref.block_means(q.float(), 64), rs, plan.scale, cov)
+        scores = ref.selection_scores(ref.block_means(q.float(), 64), rs.kmean, plan.scale, rs.hdev)
         expect = ref.select_blocks(scores, plan.n_select, keep_dev)
         overlap = (mask & expect).sum().item() / expect.sum().item()
         print(f"\n[selection cov={cov}] overlap with torch.topk on fp32 scores: {overlap:.5f}")
@@ -166,18 +194,18 @@ def _bshd_inputs():
     return [x.transpose(1, 2) for x in (q, k, v)]  # [B, L, H, D] tensors, layout="bshd"
 
 
-def _public(q, k, v):
-    return pisa_attention(q, k, v, density=0.125, layout="bshd", backend="triton")
+def _public(q, k, v, backend="triton"):
+    return pisa_attention(q, k, v, density=0.125, layout="bshd", backend=backend)
 
 
-def test_torch_compile_fullgraph_registered_op():
-    from pisa_attn.ops.triton import op
-
+@pytest.mark.parametrize("backend", KERNELS)
+def test_torch_compile_fullgraph_registered_op(backend):
     q, k, v = _bshd_inputs()
-    plan = make_plan(q.transpose(1, 2), k.transpose(1, 2), 0.125, 64, "hybrid", False, None, "triton")
+    plan = make_plan(q.transpose(1, 2), k.transpose(1, 2), 0.125, 64, "hybrid", False, None, backend)
+    forward = get_backend(backend).forward
 
     def f(q, k, v):
-        out, lse = op.pisa_triton(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan, None, 0)
+        out, lse = forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan)
         return out.transpose(1, 2), lse
 
     eager = f(q, k, v)
@@ -186,20 +214,23 @@ def test_torch_compile_fullgraph_registered_op():
     assert rel_l1(got[0], eager[0]) < 1e-3 and rel_l1(got[1], eager[1]) < 1e-5
 
 
-def test_torch_compile_fullgraph_public_api():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_torch_compile_fullgraph_public_api(backend):
     q, k, v = _bshd_inputs()
-    eager = _public(q, k, v)
-    assert rel_l1(torch.compile(_public, fullgraph=True)(q, k, v), eager) < 1e-3
+    eager = _public(q, k, v, backend)
+    got = torch.compile(lambda q, k, v: _public(q, k, v, backend), fullgraph=True)(q, k, v)
+    assert rel_l1(got, eager) < 1e-3
 
 
-def test_cuda_graph_capture_public_api():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_cuda_graph_capture_public_api(backend):
     q, k, v = _bshd_inputs()
     sq, sk, sv = (x.clone() for x in (q, k, v))
-    _public(sq, sk, sv)  # warm-up: compile + autotune outside the capture
+    _public(sq, sk, sv, backend)  # warm-up: compile + autotune outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = _public(sq, sk, sv)
+        static_out = _public(sq, sk, sv, backend)
     q2, k2, v2 = (torch.randn_like(x) for x in (q, k, v))
     for s_, n_ in ((sq, q2), (sk, k2), (sv, v2)):
         s_.copy_(n_)
@@ -207,4 +238,26 @@ def test_cuda_graph_capture_public_api():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.isfinite(static_out).all()
-    assert rel_l1(static_out, _public(q2, k2, v2)) < 1e-3
+    assert rel_l1(static_out, _public(q2, k2, v2, backend)) < 1e-3
+
+
+def test_sharded_keys_merge_at_real_size():
+    """Three K/V shards attended with the global selection and H̄, merged: the unsharded call up to
+    the kernel's bfloat16 rounding of probabilities (the LSE to float32 rounding)."""
+    from pisa_attn.ops.merge import merge
+    from pisa_attn.ops.stages import run_plan
+
+    be = get_backend("triton")
+    q, k, v = qkv(1, 4, 2, 4096, 8229, 128, torch.bfloat16, "bshd", seed=9)
+    plan = make_plan(q, k, 0.125, 64, "hybrid", False, None, "triton")
+    stats, sel, _ = run_plan(be, q, k, v, plan)
+    kw = dict(mode="hybrid", scale=plan.scale, block_size=64, n_select=plan.n_select, out_dtype=torch.float32)
+    whole, whole_lse = be.attend(q, k, v, stats, sel, **kw)
+    parts, nk = [], plan.n_kv_blocks
+    for lo, hi in ((0, 40), (40, 100), (100, nk)):
+        ks, vs = (x[:, :, lo * 64 : hi * 64] for x in (k, v))
+        parts.append(be.attend(q, ks, vs, stats.blocks(lo, hi).with_hbar(stats.hbar), sel.blocks(lo, hi), **kw))
+    out, lse = merge(parts)
+    err, lse_err = rel_l1(out, whole), (lse - whole_lse).abs().max().item()
+    print(f"\n[3 shards vs whole] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
+    assert err < 3e-3 and lse_err < 1e-4

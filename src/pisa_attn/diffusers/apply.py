@@ -10,10 +10,11 @@ from typing import Any
 from . import hooks
 from . import telemetry as tm
 from .backend import register
+from .. import spec
 from ..attention import MAX_HEAD_DIM, MIN_HEAD_DIM
 from .models import ModelAdapter, adapter_for, transformers_of
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
-from .state import PisaConfig, PisaState, validate_settings
+from .state import PisaConfig, PisaState
 from .tiling import default_tile, install
 
 _STATE_ATTR = "_pisa_state"
@@ -52,7 +53,7 @@ def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
 
 
 def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_steps, tile, mode, cov, block_size, min_kv_len):
-    validate_settings(density, mode, block_size)
+    spec.check_settings(density=density, block_size=block_size, mode=mode)
     d = adapter.defaults(transformer.config)
     if cov is not None and not isinstance(cov, bool):
         raise TypeError(f"covariance_aware must be a bool or None, got {type(cov).__name__}")

@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import spec
 from ..attention import pisa_attention
 from ..layout import block_floor
-from ..ops import reference as ref
 from . import hooks
 from .schedule import DEFAULT_MIN_KV_LEN
-from .state import Run, Sequence, current_run, key_lengths, validate_settings
+from .state import Run, Sequence, current_run, key_lengths
 
 
 def _empty_bshd(q: Tensor, v: Tensor) -> Tensor:
@@ -59,7 +59,8 @@ def configure(**settings) -> BackendDefaults:
     if unknown:
         raise TypeError(f"configure() got unknown settings {sorted(unknown)}")
     new = BackendDefaults(**{**_defaults.__dict__, **settings})
-    validate_settings(new.density, new.mode, new.block_size)
+    spec.check_settings(density=new.density, block_size=new.block_size, mode=new.mode,
+                        covariance_aware=new.covariance_aware)
     if isinstance(new.min_kv_len, bool) or not isinstance(new.min_kv_len, int) or new.min_kv_len < 0:
         raise ValueError(f"min_kv_len must be an int >= 0, got {new.min_kv_len!r}")
     _defaults = new
@@ -203,7 +204,7 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, o
             "key_lens": lens,
             "dense_reason": reason,
             "block": run.block(layer),
-            "n_select": ref.num_selected(cfg.density, math.ceil(k.shape[1] / cfg.block_size)),
+            "n_select": spec.num_selected(cfg.density, math.ceil(k.shape[1] / cfg.block_size)),
         },
     )
     hooks.notify(state.transformer, call)

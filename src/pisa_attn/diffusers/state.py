@@ -19,22 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import spec
 from ..layout import TokenLayout
-from ..ops import reference as ref
 from .models import CallInfo, ModelAdapter
 from .schedule import Schedule, StepTracker
-
-
-def validate_settings(density, mode, block_size) -> None:
-    """ValueError/TypeError naming the argument, for settings shared by every entry point."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)):
-        raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__}")
-    if not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    if mode not in ref.MODES:
-        raise ValueError(f"mode must be one of {ref.MODES}, got {mode!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
 
 
 @dataclass(frozen=True)
@@ -74,7 +62,7 @@ class Sequence:
         """Keep flags for the first ``kv_len`` keys (masked trailing text keys dropped)."""
         if self.keep is None:
             return None
-        keep = self.keep[: ref.num_blocks(kv_len, block_size)]
+        keep = self.keep[: spec.num_blocks(kv_len, block_size)]
         return keep if bool(keep.any()) else None
 
 

@@ -19,9 +19,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..attention import pisa_attention
-from .. import metrics
+from .. import metrics, spec
 from ..layout import block_floor
-from ..ops import reference as ref
 from . import hooks
 from .models import transformers_of
 
@@ -148,7 +147,7 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
         k, v = (x.index_select(0, idx)[:, :, :n] for x in (call.k, call.v))
         keep = None
         if call.keep_blocks is not None:
-            keep = call.keep_blocks[: ref.num_blocks(n, bs)]
+            keep = call.keep_blocks[: spec.num_blocks(n, bs)]
             keep = keep if bool(keep.any()) else None
         kw = dict(density=call.density, block_size=bs, covariance_aware=call.covariance_aware, keep_blocks=keep,
                   scale=call.scale)

@@ -26,28 +26,31 @@ shifted by the same ``m_t``, so a tail block that holds the row maximum is handl
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-MODES = ("hybrid", "zeroth", "first", "drop")
-# Covariance-aware selection adds log(||H_j - H̄||_F + COV_EPS) to the pooled scores (paper eq. 9).
-COV_EPS = 1e-6
+from .. import spec
+from ..spec import COV_EPS, MODES, block_counts, expand_kv_heads, num_blocks
+from .selection import Selection
+from .stages import Backend, run_plan, run_stages, slice_blocks
+
 # Elements of one [B, H, rows, Lk] score slab the chunked reference may hold at once (~256 MB fp32).
 _SLAB_ELEMS = 1 << 26
 
 
 @dataclass
 class BlockStats:
-    """Per-key-block statistics (the paper's "prepare" phase), float32 (float64 for float64 inputs).
+    """Per-key-block statistics (the "prepare" stage), float32 (float64 for float64 inputs).
 
     kmean: [B, Hk, N, D]  block centroids k̄_j (true token counts for the ragged last block)
     vsum:  [B, Hk, N, D]  block value sums V̂_j
     counts:[N]            tokens per block n_j
-    hbar:  [B, Hk, D, D]  H̄ = mean_j H_j over all N blocks
+    hbar:  [B, Hk, D, D]  H̄ = mean_j H_j over the N blocks (or the global H̄ a shard attends with)
     hdev:  [B, Hk, N]     ||H_j - H̄||_F, only when asked (covariance-aware selection)
+    qmean: [B, H, Nq, D]  query block means (from :func:`prepare`; selection reads them)
     """
 
     kmean: Tensor
@@ -55,22 +58,20 @@ class BlockStats:
     counts: Tensor
     hbar: Tensor
     hdev: Tensor | None = None
+    qmean: Tensor | None = field(default=None)
 
+    BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "vsum": 2, "counts": 0, "hdev": 2}
+    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ()
 
-def num_blocks(length: int, block_size: int) -> int:
-    return -(-length // block_size)
+    def blocks(self, lo: int, hi: int) -> "BlockStats":
+        return slice_blocks(self, lo, hi)
 
+    def with_hbar(self, hbar: Tensor) -> "BlockStats":
+        return BlockStats(self.kmean, self.vsum, self.counts, hbar, self.hdev, self.qmean)
 
-def num_selected(density: float, n_kv_blocks: int) -> int:
-    """``k = max(1, round(density · N))`` exact blocks per query block (round half up)."""
-    return max(1, min(n_kv_blocks, int(math.floor(density * n_kv_blocks + 0.5))))
-
-
-def block_counts(length: int, block_size: int, device=None, dtype=torch.float32) -> Tensor:
-    n = num_blocks(length, block_size)
-    counts = torch.full((n,), float(block_size), dtype=dtype, device=device)
-    counts[-1] = length - (n - 1) * block_size
-    return counts
+    def for_attend(self) -> "BlockStats":
+        self.qmean = self.hdev = None  # in place, like every backend's
+        return self
 
 
 def _pad_to_blocks(x: Tensor, block_size: int) -> Tensor:
@@ -104,11 +105,20 @@ def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = Fals
     vsum = vb.sum(dim=3)
     ktv = torch.einsum("bhld,bhle->bhde", k.to(dtype), v.to(dtype))
     hsum = ktv - torch.einsum("bhnd,bhne->bhde", kmean, vsum)
-    hbar = hsum / n
+    hbar = hsum / max(n, 1)  # no blocks (an empty shard): H̄ = 0
     hdev = None
     if with_hdev:
         hdev = _block_h_deviation(kb, vb, kmean, hbar, counts)
     return BlockStats(kmean=kmean, vsum=vsum, counts=counts, hbar=hbar, hdev=hdev)
+
+
+def deviation(k: Tensor, v: Tensor, stats: BlockStats, hbar: Tensor, block_size: int) -> Tensor:
+    """||H_j − H̄||_F ``[B, Hk, N]`` of the key blocks ``stats`` describes, against any ``hbar``
+    (e.g. the global H̄ of a sharded sequence)."""
+    dtype = stats.kmean.dtype
+    kb = _pad_to_blocks(k.to(dtype), block_size)
+    vb = _pad_to_blocks(v.to(dtype), block_size)
+    return _block_h_deviation(kb, vb, stats.kmean, hbar.to(dtype), stats.counts)
 
 
 def _block_h_deviation(kb: Tensor, vb: Tensor, kmean: Tensor, hbar: Tensor, counts: Tensor) -> Tensor:
@@ -125,25 +135,14 @@ def _block_h_deviation(kb: Tensor, vb: Tensor, kmean: Tensor, hbar: Tensor, coun
     return out
 
 
-def expand_kv_heads(x: Tensor, heads: int) -> Tensor:
-    """Repeat kv-head tensors (dim 1) to the query head count for GQA."""
-    hk = x.shape[1]
-    if hk == heads:
-        return x
-    return x.repeat_interleave(heads // hk, dim=1)
-
-
-def selection_scores(
-    qmean: Tensor, stats: BlockStats, scale: float, covariance_aware: bool = False
-) -> Tensor:
-    """Pooled block scores s·q̄_i·k̄_j (+ log(||H_j − H̄||_F + ε)): [B, H, Nq, Nk] float32/64."""
+def selection_scores(qmean: Tensor, kmean: Tensor, scale: float, hdev: Tensor | None = None) -> Tensor:
+    """Pooled block scores s·q̄_i·k̄_j (+ log(||H_j − H̄||_F + ε) when ``hdev`` is given):
+    [B, H, Nq, Nk] in kmean's dtype."""
     heads = qmean.shape[1]
-    kmean = expand_kv_heads(stats.kmean, heads)
-    scores = torch.einsum("bhid,bhjd->bhij", qmean.to(kmean.dtype), kmean) * scale
-    if covariance_aware:
-        if stats.hdev is None:
-            raise ValueError("covariance_aware selection needs BlockStats computed with with_hdev=True")
-        scores = scores + torch.log(expand_kv_heads(stats.hdev, heads) + COV_EPS)[:, :, None, :]
+    km = expand_kv_heads(kmean, heads)
+    scores = torch.einsum("bhid,bhjd->bhij", qmean.to(km.dtype), km) * scale
+    if hdev is not None:
+        scores = scores + torch.log(expand_kv_heads(hdev, heads) + COV_EPS)[:, :, None, :]
     return scores
 
 
@@ -174,8 +173,10 @@ def pisa_forward(
     mode: str,
     scale: float,
     block_size: int,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """PISA attention for a given exact-set mask. Returns (out [B,H,Lq,D] in q's dtype, lse [B,H,Lq] fp32).
+    """PISA attention for a given exact-set mask. Returns (out [B,H,Lq,D] in ``out_dtype``,
+    default q's dtype, lse [B,H,Lq] fp32).
 
     Processes query blocks in chunks so no [Lq, Lk] matrix is ever materialised. Works on any
     key range: with ``stats``/``selected`` restricted to local key blocks and a global ``H̄`` it
@@ -196,7 +197,7 @@ def pisa_forward(
     counts = stats.counts.to(dtype)
     tok_block = torch.arange(lk, device=q.device) // block_size  # key token -> key block
 
-    out = torch.empty(b, h, lq, d, dtype=q.dtype, device=q.device)
+    out = torch.empty(b, h, lq, d, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
     rows_per_chunk = max(block_size, (_SLAB_ELEMS // max(1, b * h * lk)) // block_size * block_size)
     blocks_per_chunk = max(1, rows_per_chunk // block_size)
@@ -207,7 +208,7 @@ def pisa_forward(
         row_block = torch.arange(r0, r1, device=q.device) // block_size - i0
         sel = selected[:, :, i0:i1].index_select(2, row_block)  # [B, H, rows, Nk]
         o, l = _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale)
-        out[:, :, r0:r1] = o.to(q.dtype)
+        out[:, :, r0:r1] = o.to(out.dtype)
         lse[:, :, r0:r1] = l.float()
     return out, lse
 
@@ -248,6 +249,79 @@ def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale):
     return out, lse
 
 
+# ---------------------------------------------------------------- the stage contract (ops/stages.py)
+def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
+            lean: bool = False) -> BlockStats:
+    """Block statistics of the keys and values plus the query block means."""
+    stats = block_stats(k, v, block_size, with_hdev=with_hdev)
+    stats.qmean = block_means(q, block_size, stats.kmean.dtype)
+    return stats
+
+
+def select(
+    qmean: Tensor,
+    kmean: Tensor,
+    *,
+    n_select: int,
+    width: int | None = None,
+    scale: float,
+    hdev: Tensor | None = None,
+    keep: Tensor | None = None,
+    scratch_elems: int | None = None,
+) -> Selection:
+    """Top-``n_select`` key blocks per query block by pooled score (plus ``keep``, bool
+    ``[B|1, H|1, Nk]``), as a :class:`Selection` of index-list width ``width`` (default ``Nk``).
+
+    Scores are computed in chunks of query blocks holding at most ``scratch_elems`` scores
+    (default: one slab of the attention's chunking)."""
+    b, h, nq, _ = qmean.shape
+    nk = kmean.shape[2]
+    width = nk if width is None else width
+    limit = _SLAB_ELEMS if scratch_elems is None else scratch_elems
+    step = max(1, limit // max(1, b * h * nk))
+    parts = []
+    for i0 in range(0, max(nq, 1), step):  # no query blocks: one empty part
+        scores = selection_scores(qmean[:, :, i0 : i0 + step], kmean, scale, hdev)
+        parts.append(Selection.from_mask(select_blocks(scores, n_select, keep), width))
+    if len(parts) == 1:
+        return parts[0]
+    return Selection(*(torch.cat(x, dim=2) for x in zip(*parts)))
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    stats: BlockStats,
+    selection: Selection,
+    *,
+    mode: str,
+    scale: float,
+    block_size: int,
+    n_select: int | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`pisa_forward` under a :class:`Selection` (``n_select`` is unused here)."""
+    mask = selection.to_mask(stats.kmean.shape[2])
+    return pisa_forward(q, k, v, stats, mask, mode=mode, scale=scale, block_size=block_size, out_dtype=out_dtype)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0):
+    """One call on one device (``plan``: a :class:`pisa_attn.PisaPlan`): (out, lse)."""
+    return run_plan(BACKEND, q, k, v, plan, keep, n_keep_max, lean=True)[2]
+
+
+def unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
+    return None  # every valid call
+
+
+def score_scratch(q: Tensor, k: Tensor) -> None:
+    return None  # selection chunks only past one attention slab
+
+
+BACKEND = Backend("reference", prepare, select, attend, deviation, forward, unsupported_reason, score_scratch)
+
+
 def pisa_reference(
     q: Tensor,
     k: Tensor,
@@ -265,10 +339,9 @@ def pisa_reference(
     Returns (out, lse, selected). No input validation: :func:`pisa_attn.pisa_attention` does it.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    stats = block_stats(k, v, block_size, with_hdev=covariance_aware)
-    qmean = block_means(q, block_size, stats.kmean.dtype)
-    n_sel = num_selected(density, stats.kmean.shape[2])
-    scores = selection_scores(qmean, stats, scale, covariance_aware)
-    selected = select_blocks(scores, n_sel, keep_blocks)
-    out, lse = pisa_forward(q, k, v, stats, selected, mode=mode, scale=scale, block_size=block_size)
-    return out, lse, selected
+    nk = num_blocks(k.shape[2], block_size)
+    _, sel, (out, lse) = run_stages(
+        BACKEND, q, k, v, block_size=block_size, n_select=spec.num_selected(density, nk), width=nk, mode=mode,
+        scale=scale, covariance_aware=covariance_aware, keep=keep_blocks,
+    )  # fmt: skip
+    return out, lse, sel.to_mask(nk)

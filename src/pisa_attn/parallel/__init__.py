@@ -2,13 +2,13 @@
 
 * :func:`ulysses_pisa_attention`: all-to-all heads <-> sequence, PISA per head on the whole sequence.
 * :func:`ring_pisa_attention`: keys stay sharded; global statistics and selection, ring steps
-  merged through the log-sum-exp.
+  merged through the log-sum-exp (:func:`pisa_attn.ops.merge.merge`).
 
 Both equal single-process :func:`pisa_attn.pisa_attention` on the global sequence (same selection,
 float tolerance). Inference only.
 """
 
-from .ring import merge_partials, ring_pisa_attention
+from .ring import ring_pisa_attention
 from .ulysses import ulysses_attention, ulysses_pisa_attention
 
-__all__ = ["ring_pisa_attention", "ulysses_pisa_attention", "ulysses_attention", "merge_partials"]
+__all__ = ["ring_pisa_attention", "ulysses_pisa_attention", "ulysses_attention"]

@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
-from ..attention import _to_bhsd, _validate, _validate_shapes
+from ..attention import to_bhsd, validate
 from .comm import gather_ints, group_info
 
 
@@ -24,16 +23,15 @@ class Shards:
     head_dim: int
 
 
-def check_inputs(q, k, v, *, group, density, block_size, mode, scale, layout, keep_blocks, backend, what: str,
-                 seq_lens=None):  # fmt: skip
+def check_inputs(q, k, v, *, group, density, block_size, mode, scale, layout, backend, what: str,
+                 covariance_aware=False, return_lse=False, seq_lens=None):  # fmt: skip
     """Validate one rank's local q/k/v; return ``[B, H, L, D]`` views and the gathered shard facts.
 
     ``seq_lens``: per-rank local lengths (q and k/v alike) when the caller knows them; skips the
     all-gather (and its host sync), and with it the check that all ranks agree on B/H/Hk/D.
     """
-    _validate(q, k, v, density, block_size, mode, scale, layout, keep_blocks, backend)
-    qh, kh, vh = (_to_bhsd(x, layout) for x in (q, k, v))
-    _validate_shapes(qh, kh, vh)
+    qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
+                          backend=backend, covariance_aware=covariance_aware, return_lse=return_lse)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         # The collectives here are not autograd-aware; a silently missing gradient is worse than an error.
         raise ValueError(f"{what} is inference-only: call it under torch.no_grad() (q/k/v require grad)")
@@ -59,5 +57,4 @@ def check_inputs(q, k, v, *, group, density, block_size, mode, scale, layout, ke
     return qh, kh, vh, shards
 
 
-def to_layout(x: Tensor, layout: str) -> Tensor:
-    return x if layout == "bhsd" else x.transpose(1, 2)
+to_layout = to_bhsd  # [B, H, L, D] <-> layout is its own inverse

@@ -26,7 +26,10 @@ def free_port() -> int:
 
 def _worker(rank, world, backend, port, fn, args, queue):
     try:
-        torch.set_num_threads(1)  # ranks share the machine's few cores
+        # Ranks share the machine's few cores; set here, in the rank's own process (and for any
+        # process it starts), never in the caller's.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             result = fn(rank, world, *args)
@@ -44,7 +47,6 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout: float 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, backend, port, fn, args, queue), daemon=True)
         for r in range(world_size)

@@ -4,12 +4,16 @@ Every rank holds a contiguous slice of the sequence. PISA's selection is global 
 blocks) and its tail terms need the global ``H̄``, but both are built from cheap per-block
 statistics, so:
 
-1. each rank computes block statistics of its keys; ``k̄_j`` and ``V̂_j`` are all-gathered and
-   ``Σ_j H_j`` (a plain sum) is all-reduced into the global ``H̄``;
+1. each rank runs the backend's prepare stage on its shard; the per-block statistics are
+   all-gathered, and the global ``H̄`` is the all-reduced sum ``Σ_r N_r·H̄_r`` over ``N``;
 2. each rank selects, for its own query blocks, the global top-k key blocks;
-3. key/value shards travel round the ring; each step adds the partial for that shard (its selected
-   blocks exactly, its other blocks through the tail) with the global ``H̄``;
-4. partials merge through their log-sum-exp, since numerator and denominator are sums over key blocks.
+3. key/value shards travel round the ring; each step attends to that shard (its selected blocks
+   exactly, its other blocks through the tail) with the global ``H̄``;
+4. the partials merge through their log-sum-exp (:func:`pisa_attn.ops.merge.merge`), since
+   numerator and denominator are sums over key blocks.
+
+The steps use only the stage contract (:mod:`pisa_attn.ops.stages`), so the backend is one
+argument of :func:`_ring_aligned`; the public entry runs the PyTorch reference.
 
 The result equals single-process :func:`pisa_attn.pisa_attention` on the whole sequence (same
 selection, float tolerance; the reference returns float32 LSEs, so float64 inputs agree to about
@@ -20,12 +24,16 @@ shards with one all-to-all, and the output is sent back the same way.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..attention import normalize_keep_blocks
-from ..ops import reference as ref
+from .. import spec
+from ..attention import get_backend, normalize_keep_blocks
+from ..ops.merge import merge
+from ..ops.stages import Backend
 from .comm import (
     RingExchange,
     Redistribution,
@@ -77,11 +85,12 @@ def ring_pisa_attention(
 
     Returns:
         ``out`` for this rank's queries (shape/layout of ``q``), plus its ``lse`` [B, H, Lq] fp32
-        when ``return_lse``. Inference only; runs the PyTorch reference pieces per ring step.
+        when ``return_lse``. Inference only; runs the PyTorch reference stages per ring step.
     """
     qh, kh, vh, sh = check_inputs(
-        q, k, v, group=group, density=density, block_size=block_size, mode=mode, scale=scale,
-        layout=layout, keep_blocks=keep_blocks, backend="reference", what="ring_pisa_attention", seq_lens=seq_lens,
+        q, k, v, group=group, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
+        backend="reference", what="ring_pisa_attention", covariance_aware=covariance_aware, return_lse=return_lse,
+        seq_lens=seq_lens,
     )  # fmt: skip
     scale = float(sh.head_dim**-0.5 if scale is None else scale)
     q_src, k_src = bounds_of(sh.q_lens), bounds_of(sh.k_lens)
@@ -94,8 +103,8 @@ def ring_pisa_attention(
     n_q = q_src[-1] if q_perm is None else q_perm.numel()
     q_dst = _aligned_bounds(q_src, n_q, block_size, sh.world, q_perm)
     k_dst = _aligned_bounds(k_src, k_src[-1], block_size, sh.world, perm)
-    n_kv = ref.num_blocks(k_src[-1], block_size)
-    keep, _ = normalize_keep_blocks(keep_blocks, sh.batch, sh.heads, n_kv, q.device)
+    n_kv = spec.num_blocks(k_src[-1], block_size)
+    keep, n_keep_max = normalize_keep_blocks(keep_blocks, sh.batch, sh.heads, n_kv, q.device)
 
     to_q = Redistribution.plan(q_perm, q_src, q_dst, sh.rank)
     same_order = (q_perm is None and perm is None) or (
@@ -106,7 +115,10 @@ def ring_pisa_attention(
     qa = to_q.apply(qh, 2, group)
     ka, va = (to_k.apply(x, 2, group) for x in (kh, vh))
 
-    out, lse = _ring_aligned(qa, ka, va, k_dst, group, density, block_size, mode, covariance_aware, scale, keep)
+    out, lse = _ring_aligned(
+        qa, ka, va, k_dst, group, get_backend("reference"), density=density, block_size=block_size, mode=mode,
+        covariance_aware=covariance_aware, scale=scale, keep=keep, n_keep_max=n_keep_max,
+    )  # fmt: skip
 
     # Queries that q_perm leaves out come back as out = 0, lse = -inf (no term at all).
     out = to_layout(to_q.reverse(out, 2, group), layout)
@@ -122,46 +134,37 @@ def _aligned_bounds(src: list[int], total: int, block_size: int, world: int, per
     return balanced_block_bounds(total, block_size, world)
 
 
-def _ring_aligned(q, k, v, k_bounds, group, density, block_size, mode, covariance_aware, scale, keep):
-    """Ring PISA on block-aligned shards ([B, H, L, D] views). Returns (out, lse) of local queries."""
+def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size, mode, covariance_aware, scale,
+                  keep, n_keep_max):  # fmt: skip
+    """Ring PISA on block-aligned shards ([B, H, L, D] views) with backend ``be``'s stages.
+    Returns (out, lse) of the local queries."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     b, h, lq, d = q.shape
     hk = k.shape[1]
-    stat_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    blocks = [ref.num_blocks(k_bounds[r + 1] - k_bounds[r], block_size) for r in range(world)]
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    blocks = [spec.num_blocks(k_bounds[r + 1] - k_bounds[r], block_size) for r in range(world)]
     n_kv = sum(blocks)
+    n_select = spec.num_selected(density, n_kv)
 
-    # 1. Local statistics, then global ones. Σ_j H_j is additive: all-reduce the local sums.
-    local = _local_stats(k, v, block_size, stat_dtype)
-    kv_means = all_gather_var(torch.cat([local.kmean, local.vsum], dim=-1), 2, blocks, group)
-    hsum = local.hbar.contiguous()
-    dist.all_reduce(hsum, group=group)
-    hbar = hsum / n_kv
-    hdev = None
+    # 1. Local statistics, then global ones: H̄ is the mean of all H_j, so the local means weighted
+    #    by their block counts are all-reduced; ||H_j − H̄|| needs that global H̄.
+    local = be.prepare(q, k, v, block_size)
+    hbar = (local.hbar * blocks[rank]).contiguous()
+    dist.all_reduce(hbar, group=group)
+    hbar = hbar / n_kv
     if covariance_aware:
-        # ||H_j − H̄||_F needs the global H̄, so it is computed after the all-reduce, per owned block.
-        mine = _local_hdev(k, v, local, hbar, block_size, stat_dtype)
-        hdev = all_gather_var(mine, 2, blocks, group)
-    stats = ref.BlockStats(
-        kmean=kv_means[..., :d],
-        vsum=kv_means[..., d:],
-        counts=ref.block_counts(k_bounds[-1], block_size, q.device, stat_dtype),
-        hbar=hbar,
-        hdev=hdev,
-    )
+        local.hdev = be.deviation(k, v, local, hbar, block_size)
+    shards, gathered = _gather_stats(local, blocks, group, hbar)
 
     # 2. Global top-k for the local query blocks.
-    if lq:
-        qmean = ref.block_means(q, block_size, stat_dtype)
-        scores = ref.selection_scores(qmean, stats, scale, covariance_aware)
-        selected = ref.select_blocks(scores, ref.num_selected(density, n_kv), keep)
-    else:
-        selected = torch.zeros(b, h, 0, n_kv, dtype=torch.bool, device=q.device)
+    width = spec.selection_width(n_kv, n_select, n_keep_max if keep is not None else 0)
+    sel = be.select(local.qmean, gathered["kmean"], n_select=n_select, width=width, scale=scale,
+                    hdev=gathered.get("hdev"), keep=keep)
+    del local, gathered
 
-    # 3./4. Rotate k/v shards; each step's partial merges through its LSE. Partials stay in the
-    # accumulation dtype so the output is rounded once, as in the single-process kernel.
-    qc = q.to(stat_dtype)
-    out = torch.zeros(b, h, lq, d, dtype=stat_dtype, device=q.device)
+    # 3./4. Rotate k/v shards; each step's partial (kept in the accumulation dtype, so the output is
+    # rounded once, as in one process) merges through its LSE.
+    out = torch.zeros(b, h, lq, d, dtype=wide, device=q.device)
     lse = torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=q.device)
     ring = RingExchange(group)
     cur, src = torch.cat([k.reshape(-1), v.reshape(-1)]), rank
@@ -173,45 +176,37 @@ def _ring_aligned(q, k, v, k_bounds, group, density, block_size, mode, covarianc
             ring.start(cur, nxt)
         n_tok = k_bounds[src + 1] - k_bounds[src]
         if n_tok and lq:
-            # Cast once per step: the reference casts k/v per query chunk otherwise.
-            ks, vs = cur.view(2, b, hk, n_tok, d).to(stat_dtype).unbind(0)
+            ks, vs = cur.view(2, b, hk, n_tok, d).unbind(0)
             c0 = k_bounds[src] // block_size
-            cols = slice(c0, c0 + blocks[src])
-            part = ref.BlockStats(stats.kmean[:, :, cols], stats.vsum[:, :, cols], stats.counts[cols], hbar)
-            o, l = ref.pisa_forward(
-                qc, ks, vs, part, selected[..., cols], mode=mode, scale=scale, block_size=block_size
-            )
-            out, lse = merge_partials(out, lse, o, l)
+            part = be.attend(q, ks, vs, shards[src], sel.blocks(c0, c0 + blocks[src]), mode=mode, scale=scale,
+                             block_size=block_size, n_select=n_select, out_dtype=wide)
+            out, lse = merge([(out, lse), part], out_dtype=wide)
         if nxt is not None:
             ring.wait()
             cur, src = nxt, (src - 1) % world
     return out.to(q.dtype), lse
 
 
-def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge two softmax partials over disjoint key sets: weights exp(lse_x − lse)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    # Rows with no term on either side stay (0, -inf) rather than turning into NaN.
-    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    wa = torch.exp(lse_a - shift).to(out_a.dtype)[..., None]
-    wb = torch.exp(lse_b - shift).to(out_a.dtype)[..., None]
-    return wa * out_a + wb * out_b.to(out_a.dtype), lse
-
-
-def _local_stats(k: Tensor, v: Tensor, block_size: int, dtype) -> ref.BlockStats:
-    """Block statistics of this shard with ``hbar`` holding the *sum* Σ_j H_j (not the mean)."""
-    b, hk, lk, d = k.shape
-    if lk == 0:
-        z = k.new_zeros((b, hk, 0, d), dtype=dtype)
-        return ref.BlockStats(z, z, k.new_zeros(0, dtype=dtype), k.new_zeros((b, hk, d, d), dtype=dtype))
-    st = ref.block_stats(k, v, block_size)
-    st.hbar = st.hbar * st.kmean.shape[2]
-    return st
-
-
-def _local_hdev(k: Tensor, v: Tensor, local: ref.BlockStats, hbar: Tensor, block_size: int, dtype) -> Tensor:
-    if k.shape[2] == 0:
-        return k.new_zeros((k.shape[0], k.shape[1], 0), dtype=dtype)
-    kb = ref._pad_to_blocks(k.to(dtype), block_size)
-    vb = ref._pad_to_blocks(v.to(dtype), block_size)
-    return ref._block_h_deviation(kb, vb, local.kmean, hbar, local.counts)
+def _gather_stats(local, blocks: list[int], group, hbar: Tensor):
+    """Every rank's statistics from this rank's ``local`` ones: (per-rank stats with the global
+    ``hbar``, {field: all ranks' blocks concatenated} for the per-block fields)."""
+    world = len(blocks)
+    offsets = bounds_of(blocks)
+    per_rank: list[dict] = [{} for _ in range(world)]
+    gathered = {}
+    for name, axis in type(local).BLOCK_AXES.items():
+        x = getattr(local, name)
+        if x is None:
+            continue
+        full = all_gather_var(x, axis, blocks, group)
+        gathered[name] = full
+        for r in range(world):  # contiguous: kernels index statistics by their shape, not by strides
+            per_rank[r][name] = full.narrow(axis, offsets[r], blocks[r]).contiguous()
+    for name in type(local).SHARD_FIELDS:
+        x = getattr(local, name).contiguous()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x, group=group)
+        for r in range(world):
+            per_rank[r][name] = parts[r]
+    shards = [dataclasses.replace(local, qmean=None, **fields).with_hbar(hbar) for fields in per_rank]
+    return shards, gathered

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..attention import pisa_attention
-from ..ops.reference import expand_kv_heads
+from ..spec import expand_kv_heads
 from .comm import check_permutation, inverse_permutation, to_device
 from .common import Shards, check_inputs, to_layout
 
@@ -52,7 +52,8 @@ def ulysses_pisa_attention(
     """
     qh, kh, vh, sh = check_inputs(
         q, k, v, group=group, density=density, block_size=block_size, mode=mode, scale=scale,
-        layout=layout, keep_blocks=keep_blocks, backend=backend, what="ulysses_pisa_attention", seq_lens=seq_lens,
+        layout=layout, backend=backend, what="ulysses_pisa_attention", covariance_aware=covariance_aware,
+        return_lse=return_lse, seq_lens=seq_lens,
     )  # fmt: skip
     heads_here = slice(sh.rank * sh.heads // sh.world, (sh.rank + 1) * sh.heads // sh.world)
     keep = keep_blocks
@@ -82,7 +83,7 @@ def ulysses_attention(
     """
     qh, kh, vh, sh = check_inputs(
         q, k, v, group=group, density=1.0, block_size=64, mode="hybrid", scale=None, layout=layout,
-        keep_blocks=None, backend="reference", what="ulysses_attention", seq_lens=seq_lens,
+        backend="reference", what="ulysses_attention", seq_lens=seq_lens,
     )  # fmt: skip
     res = _ulysses(qh, kh, vh, fn, sh, group, perm)
     if isinstance(res, Tensor):

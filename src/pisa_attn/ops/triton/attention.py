@@ -76,7 +76,7 @@ def _tail_phase(q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_p
         if F32:
             q16 = q16.to(tl.float32)
         offs_c = tl.arange(0, C)
-        sc_scale = qk_scale * q_s * tl.load(kscale_ptr + stat_base // NK)  # all scales: powers of 2
+        sc_scale = qk_scale * q_s  # q's scale; each centroid block has its own (powers of 2)
         for g0 in tl.range(0, NK, C, num_stages=S_TAIL):
             cj = g0 + offs_c
             cvalid = cj < NK
@@ -92,11 +92,12 @@ def _tail_phase(q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_p
             tail = (((word >> (pos % 32)) & 1) == 0) & cvalid
             kb = tl.load(kbar_ptr + (stat_base + cj)[:, None] * D + offs_d[None, :], mask=cvalid[:, None], other=0.0)
             vb = tl.load(vbar_ptr + (stat_base + cj)[:, None] * D + offs_d[None, :], mask=cvalid[:, None], other=0.0)
+            ks = tl.load(kscale_ptr + stat_base + cj, mask=cvalid, other=1.0)
             if F32:
                 kb = kb.to(tl.float32)
                 vb = vb.to(tl.float32)
             # s·q·k̄_j + log2 n_j (base 2): the weight is n_j α straight from the softmax step.
-            sc = tl.dot(q16, tl.trans(kb)) * sc_scale
+            sc = tl.dot(q16, tl.trans(kb)) * (sc_scale * ks)[None, :]
             if EVEN_K:
                 sc = sc + LOG2_BS
             else:
@@ -198,13 +199,8 @@ FIXED_CONFIG = {"C": 64, "num_warps": 4, "num_stages": 2, "S_EXACT": 3, "S_TAIL"
 def _configs():
     if interpreting():
         return [triton.Config({"C": 16}, num_warps=4, num_stages=1)]
-    # H100/H200 runs (notes): 8 warps lost everywhere (2x slower); the exact loop likes 3 stages;
-    # the tail wants few buffers so two programs fit per SM, hence per-loop depths (S_EXACT for the
-    # exact loop, S_TAIL for the centroid scan). 3 stages for both loops left one program per SM
-    # (hybrid 9.6 ms vs 6.5 at 32K on an H200).
-    # (v3 also offered NB=2, two gathered key blocks per step as [64 x 128] tiles: the autotuner
-    # picked NB=1 for every shape on the H100, so it was removed.)
-    # (Running the tail scan before the exact loop was also measured: 8.6 vs 6.2 ms at 32K, H100.)
+    # 4 warps (8 were 2x slower on H100/H200); the exact loop likes 3 stages, the tail scan few
+    # buffers so that two programs fit per SM, hence per-loop depths (S_EXACT, S_TAIL).
     tail = [dict(C=64, S_EXACT=2, S_TAIL=2)] + [dict(C=c, S_EXACT=3, S_TAIL=t) for c, t in ((64, 2), (64, 1), (32, 2))]
     return ([triton.Config({"C": 64}, num_warps=4, num_stages=s) for s in (2, 3)]
             + [triton.Config(kw, num_warps=4, num_stages=2) for kw in tail])
@@ -226,13 +222,14 @@ _attn_tuned = triton.autotune(
 )(_attn_kernel)
 
 
-def _alloc_like_layout(q: Tensor) -> Tensor:
-    """Output with q's physical layout: a [B, L, H, D] buffer when q is such a transposed view, so
-    the caller's transpose back to that layout is free."""
+def _alloc_like_layout(q: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Output with q's physical layout (and ``dtype``, default q's): a [B, L, H, D] buffer when q
+    is such a transposed view, so the caller's transpose back to that layout is free."""
     b, h, lq, d = q.shape
+    dtype = dtype or q.dtype
     if q.stride(1) < q.stride(2):
-        return torch.empty(b, lq, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
-    return torch.empty(b, h, lq, d, device=q.device, dtype=q.dtype)
+        return torch.empty(b, lq, h, d, device=q.device, dtype=dtype).transpose(1, 2)
+    return torch.empty(b, h, lq, d, device=q.device, dtype=dtype)
 
 
 def autotune_key(lk: int, density: float) -> tuple[int, int]:

@@ -1,21 +1,23 @@
-"""The Triton path behind :func:`pisa_attn.pisa_attention`: support check and the registered op.
+"""The Triton backend of the stage contract (:mod:`pisa_attn.ops.stages`).
 
-``torch.ops.pisa_attn.pisa_fwd`` is a ``torch.library.custom_op`` with a fake implementation, so
-``torch.compile(fullgraph=True)`` treats it as one opaque node, and a CUDA graph can capture it:
-the implementation issues no host synchronisation and every shape is known from the arguments.
+The portable kernels: any CUDA GPU Triton supports, and Triton's interpreter on the CPU. A whole
+call goes through the registered op of :mod:`pisa_attn.ops.fused` when traced. The stages are also
+callable one by one (tests, phase timing, sharded keys). Inference only: the kernels have no
+backward.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
+from .. import fused as _fused
+from ..selection import Selection
+from ..stages import Backend
 from . import attention as _attn
-from . import prepare as _prep
-from . import select as _sel
 from ._common import interpreting
+from .prepare import Stats, deviation, prepare
+from .select import select
 
 HEAD_DIMS = (16, 32, 64, 128)
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -41,64 +43,39 @@ def unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
     return None
 
 
-def _score_scratch(q: Tensor, k: Tensor) -> int:
+def score_scratch(q: Tensor, k: Tensor) -> int:
     """Selection's score buffer (fp32 elements): 1% of the bytes of q, k, v and o."""
     qkvo = 2 * (q.numel() * q.element_size() + k.numel() * k.element_size())
     return max(1, qkvo // 400)
 
 
-def _out_like(q: Tensor) -> Tensor:
-    return _attn._alloc_like_layout(q)
-
-
-@torch.library.custom_op("pisa_attn::pisa_fwd", mutates_args=())
-def pisa_fwd(
+def attend(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    keep: Optional[Tensor],
-    n_select: int,
-    width: int,
+    stats: Stats,
+    selection: Selection,
+    *,
     mode: str,
     scale: float,
     block_size: int,
-    covariance_aware: bool,
+    n_select: int | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    stats = _prep.prepare(q, k, v, block_size, with_hdev=covariance_aware, keep_hbar=False)
-    if keep is not None:
-        keep = keep.contiguous()
-    idx, cnt, bits = _sel.select(stats.qmean, stats.kmean, stats.hdev, keep, n_select, width, scale,
-                                 scratch_elems=_score_scratch(q, k))
-    tail = stats.tail()
-    del stats  # the means and ||H_j − H̄|| are dead: freed before the attention outputs exist
-    return _attn.attention(q, k, v, *tail, idx, cnt, bits, mode=mode, scale=scale, block_size=block_size,
-                           n_select=n_select)
+    """The fused attention kernel under ``selection``: (out in ``out_dtype``, default q's, lse fp32).
+
+    ``n_select`` (the top-k count; default the selection's width) only picks the tuned config.
+    A float32 ``out_dtype`` keeps a shard's partial unrounded for the merge.
+    """
+    out = _attn._alloc_like_layout(q, out_dtype)
+    return _attn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
+                           n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out)
 
 
-@pisa_fwd.register_fake
-def _pisa_fwd_fake(q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware):
-    b, h, lq, _ = q.shape
-    return _out_like(q), q.new_empty(b, h, lq, dtype=torch.float32)
+def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0):
+    """One call on one device (through the registered op when traced): (out, lse)."""
+    return _fused.forward(BACKEND, q, k, v, plan, keep, n_keep_max)
 
 
-def pisa_triton(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None, n_keep_max: int) -> tuple[Tensor, Tensor]:
-    """Contract with :func:`pisa_attn.attention.run`: ``[B, H, L, D]`` views in, (out, lse) out."""
-    width = _sel.selection_width(plan.n_kv_blocks, plan.n_select, n_keep_max if keep is not None else 0)
-    return torch.ops.pisa_attn.pisa_fwd(
-        q, k, v, keep, plan.n_select, width, plan.mode, plan.scale, plan.block_size, plan.covariance_aware
-    )
-
-
-def run_stages(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0):
-    """The three stages separately (tests and phase timing): returns (stats, (idx, cnt, bits), (out, lse))."""
-    width = _sel.selection_width(plan.n_kv_blocks, plan.n_select, n_keep_max if keep is not None else 0)
-    stats = _prep.prepare(q, k, v, plan.block_size, with_hdev=plan.covariance_aware)
-    if keep is not None:
-        keep = keep.contiguous()
-    sel = _sel.select(stats.qmean, stats.kmean, stats.hdev, keep, plan.n_select, width, plan.scale,
-                      scratch_elems=_score_scratch(q, k))
-    res = _attn.attention(
-        q, k, v, *stats.tail(), *sel,
-        mode=plan.mode, scale=plan.scale, block_size=plan.block_size, n_select=plan.n_select,
-    )
-    return stats, sel, res
+BACKEND = _fused.register(
+    Backend("triton", prepare, select, attend, deviation, forward, unsupported_reason, score_scratch))

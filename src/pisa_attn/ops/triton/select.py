@@ -9,19 +9,10 @@ k-th order statistic, not an estimate) and compacts the chosen blocks. Ties at t
 the lowest block indices (``torch.topk`` may break them differently; tests compare attention under
 one shared selection and check selection overlap separately).
 
-(A first version computed the scores inside the kernel by fp32 outer products over D: one
-dependent centroid load per step left it latency-bound, 9.3 ms at 64K on an H100.)
-
-Outputs, all of static shape:
-
-* ``idx``  int32 ``[B, H, Nq, W]``: the exact blocks in ascending order (ascending order also keeps
-  neighbouring programs on the same key blocks, which helps L2), ``W = min(Nk, n_select + n_keep_max)``;
-  entries past ``cnt`` are unspecified;
-* ``cnt``  int32 ``[B, H, Nq]``: how many entries of ``idx`` are valid;
-* ``bits`` int32 ``[B, H, Nq, ceil(Nk/32)]``: the same set as a bitmask, for the tail scan.
-
-Beyond ``MAX_FUSED_BLOCKS`` key blocks one row no longer fits a program's registers; a chunked
-PyTorch path (``torch.topk``) produces the same three tensors.
+The output is a :class:`pisa_attn.ops.selection.Selection` (index list in ascending order, which
+also keeps neighbouring attention programs on the same key blocks and helps L2; count; bitmask for
+the tail scan). Beyond ``MAX_FUSED_BLOCKS`` key blocks one row does not fit a program's registers;
+then the reference's chunked ``torch.topk`` selection produces it.
 """
 
 from __future__ import annotations
@@ -31,12 +22,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._common import COV_EPS, next_pow2
+from ...spec import COV_EPS
+from .. import reference as _ref
+from ..selection import Selection
+from ._common import next_pow2
 
 MAX_FUSED_BLOCKS = 4096
 # Warps per top-k program; a program holds 1024 fp32 scores per warp (32 per thread), i.e.
 # 1024 * warps // NKP rows. Fewer warps keep each row's reductions inside fewer warps.
-TOPK_WARPS = {"warps": 1}  # H100, 32K: 0.145 ms at 1 warp vs 0.285 ms at 8 (tests/gpu/diagnose.py)
+TOPK_WARPS = {"warps": 1}  # fastest on the H100 (tests/gpu/diagnose.py times 1, 2, 4, 8)
 _COV_EPS = tl.constexpr(COV_EPS)
 
 
@@ -103,28 +97,29 @@ def _topk_kernel(
     tl.store(bits_ptr + out_rows[:, None] * NW + w_idx[None, :], words, mask=rvalid[:, None] & (w_idx < NW)[None, :])
 
 
-def selection_width(n_kv_blocks: int, n_select: int, n_keep_max: int) -> int:
-    return max(1, min(n_kv_blocks, n_select + n_keep_max))
-
-
 def select(
     qmean: Tensor,
     kmean: Tensor,
-    hdev: Tensor | None,
-    keep: Tensor | None,
+    *,
     n_select: int,
     width: int,
     scale: float,
+    hdev: Tensor | None = None,
+    keep: Tensor | None = None,
     scratch_elems: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(idx, cnt, bits) from ``qmean [B,H,Nq,D]`` (contiguous) and ``kmean [B,Hk,Nk,D]`` (float32, the
-    transposed view :func:`prepare.prepare` returns). ``scratch_elems`` bounds the score buffer
-    (default: the whole matrix in one chunk). Issues no host synchronisation."""
+) -> Selection:
+    """The :class:`Selection` from ``qmean [B,H,Nq,D]`` (contiguous) and ``kmean [B,Hk,Nk,D]``
+    (float32, ideally the transposed view :func:`prepare.prepare` returns); ``keep`` bool
+    ``[B|1, H|1, Nk]``. ``scratch_elems`` bounds the score buffer (default: the whole matrix in
+    one chunk). Issues no host synchronisation."""
     b, h, nq, d = qmean.shape
     hk, nk = kmean.shape[1], kmean.shape[2]
     n_sel = min(n_select, nk)
     if nk > MAX_FUSED_BLOCKS:
-        return select_torch(qmean, kmean, hdev, keep, n_sel, width, scale)
+        return _ref.select(qmean, kmean, n_select=n_sel, width=width, scale=scale, hdev=hdev, keep=keep,
+                           scratch_elems=1 << 24)
+    if keep is not None:
+        keep = keep.contiguous()
     dev = qmean.device
     g = h // hk
     nw = -(-nk // 32)
@@ -155,80 +150,4 @@ def select(
             R=r, NKP=nkp, COV=hdev is not None, HAS_KEEP=keep is not None,
             num_warps=warps,
         )
-    return idx, cnt, bits
-
-
-def select_torch(
-    qmean: Tensor,
-    kmean: Tensor,
-    hdev: Tensor | None,
-    keep: Tensor | None,
-    n_select: int,
-    width: int,
-    scale: float,
-    chunk_blocks: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Selection through ``torch.topk`` on a score matrix, processed in query chunks so the scores
-    never exceed ~64 MB. Same outputs and semantics as :func:`select` (ties may break differently)."""
-    b, h, nq, d = qmean.shape
-    hk, nk = kmean.shape[1], kmean.shape[2]
-    n_sel = min(n_select, nk)
-    km = kmean.repeat_interleave(h // hk, dim=1) if hk != h else kmean
-    bias = None
-    if hdev is not None:
-        hd = hdev.repeat_interleave(h // hk, dim=1) if hk != h else hdev
-        bias = torch.log(hd + COV_EPS)[:, :, None, :]
-    keep4 = None if keep is None else keep[:, :, None, :]
-    if chunk_blocks is None:
-        chunk_blocks = max(1, (1 << 24) // max(1, b * h * nk))
-    idx_parts, cnt_parts, bit_parts = [], [], []
-    for i0 in range(0, nq, chunk_blocks):
-        qm = qmean[:, :, i0 : i0 + chunk_blocks]
-        s = torch.einsum("bhid,bhjd->bhij", qm, km) * scale
-        if bias is not None:
-            s = s + bias
-        if keep4 is not None:
-            s = s.masked_fill(keep4, float("-inf"))
-        top = s.topk(n_sel, dim=-1, sorted=False).indices
-        mask = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top, True)
-        if keep4 is not None:
-            mask = mask | keep4
-        i, c, w = mask_to_selection(mask, width)
-        idx_parts.append(i)
-        cnt_parts.append(c)
-        bit_parts.append(w)
-    return torch.cat(idx_parts, 2), torch.cat(cnt_parts, 2), torch.cat(bit_parts, 2)
-
-
-def mask_to_selection(mask: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Bool exact-set mask ``[B, H, Nq, Nk]`` -> (idx ascending, cnt, bits), all int32, no sync.
-    Rows with more than ``width`` exact blocks are truncated (callers size ``width`` to fit)."""
-    nk = mask.shape[-1]
-    ar = torch.arange(nk, device=mask.device, dtype=torch.int32)
-    # Selected blocks sort first, in ascending order; the rest follow as j + Nk.
-    order = torch.where(mask, ar, ar + nk)
-    idx = order.topk(width, dim=-1, largest=False, sorted=True).values
-    idx = torch.where(idx >= nk, idx - nk, idx).to(torch.int32)
-    cnt = mask.sum(-1, dtype=torch.int32).clamp_max(width)
-    nw = -(-nk // 32)
-    padded = torch.nn.functional.pad(mask, (0, nw * 32 - nk)).reshape(*mask.shape[:-1], nw, 32)
-    weights = torch.ones(32, device=mask.device, dtype=torch.int64) << torch.arange(32, device=mask.device)
-    words = (padded.to(torch.int64) * weights).sum(-1)
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return idx, cnt, words
-
-
-def selection_to_mask(idx: Tensor, cnt: Tensor, n_kv_blocks: int) -> Tensor:
-    """Inverse of :func:`mask_to_selection`: the bool ``[B, H, Nq, Nk]`` exact-set mask."""
-    valid = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None]
-    mask = torch.zeros(*idx.shape[:-1], n_kv_blocks + 1, dtype=torch.bool, device=idx.device)
-    safe = torch.where(valid, idx.long(), torch.full_like(idx, n_kv_blocks, dtype=torch.long))
-    mask.scatter_(-1, safe, True)
-    return mask[..., :n_kv_blocks]
-
-
-def bits_to_mask(bits: Tensor, n_kv_blocks: int) -> Tensor:
-    """Unpack the ``bits`` output to a bool ``[B, H, Nq, Nk]`` mask (tests)."""
-    lanes = torch.arange(32, device=bits.device, dtype=torch.int32)
-    m = ((bits[..., None] >> lanes) & 1).bool()
-    return m.reshape(*bits.shape[:-1], -1)[..., :n_kv_blocks]
+    return Selection(idx, cnt, bits)

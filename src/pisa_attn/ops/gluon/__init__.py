@@ -1,0 +1,1 @@
+"""Hopper (sm_90) kernels written in Gluon (``triton.experimental.gluon``)."""

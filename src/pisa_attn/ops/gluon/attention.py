@@ -1,0 +1,403 @@
+"""Warp-specialised Hopper (sm_90) PISA attention in Gluon: two query blocks share K/V loads.
+
+One CTA owns a *pair* of adjacent 64-row query blocks of one head and runs three partitions:
+
+* the loader (default partition, 4 warps, few registers) streams, through a ring of ``STAGES``
+  shared-memory slots filled by TMA, first the sorted union of the two blocks' exact key blocks,
+  then the head's centroid groups (``kbar``/``vbar``, ``C = BS`` centroids a slot), and loads
+  both query tiles and ``H̄`` once;
+* two consumer warpgroups (worker partitions), one per query block, walk the same stream: each
+  computes only the exact blocks its own selection holds (the union code's owner bits), then
+  every centroid group under its own tail bitmask, all in one online softmax (base 2), then the
+  first-order term ``ℓ_tail · s (q H̄)``. A slot is released when both consumers arrived.
+
+The selection is the paper's, per 64-row query block; only the loads are shared. The arithmetic
+is the Triton kernel's (``ops/triton/attention.py``): same scaled float16 centroid scores with
+``log2 n_j`` folded in, same tail normaliser, same epilogue.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..launch import Desc, Launcher
+from ..triton.attention import _alloc_like_layout
+from ..triton.pairs import pair_union
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+# Names that moved between Triton releases (3.6: ``_reinterpret``, ``async_copy_*``).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+    @gluon.jit
+    def _box(buf, desc):
+        """A ``[rows, D]`` slot seen as the descriptor's ``[1, .., rows, D]`` TMA box (same bytes)."""
+        return buf.reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+    @gluon.jit
+    def _as_fp16(buf):
+        return buf.reinterpret(gl.float16, buf.shape, buf.type.layout)
+else:
+    @gluon.jit
+    def _box(buf, desc):
+        """A ``[rows, D]`` slot seen as the descriptor's ``[1, .., rows, D]`` TMA box (same bytes)."""
+        return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+    @gluon.jit
+    def _as_fp16(buf):
+        return buf._reinterpret(gl.float16, buf.shape, buf.type.layout)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
+            q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+            uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
+            BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr):
+    # Both query tiles (a tile past Lq is zero-filled by TMA) and H̄, each on its own barrier.
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, q0 + c * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
+    if MODE == 2:
+        mbarrier.expect(hb_bar.index(0), hb_desc.block_type.nbytes)
+        _tma_load(hb_desc, [bhk, 0, 0], hb_bar.index(0), _box(hb_smem, hb_desc))
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    n_union = gl.load(ucnt_ptr + pair_row)
+    ubase = uidx_ptr + pair_row * W2
+    t = 0
+    # Every scalar read of the stream is issued one entry ahead, off the critical path.
+    code = gl.load(ubase, mask=n_union > 0, other=0)
+    for u in range(n_union):
+        j = code >> 2
+        code = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+        s = t % STAGES
+        # A fresh mbarrier counts as having completed phase 1: the first pass never waits.
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), kv_bytes)
+        _tma_load(k_desc, [b, hk, j * BS, 0], ready.index(s), _box(k_bufs.index(s), k_desc))
+        _tma_load(v_desc, [b, hk, j * BS, 0], ready.index(s), _box(v_bufs.index(s), v_desc))
+        t += 1
+    if MODE > 0:
+        c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
+        for g0 in range(0, NK, C):
+            s = t % STAGES
+            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), c_bytes)
+            _tma_load(kb_desc, [bhk, g0, 0], ready.index(s), _box(k_bufs.index(s), kb_desc))
+            _tma_load(vb_desc, [bhk, g0, 0], ready.index(s), _box(v_bufs.index(s), vb_desc))
+            t += 1
+
+
+@gluon.jit
+def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  p_layout: gl.constexpr):
+    """One tile of scores (base 2, already scaled) into the running (m, l, acc); also returns the
+    rescale factor and the tile's row sums (the tail normaliser needs both)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    # A row with nothing seen yet keeps finite arithmetic: exp2(-inf - 0) = 0, never NaN.
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    ps = gl.sum(p, axis=1)
+    l_i = l_i * alpha + ps
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    pv = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    acc = warpgroup_mma(pv, v_smem, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return m_new, l_i, acc, alpha, ps
+
+
+@gluon.jit
+def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr,
+              q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+              uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, NQ, NK,
+              qk_scale, scale,
+              CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
+              STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
+              Q_REG: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    qi = q0 // BS + CID
+    active = qi < NQ
+    row = bh * NQ + qi
+    q_s = q_smem.index(CID)
+    mbarrier.wait(q_bar.index(CID), 0)
+    # Q·Kᵀ with Q in registers reads only K from shared memory (with Q there too, a 64-row
+    # product moves as many shared-memory bytes as the tensor cores can consume).
+    if Q_REG:
+        qa = q_s.load(q16_layout)
+    else:
+        qa = q_s
+
+    m_i = gl.full([BS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BS], gl.float32, layout=row_s)
+    l_tail = gl.zeros([BS], gl.float32, layout=row_s)
+    acc = gl.zeros([BS, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
+    cols = gl.arange(0, BS, layout=col_s)
+
+    n_union = gl.load(ucnt_ptr + pair_row)
+    ubase = uidx_ptr + pair_row * W2
+    t = 0
+    code_next = gl.load(ubase, mask=n_union > 0, other=0)
+    for u in range(n_union):
+        code = code_next
+        code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        if ((code >> CID) & 1) != 0:
+            j = code >> 2
+            sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * qk_scale
+            if not EVEN_K:
+                sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
+            m_i, l_i, acc, alpha, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout, p_layout)
+        mbarrier.arrive(empty.index(s), count=1)
+        t += 1
+
+    if MODE > 0:
+        # q in float16 scaled by a power of two so its largest entry sits in [2^13, 2^14): the
+        # bf16 -> fp16 conversion is then exact whatever the magnitude (centroids are scaled alike).
+        if Q_REG:
+            qf = qa.to(gl.float32)
+        else:
+            qf = q_s.load(q16_layout).to(gl.float32)
+        qmax = gl.max(gl.max(gl.abs(qf), axis=1), axis=0)
+        q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
+        q16 = (qf / q_sc).to(gl.float16)
+        sc_scale = qk_scale * q_sc  # q's scale; each centroid block has its own (powers of 2)
+        kscale_row = kscale_ptr + bhk * NK
+        brow = bits_ptr + row * NW
+        # The group's exact-set bits, one (C = 32) or two (C = 64) words, read one group ahead.
+        lo_next = gl.load(brow, mask=active, other=0)
+        hi_next = gl.load(brow + 1, mask=active & (NW > 1), other=-1)
+        for g0 in range(0, NK, C):
+            lo = lo_next
+            hi = hi_next
+            w_next = (g0 + C) // 32
+            lo_next = gl.load(brow + w_next, mask=active & (w_next < NW), other=0)
+            if C > 32:
+                hi_next = gl.load(brow + w_next + 1, mask=active & (w_next + 1 < NW), other=-1)
+            s = t % STAGES
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            if active:
+                kb = _as_fp16(k_bufs.index(s))
+                cj = g0 + cols
+                if C > 32:  # bits 32.. of the group come from the next word
+                    word = gl.where(cols < 32, lo, hi)
+                else:
+                    word = lo
+                tail = (((word >> (cols % 32)) & 1) == 0) & (cj < NK)
+                sc = warpgroup_mma(q16, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                ks = gl.load(kscale_row + cj, mask=cj < NK, other=1.0)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * (sc_scale * ks)[None, :]
+                if EVEN_K:
+                    sc = sc + LOG2_BS
+                else:
+                    n_j = gl.maximum(gl.minimum(LK - cj * BS, BS), 1).to(gl.float32)
+                    sc = sc + gl.log2(n_j)[None, :]
+                sc = gl.where(tail[None, :], sc, float("-inf"))
+                m_i, l_i, acc, alpha, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout, p_layout)
+                # l_tail holds BS·Σα: every block but a ragged last one has n_j = BS.
+                l_tail = l_tail * alpha + ps
+                if not EVEN_K:
+                    if g0 + C >= NK:
+                        n_last = (LK - (NK - 1) * BS).to(gl.float32)
+                        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+                        a_last = gl.sum(gl.where((cj == NK - 1)[None, :], gl.exp2(sc - m_use[:, None]), 0.0), axis=1)
+                        l_tail += a_last * (BS / n_last - 1.0)
+            mbarrier.arrive(empty.index(s), count=1)
+            t += 1
+
+    if active:
+        if MODE == 2:
+            mbarrier.wait(hb_bar.index(0), 0)
+            o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
+            qh = warpgroup_mma(q_s, hb_smem, o_zero, use_acc=False, is_async=True)
+            qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh,))
+            acc += gl.convert_layout(l_tail * (scale / BS), row_o)[:, None] * qh
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        lse = (m_i + gl.log2(l_i)) * LN2
+        rows = qi * BS + gl.arange(0, BS, layout=row_s)
+        gl.store(lse_ptr + bh * LQ + rows, lse, mask=rows < LQ)
+        # The query tile is dead now: its slot stages the output for one TMA store (rows past Lq
+        # fall outside the descriptor and are clipped).
+        q_s.store(out.to(q_s.dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, qi * BS, 0], _box(q_s, o_desc))
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
+def _pair_attn_kernel(
+    q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc,
+    kscale_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr,
+    H, HK, LQ, LK, NQ, NK, W2, NW,
+    qk_scale, scale,
+    BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
+    EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr,
+):
+    pair = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // (H // HK)
+    bhk = b * HK + hk
+    q0 = pair * 2 * BS
+    pair_row = bh * ((NQ + 1) // 2) + pair
+    dtype: gl.constexpr = q_desc.dtype
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], dtype)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, BS, D], tile_layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
+    if MODE == 2:
+        hb_smem = gl.allocate_shared_memory(dtype, [D, D], gl.NVMMASharedLayout.get_default_for([D, D], dtype))
+    else:
+        hb_smem = gl.allocate_shared_memory(dtype, [16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    hb_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_bar.index(c), count=1)
+    mbarrier.init(hb_bar.index(0), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release every slot
+
+    gl.warp_specialize([
+        (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
+                   q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                   uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
+                   BS, C, STAGES, MODE)),
+        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr,
+                     q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                     uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, NQ, NK,
+                     qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG)),
+        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr,
+                     q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                     uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, NQ, NK,
+                     qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG)),
+    ], [4, 4], [240, 240])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+MODE_IDS = {"drop": 0, "zeroth": 1, "hybrid": 2}
+# Ring depth per head dim: 3 slots of K+V (32 KB each at D=128) + two query tiles + H̄ fit one
+# CTA per SM with room for the epilogue; D=64 halves every tile.
+STAGES = {64: 4, 128: 3}
+# 12 warps (loader warpgroup + two consumer warpgroups) share the register file: 168 each at
+# launch, then the loader gives its registers to the consumers (240 each).
+MAX_REGS = 168
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+
+
+_launch = Launcher(_pair_attn_kernel)
+
+
+def tma_unsupported_reason(*tensors: Tensor) -> str | None:
+    """None when every tensor can be read through TMA (unit inner stride, 16-byte aligned base and
+    outer strides), else why not."""
+    for x in tensors:
+        if x.stride(-1) != 1:
+            return "the head dimension is not contiguous"
+        if x.data_ptr() % 16:
+            return "a tensor's base address is not 16-byte aligned"
+        if any((s * x.element_size()) % 16 for s in x.stride()[:-1]):
+            return "a stride is not a multiple of 16 bytes"
+    return None
+
+
+def attention(
+    q: Tensor, k: Tensor, v: Tensor,
+    kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor,
+    idx: Tensor, cnt: Tensor, bits: Tensor,
+    *, mode: str, scale: float, block_size: int, n_select: int,
+    out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """The pair kernel for a given selection; same contract as the Triton ``attention``:
+    ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
+    The stream is built from ``bits`` (``idx`` only gives the list width); both kernels take one
+    selection."""
+    del cnt, n_select
+    b, h, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    bs = block_size
+    nq, nk = -(-lq // bs), -(-lk // bs)
+    if out is None:
+        out = _alloc_like_layout(q)
+    if lse is None:
+        lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
+    uidx, ucnt = pair_union(bits, nk, idx.shape[-1])
+    m = MODE_IDS[mode]
+    st = stages or STAGES[d]
+    tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d))
+    blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d])
+    scalars = (kscale, uidx, ucnt, bits, lse, h, hk, lq, lk, nq, nk, uidx.shape[-1], bits.shape[-1],
+               scale * 1.4426950408889634, scale)
+    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, tuple(x.data_ptr() % 16 == 0 for x in scalars[:5]))
+    descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
+    full = tuple(_desc(x, blk) for x, blk in zip(tensors, blocks)) if key not in _launch._cache else None
+    _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
+            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS)
+    return out, lse
+
+
+def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
+                     dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True):
+    """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
+    runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
+    (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    d, bs = head_dim, 64
+    x = torch.empty(1, 1, bs, d, dtype=dtype)  # only shapes, strides and dtypes are read
+    c = torch.empty(1, bs, d, dtype=torch.float16)
+    descs = dict(q_desc=_desc(x, [1, 1, bs, d]), k_desc=_desc(x, [1, 1, bs, d]), v_desc=_desc(x, [1, 1, bs, d]),
+                 o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
+                 vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
+                 hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
+    constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or STAGES[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
+                      LOG2_BS=math.log2(bs), Q_REG=q_reg)
+    types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
+                 qk_scale="fp32", scale="fp32")
+    sig = {}
+    for name in _pair_attn_kernel.arg_names:
+        sig[name] = ("constexpr" if name in constexprs else mangle_type(descs[name]) if name in descs
+                     else types.get(name, "i32"))
+    src = GluonASTSource(fn=_pair_attn_kernel, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))

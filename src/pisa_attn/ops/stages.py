@@ -1,0 +1,123 @@
+"""The stage contract every backend implements, and the one pipeline built from it.
+
+A backend is four functions over ``[B, H, L, D]`` views (K/V may have ``Hk`` heads, GQA)::
+
+    prepare(q, k, v, block_size, *, with_hdev=False, lean=False)            -> stats
+    select(qmean, kmean, *, n_select, width, scale, hdev=None, keep=None,
+           scratch_elems=None)                                              -> Selection
+    attend(q, k, v, stats, selection, *, mode, scale, block_size,
+           n_select=None, out_dtype=None)                                   -> (out, lse)
+    deviation(k, v, stats, hbar, block_size)                                -> ||H_j − H̄||_F
+
+plus ``forward(q, k, v, plan, keep, n_keep_max) -> (out, lse)``, the whole call on one device (the
+Triton backend wraps :func:`run_stages` in one registered op for ``torch.compile``),
+``unsupported_reason(q, mode, block_size) -> str | None`` and ``score_scratch(q, k) -> int | None``
+(the score buffer the backend budgets for selecting on one call; None: its default).
+
+**Statistics** are a dataclass per backend with at least these fields:
+
+* ``qmean`` ``[B, H, Nq, D]`` query block means and ``kmean`` ``[B, Hk, Nk, D]`` key centroids
+  (float32, float64 for float64 inputs): what selection reads;
+* ``hbar`` ``[B, Hk, D, D]``: ``H̄ = (1/Nk) Σ_j H_j`` over the key blocks it was computed from;
+* ``hdev`` ``[B, Hk, Nk]`` or None: ``||H_j − H̄||_F`` (covariance-aware selection);
+* backend-specific tail terms (centroids and value sums in the form its ``attend`` reads).
+
+and these methods: ``blocks(lo, hi)`` (the statistics of key blocks ``[lo, hi)`` only, for one
+K/V shard), ``with_hbar(hbar)`` (the same statistics with another H̄, e.g. the global one of a
+sharded sequence) and ``for_attend()`` (drops, in place, what only selection reads, so it can be
+freed; returns the object).
+The class attribute ``BLOCK_AXES`` names the per-key-block fields and their block axis (what a
+sharded caller gathers or slices); ``SHARD_FIELDS`` names fields that describe a whole shard
+(neither per block nor global) and travel with it.
+
+**Sharded keys.** ``attend`` sums over the key blocks of the K/V it is given. With the
+statistics and the selection of one K/V shard (``stats.blocks(lo, hi).with_hbar(global_hbar)``,
+``selection.blocks(lo, hi)``; shards start on block boundaries, so only the sequence's last block
+can be ragged) it returns that shard's partial ``(out, lse)``; :func:`pisa_attn.ops.merge.merge`
+of all shards' partials equals the unsharded call (up to rounding): the exact terms, the
+zeroth-order tail and the first-order term ``(Σ_tail α)·s·q·H̄`` are all sums over key blocks.
+A shard in which a row has no term at all (``drop`` mode, no exact block there) returns
+``lse = -inf`` for that row and an unspecified output, which the merge ignores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .. import spec
+from .selection import Selection
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of the stage contract (see the module docstring)."""
+
+    name: str
+    prepare: Callable
+    select: Callable[..., Selection]
+    attend: Callable[..., tuple[Tensor, Tensor]]
+    deviation: Callable[..., Tensor]
+    forward: Callable[..., tuple[Tensor, Tensor]]
+    unsupported_reason: Callable[[Tensor, str, int], "str | None"]
+    score_scratch: Callable[[Tensor, Tensor], "int | None"]
+
+
+def forward_width(plan, keep: Tensor | None, n_keep_max: int) -> int:
+    """Index-list width of a single-device call: top-k plus the most kept blocks of any row."""
+    return spec.selection_width(plan.n_kv_blocks, plan.n_select, n_keep_max if keep is not None else 0)
+
+
+def run_stages(
+    be: Backend,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block_size: int,
+    n_select: int,
+    width: int,
+    mode: str,
+    scale: float,
+    covariance_aware: bool = False,
+    keep: Tensor | None = None,
+    lean: bool = False,
+):
+    """prepare -> select -> attend on one device: returns ``(stats, selection, (out, lse))``.
+
+    ``keep``: bool ``[B|1, H|1, Nk]`` on q's device, always-exact blocks (``width`` must cover
+    ``n_select`` plus the most kept blocks of any row). ``lean``: only the output is wanted, so
+    intermediates are freed as soon as the next stage no longer needs them (the returned stats
+    then hold only what ``attend`` read).
+    """
+    stats = be.prepare(q, k, v, block_size, with_hdev=covariance_aware, lean=lean)
+    sel = be.select(stats.qmean, stats.kmean, n_select=n_select, width=width, scale=scale, hdev=stats.hdev,
+                    keep=keep, scratch_elems=be.score_scratch(q, k))
+    if lean:
+        stats = stats.for_attend()  # query means and selection-only terms die before attend allocates
+    res = be.attend(q, k, v, stats, sel, mode=mode, scale=scale, block_size=block_size, n_select=n_select)
+    return stats, sel, res
+
+
+def run_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+             *, lean: bool = False):
+    """:func:`run_stages` with the settings of a :class:`pisa_attn.PisaPlan` (``keep`` and
+    ``n_keep_max`` as :func:`pisa_attn.attention.normalize_keep_blocks` returns them)."""
+    return run_stages(
+        be, q, k, v, block_size=plan.block_size, n_select=plan.n_select, width=forward_width(plan, keep, n_keep_max),
+        mode=plan.mode, scale=plan.scale, covariance_aware=plan.covariance_aware, keep=keep, lean=lean,
+    )  # fmt: skip
+
+
+def slice_blocks(stats, lo: int, hi: int):
+    """``stats`` restricted to key blocks ``[lo, hi)`` (every field named in ``BLOCK_AXES``), as
+    contiguous copies: kernels index statistics by their shape, not by strides."""
+    cut = {}
+    for name, axis in type(stats).BLOCK_AXES.items():
+        x = getattr(stats, name)
+        if x is not None:
+            cut[name] = x.narrow(axis, lo, hi - lo).contiguous()
+    return dataclasses.replace(stats, qmean=None, **cut)

@@ -1,0 +1,100 @@
+"""The method's vocabulary: modes, block counts, the density -> k rule and checks of the settings.
+
+A leaf module (torch and the standard library only): the API, the backends, the integrations and
+the tools all take these names from here.
+
+* Key and query blocks hold ``block_size`` tokens; the last block of a sequence may hold fewer.
+* ``k = max(1, round(density · N))`` exact key blocks per query block, ``N`` the number of key
+  blocks, the rounding half up (``density · N = 2.5`` gives 3), and never more than ``N``.
+* GQA: query head ``h`` reads key/value head ``h // (H // Hk)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+MODES = ("hybrid", "zeroth", "first", "drop")
+"""``hybrid``: exact + block-wise 0th order + one global 1st-order term with H̄ (the paper's method);
+``zeroth``: no 1st-order term; ``first``: exact block-wise 1st order (the accuracy bound);
+``drop``: keep-or-drop block sparse (no tail)."""
+
+COV_EPS = 1e-6
+"""Covariance-aware selection adds ``log(||H_j − H̄||_F + COV_EPS)`` to the pooled scores (eq. 9)."""
+
+MIN_BLOCK_SIZE = 16
+
+
+def num_blocks(length: int, block_size: int) -> int:
+    """Blocks of ``block_size`` tokens covering ``length`` tokens (the last one may be ragged)."""
+    return -(-length // block_size)
+
+
+def num_selected(density: float, n_kv_blocks: int) -> int:
+    """Exact blocks per query block: ``max(1, density · N)`` rounded half up, at most ``N``."""
+    return max(1, min(n_kv_blocks, int(math.floor(density * n_kv_blocks + 0.5))))
+
+
+def selection_width(n_kv_blocks: int, n_select: int, n_keep_max: int = 0) -> int:
+    """Static width of a selection's index list: top-k plus at most ``n_keep_max`` kept blocks."""
+    return max(1, min(n_kv_blocks, n_select + n_keep_max))
+
+
+def block_counts(length: int, block_size: int, device=None, dtype=torch.float32) -> Tensor:
+    """Tokens per block ``n_j``: ``[N]``, ``block_size`` everywhere but a ragged last block."""
+    n = num_blocks(length, block_size)
+    counts = torch.full((n,), float(block_size), dtype=dtype, device=device)
+    if n:
+        counts[-1] = length - (n - 1) * block_size
+    return counts
+
+
+def expand_kv_heads(x: Tensor, heads: int) -> Tensor:
+    """Repeat kv-head tensors (dim 1) to the query head count (GQA)."""
+    hk = x.shape[1]
+    if hk == heads:
+        return x
+    return x.repeat_interleave(heads // hk, dim=1)
+
+
+# ---------------------------------------------------------------- checks of the settings
+def check_mode(mode) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def check_density(density) -> None:
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__}")
+    if not (0.0 < float(density) <= 1.0):  # also rejects NaN
+        raise ValueError(f"density must be in (0, 1], got {density}")
+
+
+def check_block_size(block_size) -> None:
+    ok = isinstance(block_size, int) and not isinstance(block_size, bool)
+    if not ok or block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= {MIN_BLOCK_SIZE}, got {block_size!r}")
+
+
+def check_scale(scale) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be None or a positive finite float, got {scale!r}")
+
+
+def check_flag(name: str, value) -> None:
+    """Flags are real booleans: a truthy string such as ``"no"`` is an error, not ``True``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def check_settings(*, density, block_size, mode, covariance_aware=False, scale=None) -> None:
+    """ValueError/TypeError naming the argument, for the settings every entry point shares."""
+    check_density(density)
+    check_block_size(block_size)
+    check_mode(mode)
+    check_flag("covariance_aware", covariance_aware)
+    check_scale(scale)
