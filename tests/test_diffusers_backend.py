@@ -403,3 +403,33 @@ def test_image_query_blocks_follow_the_key_tile_grid():
                                keep_blocks=seq.keep)  # fmt: skip
         torch.testing.assert_close(out[:, lo:hi], whole[:, lo:hi], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out[:, :lo], pisa_calls.dense_attention(q[:, :lo], k, v, None, None, False))
+
+
+def test_per_query_mask_of_other_calls_follows_the_image_tokens():
+    # A call PISA does not manage (Wan's cross-attention: image queries, text keys) inside a managed
+    # forward sees its queries in tiled order: a per-query mask must be reordered like them.
+    from pisa_attn.diffusers.models import CallInfo
+    from pisa_attn.diffusers.state import Run, enter_run, exit_run
+
+    tr = tiny_transformer("wan")
+    pd.apply_pisa(tr, density=0.5, block_size=TILE_BLOCK, min_kv_len=0)
+    try:
+        with torch.no_grad():
+            tr(**forward_inputs("wan"))
+        state = pd.pisa_state(tr)
+        (layouts,) = state.layouts.values()
+        image = layouts.image
+        n = image.num_tokens
+        q, k, v = _qkv(lq=n, lk=8)
+        g = torch.Generator().manual_seed(1)
+        mask = (torch.rand(1, 1, n, 8, generator=g) > 0.5) | torch.eye(n, 8, dtype=torch.bool)
+        mask[..., 0] = True  # every query keeps a key
+        token = enter_run(Run(state, 0, CallInfo((3, 6, 10), 0, 0.5), layouts))
+        try:
+            out = pisa_calls.attend(image.to_tiled(q, 1), k, v, mask, None, False)
+        finally:
+            exit_run(token)
+    finally:
+        pd.remove_pisa(tr)
+    expect = image.to_tiled(pisa_calls.dense_attention(q, k, v, mask, None, False), 1)
+    torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)

@@ -7,11 +7,11 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
+from .. import spec
+from ..attention import MAX_HEAD_DIM, MIN_HEAD_DIM
 from . import hooks
 from . import telemetry as tm
 from .backend import register
-from .. import spec
-from ..attention import MAX_HEAD_DIM, MIN_HEAD_DIM
 from .models import ModelAdapter, adapter_for, transformers_of
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
 from .state import PisaConfig, PisaState

@@ -139,6 +139,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale, enable_g
         return _attend_unmanaged(q, k, v, mask, scale, enable_gqa)
     seq = run.sequence(q.shape[1], k.shape[1])
     if seq is None:  # cross-attention, text refiner, ...: not one of PISA's layers
+        if mask is not None:  # its image queries (or keys) are in tiled order too
+            mask = run.image_mask(mask, q.shape[1], k.shape[1])
         return dense_attention(q, k, v, mask, scale, enable_gqa)
     if mask is not None:  # written for the model's token order; the tokens are in tiled order
         mask = run.tiled_mask(mask, seq, q.shape[0])

@@ -107,6 +107,23 @@ class Run:
             self.masks[key] = seq.layout.mask_to_tiled(mask, batch)
         return self.masks[key]
 
+    def image_mask(self, mask: Tensor, q_len: int, kv_len: int) -> Tensor:
+        """The mask of a call PISA does not manage, with its dims that index the image/video
+        tokens (queries of a cross-attention, say) reordered like those tokens."""
+        image = self.layouts.image
+        n = image.num_tokens
+        if image.is_identity or mask.dim() < 2 or n not in (q_len, kv_len):
+            return mask
+        key = (mask.data_ptr(), tuple(mask.shape), mask.dtype, q_len, kv_len)
+        if key not in self.masks:
+            out = mask
+            if kv_len == n and out.shape[-1] == n:
+                out = image.to_tiled(out, out.dim() - 1)
+            if q_len == n and out.shape[-2] == n:
+                out = image.to_tiled(out, out.dim() - 2)
+            self.masks[key] = out
+        return self.masks[key]
+
     def next_layer(self) -> int:
         layer = self.layer
         self.layer += 1
