@@ -7,6 +7,7 @@ Tools are ``pisa_attn.bench`` (demo, kernel bench, study, generate), ``pisa_attn
 """
 
 import ast
+import functools
 from pathlib import Path
 
 import pisa_attn
@@ -25,6 +26,7 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """module -> the pisa_attn modules its source imports."""
     modules = _modules()
