@@ -57,7 +57,9 @@ def build_layouts(grid: tuple[int, ...], text_len: int, text: str, tile: tuple[i
 
 
 # --- the ops a forward runs -------------------------------------------------------------------
-def begin_forward(state: PisaState, timestep: Tensor, shape: list[int], grid_ids: Tensor | None, blocks: list[int]) -> Run:
+def begin_forward(
+    state: PisaState, timestep: Tensor, shape: list[int], grid_ids: Tensor | None, blocks: list[int]
+) -> Run:
     """Open the :class:`Run` of one forward call: its grid (from ``shape`` or ``grid_ids``), layouts,
     denoising step (from ``timestep``, one host read) and the transformer block of each managed
     attention call. ``shape`` is ``[text_len, image_tokens, *grid]``."""
