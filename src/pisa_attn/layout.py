@@ -244,6 +244,25 @@ class TokenLayout:
             return x
         return x.index_select(dim, self.perm_on(x.device, inverse))
 
+    def mask_to_tiled(self, mask: Tensor, batch: int) -> Tensor:
+        """An attention mask over this sequence in original order, reordered like the tokens.
+
+        ``mask`` is a key-padding mask ``[batch, L]`` or a mask broadcastable to ``[B, H, Lq, Lk]``
+        whose last dim (keys) and, when not 1, second-to-last dim (queries) have ``L`` entries.
+        """
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"attention mask must be a tensor, got {type(mask).__name__}")
+        n = self.num_tokens
+        if mask.dim() == 2 and tuple(mask.shape) == (batch, n):  # key padding (diffusers' 2-D form)
+            return self.to_tiled(mask, 1)
+        if mask.dim() < 1 or mask.shape[-1] != n or (mask.dim() >= 2 and mask.shape[-2] not in (1, n)):
+            raise ValueError(
+                f"attention mask of shape {tuple(mask.shape)} does not cover this {n}-token sequence "
+                f"([{batch}, {n}] key padding, or broadcastable to [B, H, {n}, {n}])"
+            )
+        out = self.to_tiled(mask, mask.dim() - 1)
+        return self.to_tiled(out, out.dim() - 2) if out.dim() >= 2 and out.shape[-2] == n else out
+
     # --- per-token / per-block descriptions (tiled order) -------------------------------------
     def text_mask_tokens(self) -> Tensor:
         """Bool [L]: which tiled positions hold text tokens."""
@@ -295,6 +314,17 @@ class TokenLayout:
             "mean_spread": float(spread.mean()) if n else 0.0,
             "max_spread": float(spread.max()) if n else 0.0,
         }
+
+
+def block_floor(position: int, block_size: int) -> int:
+    """The block boundary at or before ``position``.
+
+    Queries ``[lo, hi)`` of a blocked sequence (the image queries after a text prefix) run as rows
+    ``[block_floor(lo), hi)``: their query blocks are then the key blocks, i.e. the tiles the layout
+    put on block boundaries; cut at ``lo``, every query block would straddle two tiles. The extra
+    rows before ``lo`` are computed and dropped.
+    """
+    return position - position % block_size
 
 
 # --- constructors ------------------------------------------------------------------------------

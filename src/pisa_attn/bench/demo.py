@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import BACKENDS, make_plan, pisa_attention
+from ..metrics import rel_l1
 from ..spec import MODES
 from . import argtypes
-from .metrics import rel_l1
 
 METHODS = ("drop", "zeroth", "hybrid", "first")  # from plain block-sparse to the accuracy bound
 # The table's one-line key to the methods.

@@ -24,8 +24,8 @@ from torch import Tensor
 from .. import __version__
 from ..attention import make_plan, pisa_attention
 from ..ops import reference as ref
+from .. import metrics
 from . import argtypes as at
-from . import metrics
 from .study_sources import CapturedSource, Sample, SyntheticSource
 
 MODES = ("drop", "zeroth", "hybrid", "first")
@@ -150,8 +150,8 @@ class _Study:
         (selection, density in densities ∪ tail_densities) on one sample."""
         bs = self.cfg.block_size
         keep = s.keep_blocks(bs)
-        lo, hi = s.query_range()
-        q = s.q[:, :, lo:hi]
+        run, cut = s.query_rows(bs)
+        q = s.q[:, :, run]
         stats = ref.block_stats(s.k, s.v, bs, with_hdev=any(covs))
         all_d = list(dict.fromkeys([*densities, *tail_densities]))
         sels = {(d, c): metrics.select(q, s.k, s.v, density=d, block_size=bs, covariance_aware=c,
@@ -159,8 +159,9 @@ class _Study:
         dense = metrics.dense_pass(q, s.k, s.v, block_size=bs, masks=tuple(x.selected for x in sels.values()),
                                    kmean=stats.kmean)
         self._tick(f"dense L={s.length}")
-        tail = {(d, c): t.mean(dim=(0, 2)).tolist() for (d, c), t in zip(sels, dense.tail_mass)}
-        estimate = {(d, c): t.mean(dim=(0, 2)).tolist() for (d, c), t in zip(sels, dense.tail_estimate)}
+        tail = {(d, c): t[:, :, cut].mean(dim=(0, 2)).tolist() for (d, c), t in zip(sels, dense.tail_mass)}
+        estimate = {(d, c): t[:, :, cut].mean(dim=(0, 2)).tolist() for (d, c), t in zip(sels, dense.tail_estimate)}
+        exact = dense.out[:, :, cut]
         rel, rel_head = {}, {}
         for c in covs:
             for m in modes:
@@ -168,9 +169,9 @@ class _Study:
                 rel[name], rel_head[name] = [], []
                 for d in densities:
                     out = pisa_attention(q, s.k, s.v, density=d, block_size=bs, mode=m, covariance_aware=c,
-                                         keep_blocks=keep, backend=self.backend)
-                    rel[name].append(metrics.rel_l1(out, dense.out))
-                    rel_head[name].append(metrics.rel_l1_per_head(out, dense.out).tolist())
+                                         keep_blocks=keep, backend=self.backend)[:, :, cut]
+                    rel[name].append(metrics.rel_l1(out, exact))
+                    rel_head[name].append(metrics.rel_l1_per_head(out, exact).tolist())
                     self._tick(f"{name} d={d:g} L={s.length}")
         return {"rel_l1": rel, "rel_l1_per_head": rel_head, "tail": tail, "estimate": estimate, "sels": sels}
 
@@ -304,9 +305,10 @@ class _Study:
             for key, x in (("block_mean", scores), ("block_mean_shifted", shifted)):
                 parts[key][0].append(x[mask].cpu())
                 parts[key][1].append(x[~mask].cpu())
-            lo, hi = s.query_range()
-            rows = torch.randperm(hi - lo, generator=gen)[: cfg.token_rows].sort().values.to(s.q.device)
-            tok, exact = metrics.token_scores(s.q[:, :, lo:hi], s.k, mask, block_size=bs, rows=rows)
+            run, cut = s.query_rows(bs)
+            n = cut.stop - cut.start
+            rows = cut.start + torch.randperm(n, generator=gen)[: cfg.token_rows].sort().values.to(s.q.device)
+            tok, exact = metrics.token_scores(s.q[:, :, run], s.k, mask, block_size=bs, rows=rows)
             for key, x in (("token", tok), ("token_shifted", tok - tok.amax(dim=-1, keepdim=True))):
                 parts[key][0].append(x[exact].cpu())
                 parts[key][1].append(x[~exact].cpu())

@@ -31,7 +31,7 @@ from torch import Tensor
 from ..parallel import ring_pisa_attention, ulysses_attention
 from ..parallel.comm import gather_ints
 from . import hooks
-from .backend import dense_attention, sparse_attention
+from .calls import dense_attention, sparse_attention
 from .state import Sequence, current_run
 
 
@@ -90,7 +90,7 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa:
     if hooks.observers(state.transformer):
         raise ValueError("attention observers (capture, telemetry) are not supported under context parallelism")
     layer = run.next_layer()
-    reason = cfg.schedule.dense_reason(layer, run.step, total)
+    reason = run.dense_reason(layer, total)
     if reason is not None:
         out = _dense(q, k, v, scale, enable_gqa, ring, group, list(lens))
     else:
