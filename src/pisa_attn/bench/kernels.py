@@ -128,10 +128,10 @@ def _inputs(cfg: Config, length: int, dtype, layout: str, seed: int = 0, data: s
     return [x.transpose(1, 2) if layout == "bshd" else x for x in xs]  # [B, H, L, D] views
 
 
-def _plan(q, k, density, mode, block_size=64, backend="auto"):
+def _plan(q, k, density, mode, block_size=64, backend="auto", query_block=None):
     from pisa_attn.attention import make_plan
 
-    return make_plan(q, k, density, block_size, mode, False, None, backend)
+    return make_plan(q, k, density, block_size, mode, False, None, backend, query_block)
 
 
 def _pisa_call(q, k, v, plan):
@@ -209,12 +209,17 @@ def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float, gra
 
 def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep_ms: float,
                with_flex: bool = True, flex_dynamic: bool = False, phases: bool = True, graphs: bool = False,
-               backend: str = "auto", data: str = "random") -> dict:
+               backend: str = "auto", data: str = "random", query_block: int | None = None) -> dict:
     from pisa_attn import spec
     from pisa_attn.attention import get_backend
 
     q, k, v = _inputs(cfg, length, dtype, layout, data=data)
     row: dict = {}
+    if query_block:  # the same call with selection per query_block rows (shared by 2 or 4 blocks)
+        for mode in ("drop", "hybrid"):
+            fn = _pisa_call(q, k, v, _plan(q, k, density, mode, backend=backend, query_block=query_block))
+            fn()
+            row[f"pisa_{mode}_qb{query_block}"] = bench_ms(fn, rep_ms)
     for mode in ("drop", "hybrid"):
         plan = _plan(q, k, density, mode, backend=backend)
         row["backend"] = plan.backend
@@ -288,11 +293,11 @@ def parse_cases(text: str) -> list[tuple[Config, int, float]]:
 
 def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex=True, flex_dynamic=False,
               flex_lengths=None, log=print, on_row=None, graphs: bool = False, backend: str = "auto",
-              data: str = "random") -> dict:
+              data: str = "random", query_block: int | None = None) -> dict:
     """Time every (config, length, density) case; dense baselines are timed once per (config, length)."""
     result = {"meta": {**environment(), "dtype": str(dtype).removeprefix("torch."), "layout": layout,
                        "block_size": 64, "timing": "triton.testing.do_bench median, L2 flushed, ms",
-                       "backend": backend, "data": data},
+                       "backend": backend, "data": data, "query_block": query_block},
               "rows": []}
     dense_cache: dict = {}
     warm_gpu()
@@ -304,7 +309,7 @@ def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex
         flex = with_flex and (flex_lengths is None or length in flex_lengths)
         try:
             row.update(bench_case(cfg, length, density, dtype, layout, rep_ms, flex, flex_dynamic, graphs=graphs,
-                                  backend=backend, data=data))
+                                  backend=backend, data=data, query_block=query_block))
         except torch.cuda.OutOfMemoryError as e:
             row["error"] = f"OOM: {str(e).splitlines()[0][:160]}"
             torch.cuda.empty_cache()
@@ -312,7 +317,7 @@ def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         ref = row.get("sdpa_cudnn") or row.get("sdpa_flash")
         if ref:
-            for col in ("flex", "pisa_drop", "pisa_hybrid"):
+            for col in ("flex", "pisa_drop", "pisa_hybrid", f"pisa_drop_qb{query_block}", f"pisa_hybrid_qb{query_block}"):
                 if row.get(col):
                     row[f"speedup_{col}"] = ref / row[col]
             row["ideal_ms"] = ideal_ms(ref, density)
@@ -360,6 +365,8 @@ def format_row(row: dict) -> str:
             f"ov={_f(row.get('pair_overlap'), 2)} | {cols} | "
             f"x{_f(row.get('speedup_pisa_hybrid'), 2)} hybrid, x{_f(row.get('speedup_pisa_drop'), 2)} drop | "
             f"{ph} | extra={_f(100 * row['extra_frac'] if 'extra_frac' in row else None, 2)}%"
+            + "".join(f" | {c}={_f(row[c])} x{_f(row.get('speedup_' + c), 2)}" for c in row
+                      if c.startswith("pisa_") and "_qb" in c)
             + (f" | graphs: cudnn={_f(row.get('sdpa_cudnn_graph'))} drop={_f(row.get('pisa_drop_graph'))} "
                f"hybrid={_f(row.get('pisa_hybrid_graph'))} x{_f(row.get('speedup_pisa_hybrid_graph'), 2)} hybrid"
                if "pisa_hybrid_graph" in row else ""))
@@ -454,6 +461,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="PISA kernel backend (auto: hopper on sm_90, else triton)")
     p.add_argument("--data", default="random", choices=("random", "dit"),
                    help="Gaussian q/k/v, or the DiT-like generator on an (L/1024, 32, 32) grid")
+    p.add_argument("--query-block", type=int, default=None,
+                   help="also time PISA with selection per this many query rows (128: shared by 2 blocks)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--plot", default=None, help="write a PNG plot of speed-up vs length here")
     p.add_argument("--markdown", default=None, help="write a markdown table here")
@@ -485,7 +494,8 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(result, f, indent=1)
 
     result = run_bench(cases, dtype, args.layout, args.rep_ms, not args.no_flex, args.flex_dynamic,
-                       flex_lengths, on_row=save, graphs=args.graphs, backend=args.backend, data=args.data)
+                       flex_lengths, on_row=save, graphs=args.graphs, backend=args.backend, data=args.data,
+                       query_block=args.query_block)
     save(result)
     if args.markdown:
         with open(args.markdown, "w") as f:
