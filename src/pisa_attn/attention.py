@@ -258,12 +258,29 @@ def pisa_attention(
     qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
                           backend=backend, covariance_aware=covariance_aware, return_lse=return_lse,
                           query_block=query_block)
-    p = make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend, query_block)
+    p = _cached_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend, query_block)
     _check_inference_only(p.backend, (q, k, v))
     keep, n_keep_max = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, q.device)
     out, lse = run(qh, kh, vh, p, keep, n_keep_max)
     out = to_bhsd(out, layout)
     return (out, lse) if return_lse else out
+
+
+_PLANS: dict = {}
+
+
+def _cached_plan(q: Tensor, k: Tensor, *settings) -> PisaPlan:
+    """:func:`make_plan` once per shape and settings (a DiT calls the same shapes every layer)."""
+    if torch.compiler.is_compiling():  # symbolic shapes: plan while tracing, nothing to cache
+        return make_plan(q, k, *settings)
+    key = (q.shape, k.shape, q.dtype, q.device, *settings)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = make_plan(q, k, *settings)
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware, scale, backend,
