@@ -7,15 +7,19 @@ import torch
 
 from pisa_attn import pisa_attention, spec
 from pisa_attn.ops import reference as ref
-from pisa_attn.ops.selection import pool_query_means
+from pisa_attn.attention import get_backend
 
 
 @pytest.mark.parametrize("lq", [256, 230, 100], ids=["Lq256", "Lq230-ragged", "Lq100-odd-blocks"])
 @pytest.mark.parametrize("factor", [2, 4])
-def test_pooled_means_are_the_means_of_the_bigger_blocks(lq, factor):
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_prepare_means_over_query_blocks(lq, factor, backend):
     q = torch.randn(2, 3, lq, 16, dtype=torch.float64)
-    small = ref.block_means(q, 32, torch.float64)
-    torch.testing.assert_close(pool_query_means(small, lq, 32, factor), ref.block_means(q, 32 * factor, torch.float64))
+    k = torch.randn(2, 3, 64, 16, dtype=torch.float64)
+    x = (q, k, k) if backend == "reference" else (q.bfloat16(), k.bfloat16(), k.bfloat16())
+    stats = get_backend(backend).prepare(*x, 16, query_block=16 * factor)
+    torch.testing.assert_close(stats.qmean.double(), ref.block_means(x[0].double(), 16 * factor, torch.float64),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "drop"])

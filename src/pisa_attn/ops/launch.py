@@ -57,26 +57,39 @@ class Launcher:
             if not interpreting() and hasattr(kernel, "__getitem__"):
                 self._cache[key] = self._entry(kernel, constexprs, len(args))
             return
-        run, function, prefix, tail = hit
+        run, function, prefix, tail, _ = hit
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(args[0].base.device.index if isinstance(args[0], Desc)
                                                     else args[0].device.index)
-        run(grid[0], g1, g2, stream, function, *prefix, *args, *tail)
+        try:
+            run(grid[0], g1, g2, stream, function, *prefix, *args, *tail)
+        except TypeError:
+            if not prefix:
+                raise
+            # The C entry point parses its arguments before launching: a layout this Triton does
+            # not have launches nothing, and the public path serves this kernel from now on.
+            self._cache[key] = hit = self._entry(hit[4], None, 0, direct=False, tail=tail)
+            hit[0](grid[0], g1, g2, stream, None, *args, *tail)
 
-    def _entry(self, kernel, constexprs: dict, n_args: int):
-        tail = tuple(constexprs.get(n, self._defaults.get(n)) for n in self._names[n_args:])
+    def _entry(self, kernel, constexprs: dict | None, n_args: int, direct: bool = _DIRECT, tail=None):
+        if tail is None:
+            tail = tuple(constexprs.get(n, self._defaults.get(n)) for n in self._names[n_args:])
         kernel._init_handles()
         launcher = kernel.run
-        if (_DIRECT and getattr(launcher, "global_scratch_size", 1) == 0
+        if (direct and getattr(launcher, "global_scratch_size", 1) == 0
                 and getattr(launcher, "profile_scratch_size", 1) == 0 and hasattr(launcher, "launch")):
-            prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
-            return launcher.launch, kernel.function, prefix, tail
+            # The C entry point's fixed arguments after (grid, stream, function): cooperative grid,
+            # programmatic dependent launch, global and profile scratch, kernel metadata, launch
+            # metadata, enter and exit hooks.
+            prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, kernel.packed_metadata,
+                      None, None, None)
+            return launcher.launch, kernel.function, prefix, tail, kernel
 
         def run(g0, g1, g2, stream, function, *args):
             kernel[(g0, g1, g2)](*args, stream=stream)
 
-        return run, None, (), tail
+        return run, None, (), tail, kernel
 
 
 def spec_class(*xs) -> tuple:

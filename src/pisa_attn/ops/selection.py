@@ -37,7 +37,7 @@ class Selection(NamedTuple):
 
     def repeat_rows(self, factor: int, n_q_blocks: int) -> "Selection":
         """Each row given to ``factor`` consecutive query blocks (a selection made per query block of
-        ``factor`` blocks, see :func:`pool_query_means`), cut to ``n_q_blocks`` rows."""
+        ``factor`` blocks), cut to ``n_q_blocks`` rows."""
         if factor == 1:
             return self
         return Selection(*(x.repeat_interleave(factor, dim=2)[:, :, :n_q_blocks].contiguous() for x in self))
@@ -47,20 +47,6 @@ class Selection(NamedTuple):
         attends one K/V shard holding exactly those blocks."""
         mask = bits_to_mask(self.bits, hi)[..., lo:]
         return Selection.from_mask(mask, max(1, min(hi - lo, self.idx.shape[-1])))
-
-
-def pool_query_means(qmean: Tensor, q_len: int, block_size: int, factor: int) -> Tensor:
-    """Means of query blocks of ``factor · block_size`` tokens from the means of ``block_size``-token
-    blocks ``[B, H, Nq, D]`` (weighted by token counts: the last block may be ragged)."""
-    if factor == 1:
-        return qmean
-    b, h, nq, d = qmean.shape
-    counts = torch.full((nq,), float(block_size), device=qmean.device, dtype=qmean.dtype)
-    counts[-1] = q_len - (nq - 1) * block_size
-    pad = -nq % factor
-    sums = torch.nn.functional.pad(qmean * counts[:, None], (0, 0, 0, pad)).view(b, h, -1, factor, d).sum(3)
-    n = torch.nn.functional.pad(counts, (0, pad)).view(-1, factor).sum(1)
-    return sums / n[:, None]
 
 
 def _mask_to_selection(mask: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -215,8 +215,9 @@ _launch_qmean = Launcher(_q_mean_kernel)
 
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
-            lean: bool = False) -> Stats:
-    """Block statistics of ``[B, H, L, D]`` views (any strides). Issues no host synchronisation.
+            lean: bool = False, query_block: int | None = None) -> Stats:
+    """Block statistics of ``[B, H, L, D]`` views (any strides); the query means are over blocks of
+    ``query_block`` rows (default ``block_size``). Issues no host synchronisation.
 
     ``lean`` frees the float32 ``H̄`` once its input-dtype copy exists (the fused path: at short
     lengths these fixed ``D×D`` buffers dominate the extra memory).
@@ -244,9 +245,11 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     if lean:
         hbar = None
     # Allocated last, after the float32 H̄ may be gone: lowers the peak at short lengths.
-    qmean = torch.empty(b, h, nq, d, device=dev, dtype=torch.float32)
-    _launch_qmean((q.dtype, block_size, d, spec_class(q, *q.stride())), (nq, b * h), (q, qmean, *q.stride(), h, lq, nq),
-                  dict(BS=block_size, D=d), num_warps=4)
+    qb = query_block or block_size
+    nqs = -(-lq // qb)
+    qmean = torch.empty(b, h, nqs, d, device=dev, dtype=torch.float32)
+    _launch_qmean((q.dtype, qb, d, spec_class(q, *q.stride())), (nqs, b * h), (q, qmean, *q.stride(), h, lq, nqs),
+                  dict(BS=qb, D=d), num_warps=4 if qb * d <= 8192 else 8)
     return Stats(qmean=qmean, kmean=kmean, kbar=kbar, kscale=kscale, vbar=vbar, hbar=hbar, hbar_lp=hbar_lp, hdev=hdev)
 
 
