@@ -40,7 +40,7 @@ import time
 import torch
 
 from pisa_attn import calibration as cal
-from pisa_attn.bench import metrics
+from pisa_attn import metrics, spec
 from pisa_attn.ops import reference as ref
 
 BLOCK = 64
@@ -55,8 +55,8 @@ def selection(rule: str, q, stats: ref.BlockStats, density: float, keep_cls) -> 
     scale = q.shape[-1] ** -0.5
     qmean = ref.block_means(q, BLOCK, stats.kmean.dtype)
     cov = rule in ("cov", "cls+cov")
-    scores = ref.selection_scores(qmean, stats, scale, cov)
-    n = ref.num_selected(density, stats.kmean.shape[2])
+    scores = ref.selection_scores(qmean, stats.kmean, scale, stats.hdev if cov else None)
+    n = spec.num_selected(density, stats.kmean.shape[2])
     if rule in ("topk", "cov"):
         return ref.select_blocks(scores, n)
     if rule in ("cls", "cls+cov"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pisa_attn import calibration as cal
-from pisa_attn.bench import metrics
+from pisa_attn import metrics
 from pisa_attn.ops import reference as ref
 
 # (B, H, Hk, L, D, block_size): aligned; ragged last block + GQA.

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import spec
 from .ops import reference as ref
 
 CORRECTION_MODES = ("hybrid", "first")
@@ -107,8 +108,8 @@ def tail_terms(
         stats = ref.block_stats(k, v, block_size, with_hdev=covariance_aware)
     if selected is None:
         qmean = ref.block_means(q, block_size, stats.kmean.dtype)
-        scores = ref.selection_scores(qmean, stats, scale, covariance_aware)
-        n_sel = ref.num_selected(density, stats.kmean.shape[2])
+        scores = ref.selection_scores(qmean, stats.kmean, scale, stats.hdev if covariance_aware else None)
+        n_sel = spec.num_selected(density, stats.kmean.shape[2])
         keep = None if keep_blocks is None else keep_blocks.to(q.device)
         selected = ref.select_blocks(scores, n_sel, keep)
     kw = dict(scale=scale, block_size=block_size)
