@@ -189,7 +189,7 @@ def dense_forward(model, x, device, args) -> tuple[dict, torch.Tensor]:
 def attention_only(kind, grid, text, heads, head_dim, device, dtype, args) -> dict:
     """One attention call at the model's shape: fastest dense SDPA kernel vs the backend's sparse path."""
     import pisa_attn.diffusers as pd
-    from pisa_attn.diffusers.backend import sparse_attention
+    from pisa_attn.diffusers.calls import sparse_attention
     from pisa_attn.diffusers.models import FLUX, WAN
 
     adapter = FLUX if kind == "flux" else WAN

@@ -10,13 +10,8 @@ import pisa_attn.diffusers as pd  # noqa: E402
 from diffusers_tiny import GRIDS, TEXT_LEN, prompt_kwargs, tiny_pipeline  # noqa: E402
 from pisa_attn.bench.study import StudyConfig, run_study  # noqa: E402
 from pisa_attn.diffusers import hooks  # noqa: E402
-from pisa_attn.diffusers.capture import (  # noqa: E402
-    capture_qkv,
-    layout_from_json,
-    layout_to_json,
-    read_qkv_file,
-    trim_layout,
-)
+from pisa_attn.diffusers.capture import capture_qkv  # noqa: E402
+from pisa_attn.qkv_file import layout_from_json, layout_to_json, read_qkv_file, trim_layout  # noqa: E402
 from pisa_attn.layout import make_layout, raster  # noqa: E402
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import re
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -134,6 +137,7 @@ def test_demo_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     for word in ("method", "density", "rel-L1", "max abs", "time (ms)", "dense", *demo.METHODS):
         assert word in text
+    assert "hybrid: + shared first-order term (PISA, the paper's method)" in " ".join(text.split())  # the legend
     data = json.loads(out_json.read_text())
     assert data["grid"] == [2, 8, 8] and len(data["rows"]) == 9
     assert data["config"]["densities"] == [0.25, 0.5]
@@ -160,6 +164,14 @@ def test_demo_bad_arguments_exit_2_naming_the_flag(args, name, capsys):
         cli.main(["demo", *args])
     assert e.value.code == 2
     assert name in capsys.readouterr().err
+
+
+def test_demo_times_one_run_per_method_on_cpu():
+    """The CPU time is the reference's, not PISA's speed: the default does not repeat it."""
+    assert demo.DemoConfig().resolved_repeats() == 1 and demo.DemoConfig(repeats=4).resolved_repeats() == 4
+    assert demo.run_demo(tiny_config(repeats=None, densities=(0.5,), modes=("drop",))).config.repeats == 1
+    with pytest.raises(ValueError, match="repeats"):
+        tiny_config(repeats=0).validate()
 
 
 def test_demo_config_error_returns_2(capsys):
@@ -209,3 +221,63 @@ def test_python_m_entry_point_prints_help_without_importing_subcommands(monkeypa
     assert imported == []
     cli.build_parser(["demo", "--length", "64"])
     assert imported == ["pisa_attn.bench.demo"]  # only the chosen command's module
+
+
+# ---------------------------------------------------------------- study options: checked before any work
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--block-size", "48"], ["--block-size", "power of two"]),
+        (["--density", "2"], ["--density", "(0, 1]"]),
+        (["--densities", "0.1,3"], ["--densities", "(0, 1]"]),
+        (["--modes", "hybrid,foo"], ["--modes", "'foo'"]),
+        (["--source", "no/such/capture.safetensors"], ["--source", "no such file"]),
+        (["--head-dim", "300"], ["--head-dim", "[16, 256]"]),
+        (["--lengths", "0"], ["--lengths", ">= 1"]),
+        (["--bogus"], ["unrecognized"]),
+    ],
+    ids=lambda x: x[0].lstrip("-") if isinstance(x, list) else None,
+)
+def test_study_bad_options_exit_2_before_any_work(args, words, capsys, monkeypatch):
+    from pisa_attn.bench import study
+
+    monkeypatch.setattr(study, "run_study", lambda *a, **k: pytest.fail("the study started"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["study", "--size", "tiny", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and all(w in err for w in words), err
+
+
+def test_study_config_error_returns_2_before_any_work(capsys, monkeypatch):
+    from pisa_attn.bench import study
+
+    monkeypatch.setattr(study, "run_study", lambda *a, **k: pytest.fail("the study started"))
+    assert cli.main(["study", "--device", "tpu"]) == 2
+    assert "pisa-attn study: error: device must be" in capsys.readouterr().err
+
+
+def test_version_and_help_do_not_import_torch():
+    probe = """
+import sys
+from pisa_attn import cli
+for argv in (["--version"], ["--help"]):
+    try:
+        cli.main(argv)
+    except SystemExit:
+        pass
+print("torch imported:", "torch" in sys.modules)
+"""
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert run.stdout.startswith(f"pisa-attn {cli.__version__}\n") and "usage: pisa-attn" in run.stdout
+    assert run.stdout.rstrip().endswith("torch imported: False")
+
+
+def test_readme_cpu_example_runs_as_written(capsys):
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)  # the first example: the CPU one
+    assert "cuda" not in code
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.strip()
+    claimed = re.search(r"# (\d\.\d+)\s*$", code.strip()).group(1)  # the value its last line promises
+    assert printed == f"rel-L1 vs dense: {claimed}"

@@ -10,6 +10,7 @@ import pisa_attn.diffusers as pd  # noqa: E402
 from diffusers.models import attention_dispatch as ad  # noqa: E402
 from pisa_attn import pisa_attention  # noqa: E402
 from pisa_attn.diffusers import backend  # noqa: E402
+from pisa_attn.diffusers import calls as pisa_calls  # noqa: E402
 from pisa_attn.diffusers.state import key_lengths  # noqa: E402
 from diffusers_tiny import TILE_BLOCK, forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
 
@@ -136,25 +137,32 @@ def test_set_attention_backend_switches_after_apply():
 def test_sd3_processor_routed_through_dispatcher():
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-    from pisa_attn.diffusers.processors import DispatchJointAttnProcessor
+    from pisa_attn.diffusers.processors import joint_attention
 
     tr, inputs = tiny_transformer("sd3"), forward_inputs("sd3", batch=2)
     originals = {n: m.processor for n, m in tr.named_modules() if hasattr(m, "processor")}
     assert all(type(p) is JointAttnProcessor2_0 for p in originals.values())
+    routed = []
     with torch.no_grad():
         native = tr(**inputs).sample
         for m in tr.modules():
-            if hasattr(m, "processor"):
-                m.set_processor(DispatchJointAttnProcessor())
-        routed = tr(**inputs).sample
+            if hasattr(m, "processor"):  # the dispatcher path of the processor, on the native backend
+                def via(attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+                    routed.append(1)
+                    return joint_attention(attn, hidden_states, encoder_hidden_states, ad.AttentionBackendName.NATIVE)
+
+                m.processor = via
+        via_dispatcher = tr(**inputs).sample
         for n, m in tr.named_modules():
             if hasattr(m, "processor"):
-                m.set_processor(originals[n])
+                m.processor = originals[n]
         pd.apply_pisa(tr, density=0.5)
-        assert all(type(m.processor) is DispatchJointAttnProcessor for n, m in tr.named_modules() if n.endswith("attn"))
+        assert all(m.processor._attention_backend == "pisa" for n, m in tr.named_modules() if n.endswith("attn"))
         pd.remove_pisa(tr)
-    torch.testing.assert_close(routed, native, rtol=1e-6, atol=1e-6)
+    assert len(routed) == 3
+    torch.testing.assert_close(via_dispatcher, native, rtol=1e-6, atol=1e-6)
     assert all(m.processor is originals[n] for n, m in tr.named_modules() if hasattr(m, "processor"))
+    assert all("_attention_backend" not in vars(p) for p in originals.values())
 
 
 def test_processor_without_dispatcher_rejected():
@@ -203,14 +211,14 @@ def test_hunyuan_refiner_stays_dense_under_global_pisa():
         mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
         token = enter_run(run)
         try:
-            text_only = backend.attend(q, k, v, mask, None, False)
+            text_only = pisa_calls.attend(q, k, v, mask, None, False)
         finally:
             exit_run(token)
         pd.remove_pisa(tr)
     ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     assert run.layer == 0
-    torch.testing.assert_close(text_only, backend.dense_attention(q, k, v, mask, None, False), rtol=0, atol=0)
+    torch.testing.assert_close(text_only, pisa_calls.dense_attention(q, k, v, mask, None, False), rtol=0, atol=0)
 
 
 def test_compiled_blocks_do_not_recompile_per_step():
@@ -249,10 +257,10 @@ def test_observers_get_key_lengths_and_scale_of_dense_and_sparse_calls():
     calls = []
 
     def attend_in_run(calls_args):
-        """backend.attend in a fresh forward run (layers 0, 1, ...) of ``tr``."""
+        """calls.attend in a fresh forward run (layers 0, 1, ...) of ``tr``."""
         token = enter_run(Run(state, 0, CallInfo((3, 6, 10), 8, 0.5), layouts))
         try:
-            return [backend.attend(q, k, v, m, scale, False) for m, scale in calls_args]
+            return [pisa_calls.attend(q, k, v, m, scale, False) for m, scale in calls_args]
         finally:
             exit_run(token)
 
@@ -285,3 +293,143 @@ def test_observers_get_key_lengths_and_scale_of_dense_and_sparse_calls():
             dense.q[row], dense.k[row, :, :m], dense.v[row, :, :m], scale=dense.scale
         )
         torch.testing.assert_close(dense.out[row], exact, rtol=1e-5, atol=1e-6)
+
+
+def test_sd3_follows_set_attention_backend_and_context_manager(monkeypatch):
+    # SD3's JointAttnProcessor2_0 calls SDPA itself: selecting "pisa" used to change nothing.
+    tr, inputs = tiny_transformer("sd3"), forward_inputs("sd3")
+    calls = []
+    unmanaged = pisa_calls._attend_unmanaged
+    monkeypatch.setattr(pisa_calls, "_attend_unmanaged", lambda *a: calls.append(a[0].shape) or unmanaged(*a))
+    old = pd.configure()
+    try:
+        with torch.no_grad():
+            native = tr(**inputs).sample
+            pd.configure(density=1.0, block_size=TILE_BLOCK, min_kv_len=0)
+            with ad.attention_backend("pisa"):
+                exact = tr(**inputs).sample
+            assert len(calls) == 3  # attn and attn2 of block 0, attn of block 1
+            pd.configure(density=0.25)
+            with ad.attention_backend("pisa"):
+                sparse = tr(**inputs).sample
+            tr.set_attention_backend("pisa")
+            via_set = tr(**inputs).sample
+            assert len(calls) == 9
+            tr.reset_attention_backend()
+            ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
+            again = tr(**inputs).sample
+    finally:
+        pd.configure(**old.__dict__)
+        ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
+    torch.testing.assert_close(exact, native, rtol=1e-5, atol=1e-5)  # same math through the dispatcher
+    assert not torch.allclose(sparse, native, rtol=0, atol=1e-4)
+    torch.testing.assert_close(via_set, sparse, rtol=0, atol=0)
+    assert torch.equal(again, native) and len(calls) == 9  # back on SD3's own processor
+
+
+def _flux_masked(mask, **settings):
+    """(native, PISA) FLUX outputs with ``attention_mask`` over the joint [text, image] sequence."""
+    tr, inputs = tiny_transformer("flux"), forward_inputs("flux")
+    inputs["joint_attention_kwargs"] = {"attention_mask": mask}
+    with torch.no_grad():
+        native = tr(**inputs).sample
+        pd.apply_pisa(tr, block_size=TILE_BLOCK, min_kv_len=0, **settings)
+        try:
+            return native, tr(**inputs).sample
+        finally:
+            pd.remove_pisa(tr)
+
+
+def _flux_joint_layout():
+    from pisa_attn.diffusers.tiling import build_layouts
+
+    return build_layouts((16, 16), 16, "before", (4, 4), TILE_BLOCK).joint.layout
+
+
+@pytest.mark.parametrize("shape", ["key_padding", "full"])
+def test_mask_follows_tokens_on_dense_calls(shape):
+    # Dense (warm-up) calls used to apply the mask in model order to keys PISA had re-ordered.
+    n = 16 + 256
+    g = torch.Generator().manual_seed(0)
+    if shape == "key_padding":
+        mask = torch.rand(1, n, generator=g) > 0.3  # masks scattered image (and text) keys
+    else:
+        mask = (torch.rand(1, 1, n, n, generator=g) > 0.5) | torch.eye(n, dtype=torch.bool)
+    native, pisa = _flux_masked(mask, density=0.5, dense_steps=1)
+    torch.testing.assert_close(pisa, native, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_follows_tokens_on_sparse_calls():
+    # A mask whose valid keys are a prefix once tiled (not in model order) runs sparse on the
+    # right keys; at density 1 that is the masked dense output.
+    n, layout = 16 + 256, _flux_joint_layout()
+    tiled = torch.zeros(1, n, dtype=torch.bool)
+    tiled[:, : n - 40] = True
+    mask = layout.from_tiled(tiled, 1)
+    assert not torch.equal(mask, tiled)
+    native, pisa = _flux_masked(mask, density=1.0, dense_layers=0, dense_steps=0)
+    torch.testing.assert_close(pisa, native, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_that_tiling_breaks_is_refused_on_sparse_calls():
+    # Valid keys a prefix in model order (text + the first image rows) are not one once tiled: the
+    # sparse kernel cannot honour that mask, so the call refuses it instead of masking other keys.
+    n = 16 + 256
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[:, : n - 40] = True
+    with pytest.raises(ValueError, match="attention mask.*token tiling"):
+        _flux_masked(mask, density=0.5, dense_layers=0, dense_steps=0)
+
+
+def _misaligned_joint(text_len=13, grid=(6, 10), seed=0):
+    """q/k/v [B, L, H, D] of a [text][image] sequence whose image starts mid-block, and its Sequence."""
+    from pisa_attn.diffusers.tiling import build_layouts
+
+    seq = build_layouts(grid, text_len, "before", (4, 4), TILE_BLOCK).joint
+    q, k, v = _qkv(lq=seq.length, lk=seq.length, seed=seed)
+    return q, k, v, seq
+
+
+def test_image_query_blocks_follow_the_key_tile_grid():
+    # 13 text tokens before the image: cut at the first image query, every 16-row query block would
+    # straddle two key tiles. The image queries must get what PISA gives them in the sequence's own
+    # block grid (the one the key blocks and tiles follow).
+    q, k, v, seq = _misaligned_joint()
+    lo, hi = seq.image_lo, seq.image_hi
+    assert lo % TILE_BLOCK
+    for mode in ("zeroth", "hybrid"):
+        out = pisa_calls.sparse_attention(q, k, v, seq, None, None, (0.25, mode, False, TILE_BLOCK))
+        whole = pisa_attention(q, k, v, density=0.25, mode=mode, block_size=TILE_BLOCK, layout="bshd",
+                               keep_blocks=seq.keep)  # fmt: skip
+        torch.testing.assert_close(out[:, lo:hi], whole[:, lo:hi], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[:, :lo], pisa_calls.dense_attention(q[:, :lo], k, v, None, None, False))
+
+
+def test_per_query_mask_of_other_calls_follows_the_image_tokens():
+    # A call PISA does not manage (Wan's cross-attention: image queries, text keys) inside a managed
+    # forward sees its queries in tiled order: a per-query mask must be reordered like them.
+    from pisa_attn.diffusers.models import CallInfo
+    from pisa_attn.diffusers.state import Run, enter_run, exit_run
+
+    tr = tiny_transformer("wan")
+    pd.apply_pisa(tr, density=0.5, block_size=TILE_BLOCK, min_kv_len=0)
+    try:
+        with torch.no_grad():
+            tr(**forward_inputs("wan"))
+        state = pd.pisa_state(tr)
+        (layouts,) = state.layouts.values()
+        image = layouts.image
+        n = image.num_tokens
+        q, k, v = _qkv(lq=n, lk=8)
+        g = torch.Generator().manual_seed(1)
+        mask = (torch.rand(1, 1, n, 8, generator=g) > 0.5) | torch.eye(n, 8, dtype=torch.bool)
+        mask[..., 0] = True  # every query keeps a key
+        token = enter_run(Run(state, 0, CallInfo((3, 6, 10), 0, 0.5), layouts))
+        try:
+            out = pisa_calls.attend(image.to_tiled(q, 1), k, v, mask, None, False)
+        finally:
+            exit_run(token)
+    finally:
+        pd.remove_pisa(tr)
+    expect = image.to_tiled(pisa_calls.dense_attention(q, k, v, mask, None, False), 1)
+    torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from pisa_attn.diffusers import generate  # noqa: E402
+from pisa_attn.bench import generate  # noqa: E402
 
 
 def _parse(argv):

@@ -55,7 +55,7 @@ def test_pipeline_warmup_counts(family):
     tr = pipe.transformer
     pd.apply_pisa(pipe, density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=1, dense_steps=1)
     calls = []
-    remove = pd.hooks.add_observer(tr, lambda c: calls.append((c.step, c.layer, c.dense)))
+    remove = pd.hooks.add_observer(tr, lambda c: calls.append((c.step, c.layer, c.dense, c.meta["block"])))
     try:
         for generation in range(2):  # the second generation starts again at step 0
             calls.clear()
@@ -63,19 +63,20 @@ def test_pipeline_warmup_counts(family):
             n_layers = attention_layers(family)
             per_step = CALLS_PER_STEP[family] * n_layers
             assert len(calls) == STEPS * per_step
-            assert Counter(s for s, _, _ in calls) == {s: per_step for s in range(STEPS)}
-            assert all(layer < n_layers for _, layer, _ in calls)
-            for step, layer, dense in calls:
-                assert dense == (step < 1 or layer < 1), (generation, step, layer)
-            dense_steps = {s for s in range(STEPS) if all(d for st, _, d in calls if st == s)}
-            dense_layers = {l for l in range(n_layers) if all(d for _, la, d in calls if la == l)}
-            assert dense_steps == {0} and dense_layers == {0}
-            n_dense = per_step + (STEPS - 1) * CALLS_PER_STEP[family]
+            assert Counter(s for s, _, _, _ in calls) == {s: per_step for s in range(STEPS)}
+            assert all(layer < n_layers for _, layer, _, _ in calls)
+            for step, layer, dense, block in calls:
+                assert dense == (step < 1 or block < 1), (generation, step, layer)
+            dense_steps = {s for s in range(STEPS) if all(d for st, _, d, _ in calls if st == s)}
+            dense_layers = {l for l in range(n_layers) if all(d for _, la, d, _ in calls if la == l)}
+            # dense_layers=1 is the first transformer block: SD3.5's attn and attn2 of block 0
+            assert dense_steps == {0} and dense_layers == ({0, 1} if family == "sd3" else {0})
+            n_dense = per_step + (STEPS - 1) * CALLS_PER_STEP[family] * len(dense_layers)
             assert pd.stats(tr) == {
                 "dense": n_dense,
                 "sparse": STEPS * per_step - n_dense,
                 "warmup_step": per_step,
-                "warmup_layer": (STEPS - 1) * CALLS_PER_STEP[family],
+                "warmup_layer": (STEPS - 1) * CALLS_PER_STEP[family] * len(dense_layers),
             }
     finally:
         remove()
@@ -136,3 +137,25 @@ def test_two_transformers_share_one_step_count():
     finally:
         pd.remove_pisa(pipe)
     assert pd.pisa_state(pipe.transformer_2) is None
+
+
+def test_sd35_dense_layers_count_transformer_blocks():
+    # SD3.5-medium runs attn and attn2 in its first blocks: dense_layers counts blocks (the paper's
+    # "4 dense layers"), not attention modules; blocks skipped by skip-layer guidance keep their index.
+    from diffusers_tiny import tiny_transformer
+
+    tr = tiny_transformer("sd3", num_layers=3, dual_attention_layers=(0, 1))
+    inputs = forward_inputs("sd3")
+    pd.apply_pisa(tr, density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=2, dense_steps=0)
+    calls = []
+    remove = pd.hooks.add_observer(tr, lambda c: calls.append((c.layer, c.meta["block"], c.dense)))
+    try:
+        with torch.no_grad():
+            tr(**inputs)
+            assert calls == [(0, 0, True), (1, 0, True), (2, 1, True), (3, 1, True), (4, 2, False)]
+            calls.clear()
+            tr(**inputs, skip_layers=[0])
+            assert calls == [(0, 1, True), (1, 1, True), (2, 2, False)]
+    finally:
+        remove()
+        pd.remove_pisa(tr)

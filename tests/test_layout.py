@@ -341,3 +341,19 @@ def test_compact_inplace_real_models(grid, tb, ta, one_tile):
     assert stats["mean_spread"] < 3.3
     tiles = L.make_layout(grid, text_before=tb, text_after=ta, order="tiles").compactness(64)
     assert stats["one_tile"] >= tiles["one_tile"]
+
+
+def test_mask_to_tiled_moves_masks_with_the_tokens():
+    lay = L.make_layout((6, 10), tile=(4, 4), text_before=5, order="compact_inplace")
+    n, perm = lay.num_tokens, lay.perm
+    g = torch.Generator().manual_seed(0)
+    pad = torch.rand(2, n, generator=g) > 0.5
+    torch.testing.assert_close(lay.mask_to_tiled(pad, 2), pad[:, perm], rtol=0, atol=0)
+    full = torch.rand(2, 1, n, n, generator=g)
+    torch.testing.assert_close(lay.mask_to_tiled(full, 2), full[:, :, perm][..., perm], rtol=0, atol=0)
+    keys = torch.rand(1, 1, 1, n, generator=g)
+    torch.testing.assert_close(lay.mask_to_tiled(keys, 3), keys[..., perm], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not cover"):
+        lay.mask_to_tiled(torch.ones(2, n - 1, dtype=torch.bool), 2)
+    with pytest.raises(ValueError, match="does not cover"):
+        lay.mask_to_tiled(torch.ones(1, 1, 7, n, dtype=torch.bool), 1)

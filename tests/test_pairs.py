@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pisa_attn.ops.triton.pairs import pair_union, pair_union_torch
-from pisa_attn.ops.triton.select import mask_to_selection
+from pisa_attn.ops.selection import Selection
 
 
 @pytest.mark.parametrize("nq,nk", [(5, 70), (4, 33), (1, 5), (7, 128), (3, 1)],
@@ -15,7 +15,7 @@ def test_pair_union_matches_torch(nq, nk):
     g = torch.Generator().manual_seed(nq * 1000 + nk)
     mask = torch.rand(2, 3, nq, nk, generator=g) < 0.3
     w = int(mask.sum(-1).max().clamp_min(1))
-    _, _, bits = mask_to_selection(mask, w)
+    bits = Selection.from_mask(mask, w).bits
     uidx, ucnt = pair_union(bits.contiguous(), nk, w)
     ref_idx, ref_cnt = pair_union_torch(bits, nk, w)
     assert torch.equal(ucnt, ref_cnt)
@@ -38,7 +38,7 @@ def test_owners_alternate_before_shared_blocks():
     mask = torch.zeros(1, 1, 2, 10, dtype=torch.bool)
     mask[0, 0, 0, [0, 1, 2, 7]] = True  # even block: 0 1 2 (own) 7 (shared)
     mask[0, 0, 1, [5, 7]] = True  # odd block: 5 (own) 7 (shared)
-    _, _, bits = mask_to_selection(mask, 4)
+    bits = Selection.from_mask(mask, 4).bits
     uidx, ucnt = pair_union(bits.contiguous(), 10, 4)
     codes = uidx[0, 0, 0, : int(ucnt[0, 0, 0])].tolist()
     assert [(c >> 2, c & 3) for c in codes] == [(0, 1), (5, 2), (1, 1), (2, 1), (7, 3)]

@@ -26,8 +26,8 @@ CASES4 = {
     "ring4-drop-uneven-perm-keep": spec("ring", 190, "drop", shards=[90, 7, 60, 33], perm=True, keep="head"),
     "ulysses4-zeroth-gqa-uneven": spec("ulysses", 150, "zeroth", shards=[40, 30, 50, 30], hk=2, perm=True),
     "unified-hybrid-perm-keep": spec("unified", 200, cov=True, hk=2, layout="bshd", perm=True, keep="head"),
-    "unified-zeroth-uneven-subset-rest": spec("unified", 170, "zeroth", shards=[50, 33, 47, 40], perm=True,
-                                              keep="flat", q_subset=True, exact_rest=True),
+    "unified-zeroth-uneven-subset-exact": spec("unified", 170, "zeroth", shards=[50, 33, 47, 40], perm=True,
+                                              keep="flat", q_subset=True, exact_q=True),
 }
 CASES3 = {
     "ring3-hybrid-unaligned": spec("ring", 230, shards=[90, 60, 80], cov=True, h=3, hk=3),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pisa_attn import pisa_attention
-from pisa_attn.bench import metrics
+from pisa_attn import metrics
 from pisa_attn.bench.study import MODES, StudyConfig, add_parser, main, run_study
 from pisa_attn.bench.study_sources import Sample, SyntheticSource, halving_grids, synthetic_grid
 from pisa_attn.data import dit_qkv
@@ -90,6 +90,8 @@ def test_cli_subcommand_runs_and_writes(tmp_path):
         (dict(heads=0), "heads"),
         (dict(dtype="int8"), "dtype"),
         (dict(device="tpu"), "device"),
+        (dict(block_size=48), "block_size"),
+        (dict(head_dim=33), "head_dim"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, word):
@@ -150,3 +152,23 @@ def test_synthetic_source_reuses_fixed_sample():
     (fixed,) = src.fixed(256)
     sweep = dict(src.sweep((128, 256)))
     assert sweep[256][0] is fixed and sweep[128][0].length == 128
+
+
+def test_study_runs_image_queries_on_the_key_block_grid():
+    # A captured [text][image] sequence whose 13 text tokens end mid-block: the study measures the
+    # image queries as the diffusers backend runs them (query blocks on the key blocks' grid).
+    from pisa_attn import layout as lay
+    from pisa_attn.bench.study import _Study
+
+    g = dit_qkv((6, 10), heads=2, head_dim=32, text_tokens=13, tiled=False, seed=3)
+    joint = lay.make_layout((6, 10), tile=(4, 4), text_before=13, order="compact_inplace")
+    q, k, v = (joint.to_tiled(x, 2) for x in (g.q, g.k, g.v))
+    sample = Sample("misaligned", q, k, v, joint)
+    lo, hi = sample.query_range()
+    assert (lo, hi) == (13, 73)
+    study = _Study(StudyConfig(size="tiny", block_size=16).resolved(), progress=False)
+    got = study.evaluate(sample, [0.25], ["zeroth"], (False,))["rel_l1"]["zeroth"][0]
+    keep = joint.keep_blocks(16)
+    whole = pisa_attention(q, k, v, density=0.25, block_size=16, mode="zeroth", keep_blocks=keep)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert got == pytest.approx(metrics.rel_l1(whole[:, :, lo:hi], dense[:, :, lo:hi]), rel=1e-5)

@@ -11,7 +11,7 @@ pytest.importorskip("diffusers")
 import pisa_attn.diffusers as pd  # noqa: E402
 from diffusers_tiny import forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
 from pisa_attn import pisa_attention  # noqa: E402
-from pisa_attn.bench import metrics  # noqa: E402
+from pisa_attn import metrics  # noqa: E402
 from pisa_attn.data import dit_qkv  # noqa: E402
 from pisa_attn.diffusers import hooks  # noqa: E402
 from pisa_attn.diffusers import telemetry as tm  # noqa: E402
@@ -199,3 +199,27 @@ def test_bad_config_and_missing_telemetry():
         tm.report(pipe)
     with pytest.raises(TypeError, match="pipe_or_transformer"):
         tm.report(object())
+
+
+def test_measure_follows_the_backend_when_the_image_starts_mid_block():
+    # 13 text tokens before the image (blocks of 16): measure() must recompute PISA (for dense
+    # calls) and the selection exactly as the backend runs the image queries.
+    tr = tiny_transformer("flux")
+    inputs = forward_inputs("flux")
+    inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"][:, :13]
+    inputs["txt_ids"] = inputs["txt_ids"][:13]
+    calls = []
+    pd.apply_pisa(tr, density=0.25, block_size=16, min_kv_len=0, dense_layers=0, dense_steps=0)
+    remove = hooks.add_observer(tr, calls.append)
+    try:
+        with torch.no_grad():
+            tr(**inputs)
+    finally:
+        remove()
+        pd.remove_pisa(tr)
+    assert calls and all(not c.dense and c.meta["image_range"][0] == 13 for c in calls)
+    for call in calls:
+        sparse = tm.measure(call)
+        as_dense = tm.measure(hooks.AttentionCall(**{**call.__dict__, "dense": True}))
+        for key in ("tail_mass", "rel_l1_pisa", "rel_l1_drop"):
+            assert sparse[key] == pytest.approx(as_dense[key], rel=1e-5), key

@@ -1,6 +1,28 @@
 """pisa-attn: Piecewise Sparse Attention (PISA) for diffusion transformers."""
 
-from .attention import PisaPlan, make_plan, pisa_attention, run
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["pisa_attention", "PisaPlan", "make_plan", "run", "__version__"]
+
+# Public name -> the submodule that defines it. Loaded on first use, so that importing the package
+# (the ``pisa-attn`` command's ``--version`` and ``--help``) does not import torch.
+_EXPORTS = {"pisa_attention": "attention", "PisaPlan": "attention", "make_plan": "attention", "run": "attention"}
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:
+    from .attention import PisaPlan, make_plan, pisa_attention, run
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

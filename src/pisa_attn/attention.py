@@ -19,10 +19,10 @@ from .ops.stages import Backend
 log = logging.getLogger("pisa_attn")
 
 LAYOUTS = ("bhsd", "bshd")
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "hopper", "triton", "reference")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-INFERENCE_ONLY = ("triton",)  # backends whose kernels have no backward
+INFERENCE_ONLY = ("hopper", "triton")  # backends whose kernels have no backward
 
 _logged: set[str] = set()
 
@@ -54,7 +54,8 @@ class PisaPlan:
     mode: str
     covariance_aware: bool
     scale: float
-    backend: str  # "triton" or "reference": what actually runs
+    query_block: int  # tokens per selection row (block_size: the paper's per-block selection)
+    backend: str  # "hopper", "triton" or "reference": what actually runs
 
 
 def _check_tensor(name: str, x) -> None:
@@ -67,7 +68,7 @@ def _check_tensor(name: str, x) -> None:
 
 
 def validate(q, k, v, *, density, block_size, mode, scale=None, layout="bhsd", backend="auto",
-             covariance_aware=False, return_lse=False) -> tuple[Tensor, Tensor, Tensor]:
+             covariance_aware=False, return_lse=False, query_block=None) -> tuple[Tensor, Tensor, Tensor]:
     """Check a call's tensors and settings (ValueError/TypeError naming the argument); return
     ``q, k, v`` as ``[B, H, L, D]`` views. ``keep_blocks`` is checked by :func:`normalize_keep_blocks`,
     which needs the block count."""
@@ -83,7 +84,7 @@ def validate(q, k, v, *, density, block_size, mode, scale=None, layout="bhsd", b
     if not (k.device == q.device and v.device == q.device):
         raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
     spec.check_settings(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
-                        scale=scale)
+                        scale=scale, query_block=query_block)
     spec.check_flag("return_lse", return_lse)
     qh, kh, vh = (to_bhsd(x, layout) for x in (q, k, v))
     _validate_shapes(qh, kh, vh)
@@ -142,8 +143,8 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
 
 
 def get_backend(name: str) -> Backend:
-    """The stage implementation called ``name`` (``"reference"`` or ``"triton"``); ValueError when
-    it cannot be loaded (Triton not installed)."""
+    """The stage implementation called ``name`` (``"reference"``, ``"triton"`` or ``"hopper"``);
+    ValueError when it cannot be loaded (Triton not installed, or without Gluon for ``"hopper"``)."""
     if name == "reference":
         from .ops import reference
 
@@ -154,27 +155,38 @@ def get_backend(name: str) -> Backend:
         except ImportError as e:  # triton not installed
             raise ValueError(f"the triton backend is unavailable: triton cannot be imported ({e})") from None
         return op.BACKEND
+    if name == "hopper":
+        try:
+            from .ops.gluon import op
+        except ImportError as e:  # no triton, or a triton without Gluon
+            raise ValueError(f"the hopper backend is unavailable: its Gluon kernel cannot be imported ({e})") from None
+        return op.BACKEND
     raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {name!r}")
+
+
+def _reason(name: str, q: Tensor, mode: str, block_size: int) -> str | None:
+    try:
+        return get_backend(name).unsupported_reason(q, mode, block_size)
+    except ValueError as e:
+        return str(e)
 
 
 def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int) -> str:
     if backend == "reference":
         return "reference"
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if backend == "triton":
-        if not q.is_cuda and not interpret:
+    if backend in ("triton", "hopper"):
+        if backend == "triton" and not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
-        reason = get_backend("triton").unsupported_reason(q, mode, block_size)
+        reason = _reason(backend, q, mode, block_size)
         if reason is not None:
-            raise ValueError(f"backend='triton' does not support this call: {reason}")
-        return "triton"
-    # auto
+            raise ValueError(f"backend={backend!r} does not support this call: {reason}")
+        return backend
+    # auto: the Hopper kernel where it runs, else the portable Triton kernels, else PyTorch
     if not q.is_cuda:
         return "reference"
-    try:
-        reason = get_backend("triton").unsupported_reason(q, mode, block_size)
-    except ValueError as e:
-        reason = str(e)
+    if _reason("hopper", q, mode, block_size) is None:
+        return "hopper"
+    reason = _reason("triton", q, mode, block_size)
     if reason is None:
         return "triton"
     _log_once(f"pisa_attention: using the PyTorch reference on CUDA because {reason}", logging.WARNING)
@@ -203,6 +215,7 @@ def pisa_attention(
     keep_blocks: Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    query_block: int | None = None,
 ):
     """Piecewise Sparse Attention: a drop-in for ``F.scaled_dot_product_attention`` in DiTs.
 
@@ -226,21 +239,26 @@ def pisa_attention(
         keep_blocks: optional bool ``[Nk]`` or broadcastable ``[B, H, Nk]``: key blocks always
             computed exactly (text or sink tokens); they do not count against ``k``. May live on
             the CPU (recommended for CUDA graphs: its count is then read without a device sync).
+        query_block: tokens per selection row: ``None`` (= ``block_size``, the paper's per-block
+            selection) or 2 or 4 times ``block_size``: consecutive query blocks then share one
+            pooled selection (faster on the Hopper kernel, which loads shared blocks once; coarser).
         return_lse: also return the log-sum-exp of the (approximated) softmax denominator,
             ``[B, H, Lq]`` float32, natural log of scaled scores (as flash-attn's softmax_lse).
-        backend: ``"auto"`` (Triton kernels for supported CUDA inputs, else the reference),
-            ``"triton"`` (force the kernels; CPU tensors need ``TRITON_INTERPRET=1``),
-            ``"reference"`` (force PyTorch).
+        backend: ``"auto"`` (the Hopper kernel on sm_90 GPUs where it applies, else the Triton
+            kernels for supported CUDA inputs, else the reference), ``"hopper"`` (force the
+            warp-specialised sm_90 kernel), ``"triton"`` (force the portable kernels; CPU tensors
+            need ``TRITON_INTERPRET=1``), ``"reference"`` (force PyTorch).
 
     Returns:
         ``out`` with the shape and layout of ``q``, or ``(out, lse)`` when ``return_lse``.
 
-    The Triton kernels are inference-only: a call that would run them on inputs requiring grad
+    The kernels (hopper, triton) are inference-only: a call that would run them on inputs requiring grad
     (with autograd enabled) raises ValueError; the reference backend is differentiable.
     """
     qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
-                          backend=backend, covariance_aware=covariance_aware, return_lse=return_lse)
-    p = make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend)
+                          backend=backend, covariance_aware=covariance_aware, return_lse=return_lse,
+                          query_block=query_block)
+    p = _cached_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend, query_block)
     _check_inference_only(p.backend, (q, k, v))
     keep, n_keep_max = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, q.device)
     out, lse = run(qh, kh, vh, p, keep, n_keep_max)
@@ -248,7 +266,25 @@ def pisa_attention(
     return (out, lse) if return_lse else out
 
 
-def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware, scale, backend) -> PisaPlan:
+_PLANS: dict = {}
+
+
+def _cached_plan(q: Tensor, k: Tensor, *settings) -> PisaPlan:
+    """:func:`make_plan` once per shape and settings (a DiT calls the same shapes every layer)."""
+    if torch.compiler.is_compiling():  # symbolic shapes: plan while tracing, nothing to cache
+        return make_plan(q, k, *settings)
+    key = (q.shape, k.shape, q.dtype, q.device, *settings)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = make_plan(q, k, *settings)
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware, scale, backend,
+              query_block=None) -> PisaPlan:
     """The cheap, shape-only planning step ([B, H, L, D] inputs, already validated)."""
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -267,6 +303,7 @@ def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware,
         mode=mode,
         covariance_aware=bool(covariance_aware),
         scale=float(d**-0.5 if scale is None else scale),
+        query_block=block_size * spec.query_block_factor(query_block, block_size),
         backend=_choose_backend(backend, q, mode, block_size),
     )
 

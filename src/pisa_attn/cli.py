@@ -31,7 +31,7 @@ COMMANDS = (
             "a CUDA GPU with triton"),
     Command("study", "pisa_attn.bench.study", "accuracy study: error vs density/length, tail mass, tiling",
             "matplotlib (pip install 'pisa-attn[plot]')"),
-    Command("generate", "pisa_attn.diffusers.generate", "generate images/videos with a diffusers pipeline + PISA",
+    Command("generate", "pisa_attn.bench.generate", "generate images/videos with a diffusers pipeline + PISA",
             "diffusers, transformers, safetensors (pip install 'pisa-attn[diffusers]')"),
 )
 

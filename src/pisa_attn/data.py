@@ -1,9 +1,8 @@
 """Synthetic DiT-like q/k/v on image/video token grids (seeded, deterministic).
 
 Random Gaussian q/k/v are not representative of DiT attention: their softmax is flat and no sparse
-method is usable (measured, 1024 tokens, density 0.125: rel-L1 drop 2.6, zeroth 0.77, hybrid 0.59,
-first 0.51). Use them for correctness tests only. This
-generator builds, per head, in original (raster) token order:
+method is usable on them; use them for correctness tests only. This generator builds, per head, in
+original (raster) token order:
 
 * a **positional term**: a constant per-head vector ``a`` rotated by 3D (video) or 2D (image)
   RoPE, so ``q_t·k_s`` contains ``Σ_i |a_i|² cos(θ_i (p_t − p_s))``, a locality kernel of the
@@ -27,18 +26,10 @@ generator builds, per head, in original (raster) token order:
 Default head-type proportions follow Sparse-VideoGen's measurements for video (~30% spatial,
 ~60-65% temporal, the rest mixed/global); images use spatial/mixed/global.
 
-Measured on the defaults (D=64, density 0.125, 64-token blocks, fp32, reference on an H100;
-rel-L1 = mean|o - dense| / mean|dense|, order drop / zeroth / hybrid / first):
-
-* Wan 480p grid 21x30x52, H=8: the top 12.5% key blocks hold 92-96% of the mass per head (oracle
-  tail 4-8%); 0.057 / 0.028 / 0.028 / 0.027; raster order 4.3x worse (zeroth 0.118), the inline
-  "tiles" order 1.4x worse (0.040).
-* image 64x64 with 512 text tokens, H=8: tail 9-20%; 0.089 / 0.032 / 0.030 / 0.027; raster 4.9x.
-* small test grid 4x16x16, H=4: 0.195 / 0.119 / 0.117 / 0.105; raster 2.9x. The tail is larger
-  there (15-43%): 2 selected blocks of 16 cannot hold a local neighbourhood.
-
-The first-order gain over zeroth is small when attention is peaked (the tail blocks' scores vary
-by ~1 logit, so second-order terms are as large as the first-order one).
+On these defaults the top 12.5 % of key blocks hold most of each head's attention mass, and the
+errors order drop > zeroth ≳ hybrid ≳ first; the first-order gain over zeroth is small when
+attention is peaked (second-order terms are then as large as the first-order one). Measured
+numbers: ``notes/token-layouts.md``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Token layouts: where image/video tokens sit in the sequence PISA sees.
 
 PISA pools queries and keys over runs of ``block_size`` consecutive tokens, so a block must be a
-compact patch of the image/video: in raster order a 64-token block is a thin line and the 0th-order
-(centroid) tail error is about 3x worse. A :class:`TokenLayout` describes a sequence (ordered text
-and grid segments) and a permutation into *tiled* order.
+compact patch of the image/video: in raster order a 64-token block is a thin line, far from its
+centroid, and the 0th-order (centroid) tail error is several times larger. A :class:`TokenLayout`
+describes a sequence (ordered text and grid segments) and a permutation into *tiled* order.
 
 Orders (``TokenLayout.order``):
 
@@ -39,33 +39,8 @@ Orders (``TokenLayout.order``):
   must match the image part of a joint ``[text][image]`` sequence); only ``offset % prod(tile)``
   matters.
 
-Measured (:meth:`TokenLayout.compactness`, 64-token blocks that are exactly one full tile /
-mean RMS token distance to the block centroid):
-
-  ====================  =================  =================  ===============
-  grid (tile)           compact            tiles              raster
-  ====================  =================  =================  ===============
-  21x30x52 (4x4x4)      510/512, 2.07      273/512, 3.29      0/512, 15.0
-  33x45x80 (4x4x4)      1856/1857, 2.02    1760/1857, 2.09    0/1857, 22.3
-  1x30x52 (4x4x4)       19/25, 3.44        0/25, 8.58         0/25, 14.5
-  75x50 (8x8)           56/59, 3.56        18/59, 6.12        0/59, 14.2
-  ====================  =================  =================  ===============
-
-With text kept in place (the diffusers models' joint sequences; blocks holding text excluded):
-
-  ===========================================  ==================  ==============
-  model: text + grid (tile)                    compact_inplace     tiles
-  ===========================================  ==================  ==============
-  FLUX 1024^2: 512 + 64x64 (8x8)               64/64, 3.24         64/64, 3.24
-  FLUX 1360x768: 512 + 48x85 (8x8)             60/64, 3.27         10/64, 6.59
-  FLUX 1360x768: 77 + 48x85 (8x8)              60/63, 3.27         0/63, 6.65
-  SD3 1024^2: 64x64 + 333 (8x8)                64/64, 3.24         64/64, 3.24
-  HunyuanVideo 720p: 33x45x80 + 256 (4x4x4)    1856/1856, 2.02     1760/1856, 2.09
-  Wan 480p: 21x30x52, no text (4x4x4)          510/512, 2.07       273/512, 3.29
-  ===========================================  ==================  ==============
-
-On DiT-like data (:func:`pisa_attn.data.dit_qkv`, Wan 480p grid, 8 heads, density 0.125) the
-zeroth-order rel-L1 error is 0.028 (compact), 0.040 (tiles), 0.118 (raster).
+:meth:`TokenLayout.compactness` measures how many blocks of a layout are exactly one tile and how
+far their tokens sit from the block centroid (per-grid numbers: ``notes/token-layouts.md``).
 
 Original order is the concatenation of segments, each grid flattened row-major ((t, h, w) or
 (h, w)), as DiT patchifiers emit it. ``perm[i]`` is the original index of tiled position ``i``:
@@ -269,6 +244,25 @@ class TokenLayout:
             return x
         return x.index_select(dim, self.perm_on(x.device, inverse))
 
+    def mask_to_tiled(self, mask: Tensor, batch: int) -> Tensor:
+        """An attention mask over this sequence in original order, reordered like the tokens.
+
+        ``mask`` is a key-padding mask ``[batch, L]`` or a mask broadcastable to ``[B, H, Lq, Lk]``
+        whose last dim (keys) and, when not 1, second-to-last dim (queries) have ``L`` entries.
+        """
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"attention mask must be a tensor, got {type(mask).__name__}")
+        n = self.num_tokens
+        if mask.dim() == 2 and tuple(mask.shape) == (batch, n):  # key padding (diffusers' 2-D form)
+            return self.to_tiled(mask, 1)
+        if mask.dim() < 1 or mask.shape[-1] != n or (mask.dim() >= 2 and mask.shape[-2] not in (1, n)):
+            raise ValueError(
+                f"attention mask of shape {tuple(mask.shape)} does not cover this {n}-token sequence "
+                f"([{batch}, {n}] key padding, or broadcastable to [B, H, {n}, {n}])"
+            )
+        out = self.to_tiled(mask, mask.dim() - 1)
+        return self.to_tiled(out, out.dim() - 2) if out.dim() >= 2 and out.shape[-2] == n else out
+
     # --- per-token / per-block descriptions (tiled order) -------------------------------------
     def text_mask_tokens(self) -> Tensor:
         """Bool [L]: which tiled positions hold text tokens."""
@@ -320,6 +314,17 @@ class TokenLayout:
             "mean_spread": float(spread.mean()) if n else 0.0,
             "max_spread": float(spread.max()) if n else 0.0,
         }
+
+
+def block_floor(position: int, block_size: int) -> int:
+    """The block boundary at or before ``position``.
+
+    Queries ``[lo, hi)`` of a blocked sequence (the image queries after a text prefix) run as rows
+    ``[block_floor(lo), hi)``: their query blocks are then the key blocks, i.e. the tiles the layout
+    put on block boundaries; cut at ``lo``, every query block would straddle two tiles. The extra
+    rows before ``lo`` are computed and dropped.
+    """
+    return position - position % block_size
 
 
 # --- constructors ------------------------------------------------------------------------------

@@ -6,6 +6,10 @@ the tools all take these names from here.
 * Key and query blocks hold ``block_size`` tokens; the last block of a sequence may hold fewer.
 * ``k = max(1, round(density · N))`` exact key blocks per query block, ``N`` the number of key
   blocks, the rounding half up (``density · N = 2.5`` gives 3), and never more than ``N``.
+* Selection is per query block of ``query_block`` tokens (default ``block_size``, the paper's; a
+  multiple ``m · block_size``, ``m`` in :data:`QUERY_BLOCK_FACTORS`, pools the query means of ``m``
+  consecutive blocks and gives them one shared set of exact key blocks, as SpargeAttn's 128-row
+  query blocks do): fewer distinct selections, shared K/V loads, a coarser approximation.
 * GQA: query head ``h`` reads key/value head ``h // (H // Hk)``.
 """
 
@@ -25,6 +29,7 @@ COV_EPS = 1e-6
 """Covariance-aware selection adds ``log(||H_j − H̄||_F + COV_EPS)`` to the pooled scores (eq. 9)."""
 
 MIN_BLOCK_SIZE = 16
+QUERY_BLOCK_FACTORS = (1, 2, 4)
 
 
 def num_blocks(length: int, block_size: int) -> int:
@@ -85,16 +90,30 @@ def check_scale(scale) -> None:
         raise ValueError(f"scale must be None or a positive finite float, got {scale!r}")
 
 
+def query_block_factor(query_block, block_size: int) -> int:
+    """``m = query_block / block_size`` (``None`` means ``block_size``, i.e. 1); ValueError unless
+    ``m`` is one of :data:`QUERY_BLOCK_FACTORS`."""
+    if query_block is None:
+        return 1
+    ok = isinstance(query_block, int) and not isinstance(query_block, bool)
+    if not ok or query_block % block_size or query_block // block_size not in QUERY_BLOCK_FACTORS:
+        allowed = ", ".join(str(f * block_size) for f in QUERY_BLOCK_FACTORS)
+        raise ValueError(f"query_block must be None or one of {allowed} (block_size times {QUERY_BLOCK_FACTORS}), "
+                         f"got {query_block!r}")
+    return query_block // block_size
+
+
 def check_flag(name: str, value) -> None:
     """Flags are real booleans: a truthy string such as ``"no"`` is an error, not ``True``."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
-def check_settings(*, density, block_size, mode, covariance_aware=False, scale=None) -> None:
+def check_settings(*, density, block_size, mode, covariance_aware=False, scale=None, query_block=None) -> None:
     """ValueError/TypeError naming the argument, for the settings every entry point shares."""
     check_density(density)
     check_block_size(block_size)
+    query_block_factor(query_block, block_size)
     check_mode(mode)
     check_flag("covariance_aware", covariance_aware)
     check_scale(scale)

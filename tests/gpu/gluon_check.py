@@ -13,12 +13,12 @@ import time
 import torch
 import triton
 
-from pisa_attn.attention import make_plan
+from pisa_attn import spec
+from pisa_attn.attention import get_backend, make_plan
 from pisa_attn.ops import reference as ref
 from pisa_attn.ops.gluon import attention as gattn
+from pisa_attn.ops.selection import Selection, bits_to_mask
 from pisa_attn.ops.triton import attention as tattn
-from pisa_attn.ops.triton import prepare as prep
-from pisa_attn.ops.triton import select as sel
 
 
 def rel_l1(a, b):
@@ -40,9 +40,11 @@ def qkv(b, h, hk, lq, lk, d, dtype, layout, seed, tailmax=False):
 
 
 def run_stages(q, k, v, plan, keep=None, n_keep_max=0):
-    stats = prep.prepare(q, k, v, plan.block_size, with_hdev=plan.covariance_aware)
-    width = sel.selection_width(plan.n_kv_blocks, plan.n_select, n_keep_max)
-    s = sel.select(stats.qmean, stats.kmean, stats.hdev, keep, plan.n_select, width, plan.scale)
+    be = get_backend("triton")
+    stats = be.prepare(q, k, v, plan.block_size, with_hdev=plan.covariance_aware)
+    width = spec.selection_width(plan.n_kv_blocks, plan.n_select, n_keep_max)
+    s = be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=width, scale=plan.scale,
+                  hdev=stats.hdev, keep=keep)
     return stats, s
 
 
@@ -89,7 +91,7 @@ def check(quick):
             torch.cuda.synchronize()
             t_first = time.time() - t0
             ot, lt = attend("triton", q, k, v, stats, s, plan)
-            mask = sel.selection_to_mask(s[0], s[1], plan.n_kv_blocks)
+            mask = bits_to_mask(s.bits, plan.n_kv_blocks)
             st64 = ref.block_stats(k.double(), v.double(), 64)
             o64, l64 = ref.pisa_forward(q.double(), k.double(), v.double(), st64, mask, mode=mode,
                                         scale=plan.scale, block_size=64)
@@ -117,11 +119,11 @@ def pair_shared(s):
     nq = idx.shape[2] // 2 * 2
     for x in (idx, cnt, bits):
         x[:, :, 1:nq:2] = x[:, :, 0:nq:2]
-    return idx, cnt, bits
+    return Selection(idx, cnt, bits)
 
 
 def overlap_of(s, nk):
-    m = sel.selection_to_mask(s[0], s[1], nk)
+    m = bits_to_mask(s.bits, nk)
     nq = m.shape[2] // 2 * 2
     a, b = m[:, :, 0:nq:2], m[:, :, 1:nq:2]
     return ((a & b).sum(-1).float() / a.sum(-1).clamp_min(1)).mean().item()

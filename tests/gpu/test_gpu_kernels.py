@@ -1,4 +1,5 @@
-"""GPU checks of the Triton kernels at real sizes (skipped without CUDA).
+"""GPU checks of the kernel backends (Triton; Hopper where the GPU is sm_90) at real sizes
+(skipped without CUDA).
 
 Against the float64 reference under the kernel's own selection, with outputs poisoned (NaN) before
 each run; density 1 against SDPA's own bf16 error; the tail-maximum adversarial case; selection
@@ -22,6 +23,20 @@ from pisa_attn.ops.selection import Selection, bits_to_mask, idx_to_mask  # noqa
 BF16_TOL = 1e-2
 
 
+def _hopper_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA"
+    try:
+        return get_backend("hopper").unsupported_reason(torch.empty(1, 1, 64, 128, device="cuda",
+                                                                    dtype=torch.bfloat16), "hybrid", 64)
+    except ValueError as e:
+        return str(e)
+
+
+KERNELS = ["triton", pytest.param("hopper", marks=pytest.mark.skipif(_hopper_reason() is not None,
+                                                                        reason=f"hopper: {_hopper_reason()}"))]
+
+
 def rel_l1(a, b):
     return ((a.double() - b.double()).abs().sum() / b.double().abs().sum()).item()
 
@@ -37,12 +52,21 @@ def qkv(b, h, hk, lq, lk, d, dtype, layout, seed):
     return t(h, lq), t(hk, lk), t(hk, lk)
 
 
-def stages(q, k, v, plan, keep=None, n_keep_max=0, poison=True):
-    """The Triton backend's prepare + select, then its attention launcher with NaN-poisoned out /
-    lse (every element must be written)."""
+def launcher(backend):
+    """The attention launcher of a kernel backend (it takes preallocated, poisoned outputs)."""
+    if backend == "hopper":
+        from pisa_attn.ops.gluon import attention as attn
+    else:
+        from pisa_attn.ops.triton import attention as attn
+    return attn.attention
+
+
+def stages(q, k, v, plan, keep=None, n_keep_max=0, poison=True, backend="triton"):
+    """The backend's prepare + select, then its attention launcher with NaN-poisoned out / lse
+    (every element must be written)."""
     from pisa_attn.ops.triton import attention as attn
 
-    be = get_backend("triton")
+    be = get_backend(backend)
     stats = be.prepare(q, k, v, plan.block_size, with_hdev=plan.covariance_aware)
     width = spec.selection_width(plan.n_kv_blocks, plan.n_select, n_keep_max)
     sel = be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=width, scale=plan.scale,
@@ -52,9 +76,8 @@ def stages(q, k, v, plan, keep=None, n_keep_max=0, poison=True):
     if poison:
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
-    attn.attention(q, k, v, *stats.tail(), *sel,
-                   mode=plan.mode, scale=plan.scale, block_size=plan.block_size, n_select=plan.n_select,
-                   out=out, lse=lse)
+    launcher(backend)(q, k, v, *stats.tail(), *sel, mode=plan.mode, scale=plan.scale, block_size=plan.block_size,
+                      n_select=plan.n_select, out=out, lse=lse)
     return stats, sel, out, lse
 
 
@@ -72,13 +95,14 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("mode", ["hybrid", "zeroth", "drop"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_fp64_reference(name, mode):
+def test_matches_fp64_reference(name, mode, backend):
     b, h, hk, lq, lk, d, dtype, layout, density = CASES[name]
     q, k, v = qkv(b, h, hk, lq, lk, d, dtype, layout, seed=len(name) + len(mode))
-    plan = make_plan(q, k, density, 64, mode, False, None, "triton")
-    _, sel, out, lse = stages(q, k, v, plan)
+    plan = make_plan(q, k, density, 64, mode, False, None, backend)
+    _, sel, out, lse = stages(q, k, v, plan, backend=backend)
     mask = check_selection(sel, plan.n_kv_blocks)
     assert (sel.cnt == plan.n_select).all()
     stats64 = ref.block_stats(k.double(), v.double(), 64)
@@ -87,29 +111,29 @@ def test_matches_fp64_reference(name, mode):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()  # poisoned: every element written
     err = rel_l1(out, o_ref)
     lse_err = (lse.double() - lse_ref).abs().max().item()
-    print(f"\n[{name} {mode}] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
+    print(f"\n[{backend} {name} {mode}] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
     assert err < (BF16_TOL if dtype == torch.bfloat16 else 2e-3)
     assert lse_err < 1e-2
 
 
-def test_density_one_within_sdpa_noise():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_density_one_within_sdpa_noise(backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = qkv(1, 4, 4, 4096, 4096, 128, torch.bfloat16, "bhsd", seed=1)
-    out = pisa_attention(q, k, v, density=1.0, backend="triton")
+    out = pisa_attention(q, k, v, density=1.0, backend=backend)
     dense = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * 128**-0.5, -1) @ v.double()
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     ours, theirs = rel_l1(out, dense), rel_l1(sdpa, dense)
-    print(f"\n[density 1] ours {ours:.2e}  sdpa flash {theirs:.2e}")
+    print(f"\n[{backend} density 1] ours {ours:.2e}  sdpa flash {theirs:.2e}")
     assert ours <= 1.5 * theirs + 1e-4
 
 
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("mode", ["hybrid", "zeroth"])
-def test_tail_maximum_adversarial(mode):
+def test_tail_maximum_adversarial(mode, backend):
     """Later tail groups hold each row's maximum, far above every exact score."""
-    from pisa_attn.ops.triton import attention as attn
-
     d, lq, lk, bs = 128, 2048, 16384, 64
     g = torch.Generator(device="cuda").manual_seed(7)
     u = torch.nn.functional.normalize(torch.randn(d, generator=g, device="cuda"), dim=0)
@@ -126,13 +150,14 @@ def test_tail_maximum_adversarial(mode):
     mask[..., 100:104] = True
     stats = get_backend("triton").prepare(q, k, v, bs)
     out = torch.full_like(q, float("nan"))
-    _, lse = attn.attention(q, k, v, *stats.tail(), *Selection.from_mask(mask, 4),
-                            mode=mode, scale=d**-0.5, block_size=bs, n_select=4, out=out)
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    launcher(backend)(q, k, v, *stats.tail(), *Selection.from_mask(mask, 4), mode=mode, scale=d**-0.5,
+                      block_size=bs, n_select=4, out=out, lse=lse)
     stats64 = ref.block_stats(k.double(), v.double(), bs)
     o_ref, lse_ref = ref.pisa_forward(q.double(), k.double(), v.double(), stats64, mask, mode=mode,
                                       scale=d**-0.5, block_size=bs)
     err, lse_err = rel_l1(out, o_ref), (lse.double() - lse_ref).abs().max().item()
-    print(f"\n[tail max {mode}] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
+    print(f"\n[{backend} tail max {mode}] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
     assert err < BF16_TOL and lse_err < 1e-2
 
 
@@ -169,14 +194,15 @@ def _bshd_inputs():
     return [x.transpose(1, 2) for x in (q, k, v)]  # [B, L, H, D] tensors, layout="bshd"
 
 
-def _public(q, k, v):
-    return pisa_attention(q, k, v, density=0.125, layout="bshd", backend="triton")
+def _public(q, k, v, backend="triton"):
+    return pisa_attention(q, k, v, density=0.125, layout="bshd", backend=backend)
 
 
-def test_torch_compile_fullgraph_registered_op():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_torch_compile_fullgraph_registered_op(backend):
     q, k, v = _bshd_inputs()
-    plan = make_plan(q.transpose(1, 2), k.transpose(1, 2), 0.125, 64, "hybrid", False, None, "triton")
-    forward = get_backend("triton").forward
+    plan = make_plan(q.transpose(1, 2), k.transpose(1, 2), 0.125, 64, "hybrid", False, None, backend)
+    forward = get_backend(backend).forward
 
     def f(q, k, v):
         out, lse = forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan)
@@ -188,20 +214,23 @@ def test_torch_compile_fullgraph_registered_op():
     assert rel_l1(got[0], eager[0]) < 1e-3 and rel_l1(got[1], eager[1]) < 1e-5
 
 
-def test_torch_compile_fullgraph_public_api():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_torch_compile_fullgraph_public_api(backend):
     q, k, v = _bshd_inputs()
-    eager = _public(q, k, v)
-    assert rel_l1(torch.compile(_public, fullgraph=True)(q, k, v), eager) < 1e-3
+    eager = _public(q, k, v, backend)
+    got = torch.compile(lambda q, k, v: _public(q, k, v, backend), fullgraph=True)(q, k, v)
+    assert rel_l1(got, eager) < 1e-3
 
 
-def test_cuda_graph_capture_public_api():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_cuda_graph_capture_public_api(backend):
     q, k, v = _bshd_inputs()
     sq, sk, sv = (x.clone() for x in (q, k, v))
-    _public(sq, sk, sv)  # warm-up: compile + autotune outside the capture
+    _public(sq, sk, sv, backend)  # warm-up: compile + autotune outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = _public(sq, sk, sv)
+        static_out = _public(sq, sk, sv, backend)
     q2, k2, v2 = (torch.randn_like(x) for x in (q, k, v))
     for s_, n_ in ((sq, q2), (sk, k2), (sv, v2)):
         s_.copy_(n_)
@@ -209,7 +238,7 @@ def test_cuda_graph_capture_public_api():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.isfinite(static_out).all()
-    assert rel_l1(static_out, _public(q2, k2, v2)) < 1e-3
+    assert rel_l1(static_out, _public(q2, k2, v2, backend)) < 1e-3
 
 
 def test_sharded_keys_merge_at_real_size():

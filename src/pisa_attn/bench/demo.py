@@ -3,11 +3,20 @@
 Generates seeded DiT-like q/k/v (:func:`pisa_attn.data.dit_qkv`, tokens in tiled order), runs dense
 attention (``scaled_dot_product_attention``) and PISA's ``drop``, ``zeroth``, ``hybrid`` and
 ``first`` modes at a few densities, and reports the relative L1 error and max abs error against a
-float32 dense result, plus the median wall time. The default runs on CPU in a few seconds.
+float32 dense result, plus the median wall time.
 
+The modes, from plain block sparsity to the accuracy bound:
+  drop    the selected key blocks only (keep-or-drop block sparsity)
+  zeroth  + every tail block through its mean key and value sum (block-wise zeroth order)
+  hybrid  + one shared first-order term with H-bar: PISA, the paper's method
+  first   + every tail block's own first-order term (the accuracy bound; reference only)
+
+The default (1024 tokens, 13 measurements) takes 4-10 s on a two-core CPU, imports included,
+depending on what else the machine runs.
 On CPU PISA runs the PyTorch reference, which computes every score to state the math exactly:
-its time says nothing about PISA's speed. ``--device cuda`` runs the Triton kernels where
-supported (the ``backend`` column says which one ran).
+its time says nothing about PISA's speed, so each method runs once (--repeats 1). ``--device cuda``
+runs the Triton kernels where supported (the ``backend`` column says which one ran), timed as the
+median of 3 runs after a warm-up.
 """
 
 from __future__ import annotations
@@ -17,17 +26,21 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import BACKENDS, make_plan, pisa_attention
+from ..metrics import rel_l1
 from ..spec import MODES
-from .metrics import rel_l1
+from . import argtypes
 
 METHODS = ("drop", "zeroth", "hybrid", "first")  # from plain block-sparse to the accuracy bound
+# The table's one-line key to the methods.
+LEGEND = ("drop: selected blocks only · zeroth: + tail block means · hybrid: + shared first-order term "
+          "(PISA, the paper's method) · first: + per-block first order (accuracy bound)")
 DEFAULT_DENSITIES = (0.0625, 0.125, 0.25)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -47,13 +60,15 @@ class DemoConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: str = "auto"  # float32 on CPU, bfloat16 on CUDA
-    repeats: int = 3
+    repeats: int | None = None  # timed runs per method; None: 1 on CPU, 3 on CUDA
     backend: str = "auto"
 
     def validate(self) -> None:
         """ValueError naming the bad field (before any work is done)."""
-        for name in ("length", "heads", "head_dim", "batch", "repeats"):
+        for name in ("length", "heads", "head_dim", "batch"):
             _positive(name, getattr(self, name))
+        if self.repeats is not None:
+            _positive("repeats", self.repeats)
         if not (16 <= self.head_dim <= 256 and self.head_dim % 2 == 0):
             raise ValueError(f"head_dim must be even and in [16, 256], got {self.head_dim}")
         if isinstance(self.text_tokens, bool) or not isinstance(self.text_tokens, int) or self.text_tokens < 0:
@@ -90,6 +105,12 @@ class DemoConfig:
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+
+    def resolved_repeats(self) -> int:
+        """CPU runs the reference, whose time is not PISA's speed: one run is enough there."""
+        if self.repeats is not None:
+            return self.repeats
+        return 3 if torch.device(self.device).type == "cuda" else 1
 
     def resolved_grid(self) -> tuple[int, ...]:
         return tuple(self.grid) if self.grid is not None else grid_for_length(self.length, 2 if self.image else 3)
@@ -188,7 +209,8 @@ def run_demo(cfg: DemoConfig, on_step: Callable[[str], None] | None = None) -> D
     keep = data.keep_blocks(cfg.block_size)
     step = on_step or (lambda label: None)
 
-    dense, dense_ms = _timed(lambda: F.scaled_dot_product_attention(q, k, v), device, cfg.repeats)
+    repeats = cfg.resolved_repeats()
+    dense, dense_ms = _timed(lambda: F.scaled_dot_product_attention(q, k, v), device, repeats)
     # Errors are measured against float32 dense, so a low-precision dense row shows its own rounding.
     truth = dense.float() if dtype == torch.float32 else F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     rows = [_row("dense", None, "all", dense, truth, dense_ms, "sdpa")]
@@ -197,10 +219,11 @@ def run_demo(cfg: DemoConfig, on_step: Callable[[str], None] | None = None) -> D
         for mode in cfg.modes:
             kw = dict(density=density, block_size=cfg.block_size, mode=mode, keep_blocks=keep, backend=cfg.backend)
             plan = make_plan(q, k, density, cfg.block_size, mode, False, None, cfg.backend)
-            out, ms = _timed(lambda: pisa_attention(q, k, v, **kw), device, cfg.repeats)
+            out, ms = _timed(lambda: pisa_attention(q, k, v, **kw), device, repeats)
             rows.append(_row(mode, density, f"{plan.n_select}/{plan.n_kv_blocks}", out, truth, ms, plan.backend))
             step(f"{mode} @ {density:g}")
-    return DemoResult(cfg, grid, q.shape[2], str(dtype).removeprefix("torch."), _device_name(device), rows)
+    dtype_name = str(dtype).removeprefix("torch.")
+    return DemoResult(replace(cfg, repeats=repeats), grid, q.shape[2], dtype_name, _device_name(device), rows)
 
 
 def _row(method, density, exact, out, truth, ms, backend) -> DemoRow:
@@ -222,7 +245,7 @@ def make_table(result: DemoResult):
     grid = "x".join(map(str, result.grid))
     title = (f"PISA vs dense on DiT-like q/k/v: grid {grid} ({result.tokens} tokens), "
              f"B{cfg.batch} H{cfg.heads} D{cfg.head_dim}, block {cfg.block_size}, {result.dtype} on {result.device}")
-    table = Table(title=title, title_justify="left")
+    table = Table(title=title, title_justify="left", caption=LEGEND, caption_justify="left")
     for name, justify in (("method", "left"), ("density", "right"), ("exact blocks", "right"),
                           ("rel-L1 vs dense", "right"), ("max abs err", "right"), ("time (ms)", "right"),
                           ("backend", "left")):
@@ -271,64 +294,35 @@ def save_plot(result: DemoResult, path: str) -> None:
 
 
 # ---------------------------------------------------------------- command line
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _density(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"density must be in (0, 1], got {text}")
-    return value
-
-
-def _block_size(text: str) -> int:
-    value = _int_at_least(16)(text)
-    if value & (value - 1):
-        raise argparse.ArgumentTypeError(f"block size must be a power of two >= 16, got {value}")
-    return value
-
-
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``demo`` on an ``argparse`` sub-parser collection (``pisa-attn demo``)."""
     d = DemoConfig()
     p = subparsers.add_parser("demo", help="accuracy/time of every PISA mode vs dense on DiT-like data (CPU ok)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--length", type=_int_at_least(1), default=d.length,
+    p.add_argument("--length", type=argtypes.int_at_least(1), default=d.length,
                    help=f"about this many tokens; picks a t×h×w grid (default {d.length})")
-    p.add_argument("--grid", type=_int_at_least(1), nargs="+", metavar="N",
+    p.add_argument("--grid", type=argtypes.int_at_least(1), nargs="+", metavar="N",
                    help="explicit token grid T H W (video) or H W (image); overrides --length")
     p.add_argument("--image", action="store_true", help="pick an h×w image grid from --length instead of video")
-    p.add_argument("--density", type=_density, nargs="+", default=list(d.densities), dest="densities",
+    p.add_argument("--density", type=argtypes.density, nargs="+", default=list(d.densities), dest="densities",
                    metavar="D", help=f"densities in (0, 1] (default {' '.join(map(str, d.densities))})")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(d.modes), help="PISA modes to run")
-    p.add_argument("--heads", type=_int_at_least(1), default=d.heads, help=f"attention heads (default {d.heads})")
-    p.add_argument("--head-dim", type=_int_at_least(16), default=d.head_dim,
+    p.add_argument("--heads", type=argtypes.int_at_least(1), default=d.heads,
+                   help=f"attention heads (default {d.heads})")
+    p.add_argument("--head-dim", type=argtypes.int_at_least(16), default=d.head_dim,
                    help=f"head dim, 16-256, even (default {d.head_dim})")
-    p.add_argument("--batch", type=_int_at_least(1), default=d.batch, help=f"batch size (default {d.batch})")
-    p.add_argument("--text-tokens", type=_int_at_least(0), default=d.text_tokens,
+    p.add_argument("--batch", type=argtypes.int_at_least(1), default=d.batch, help=f"batch size (default {d.batch})")
+    p.add_argument("--text-tokens", type=argtypes.int_at_least(0), default=d.text_tokens,
                    help="text tokens before the grid, always exact via keep_blocks (default 0)")
-    p.add_argument("--block-size", type=_block_size, default=d.block_size, help=f"(default {d.block_size})")
-    p.add_argument("--seed", type=_int_at_least(0), default=d.seed, help=f"data seed (default {d.seed})")
-    p.add_argument("--repeats", type=_int_at_least(1), default=d.repeats,
-                   help=f"timed runs per method; the median is shown (default {d.repeats})")
+    p.add_argument("--block-size", type=argtypes.block_size, default=d.block_size, help=f"(default {d.block_size})")
+    p.add_argument("--seed", type=argtypes.int_at_least(0), default=d.seed, help=f"data seed (default {d.seed})")
+    p.add_argument("--repeats", type=argtypes.int_at_least(1), default=d.repeats,
+                   help="timed runs per method; the median is shown (default: 1 on CPU, 3 on CUDA)")
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default=d.dtype,
                    help="input dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--backend", choices=BACKENDS, default=d.backend, help="PISA backend (default auto)")
-    p.add_argument("--threads", type=_int_at_least(1), help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=argtypes.int_at_least(1), help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--plot", metavar="PATH", help="save error vs density (e.g. out.png)")
     p.add_argument("--json", metavar="PATH", help="save the config and every row as JSON")
     p.set_defaults(func=main_from_args)

@@ -1,6 +1,9 @@
 """``pisa-attn bench``: kernel latency of PISA against dense and block-sparse attention (CUDA).
 
-For every ``B-H-D`` config, sequence length and density it times, on the same random inputs:
+For every ``B-H-D`` config, sequence length and density it times, on the same inputs (``--data
+random``: Gaussian q/k/v, whose block selections are nearly independent between query blocks;
+``--data dit``: the DiT-like generator of :mod:`pisa_attn.data` on a ``(L/1024, 32, 32)`` grid,
+whose neighbouring query blocks share most of their exact blocks, as in real DiTs):
 cuDNN SDPA, flash SDPA, FlexAttention keep-or-drop over the SAME blocks PISA selects (64x64,
 compiled), PISA ``drop`` and PISA ``hybrid`` (total time: prepare + selection + attention), the
 phase breakdown of the hybrid call, and the peak extra memory of one PISA call beyond q, k, v, o.
@@ -110,24 +113,41 @@ def flex_block_mask(idx: torch.Tensor, cnt: torch.Tensor, lq: int, lk: int, bloc
 # one case
 
 
-def _inputs(cfg: Config, length: int, dtype, layout: str, seed: int = 0):
+def _inputs(cfg: Config, length: int, dtype, layout: str, seed: int = 0, data: str = "random"):
+    if data == "dit":
+        from pisa_attn import data as dit
+
+        if length % 1024:
+            raise ValueError(f"--data dit needs lengths that are multiples of 1024, got {length}")
+        d = dit.dit_qkv((length // 1024, 32, 32), heads=cfg.heads, head_dim=cfg.head_dim, batch=cfg.batch, seed=seed,
+                        dtype=dtype, device="cuda", layout=layout)
+        return [x if layout == "bhsd" else x.transpose(1, 2) for x in (d.q, d.k, d.v)]
     g = torch.Generator(device="cuda").manual_seed(seed)
     shape = (cfg.batch, length, cfg.heads, cfg.head_dim) if layout == "bshd" else (cfg.batch, cfg.heads, length, cfg.head_dim)
     xs = [torch.randn(shape, generator=g, device="cuda", dtype=dtype) for _ in range(3)]
     return [x.transpose(1, 2) if layout == "bshd" else x for x in xs]  # [B, H, L, D] views
 
 
-def _plan(q, k, density, mode, block_size=64):
+def _plan(q, k, density, mode, block_size=64, backend="auto", query_block=None):
     from pisa_attn.attention import make_plan
 
-    return make_plan(q, k, density, block_size, mode, False, None, "triton")
+    return make_plan(q, k, density, block_size, mode, False, None, backend, query_block)
 
 
 def _pisa_call(q, k, v, plan):
     from pisa_attn.attention import get_backend
 
-    forward = get_backend("triton").forward
+    forward = get_backend(plan.backend).forward
     return lambda: forward(q, k, v, plan)
+
+
+def pair_overlap(sel, n_kv_blocks: int) -> float:
+    """Mean share of a query block's exact blocks that its pair neighbour also computes exactly
+    (what the Hopper kernel reads once for both)."""
+    m = sel.to_mask(n_kv_blocks)
+    nq = m.shape[2] // 2 * 2
+    a, b = m[:, :, 0:nq:2], m[:, :, 1:nq:2]
+    return ((a & b).sum(-1).float() / a.sum(-1).clamp_min(1)).mean().item()
 
 
 def peak_extra_bytes(fn, out_bytes: int) -> int:
@@ -169,10 +189,11 @@ def graph_ms(fn, rep_ms: float) -> float:
     return bench_ms(graph.replay, rep_ms)
 
 
-def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float, graphs: bool = False) -> dict:
+def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float, graphs: bool = False,
+                data: str = "random") -> dict:
     from torch.nn.attention import SDPBackend
 
-    q, k, v = _inputs(cfg, length, dtype, layout)
+    q, k, v = _inputs(cfg, length, dtype, layout, data=data)
     row = {}
     for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
         fn = _sdpa(backend)
@@ -187,21 +208,28 @@ def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float, gra
 
 
 def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep_ms: float,
-               with_flex: bool = True, flex_dynamic: bool = False, phases: bool = True, graphs: bool = False) -> dict:
+               with_flex: bool = True, flex_dynamic: bool = False, phases: bool = True, graphs: bool = False,
+               backend: str = "auto", data: str = "random", query_block: int | None = None) -> dict:
     from pisa_attn import spec
     from pisa_attn.attention import get_backend
 
-    be = get_backend("triton")
-    q, k, v = _inputs(cfg, length, dtype, layout)
+    q, k, v = _inputs(cfg, length, dtype, layout, data=data)
     row: dict = {}
+    if query_block:  # the same call with selection per query_block rows (shared by 2 or 4 blocks)
+        for mode in ("drop", "hybrid"):
+            fn = _pisa_call(q, k, v, _plan(q, k, density, mode, backend=backend, query_block=query_block))
+            fn()
+            row[f"pisa_{mode}_qb{query_block}"] = bench_ms(fn, rep_ms)
     for mode in ("drop", "hybrid"):
-        plan = _plan(q, k, density, mode)
+        plan = _plan(q, k, density, mode, backend=backend)
+        row["backend"] = plan.backend
         fn = _pisa_call(q, k, v, plan)
         fn()  # compile + autotune outside the timed region
         row[f"pisa_{mode}"] = bench_ms(fn, rep_ms)
         if graphs:
             row[f"pisa_{mode}_graph"] = graph_ms(fn, rep_ms)
-    plan = _plan(q, k, density, "hybrid")
+    plan = _plan(q, k, density, "hybrid", backend=backend)
+    be = get_backend(plan.backend)
     out_bytes = q.numel() * q.element_size()
     qkvo = 4 * out_bytes
     row["extra_bytes"] = peak_extra_bytes(_pisa_call(q, k, v, plan), out_bytes)
@@ -214,6 +242,7 @@ def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep
         return be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=width, scale=plan.scale)
 
     sel = select()
+    row["pair_overlap"] = pair_overlap(sel, plan.n_kv_blocks)
     if phases:
         row["t_prepare"] = bench_ms(lambda: be.prepare(q, k, v, 64), rep_ms)
         row["t_select"] = bench_ms(select, rep_ms)
@@ -263,21 +292,24 @@ def parse_cases(text: str) -> list[tuple[Config, int, float]]:
 
 
 def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex=True, flex_dynamic=False,
-              flex_lengths=None, log=print, on_row=None, graphs: bool = False) -> dict:
+              flex_lengths=None, log=print, on_row=None, graphs: bool = False, backend: str = "auto",
+              data: str = "random", query_block: int | None = None) -> dict:
     """Time every (config, length, density) case; dense baselines are timed once per (config, length)."""
     result = {"meta": {**environment(), "dtype": str(dtype).removeprefix("torch."), "layout": layout,
-                       "block_size": 64, "timing": "triton.testing.do_bench median, L2 flushed, ms"},
+                       "block_size": 64, "timing": "triton.testing.do_bench median, L2 flushed, ms",
+                       "backend": backend, "data": data, "query_block": query_block},
               "rows": []}
     dense_cache: dict = {}
     warm_gpu()
     for cfg, length, density in cases:
         if (cfg, length) not in dense_cache:
-            dense_cache[(cfg, length)] = bench_dense(cfg, length, dtype, layout, rep_ms, graphs)
+            dense_cache[(cfg, length)] = bench_dense(cfg, length, dtype, layout, rep_ms, graphs, data)
         dense = dense_cache[(cfg, length)]
         row = {"config": str(cfg), "length": length, "density": density, **dense}
         flex = with_flex and (flex_lengths is None or length in flex_lengths)
         try:
-            row.update(bench_case(cfg, length, density, dtype, layout, rep_ms, flex, flex_dynamic, graphs=graphs))
+            row.update(bench_case(cfg, length, density, dtype, layout, rep_ms, flex, flex_dynamic, graphs=graphs,
+                                  backend=backend, data=data, query_block=query_block))
         except torch.cuda.OutOfMemoryError as e:
             row["error"] = f"OOM: {str(e).splitlines()[0][:160]}"
             torch.cuda.empty_cache()
@@ -285,7 +317,7 @@ def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         ref = row.get("sdpa_cudnn") or row.get("sdpa_flash")
         if ref:
-            for col in ("flex", "pisa_drop", "pisa_hybrid"):
+            for col in ("flex", "pisa_drop", "pisa_hybrid", f"pisa_drop_qb{query_block}", f"pisa_hybrid_qb{query_block}"):
                 if row.get(col):
                     row[f"speedup_{col}"] = ref / row[col]
             row["ideal_ms"] = ideal_ms(ref, density)
@@ -329,9 +361,12 @@ def _x(x):
 def format_row(row: dict) -> str:
     cols = " ".join(f"{c}={_f(row.get(c))}" for c in COLUMNS)
     ph = f"prep={_f(row.get('t_prepare'))} sel={_f(row.get('t_select'))} attn={_f(row.get('t_attention'))}"
-    return (f"{row['config']:>9s} L={row['length']:6d} d={row['density']:.3f} | {cols} | "
+    return (f"{row.get('backend', '?'):>6s} {row['config']:>9s} L={row['length']:6d} d={row['density']:.3f} "
+            f"ov={_f(row.get('pair_overlap'), 2)} | {cols} | "
             f"x{_f(row.get('speedup_pisa_hybrid'), 2)} hybrid, x{_f(row.get('speedup_pisa_drop'), 2)} drop | "
             f"{ph} | extra={_f(100 * row['extra_frac'] if 'extra_frac' in row else None, 2)}%"
+            + "".join(f" | {c}={_f(row[c])} x{_f(row.get('speedup_' + c), 2)}" for c in row
+                      if c.startswith("pisa_") and "_qb" in c)
             + (f" | graphs: cudnn={_f(row.get('sdpa_cudnn_graph'))} drop={_f(row.get('pisa_drop_graph'))} "
                f"hybrid={_f(row.get('pisa_hybrid_graph'))} x{_f(row.get('speedup_pisa_hybrid_graph'), 2)} hybrid"
                if "pisa_hybrid_graph" in row else ""))
@@ -342,7 +377,8 @@ def markdown_table(result: dict) -> str:
     graphs = any("pisa_hybrid_graph" in r for r in result["rows"])
     lines = [
         f"GPU: {m['gpu']} | torch {m['torch']} | triton {m['triton']} | CUDA {m['cuda']} | {m['dtype']}, "
-        f"layout {m['layout']}, block {m['block_size']} | {m['timing']} | {m['date']}",
+        f"layout {m['layout']}, block {m['block_size']} | backend {m.get('backend', 'triton')}, "
+        f"data {m.get('data', 'random')} | {m['timing']} | {m['date']}",
         "",
         "| B-H-D | L | density | cuDNN ms | flash ms | Flex ms | PISA drop ms | PISA hybrid ms | hybrid speed-up | "
         "drop speed-up | Flex speed-up | " + ("graph: cuDNN / hybrid ms (x) | " if graphs else "")
@@ -421,6 +457,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flex-lengths", default=None, help="only time FlexAttention at these lengths (compile time)")
     p.add_argument("--graphs", action="store_true",
                    help="also time cuDNN SDPA and PISA replayed from CUDA graphs (no Python/launch overhead)")
+    p.add_argument("--backend", default="auto", choices=("auto", "hopper", "triton"),
+                   help="PISA kernel backend (auto: hopper on sm_90, else triton)")
+    p.add_argument("--data", default="random", choices=("random", "dit"),
+                   help="Gaussian q/k/v, or the DiT-like generator on an (L/1024, 32, 32) grid")
+    p.add_argument("--query-block", type=int, default=None,
+                   help="also time PISA with selection per this many query rows (128: shared by 2 blocks)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--plot", default=None, help="write a PNG plot of speed-up vs length here")
     p.add_argument("--markdown", default=None, help="write a markdown table here")
@@ -452,7 +494,8 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(result, f, indent=1)
 
     result = run_bench(cases, dtype, args.layout, args.rep_ms, not args.no_flex, args.flex_dynamic,
-                       flex_lengths, on_row=save, graphs=args.graphs)
+                       flex_lengths, on_row=save, graphs=args.graphs, backend=args.backend, data=args.data,
+                       query_block=args.query_block)
     save(result)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -24,7 +24,8 @@ from torch import Tensor
 from .. import __version__
 from ..attention import make_plan, pisa_attention
 from ..ops import reference as ref
-from . import metrics
+from .. import metrics
+from . import argtypes as at
 from .study_sources import CapturedSource, Sample, SyntheticSource
 
 MODES = ("drop", "zeroth", "hybrid", "first")
@@ -101,6 +102,10 @@ class StudyConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size!r}")
+        if not 16 <= self.head_dim <= 256 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be even and in [16, 256], got {self.head_dim!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
         if isinstance(self.text_tokens, bool) or not isinstance(self.text_tokens, int) or self.text_tokens < 0:
@@ -145,8 +150,8 @@ class _Study:
         (selection, density in densities ∪ tail_densities) on one sample."""
         bs = self.cfg.block_size
         keep = s.keep_blocks(bs)
-        lo, hi = s.query_range()
-        q = s.q[:, :, lo:hi]
+        run, cut = s.query_rows(bs)
+        q = s.q[:, :, run]
         stats = ref.block_stats(s.k, s.v, bs, with_hdev=any(covs))
         all_d = list(dict.fromkeys([*densities, *tail_densities]))
         sels = {(d, c): metrics.select(q, s.k, s.v, density=d, block_size=bs, covariance_aware=c,
@@ -154,8 +159,9 @@ class _Study:
         dense = metrics.dense_pass(q, s.k, s.v, block_size=bs, masks=tuple(x.selected for x in sels.values()),
                                    kmean=stats.kmean)
         self._tick(f"dense L={s.length}")
-        tail = {(d, c): t.mean(dim=(0, 2)).tolist() for (d, c), t in zip(sels, dense.tail_mass)}
-        estimate = {(d, c): t.mean(dim=(0, 2)).tolist() for (d, c), t in zip(sels, dense.tail_estimate)}
+        tail = {(d, c): t[:, :, cut].mean(dim=(0, 2)).tolist() for (d, c), t in zip(sels, dense.tail_mass)}
+        estimate = {(d, c): t[:, :, cut].mean(dim=(0, 2)).tolist() for (d, c), t in zip(sels, dense.tail_estimate)}
+        exact = dense.out[:, :, cut]
         rel, rel_head = {}, {}
         for c in covs:
             for m in modes:
@@ -163,9 +169,9 @@ class _Study:
                 rel[name], rel_head[name] = [], []
                 for d in densities:
                     out = pisa_attention(q, s.k, s.v, density=d, block_size=bs, mode=m, covariance_aware=c,
-                                         keep_blocks=keep, backend=self.backend)
-                    rel[name].append(metrics.rel_l1(out, dense.out))
-                    rel_head[name].append(metrics.rel_l1_per_head(out, dense.out).tolist())
+                                         keep_blocks=keep, backend=self.backend)[:, :, cut]
+                    rel[name].append(metrics.rel_l1(out, exact))
+                    rel_head[name].append(metrics.rel_l1_per_head(out, exact).tolist())
                     self._tick(f"{name} d={d:g} L={s.length}")
         return {"rel_l1": rel, "rel_l1_per_head": rel_head, "tail": tail, "estimate": estimate, "sels": sels}
 
@@ -299,9 +305,10 @@ class _Study:
             for key, x in (("block_mean", scores), ("block_mean_shifted", shifted)):
                 parts[key][0].append(x[mask].cpu())
                 parts[key][1].append(x[~mask].cpu())
-            lo, hi = s.query_range()
-            rows = torch.randperm(hi - lo, generator=gen)[: cfg.token_rows].sort().values.to(s.q.device)
-            tok, exact = metrics.token_scores(s.q[:, :, lo:hi], s.k, mask, block_size=bs, rows=rows)
+            run, cut = s.query_rows(bs)
+            n = cut.stop - cut.start
+            rows = cut.start + torch.randperm(n, generator=gen)[: cfg.token_rows].sort().values.to(s.q.device)
+            tok, exact = metrics.token_scores(s.q[:, :, run], s.k, mask, block_size=bs, rows=rows)
             for key, x in (("token", tok), ("token_shifted", tok - tok.amax(dim=-1, keepdim=True))):
                 parts[key][0].append(x[exact].cpu())
                 parts[key][1].append(x[~exact].cpu())
@@ -440,44 +447,35 @@ def print_summary(result: dict) -> None:
 
 
 # --- command line ------------------------------------------------------------------------------
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 def _configure(p: argparse.ArgumentParser) -> None:
+    """The study's options; every value is checked here, so a bad one stops the command before work."""
     d = StudyConfig()
-    p.add_argument("--source", default=d.source, help="'synthetic' (DiT-like generator) or a capture .safetensors")
+    p.add_argument("--source", type=at.existing_file_or("synthetic"), default=d.source,
+                   help="'synthetic' (DiT-like generator) or a capture .safetensors")
     p.add_argument("--out", default="pisa-study", help="directory for study.json and the PNG plots")
     p.add_argument("--device", default=d.device, help="cpu (PyTorch reference) or cuda (Triton kernels)")
     p.add_argument("--size", choices=SIZES, default=None, help="preset: tiny (CI), default (CPU), paper (CUDA default)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="float32 on CPU, bfloat16 on CUDA by default")
-    p.add_argument("--length", type=int, default=None, help="tokens of the density sweep (synthetic source)")
-    p.add_argument("--lengths", type=_ints, default=None, help="comma-separated lengths of the length sweep")
-    p.add_argument("--densities", type=_floats, default=None, help="comma-separated densities of the density sweep")
-    p.add_argument("--density", type=float, default=d.density, help="density of the length sweep and score plots")
-    p.add_argument("--modes", type=_names, default=d.modes, help="comma-separated subset of drop,zeroth,hybrid,first")
+    p.add_argument("--length", type=at.int_at_least(1), default=None,
+                   help="tokens of the density sweep (synthetic source)")
+    p.add_argument("--lengths", type=at.comma_list(at.int_at_least(1)), default=None,
+                   help="comma-separated lengths of the length sweep")
+    p.add_argument("--densities", type=at.comma_list(at.density), default=None,
+                   help="comma-separated densities in (0, 1] of the density sweep")
+    p.add_argument("--density", type=at.density, default=d.density,
+                   help="density in (0, 1] of the length sweep and score plots")
+    p.add_argument("--modes", type=at.comma_list(at.one_of(MODES)), default=d.modes,
+                   help="comma-separated subset of drop,zeroth,hybrid,first")
     p.add_argument("--no-covariance", dest="covariance", action="store_false", help="skip covariance-aware selection")
-    p.add_argument("--heads", type=int, default=None)
-    p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--text-tokens", type=int, default=d.text_tokens, help="text tokens of the synthetic source")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--entries", type=_names, default=None, help="captured entries to study, e.g. step0.layer3")
-    p.add_argument("--max-entries", type=int, default=d.max_entries,
+    p.add_argument("--heads", type=at.int_at_least(1), default=None)
+    p.add_argument("--head-dim", type=at.head_dim, default=d.head_dim, help="even, 16-256")
+    p.add_argument("--text-tokens", type=at.int_at_least(0), default=d.text_tokens,
+                   help="text tokens of the synthetic source")
+    p.add_argument("--seed", type=at.int_at_least(0), default=d.seed)
+    p.add_argument("--block-size", type=at.block_size, default=d.block_size, help="a power of two >= 16")
+    p.add_argument("--entries", type=at.comma_list(str), default=None,
+                   help="captured entries to study, e.g. step0.layer3")
+    p.add_argument("--max-entries", type=at.int_at_least(1), default=d.max_entries,
                    help="captured entries used when --entries is not given")
     p.add_argument("--no-plots", dest="plots", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -495,6 +493,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _cmd(args: argparse.Namespace) -> int:
     fields = StudyConfig.__dataclass_fields__
     cfg = StudyConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    try:
+        cfg = cfg.resolved()  # the combined checks (device, presets), still before any work
+    except ValueError as e:
+        print(f"pisa-attn study: error: {e}", file=sys.stderr)
+        return 2
     result = run_study(cfg, out=args.out, progress=args.progress)
     print_summary(result)
     print(f"wrote {os.path.join(args.out, 'study.json')} and {len(result['plots'])} plots "

@@ -43,6 +43,14 @@ class Sample:
         lo, hi = int(image[0]), int(image[-1]) + 1
         return (lo, hi) if hi - lo == image.numel() else (0, n)
 
+    def query_rows(self, block_size: int) -> tuple[slice, slice]:
+        """``(run, measured)``: PISA runs on queries ``q[:, :, run]``, from the block boundary at or
+        before the first query of :meth:`query_range` (so query blocks are key blocks, as in the
+        diffusers backend); ``measured`` picks that range's queries out of the output."""
+        lo, hi = self.query_range()
+        start = lay.block_floor(lo, block_size)
+        return slice(start, hi), slice(lo - start, hi - start)
+
     def raster(self) -> Sample:
         """The same tokens in original (untiled) order."""
         if self.layout is None:
@@ -125,7 +133,7 @@ class CapturedSource:
     kind = "safetensors"
 
     def __init__(self, path: str, *, entries=None, max_entries: int = 4, dtype, device):
-        from ..diffusers.capture import read_qkv_file  # lazy: the synthetic path needs no safetensors
+        from ..qkv_file import read_qkv_file
 
         self.path = str(path)
         self.file = read_qkv_file(self.path)

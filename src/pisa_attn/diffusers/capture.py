@@ -5,173 +5,24 @@
     with capture_qkv(pipe, layers=[0, 10], steps=[0, 25], path="qkv.safetensors"):
         pipe(prompt, num_inference_steps=30)
 
-Tensors are named ``step{S}.layer{L}.q|k|v`` (``[1, H, L, D]``, tiled order as PISA sees them).
-The file's metadata (str -> str) holds JSON: ``format``, ``version``, ``model``, ``dtype``, the
-first entry's ``grid`` / ``text_len`` / ``tile`` / ``token_layout``, and ``entries`` with every
-entry's step, layer, layout, image-query range, softmax ``scale`` and the PISA settings of the run.
+The file format lives in :mod:`pisa_attn.qkv_file`.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..layout import Grid, Text, TokenLayout
+from ..qkv_file import layout_to_json, trim_layout, write_qkv_file
 from . import hooks
+from .models import transformers_of
 
-FORMAT = "pisa-attn-qkv"
-VERSION = 1
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-# --- token layout <-> JSON ---------------------------------------------------------------------
-def layout_to_json(layout: TokenLayout) -> dict:
-    segs = [{"text": s.n, "name": s.name} if isinstance(s, Text) else {"grid": list(s.shape)} for s in layout.segments]
-    out = {"segments": segs, "tile": list(layout.tile) if layout.tile else None, "order": layout.order}
-    if layout.offset:
-        out["offset"] = layout.offset
-    return out
-
-
-def layout_from_json(d: dict) -> TokenLayout:
-    try:
-        segs = tuple(Text(int(s["text"]), s.get("name", "text")) if "text" in s else Grid(tuple(s["grid"]))
-                     for s in d["segments"])
-        tile = tuple(d["tile"]) if d.get("tile") else None
-        return TokenLayout(segs, tile, d.get("order", "compact"), int(d.get("offset", 0)))
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"malformed token layout description {d!r}: {e}") from None
-
-
-def trim_layout(layout: TokenLayout, n: int) -> TokenLayout | None:
-    """Layout of the first ``n`` tiled tokens when the rest are the tail of one text segment
-    (masked padding text keys), else None."""
-    length = layout.num_tokens
-    if n >= length:
-        return layout
-    seg_ids = layout.segment_ids(tiled=True)
-    tail = seg_ids[n:]
-    s = int(tail[0])
-    if not bool((tail == s).all()) or not isinstance(layout.segments[s], Text):
-        return None
-    cut = length - n
-    segs = list(layout.segments)
-    if segs[s].n > cut:
-        segs[s] = Text(segs[s].n - cut, segs[s].name)
-    else:
-        del segs[s]
-    new = TokenLayout(tuple(segs), layout.tile, layout.order, layout.offset)
-    same = torch.equal(new.coords(tiled=True), layout.coords(tiled=True)[:n]) and torch.equal(
-        new.text_mask_tokens(), layout.text_mask_tokens()[:n]
-    )
-    return new if same else None
-
-
-# --- file format -------------------------------------------------------------------------------
-@dataclass
-class QKVEntry:
-    """One captured attention call; ``q``/``k``/``v`` load from the file on first access."""
-
-    name: str
-    path: str
-    info: dict[str, Any]
-
-    @property
-    def step(self) -> int:
-        return int(self.info["step"])
-
-    @property
-    def layer(self) -> int:
-        return int(self.info["layer"])
-
-    @cached_property
-    def layout(self) -> TokenLayout | None:
-        d = self.info.get("token_layout")
-        return None if d is None else layout_from_json(d)
-
-    def _load(self, part: str) -> Tensor:
-        from safetensors import safe_open
-
-        with safe_open(self.path, framework="pt") as f:
-            return f.get_tensor(f"{self.name}.{part}")
-
-    @cached_property
-    def q(self) -> Tensor:
-        return self._load("q")
-
-    @cached_property
-    def k(self) -> Tensor:
-        return self._load("k")
-
-    @cached_property
-    def v(self) -> Tensor:
-        return self._load("v")
-
-
-@dataclass
-class QKVFile:
-    path: str
-    meta: dict[str, Any]
-    entries: list[QKVEntry] = field(default_factory=list)
-
-
-def read_qkv_file(path: str) -> QKVFile:
-    """Open a capture file (metadata now, tensors lazily)."""
-    try:
-        from safetensors import SafetensorError, safe_open
-    except ImportError as e:
-        raise RuntimeError("reading captures needs safetensors: pip install safetensors") from e
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            raw = f.metadata() or {}
-            keys = set(f.keys())
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"path {str(path)!r} is not a readable .safetensors file: {e}") from None
-    if raw.get("format") != FORMAT:
-        raise ValueError(f"path {str(path)!r} is not a pisa-attn q/k/v capture (metadata format={raw.get('format')!r})")
-    try:
-        meta = {k: v if k == "format" else json.loads(v) for k, v in raw.items()}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"capture {str(path)!r} has malformed metadata: {e}") from None
-    if meta.get("version") != VERSION:
-        raise ValueError(f"capture {str(path)!r} has format version {meta.get('version')!r}, "
-                         f"this reader needs {VERSION}")
-    entries = []
-    for name, info in meta["entries"].items():
-        missing = [p for p in "qkv" if f"{name}.{p}" not in keys]
-        if missing:
-            raise ValueError(f"capture {str(path)!r} lists entry {name!r} but lacks its tensors {missing}")
-        entries.append(QKVEntry(name, str(path), info))
-    return QKVFile(str(path), meta, entries)
-
-
-def write_qkv_file(path: str, tensors: dict[str, Tensor], entries: dict[str, dict], model: str, dtype: str) -> None:
-    from safetensors.torch import save_file
-
-    first = next(iter(entries.values()), {})
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "model": model,
-        "dtype": dtype,
-        "grid": first.get("grid"),
-        "text_len": first.get("text_len"),
-        "tile": (first.get("token_layout") or {}).get("tile"),
-        "token_layout": first.get("token_layout"),
-        "entries": entries,
-    }
-    # safetensors metadata is str -> str: every value is JSON (the "format" tag is a JSON-free str).
-    save_file(tensors, str(path), metadata={k: v if k == "format" else json.dumps(v) for k, v in meta.items()})
-
-
-# --- capture -----------------------------------------------------------------------------------
 def _index_set(name: str, value) -> frozenset[int] | None:
     if value is None:
         return None
@@ -186,14 +37,9 @@ def _index_set(name: str, value) -> frozenset[int] | None:
 
 
 def _transformers(obj) -> list[tuple[str, torch.nn.Module]]:
-    if isinstance(obj, torch.nn.Module):
-        return [("", obj)]
-    found = [(n, getattr(obj, n, None)) for n in ("transformer", "transformer_2")]
-    found = [(("" if n == "transformer" else n + "."), t) for n, t in found if isinstance(t, torch.nn.Module)]
-    if not found:
-        raise TypeError(f"pipe must be a diffusers pipeline with a transformer or a transformer model, "
-                        f"got {type(obj).__name__}")
-    return found
+    """(entry-name prefix, transformer): ``transformer_2``'s entries are prefixed."""
+    found, _ = transformers_of(obj)
+    return [("" if n == "transformer" else n + ".", t) for n, t in found]
 
 
 class QKVCapture:
@@ -204,7 +50,7 @@ class QKVCapture:
 
     def __init__(self, pipe, layers=None, steps=None, path: str = "qkv.safetensors", *, batch: int = 0,
                  dtype: torch.dtype | None = None, max_bytes: int | None = None):
-        from . import apply_pisa, pisa_state
+        from .apply import apply_pisa, pisa_state
 
         self.layers, self.steps = _index_set("layers", layers), _index_set("steps", steps)
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
@@ -322,7 +168,7 @@ class QKVCapture:
         for remove in self._removers:
             remove()
         if self._applied:
-            from . import remove_pisa
+            from .apply import remove_pisa
 
             for obj in self._applied:
                 remove_pisa(obj)

@@ -46,12 +46,12 @@ class AttentionCall:
 
 
 Observer = Callable[[AttentionCall], None]
-_ATTR = "_pisa_observers"
+ATTR = "_pisa_observers"
 
 
 def add_observer(model, fn: Observer) -> Callable[[], None]:
     """Register ``fn`` on ``model`` (a transformer); returns a function that removes it."""
-    obs = model.__dict__.setdefault(_ATTR, [])
+    obs = model.__dict__.setdefault(ATTR, [])
     obs.append(fn)
 
     def remove() -> None:
@@ -62,7 +62,7 @@ def add_observer(model, fn: Observer) -> Callable[[], None]:
 
 
 def observers(model) -> list[Observer]:
-    return model.__dict__.get(_ATTR, [])
+    return model.__dict__.get(ATTR, [])
 
 
 def notify(model, call: AttentionCall) -> None:

@@ -8,17 +8,26 @@ family means adding one :class:`ModelAdapter` to :data:`ADAPTERS`.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
 
+class CallShape(NamedTuple):
+    """What a forward call's argument shapes say (read while tracing too: shapes only)."""
+
+    grid: tuple[int, ...] | None  # token grid after patchification; None: read from ``grid_input``
+    text_len: int  # text tokens in the joint self-attention sequence (0: no joint text)
+    image_tokens: int  # image/video tokens in the call
+
+
 @dataclass(frozen=True)
 class CallInfo:
-    """What the transformer-level hook reads from one forward call."""
+    """One forward call as the attention backend sees it (read when the call runs)."""
 
     grid: tuple[int, ...]  # token grid after patchification: (h, w) or (t, h, w)
     text_len: int  # text tokens in the joint self-attention sequence (0: no joint text)
@@ -42,8 +51,12 @@ class ModelAdapter:
     token_inputs:   forward arguments holding image-token tensors [B, L, ...] (or lists of them:
                     ControlNet residuals, per-token timesteps) reordered on entry.
     attention:      ``fnmatch`` patterns of the managed self-attention modules.
-    joint_processor: its processors call SDPA directly and are replaced by a dispatcher-routed
-                    equivalent (SD3).
+    read_shape:     (transformer, bound arguments) -> :class:`CallShape`, from shapes only (it runs
+                    inside ``torch.compile`` graphs).
+    grid_input:     argument whose values give the grid when the shapes cannot (FLUX's ``img_ids``),
+                    read by ``read_grid(tensor, per-state cache)`` when the call runs.
+    skipped_blocks: indices of the transformer blocks a forward call skips (SD3's skip-layer
+                    guidance), from its bound arguments.
     """
 
     name: str
@@ -56,13 +69,15 @@ class ModelAdapter:
     rope_dim: int
     rope_text_before: bool
     attention: tuple[str, ...]
-    read_call: Callable[[Any, dict, dict], CallInfo]  # (transformer, bound arguments, per-state cache)
+    read_shape: Callable[[Any, dict], CallShape]
     defaults: Callable[[Any], dict]
     check: Callable[[Any], None] = lambda transformer: None
     token_inputs: tuple[str, ...] = ()
     untile_module: str = "proj_out"
-    joint_processor: bool = False
     image_model: bool = field(default=False)
+    skipped_blocks: Callable[[dict], frozenset[int]] = lambda arguments: frozenset()
+    grid_input: str | None = None
+    read_grid: Callable[[Tensor, dict], tuple[int, ...]] | None = None
 
 
 def timestep_value(timestep) -> float:
@@ -70,6 +85,10 @@ def timestep_value(timestep) -> float:
     if not isinstance(timestep, Tensor):
         return float(timestep)
     return float(timestep.detach().max())
+
+
+def _shape(grid: tuple[int, ...], text_len: int) -> CallShape:
+    return CallShape(grid, text_len, math.prod(grid))
 
 
 def _video_grid(x: Tensor, pt: int, ph: int, pw: int) -> tuple[int, int, int]:
@@ -113,11 +132,8 @@ def _raster_ids_grid(ids: Tensor) -> tuple[int, int]:
     return h, w
 
 
-def _flux_read(transformer, a: dict, cache: dict) -> CallInfo:
-    grid = cache.setdefault("ids_grid", _IdsGrid())(a["img_ids"])
-    if a["hidden_states"].shape[1] != grid[0] * grid[1]:
-        raise ValueError(f"hidden_states has {a['hidden_states'].shape[1]} tokens but img_ids describe {grid}")
-    return CallInfo(grid, int(a["encoder_hidden_states"].shape[1]), timestep_value(a["timestep"]))
+def _flux_shape(transformer, a: dict) -> CallShape:
+    return CallShape(None, a["encoder_hidden_states"].shape[1], a["hidden_states"].shape[1])
 
 
 FLUX = ModelAdapter(
@@ -131,20 +147,22 @@ FLUX = ModelAdapter(
     rope_dim=0,
     rope_text_before=True,
     attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
-    read_call=_flux_read,
+    read_shape=_flux_shape,
     defaults=lambda config: {"dense_layers": 4, "dense_steps": 0, "covariance_aware": True},
     token_inputs=("controlnet_block_samples", "controlnet_single_block_samples"),
     image_model=True,
+    grid_input="img_ids",
+    read_grid=lambda ids, cache: cache.setdefault("ids_grid", _IdsGrid())(ids),
 )
 
 
 # --- Stable Diffusion 3 / 3.5 -------------------------------------------------------------------
-def _sd3_read(transformer, a: dict, cache: dict) -> CallInfo:
+def _sd3_shape(transformer, a: dict) -> CallShape:
     x = a["hidden_states"]
     if x.dim() != 4:
         raise ValueError(f"hidden_states must be a [B, C, H, W] latent, got shape {tuple(x.shape)}")
     p = transformer.config.patch_size
-    return CallInfo((x.shape[2] // p, x.shape[3] // p), int(a["encoder_hidden_states"].shape[1]), timestep_value(a["timestep"]))
+    return _shape((x.shape[2] // p, x.shape[3] // p), a["encoder_hidden_states"].shape[1])
 
 
 SD3 = ModelAdapter(
@@ -159,18 +177,17 @@ SD3 = ModelAdapter(
     rope_text_before=False,
     # attn2: SD3.5-medium's extra image-only self-attention in its first blocks.
     attention=("transformer_blocks.*.attn", "transformer_blocks.*.attn2"),
-    read_call=_sd3_read,
+    read_shape=_sd3_shape,
     defaults=lambda config: {"dense_layers": 4, "dense_steps": 0, "covariance_aware": True},
     token_inputs=("block_controlnet_hidden_states",),
-    joint_processor=True,
     image_model=True,
+    skipped_blocks=lambda a: frozenset(a.get("skip_layers") or ()),
 )
 
 
 # --- Wan2.1 ------------------------------------------------------------------------------------
-def _wan_read(transformer, a: dict, cache: dict) -> CallInfo:
-    grid = _video_grid(a["hidden_states"], *transformer.config.patch_size)
-    return CallInfo(grid, 0, timestep_value(a["timestep"]))
+def _wan_shape(transformer, a: dict) -> CallShape:
+    return _shape(_video_grid(a["hidden_states"], *transformer.config.patch_size), 0)
 
 
 def _wan_defaults(config) -> dict:
@@ -190,17 +207,17 @@ WAN = ModelAdapter(
     rope_dim=1,
     rope_text_before=False,
     attention=("blocks.*.attn1",),
-    read_call=_wan_read,
+    read_shape=_wan_shape,
     defaults=_wan_defaults,
     token_inputs=("timestep",),  # Wan2.2 TI2V per-token timesteps [B, L]; 1-D timesteps untouched
 )
 
 
 # --- HunyuanVideo ------------------------------------------------------------------------------
-def _hunyuan_read(transformer, a: dict, cache: dict) -> CallInfo:
+def _hunyuan_shape(transformer, a: dict) -> CallShape:
     c = transformer.config
     grid = _video_grid(a["hidden_states"], c.patch_size_t, c.patch_size, c.patch_size)
-    return CallInfo(grid, int(a["encoder_hidden_states"].shape[1]), timestep_value(a["timestep"]))
+    return _shape(grid, a["encoder_hidden_states"].shape[1])
 
 
 def _hunyuan_check(transformer) -> None:
@@ -224,7 +241,7 @@ HUNYUAN = ModelAdapter(
     rope_text_before=False,
     # Not context_embedder.token_refiner: the text-only refiner stays dense on its own backend.
     attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
-    read_call=_hunyuan_read,
+    read_shape=_hunyuan_shape,
     defaults=lambda config: {"dense_layers": 1, "dense_steps": 10, "covariance_aware": False},
     check=_hunyuan_check,
 )
@@ -241,3 +258,18 @@ def adapter_for(transformer) -> ModelAdapter:
                 return adapter
     supported = ", ".join(a.class_name for a in ADAPTERS)
     raise TypeError(f"PISA has no adapter for {type(transformer).__name__}; supported transformers: {supported}")
+
+
+def transformers_of(obj) -> tuple[list[tuple[str, Any]], Any]:
+    """``([(name, transformer), ...], pipeline or None)`` for a pipeline (its ``transformer`` and
+    ``transformer_2``) or one transformer; ``torch.compile`` wrappers are seen through."""
+    if isinstance(obj, torch.nn.Module):
+        return [("transformer", getattr(obj, "_orig_mod", obj))], None
+    found = [(n, getattr(obj, n, None)) for n in ("transformer", "transformer_2")]
+    found = [(n, getattr(t, "_orig_mod", t)) for n, t in found if isinstance(t, torch.nn.Module)]
+    if not found:
+        raise TypeError(
+            f"pipe_or_transformer must be a diffusers pipeline with a transformer or a transformer model, "
+            f"got {type(obj).__name__}"
+        )
+    return found, obj

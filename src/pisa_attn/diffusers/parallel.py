@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..layout import block_floor
 from ..parallel import ring_pisa_attention, ulysses_attention, unified_pisa_attention
 from ..parallel.comm import all_gather_var, gather_ints
 from ..parallel.phases import phase
 from . import hooks
-from .backend import dense_attention, sparse_attention
+from .calls import dense_attention, sparse_attention
 from .state import Sequence, current_run
 
 
@@ -117,15 +118,15 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa:
     if hooks.observers(state.transformer):
         raise ValueError("attention observers (capture, telemetry) are not supported under context parallelism")
     layer = run.next_layer()
-    reason = cfg.schedule.dense_reason(layer, run.step, total)
+    reason = run.dense_reason(layer, total)
     if reason is not None:
         out = _dense(q, k, v, scale, enable_gqa, groups, list(lens))
     else:
-        perm, q_perm = _orders(seq, lens)
         settings = (cfg.density, cfg.mode, cfg.covariance_aware, cfg.block_size)
         if groups.ring is not None:
-            out = _ring_sparse(q, k, v, seq, perm, q_perm, scale, settings, groups, list(lens))
+            out = _ring_sparse(q, k, v, seq, scale, settings, groups, list(lens))
         else:
+            perm = pisa_order(seq, lens)
 
             def single_process(qf, kf, vf):  # [B, h, L, D] in PISA order
                 qs, ks, vs = (x.transpose(1, 2) for x in (qf, kf, vf))
@@ -175,15 +176,15 @@ def _dense(q, k, v, scale, enable_gqa, groups: _Groups, lens: list[int]) -> Tens
     return ulysses_attention(q, k, v, single_process, group=groups.ulysses, layout="bshd", seq_lens=lens)
 
 
-def _ring_sparse(q, k, v, seq: Sequence, perm: Tensor, q_perm, scale, settings, groups: _Groups,
-                 lens: list[int]) -> Tensor:  # fmt: skip
-    """As :func:`.backend.sparse_attention`: PISA for the image queries (their own query blocks, text
-    key blocks kept exact), exact attention for the text queries, in one pass round the ring."""
+def _ring_sparse(q, k, v, seq: Sequence, scale, settings, groups: _Groups, lens: list[int]) -> Tensor:
+    """As :func:`.calls.sparse_attention`: PISA for the image queries (from the block boundary at or
+    before the first, so their query blocks are the key blocks' tiles; text key blocks kept exact),
+    exact attention for the text queries, in one pass round the ring."""
     density, mode, cov, bs = settings
+    perm, q_perm, exact = _orders(seq, lens, bs)
     kw = dict(
         density=density, block_size=bs, mode=mode, covariance_aware=cov, scale=scale, layout="bshd",
-        keep_blocks=seq.keep_for(seq.length, bs), perm=perm, q_perm=q_perm, exact_rest=q_perm is not None,
-        seq_lens=lens,
+        keep_blocks=seq.keep_for(seq.length, bs), perm=perm, q_perm=q_perm, exact_queries=exact, seq_lens=lens,
     )  # fmt: skip
     if groups.ulysses is None:
         return ring_pisa_attention(q, k, v, group=groups.ring, **kw)
@@ -212,17 +213,20 @@ def _even_split(image_lo: int, image_hi: int, total: int, world: int) -> tuple[i
     return tuple(sum((b - a) // world + (r < (b - a) % world) for a, b in runs) for r in range(world))
 
 
-def _orders(seq: Sequence, lens: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
-    """(PISA order of the gathered sequence, the image queries' part of it or None when the image
-    is the whole sequence): the same tensor objects on every call, which the ring's plan cache keys on."""
-    return _orders_cached(seq.layout, seq.image_lo, seq.image_hi, tuple(lens))
+def _orders(seq: Sequence, lens, block_size: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(PISA order of the gathered sequence; the PISA queries, the image rows from the block boundary
+    at or before the first, or None when that is the whole sequence; the text queries, which attend
+    exactly, or None): the same tensor objects on every call, which the ring's plan cache keys on."""
+    return _orders_cached(seq.layout, seq.image_lo, seq.image_hi, tuple(lens), block_size)
 
 
 @functools.lru_cache(maxsize=32)
-def _orders_cached(layout, image_lo: int, image_hi: int, lens: tuple[int, ...]):
+def _orders_cached(layout, image_lo: int, image_hi: int, lens: tuple[int, ...], block_size: int):
     perm = _pisa_order(layout, image_lo, image_hi, lens)
-    whole = image_lo == 0 and image_hi == layout.num_tokens
-    return perm, None if whole else perm[image_lo:image_hi].clone()
+    start = block_floor(image_lo, block_size)
+    q_perm = None if start == 0 and image_hi == layout.num_tokens else perm[start:image_hi].clone()
+    texts = [perm[a:b] for a, b in _runs(image_lo, image_hi, layout.num_tokens) if (a, b) != (image_lo, image_hi)]
+    return perm, q_perm, torch.cat(texts) if texts else None
 
 
 def pisa_order(seq: Sequence, lens: tuple[int, ...]) -> Tensor:

@@ -27,9 +27,9 @@ def _check_count(name: str, value) -> int:
 class Schedule:
     """Dense-or-sparse decision per managed self-attention call.
 
-    dense_layers: the first ``dense_layers`` attention layers always run dense; layers are counted
-                  in the order they run in a forward (blocks SD3 skips for skip-layer guidance
-                  do not count).
+    dense_layers: the first ``dense_layers`` transformer blocks always run dense, every attention
+                  layer in them (SD3.5's attn and attn2 of a block); blocks keep their index when
+                  SD3's skip-layer guidance skips some.
     dense_steps:  the first ``dense_steps`` denoising steps run dense in every layer.
     min_kv_len:   calls with fewer keys run dense (too few tokens for sparsity to pay).
     """
@@ -44,7 +44,8 @@ class Schedule:
         _check_count("min_kv_len", self.min_kv_len)
 
     def dense_reason(self, layer: int, step: int, kv_len: int) -> str | None:
-        """Why the call at (``layer``, ``step``) with ``kv_len`` keys runs dense, or None (sparse)."""
+        """Why the call in transformer block ``layer`` at ``step`` with ``kv_len`` keys runs dense,
+        or None (sparse)."""
         if step < self.dense_steps:
             return "warmup_step"
         if layer < self.dense_layers:

@@ -1,13 +1,17 @@
 """State shared by the hooks and the backend: per-transformer settings and per-forward runs.
 
-The transformer-level hook opens a :class:`Run` for each forward call (its step, grid, layouts and
-a counter of managed attention layers) and publishes it in a context variable; the attention
-backend, called deep inside the model by diffusers' dispatcher, reads it from there.
+Each forward call of a managed transformer opens a :class:`Run` (its step, grid, layouts and a
+counter of managed attention layers) when it starts running and publishes it in a context
+variable; the attention backend, called deep inside the model by diffusers' dispatcher, reads it
+from there. Runs are opened and closed by opaque ops (see :mod:`.tiling`), so under
+``torch.compile`` this happens when the graph runs, never while it is traced.
 """
 
 from __future__ import annotations
 
 import contextvars
+import itertools
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,22 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..layout import TokenLayout
 from .. import spec
+from ..layout import TokenLayout
 from .models import CallInfo, ModelAdapter
 from .schedule import Schedule, StepTracker
-
-
-def validate_settings(density, mode, block_size) -> None:
-    """ValueError/TypeError naming the argument, for settings shared by every entry point."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)):
-        raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__}")
-    if not 0.0 < float(density) <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    if mode not in spec.MODES:
-        raise ValueError(f"mode must be one of {spec.MODES}, got {mode!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
 
 
 @dataclass(frozen=True)
@@ -86,13 +78,17 @@ class Layouts:
 class Run:
     """One forward call of a managed transformer."""
 
-    def __init__(self, state: "PisaState", step: int, info: CallInfo, layouts: Layouts) -> None:
+    def __init__(
+        self, state: "PisaState", step: int, info: CallInfo, layouts: Layouts, blocks: tuple[int, ...] = ()
+    ) -> None:
         self.state = state
         self.step = step
         self.info = info
         self.layouts = layouts
+        self.blocks = blocks  # transformer block of each managed attention layer of this forward
         self.layer = 0  # next managed attention layer, in forward order
         self.key_lens: dict[tuple, list[int] | None] = {}  # per attention mask: valid keys per row
+        self.masks: dict[tuple, Tensor] = {}  # per attention mask and sequence: the mask in tiled order
 
     def sequence(self, q_len: int, kv_len: int) -> Sequence | None:
         """The managed sequence a call belongs to, or None (cross-attention, text refiner, ...)."""
@@ -103,10 +99,43 @@ class Run:
                 return seq
         return None
 
+    def tiled_mask(self, mask: Tensor, seq: Sequence, batch: int) -> Tensor:
+        """``mask`` (over ``seq`` in the model's token order) reordered like the tokens, once per
+        forward (one mask serves every layer)."""
+        key = (mask.data_ptr(), tuple(mask.shape), mask.dtype, seq.layout)
+        if key not in self.masks:
+            self.masks[key] = seq.layout.mask_to_tiled(mask, batch)
+        return self.masks[key]
+
+    def image_mask(self, mask: Tensor, q_len: int, kv_len: int) -> Tensor:
+        """The mask of a call PISA does not manage, with its dims that index the image/video
+        tokens (queries of a cross-attention, say) reordered like those tokens."""
+        image = self.layouts.image
+        n = image.num_tokens
+        if image.is_identity or mask.dim() < 2 or n not in (q_len, kv_len):
+            return mask
+        key = (mask.data_ptr(), tuple(mask.shape), mask.dtype, q_len, kv_len)
+        if key not in self.masks:
+            out = mask
+            if kv_len == n and out.shape[-1] == n:
+                out = image.to_tiled(out, out.dim() - 1)
+            if q_len == n and out.shape[-2] == n:
+                out = image.to_tiled(out, out.dim() - 2)
+            self.masks[key] = out
+        return self.masks[key]
+
     def next_layer(self) -> int:
         layer = self.layer
         self.layer += 1
         return layer
+
+    def block(self, layer: int) -> int:
+        """The transformer block the ``layer``-th managed attention call of this forward belongs to."""
+        return self.blocks[layer] if layer < len(self.blocks) else layer
+
+    def dense_reason(self, layer: int, kv_len: int) -> str | None:
+        """The schedule's decision for the ``layer``-th managed call (see :class:`Schedule`)."""
+        return self.state.config.schedule.dense_reason(self.block(layer), self.step, kv_len)
 
 
 @dataclass
@@ -120,13 +149,36 @@ class PisaState:
     handles: list = field(default_factory=list)  # hook handles
     restore: list = field(default_factory=list)  # callables undoing processor/backend changes
     layouts: dict = field(default_factory=dict)  # (grid, text_len) -> Layouts
-    read_cache: dict = field(default_factory=dict)  # the adapter's read_call cache
+    read_cache: dict = field(default_factory=dict)  # the adapter's read_grid cache
     stats: Counter = field(default_factory=Counter)  # calls per outcome since the last generation start
     runs: list = field(default_factory=list)  # (context token, run) of forwards in progress
+    blocks: tuple[int, ...] = ()  # transformer block of each managed attention module, forward order
+    handle: int = field(init=False)  # how the opaque ops (ints in a graph) find this state
+    tiling: tuple | None = None  # (perm, inv_perm) of the forward being run or traced
+
+    def __post_init__(self) -> None:
+        self.handle = next(_HANDLES)
+        _STATES[self.handle] = self
+
+    def forward_blocks(self, arguments: dict) -> tuple[int, ...]:
+        """Blocks of the managed attention calls of one forward (blocks the call skips left out)."""
+        skipped = self.adapter.skipped_blocks(arguments)
+        return tuple(b for b in self.blocks if b not in skipped) if skipped else self.blocks
 
     def new_generation(self) -> None:
         self.tracker.reset()
         self.stats.clear()
+
+
+_HANDLES = itertools.count(1)
+_STATES: weakref.WeakValueDictionary[int, PisaState] = weakref.WeakValueDictionary()
+
+
+def state_of(handle: int) -> PisaState:
+    state = _STATES.get(handle)
+    if state is None:
+        raise RuntimeError("this PISA state was removed (remove_pisa) after the graph calling it was compiled")
+    return state
 
 
 _RUN: contextvars.ContextVar[Run | None] = contextvars.ContextVar("pisa_run", default=None)
@@ -142,6 +194,16 @@ def enter_run(run: Run) -> contextvars.Token:
 
 def exit_run(token: contextvars.Token) -> None:
     _RUN.reset(token)
+
+
+def open_run(run: Run) -> None:
+    run.state.runs.append((enter_run(run), run))
+
+
+def close_run(state: PisaState) -> None:
+    """Close ``state``'s innermost run if it is the current one (no-op otherwise)."""
+    if state.runs and current_run() is state.runs[-1][1]:
+        exit_run(state.runs.pop()[0])
 
 
 def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
@@ -166,7 +228,11 @@ def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
     prefix = torch.arange(kv_len, device=m.device)[None, :] < lens[:, None]
     lens_list, ok = lens.tolist(), bool((prefix == valid).all())
     if not ok:
-        raise ValueError("the pisa backend supports key-padding masks whose valid keys form a prefix of each row")
+        raise ValueError(
+            "the pisa backend supports attention masks whose valid keys form a prefix of each row in the order "
+            "PISA runs the tokens in (after its token tiling when apply_pisa manages the model): the sparse kernel "
+            "reads a key count per row, not a mask"
+        )
     lens_list = lens_list * batch if len(lens_list) == 1 else lens_list
     if min(lens_list) < 1:
         raise ValueError("attention mask leaves a row with no valid key")

@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..attention import pisa_attention
-from ..bench import metrics
-from .. import spec
+from .. import metrics, spec
+from ..layout import block_floor
 from . import hooks
+from .models import transformers_of
 
-_ATTR = "_pisa_telemetry"
+ATTR = "_pisa_telemetry"
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def attach(transformer, config=True) -> Telemetry:
     detach(transformer)
     tel = Telemetry(cfg, _rng=random.Random(cfg.seed))
     tel._remove = hooks.add_observer(transformer, tel.observe)
-    transformer.__dict__[_ATTR] = tel
+    transformer.__dict__[ATTR] = tel
     return tel
 
 
@@ -121,7 +122,7 @@ def detach(transformer) -> Telemetry | None:
 
 
 def get(transformer) -> Telemetry | None:
-    return transformer.__dict__.get(_ATTR)
+    return getattr(transformer, "_orig_mod", transformer).__dict__.get(ATTR)
 
 
 @torch.no_grad()
@@ -131,6 +132,8 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
     lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
     lens = call.meta.get("key_lens")
     bs = call.block_size
+    start = block_floor(lo, bs)  # query blocks on the key blocks' grid, as the backend runs them
+    cut = lo - start  # leading rows (text) computed for the blocks' sake, not measured
     heads = call.q.shape[1]
     groups = defaultdict(list)
     for row in range(call.q.shape[0]):
@@ -140,7 +143,7 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
     n_rows = 0
     for n, rows in groups.items():
         idx = torch.tensor(rows, device=call.q.device)
-        q = call.q.index_select(0, idx)[:, :, lo:hi]
+        q = call.q.index_select(0, idx)[:, :, start:hi]
         k, v = (x.index_select(0, idx)[:, :, :n] for x in (call.k, call.v))
         keep = None
         if call.keep_blocks is not None:
@@ -151,18 +154,18 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
         sel = metrics.select(q, k, v, **kw)
         dense = metrics.dense_pass(q, k, v, block_size=bs, masks=(sel.selected,), scale=call.scale)
         if call.dense:  # what PISA would have given here
-            pisa = pisa_attention(q, k, v, mode=call.mode, **kw)
+            pisa = pisa_attention(q, k, v, mode=call.mode, **kw)[:, :, cut:]
         else:
             pisa = call.out.index_select(0, idx)[:, :, lo:hi]
         outs = {"pisa": pisa}
         if drop:
-            outs["drop"] = pisa if call.mode == "drop" else pisa_attention(q, k, v, mode="drop", **kw)
-        d = dense.out.double()
+            outs["drop"] = pisa if call.mode == "drop" else pisa_attention(q, k, v, mode="drop", **kw)[:, :, cut:]
+        d = dense.out[:, :, cut:].double()
         for name, o in outs.items():
             err[name][0] += float((o.double() - d).abs().sum())
             err[name][1] += float(d.abs().sum())
-        tail_sum += dense.tail_mass[0].double().sum(dim=(0, 2)).cpu()
-        n_rows += len(rows) * q.shape[2]
+        tail_sum += dense.tail_mass[0][:, :, cut:].double().sum(dim=(0, 2)).cpu()
+        n_rows += len(rows) * (hi - lo)
     per_head = (tail_sum / max(1, n_rows)).tolist()
     return {
         "layer": call.layer, "step": call.step, "dense": call.dense, "dense_reason": call.meta.get("dense_reason"),
@@ -174,16 +177,6 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
 
 
 # --- report ------------------------------------------------------------------------------------
-def _named_transformers(obj) -> list[tuple[str, object]]:
-    if isinstance(obj, torch.nn.Module):
-        return [("transformer", obj)]
-    found = [(n, getattr(obj, n, None)) for n in ("transformer", "transformer_2")]
-    found = [(n, t) for n, t in found if isinstance(t, torch.nn.Module)]
-    if not found:
-        raise TypeError(f"pipe_or_transformer must be a diffusers pipeline or a transformer, got {type(obj).__name__}")
-    return found
-
-
 def _mean(xs) -> float:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else math.nan
@@ -224,7 +217,7 @@ def report(pipe_or_transformer, heatmap: str | None = None, *, console=None) -> 
     from rich.console import Console
     from rich.table import Table
 
-    found = [(n, get(t)) for n, t in _named_transformers(pipe_or_transformer)]
+    found = [(n, get(t)) for n, t in transformers_of(pipe_or_transformer)[0]]
     found = [(n, t) for n, t in found if t is not None]
     if not found:
         raise ValueError("no telemetry on this pipeline/transformer: use apply_pisa(..., telemetry=rate) first")

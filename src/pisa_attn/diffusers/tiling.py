@@ -1,10 +1,16 @@
 """Model-boundary token reordering: image/video tokens enter the blocks in tiled order once per
 forward (with their rotary embeddings) and leave in original order before unpatchify.
 
-Hooks: a transformer forward pre-hook reads the call (grid, text length, timestep), opens the
-:class:`~.state.Run` and reorders token-shaped inputs; forward hooks on the adapter's token,
-rotary and output modules reorder their outputs; a final transformer hook closes the run. Text
-tokens are never moved, so the joint sequence is ``[text_before][tiled image][text_after]``.
+Hooks: a transformer forward pre-hook reads the call's shapes, calls the opaque op
+``pisa_attn::diffusers_begin_forward`` and reorders token-shaped inputs with the permutation it
+returns; forward hooks on the adapter's token and rotary modules reorder their outputs; the output
+module's hook calls ``pisa_attn::diffusers_end_forward``, which puts the tokens back and closes the
+run. Text tokens are never moved, so the joint sequence is ``[text_before][tiled image][text_after]``.
+
+Everything that depends on values (the timestep and so the denoising step, FLUX's grid from
+``img_ids``, the layouts, the :class:`~.state.Run` the attention backend reads) happens inside the
+two ops, when they run: under ``torch.compile(transformer, fullgraph=True)`` the graph holds the ops
+and ``index_select`` calls with their outputs, and nothing in it changes from step to step.
 """
 
 from __future__ import annotations
@@ -16,9 +22,9 @@ import torch
 from torch import Tensor
 
 from ..layout import TokenLayout, make_layout
-from .models import CallInfo
+from .models import CallInfo, timestep_value
 from .parallel import check_token_split, tokens_stay_in_model_order
-from .state import Layouts, PisaState, Run, Sequence, current_run, enter_run, exit_run
+from .state import Layouts, PisaState, Run, Sequence, close_run, open_run, state_of
 
 
 def default_tile(ndim: int, block_size: int) -> tuple[int, ...]:
@@ -50,57 +56,122 @@ def build_layouts(grid: tuple[int, ...], text_len: int, text: str, tile: tuple[i
     return Layouts(image, _sequence(joint, before, n, block_size), _sequence(image, 0, n, block_size))
 
 
+# --- the ops a forward runs -------------------------------------------------------------------
+def begin_forward(
+    state: PisaState, timestep: Tensor, shape: list[int], grid_ids: Tensor | None, blocks: list[int]
+) -> Run:
+    """Open the :class:`Run` of one forward call: its grid (from ``shape`` or ``grid_ids``), layouts,
+    denoising step (from ``timestep``, one host read) and the transformer block of each managed
+    attention call. ``shape`` is ``[text_len, image_tokens, *grid]``."""
+    text_len, n_image, *grid = (int(x) for x in shape)
+    if not grid:
+        grid = state.adapter.read_grid(grid_ids, state.read_cache)
+    grid = tuple(grid)
+    if math.prod(grid) != n_image:
+        raise ValueError(f"hidden_states has {n_image} image tokens but the grid read from the call is {grid}")
+    layouts = state.layouts.get((grid, text_len))
+    if layouts is None:
+        layouts = build_layouts(grid, text_len, state.adapter.text, state.config.tile, state.config.block_size)
+        state.layouts[(grid, text_len)] = layouts
+    check_token_split(state.transformer, layouts.joint)  # context parallelism: before diffusers shards tokens
+    t = timestep_value(timestep)
+    close_run(state)  # left open by a compiled forward that raised (an eager one closes it on exit)
+    previous = state.tracker.step
+    step = state.tracker.observe(t)
+    if step == 0 and previous != 0:  # a new generation (also detected without the pipeline hook)
+        state.stats.clear()
+    run = Run(state, step, CallInfo(grid, text_len, t), layouts, tuple(blocks))
+    open_run(run)
+    return run
+
+
+@torch.library.custom_op("pisa_attn::diffusers_begin_forward", mutates_args=())
+def _begin_op(
+    handle: int, x: Tensor, timestep: Tensor, shape: list[int], grid_ids: Tensor | None, blocks: list[int]
+) -> tuple[Tensor, Tensor]:
+    """(perm, inv_perm) of the image tokens on ``x``'s device, after :func:`begin_forward`."""
+    image = begin_forward(state_of(handle), timestep, shape, grid_ids, blocks).layouts.image
+    # Copies: the cached permutations must not become buffers a compiled graph may reuse.
+    return image.perm_on(x.device).clone(), image.perm_on(x.device, inverse=True).clone()
+
+
+@_begin_op.register_fake
+def _(handle, x, timestep, shape, grid_ids, blocks):
+    n = shape[1]
+    return x.new_empty(n, dtype=torch.long), x.new_empty(n, dtype=torch.long)
+
+
+@torch.library.custom_op("pisa_attn::diffusers_end_forward", mutates_args=())
+def _end_op(handle: int, x: Tensor, inv_perm: Tensor) -> Tensor:
+    """``x`` ([B, L, C] tiled tokens) in original order; closes the forward's run."""
+    out = x.index_select(1, inv_perm)
+    close_run(state_of(handle))
+    return out
+
+
+@_end_op.register_fake
+def _(handle, x, inv_perm):
+    return x.new_empty(x.shape)
+
+
 # --- hooks -------------------------------------------------------------------------------------
-def _active(state: PisaState) -> Run | None:
-    run = current_run()
-    if tokens_stay_in_model_order(state.transformer):  # context parallelism: attention tiles (issue 6)
+def _tiling(state: PisaState) -> tuple[Tensor, Tensor] | None:
+    """(perm, inv_perm) of the forward in progress, unless tokens stay in model order (context
+    parallelism: attention tiles per call)."""
+    if state.tiling is None or tokens_stay_in_model_order(state.transformer):
         return None
-    return run if run is not None and run.state is state else None
+    return state.tiling
 
 
-def _tile_token_input(layout: TokenLayout, x):
-    n = layout.num_tokens
+def _tile_token_input(perm: Tensor, x):
+    n = perm.shape[0]
     if isinstance(x, Tensor):
-        return layout.to_tiled(x, 1) if x.dim() >= 2 and x.shape[1] == n else x
+        return x.index_select(1, perm) if x.dim() >= 2 and x.shape[1] == n else x
     if isinstance(x, (list, tuple)):
-        return type(x)(_tile_token_input(layout, t) for t in x)
+        return type(x)(_tile_token_input(perm, t) for t in x)
     return x
 
 
-def _pre_hook(state: PisaState, signature: inspect.Signature):
-    adapter, cfg = state.adapter, state.config
+def _pre_hook(state: PisaState, names: tuple[str, ...]):
+    adapter = state.adapter
 
     def hook(module, args, kwargs):
-        bound = signature.bind(*args, **kwargs)
-        info: CallInfo = adapter.read_call(module, bound.arguments, state.read_cache)
-        key = (info.grid, info.text_len)
-        layouts = state.layouts.get(key)
-        if layouts is None:
-            layouts = build_layouts(info.grid, info.text_len, adapter.text, cfg.tile, cfg.block_size)
-            state.layouts[key] = layouts
-        check_token_split(module, layouts.joint)  # before diffusers shards the tokens (context parallelism)
-        previous = state.tracker.step
-        step = state.tracker.observe(info.timestep)
-        if step == 0 and previous != 0:  # a new generation (also detected without the pipeline hook)
-            state.stats.clear()
+        arguments = dict(zip(names, args))
+        arguments.update(kwargs)
+        grid, text_len, n_image = adapter.read_shape(module, arguments)
+        ids = arguments.get(adapter.grid_input) if grid is None else None
+        if grid is None and ids is None:
+            raise ValueError(f"{type(module).__name__} needs {adapter.grid_input!r} to know its token grid")
+        t = arguments.get("timestep")
+        t = t.detach() if isinstance(t, Tensor) else torch.tensor(float(t))
+        x = arguments["hidden_states"].detach()
+        shape = [text_len, n_image, *(grid or ())]
+        blocks = list(state.forward_blocks(arguments))
+        state.tiling = torch.ops.pisa_attn.diffusers_begin_forward(state.handle, x, t, shape, ids, blocks)
+        tiling = _tiling(state)
+        if tiling is None:
+            return None
         changed = False
         for name in adapter.token_inputs:
-            if bound.arguments.get(name) is not None and not tokens_stay_in_model_order(module):  # issue 6
-                new = _tile_token_input(layouts.image, bound.arguments[name])
-                changed |= new is not bound.arguments[name]
-                bound.arguments[name] = new
-        run = Run(state, step, info, layouts)
-        state.runs.append((enter_run(run), run))
-        return (bound.args, bound.kwargs) if changed else None
+            if arguments.get(name) is not None:
+                new = _tile_token_input(tiling[0], arguments[name])
+                changed |= new is not arguments[name]
+                arguments[name] = new
+        if not changed:
+            return None
+        n = len(args)
+        return tuple(arguments[k] for k in names[:n]), {k: arguments[k] for k in kwargs}
 
     return hook
 
 
 def _post_hook(state: PisaState):
     def hook(module, args, output):
-        # Also called when the forward raised; pop only a run this transformer's pre-hook opened.
-        if state.runs and current_run() is state.runs[-1][1]:
-            exit_run(state.runs.pop()[0])
+        # Also called when the forward raised: close a run the end op did not (eagerly only: a
+        # compiled forward closes its run in the graph).
+        state.tiling = None
+        if not torch.compiler.is_compiling():
+            close_run(state)
         return None
 
     return hook
@@ -108,42 +179,44 @@ def _post_hook(state: PisaState):
 
 def _token_hook(state: PisaState, kind: str):
     def hook(module, args, out):
-        run = _active(state)
-        if run is None:
+        tiling = _tiling(state)
+        if tiling is None:
             return None
-        layout = run.layouts.image
+        perm = tiling[0]
         if kind == "tokens":
-            return layout.to_tiled(out, 1)
+            return out.index_select(1, perm)
         # Patch-embedding conv output [B, C, *grid]: flatten(2) is the raster token order.
-        tiled = layout.to_tiled(out.flatten(2), 2)
+        tiled = out.flatten(2).index_select(2, perm)
         return tiled.reshape(*out.shape[:2], *([1] * (out.dim() - 3)), tiled.shape[-1])
 
     return hook
 
 
 def _rope_hook(state: PisaState, dim: int, text_before: bool):
-    def tile(run: Run, x: Tensor) -> Tensor:
+    def tile(perm: Tensor, x: Tensor) -> Tensor:
         if not text_before:
-            return run.layouts.image.to_tiled(x, dim)
-        t = run.info.text_len
-        text, image = x.narrow(dim, 0, t), x.narrow(dim, t, x.shape[dim] - t)
-        return torch.cat([text, run.layouts.image.to_tiled(image, dim)], dim=dim)
+            return x.index_select(dim, perm)
+        t = x.shape[dim] - perm.shape[0]
+        text, image = x.narrow(dim, 0, t), x.narrow(dim, t, perm.shape[0])
+        return torch.cat([text, image.index_select(dim, perm)], dim=dim)
 
     def hook(module, args, out):
-        run = _active(state)
-        if run is None:
+        tiling = _tiling(state)
+        if tiling is None:
             return None
         if isinstance(out, Tensor):
-            return tile(run, out)
-        return type(out)(tile(run, x) for x in out)
+            return tile(tiling[0], out)
+        return type(out)(tile(tiling[0], x) for x in out)
 
     return hook
 
 
 def _untile_hook(state: PisaState):
     def hook(module, args, out):
-        run = _active(state)
-        return None if run is None else run.layouts.image.from_tiled(out, 1)
+        tiling = _tiling(state)
+        if tiling is None:
+            return None
+        return torch.ops.pisa_attn.diffusers_end_forward(state.handle, out, tiling[1])
 
     return hook
 
@@ -151,13 +224,12 @@ def _untile_hook(state: PisaState):
 def install(state: PisaState) -> None:
     """Register the boundary hooks of ``state.adapter`` on ``state.transformer``."""
     tr, ad = state.transformer, state.adapter
-    signature = inspect.signature(tr.forward)
+    names = tuple(inspect.signature(tr.forward).parameters)
     h = state.handles
-    h.append(tr.register_forward_pre_hook(_pre_hook(state, signature), with_kwargs=True))
+    h.append(tr.register_forward_pre_hook(_pre_hook(state, names), with_kwargs=True))
     h.append(tr.register_forward_hook(_post_hook(state), always_call=True))
     h.append(tr.get_submodule(ad.token_module).register_forward_hook(_token_hook(state, ad.token_output)))
     if ad.rope_module is not None:
         rope = tr.get_submodule(ad.rope_module)
         h.append(rope.register_forward_hook(_rope_hook(state, ad.rope_dim, ad.rope_text_before)))
     h.append(tr.get_submodule(ad.untile_module).register_forward_hook(_untile_hook(state)))
-

@@ -16,8 +16,13 @@ import inspect
 from typing import NamedTuple
 
 import torch
+import triton
 
 from .triton._common import interpreting
+
+# Triton 3.6's launcher object is called directly (its C entry point, when the kernel needs no
+# scratch memory); other releases go through the compiled kernel's public ``kernel[grid](...)``.
+_DIRECT = triton.__version__.startswith("3.6.")
 
 
 class Desc(NamedTuple):
@@ -39,17 +44,55 @@ class Launcher:
         self._names = [p.name for p in params]
         self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
+    def __contains__(self, key) -> bool:
+        return key in self._cache
+
     def __call__(self, key, grid, args: tuple, constexprs: dict, *, full_args=None, **options):
-        """Launch on ``grid``. ``args`` are the runtime arguments in order (``Desc`` for tensor
-        descriptors); ``full_args``, if given, replaces them on the first (compiling) call --
-        e.g. with full ``TensorDescriptor`` objects."""
+        """Launch on ``grid`` (1 to 3 ints) on the current stream of ``args[0]``'s device. ``args``
+        are the runtime arguments in order (``Desc`` for tensor descriptors); ``full_args``, if
+        given, replaces them on the first (compiling) call -- e.g. with ``TensorDescriptor``s."""
         hit = None if interpreting() else self._cache.get(key)
         if hit is None:
             kernel = self.fn[grid](*(full_args if full_args is not None else args), **constexprs, **options)
             if not interpreting() and hasattr(kernel, "__getitem__"):
-                tail = tuple(constexprs.get(n, self._defaults.get(n)) for n in self._names[len(args):])
-                self._cache[key] = (kernel, tail)
+                self._cache[key] = self._entry(kernel, constexprs, len(args))
             return
-        kernel, tail = hit
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        kernel[grid3](*args, *tail, stream=torch.cuda.current_stream().cuda_stream)
+        run, function, prefix, tail, _ = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(args[0].base.device.index if isinstance(args[0], Desc)
+                                                    else args[0].device.index)
+        try:
+            run(grid[0], g1, g2, stream, function, *prefix, *args, *tail)
+        except TypeError:
+            if not prefix:
+                raise
+            # The C entry point parses its arguments before launching: a layout this Triton does
+            # not have launches nothing, and the public path serves this kernel from now on.
+            self._cache[key] = hit = self._entry(hit[4], None, 0, direct=False, tail=tail)
+            hit[0](grid[0], g1, g2, stream, None, *args, *tail)
+
+    def _entry(self, kernel, constexprs: dict | None, n_args: int, direct: bool = _DIRECT, tail=None):
+        if tail is None:
+            tail = tuple(constexprs.get(n, self._defaults.get(n)) for n in self._names[n_args:])
+        kernel._init_handles()
+        launcher = kernel.run
+        if (direct and getattr(launcher, "global_scratch_size", 1) == 0
+                and getattr(launcher, "profile_scratch_size", 1) == 0 and hasattr(launcher, "launch")):
+            # The C entry point's fixed arguments after (grid, stream, function): cooperative grid,
+            # programmatic dependent launch, global and profile scratch, kernel metadata, launch
+            # metadata, enter and exit hooks.
+            prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, kernel.packed_metadata,
+                      None, None, None)
+            return launcher.launch, kernel.function, prefix, tail, kernel
+
+        def run(g0, g1, g2, stream, function, *args):
+            kernel[(g0, g1, g2)](*args, stream=stream)
+
+        return run, None, (), tail, kernel
+
+
+def spec_class(*xs) -> tuple:
+    """What Triton specialises a compiled kernel on, for these arguments: 16-byte alignment of
+    tensors' data, and for integers whether they are 1 or multiples of 16 (strides, lengths)."""
+    return tuple(x.data_ptr() % 16 == 0 if isinstance(x, torch.Tensor) else (x == 1, x % 16 == 0) for x in xs)

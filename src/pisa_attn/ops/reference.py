@@ -251,10 +251,11 @@ def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale):
 
 # ---------------------------------------------------------------- the stage contract (ops/stages.py)
 def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
-            lean: bool = False) -> BlockStats:
-    """Block statistics of the keys and values plus the query block means."""
+            lean: bool = False, query_block: int | None = None) -> BlockStats:
+    """Block statistics of the keys and values plus the means of query blocks of ``query_block``
+    rows (default ``block_size``)."""
     stats = block_stats(k, v, block_size, with_hdev=with_hdev)
-    stats.qmean = block_means(q, block_size, stats.kmean.dtype)
+    stats.qmean = block_means(q, query_block or block_size, stats.kmean.dtype)
     return stats
 
 
@@ -268,12 +269,19 @@ def select(
     hdev: Tensor | None = None,
     keep: Tensor | None = None,
     scratch_elems: int | None = None,
+    repeat: int = 1,
+    n_q_blocks: int | None = None,
 ) -> Selection:
     """Top-``n_select`` key blocks per query block by pooled score (plus ``keep``, bool
     ``[B|1, H|1, Nk]``), as a :class:`Selection` of index-list width ``width`` (default ``Nk``).
 
     Scores are computed in chunks of query blocks holding at most ``scratch_elems`` scores
-    (default: one slab of the attention's chunking)."""
+    (default: one slab of the attention's chunking). ``repeat``: each row of ``qmean`` selects
+    for that many consecutive query blocks, ``n_q_blocks`` of them in all."""
+    if repeat != 1 or n_q_blocks is not None:
+        sel = select(qmean, kmean, n_select=n_select, width=width, scale=scale, hdev=hdev, keep=keep,
+                     scratch_elems=scratch_elems)
+        return sel.repeat_rows(repeat, qmean.shape[2] if n_q_blocks is None else n_q_blocks)
     b, h, nq, _ = qmean.shape
     nk = kmean.shape[2]
     width = nk if width is None else width

@@ -35,6 +35,13 @@ class Selection(NamedTuple):
         """The bool exact-set mask ``[B, H, Nq, Nk]`` (from ``bits``)."""
         return bits_to_mask(self.bits, n_kv_blocks)
 
+    def repeat_rows(self, factor: int, n_q_blocks: int) -> "Selection":
+        """Each row given to ``factor`` consecutive query blocks (a selection made per query block of
+        ``factor`` blocks), cut to ``n_q_blocks`` rows."""
+        if factor == 1:
+            return self
+        return Selection(*(x.repeat_interleave(factor, dim=2)[:, :, :n_q_blocks].contiguous() for x in self))
+
     def blocks(self, lo: int, hi: int) -> "Selection":
         """The selection restricted to key blocks ``[lo, hi)``, indices relative to ``lo``: what
         attends one K/V shard holding exactly those blocks. Width ``max(1, min(hi - lo, W))``.

@@ -2,9 +2,10 @@
 
 A backend is four functions over ``[B, H, L, D]`` views (K/V may have ``Hk`` heads, GQA)::
 
-    prepare(q, k, v, block_size, *, with_hdev=False, lean=False)            -> stats
+    prepare(q, k, v, block_size, *, with_hdev=False, lean=False,
+            query_block=None)                                               -> stats
     select(qmean, kmean, *, n_select, width, scale, hdev=None, keep=None,
-           scratch_elems=None)                                              -> Selection
+           scratch_elems=None, repeat=1, n_q_blocks=None)                   -> Selection
     attend(q, k, v, stats, selection, *, mode, scale, block_size,
            n_select=None, out_dtype=None)                                   -> (out, lse)
     deviation(k, v, stats, hbar, block_size)                                -> ||H_j − H̄||_F
@@ -16,7 +17,9 @@ Triton backend wraps :func:`run_stages` in one registered op for ``torch.compile
 
 **Statistics** are a dataclass per backend with at least these fields:
 
-* ``qmean`` ``[B, H, Nq, D]`` query block means and ``kmean`` ``[B, Hk, Nk, D]`` key centroids
+* ``qmean`` ``[B, H, Nq', D]`` means of query blocks of ``query_block`` rows (``Nq' = Nq`` by
+  default; each selects for ``query_block / block_size`` query blocks) and ``kmean``
+  ``[B, Hk, Nk, D]`` key centroids
   (float32, float64 for float64 inputs): what selection reads;
 * ``hbar`` ``[B, Hk, D, D]``: ``H̄ = (1/Nk) Σ_j H_j`` over the key blocks it was computed from;
 * ``hdev`` ``[B, Hk, Nk]`` or None: ``||H_j − H̄||_F`` (covariance-aware selection);
@@ -85,17 +88,22 @@ def run_stages(
     covariance_aware: bool = False,
     keep: Tensor | None = None,
     lean: bool = False,
+    query_block: int | None = None,
 ):
     """prepare -> select -> attend on one device: returns ``(stats, selection, (out, lse))``.
 
     ``keep``: bool ``[B|1, H|1, Nk]`` on q's device, always-exact blocks (``width`` must cover
     ``n_select`` plus the most kept blocks of any row). ``lean``: only the output is wanted, so
     intermediates are freed as soon as the next stage no longer needs them (the returned stats
-    then hold only what ``attend`` read).
+    then hold only what ``attend`` read). ``query_block``: tokens per selection row (see
+    :func:`pisa_attn.spec.query_block_factor`); the selection has one row per ``block_size``
+    query block all the same.
     """
-    stats = be.prepare(q, k, v, block_size, with_hdev=covariance_aware, lean=lean)
+    factor = spec.query_block_factor(query_block, block_size)
+    stats = be.prepare(q, k, v, block_size, with_hdev=covariance_aware, lean=lean, query_block=query_block)
     sel = be.select(stats.qmean, stats.kmean, n_select=n_select, width=width, scale=scale, hdev=stats.hdev,
-                    keep=keep, scratch_elems=be.score_scratch(q, k))
+                    keep=keep, scratch_elems=be.score_scratch(q, k), repeat=factor,
+                    n_q_blocks=spec.num_blocks(q.shape[2], block_size))
     if lean:
         stats = stats.for_attend()  # query means and selection-only terms die before attend allocates
     res = be.attend(q, k, v, stats, sel, mode=mode, scale=scale, block_size=block_size, n_select=n_select)
@@ -109,6 +117,7 @@ def run_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | 
     return run_stages(
         be, q, k, v, block_size=plan.block_size, n_select=plan.n_select, width=forward_width(plan, keep, n_keep_max),
         mode=plan.mode, scale=plan.scale, covariance_aware=plan.covariance_aware, keep=keep, lean=lean,
+        query_block=plan.query_block,
     )  # fmt: skip
 
 

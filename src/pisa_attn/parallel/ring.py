@@ -69,7 +69,7 @@ def ring_pisa_attention(
     keep_blocks: Tensor | None = None,
     perm: Tensor | None = None,
     q_perm: Tensor | None = None,
-    exact_rest: bool = False,
+    exact_queries: Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
     seq_lens: list[int] | None = None,
@@ -87,9 +87,11 @@ def ring_pisa_attention(
         q_perm: optional CPU int tensor, the query sequence PISA runs on, as distinct global query
             positions (default: ``perm``, or all queries in order). A subset is allowed: its query
             blocks are blocks of ``x[q_perm]`` (e.g. image queries only); this rank's queries that
-            it does not name are returned as 0 (lse ``-inf``), or see ``exact_rest``.
-        exact_rest: the queries ``q_perm`` leaves out attend every key exactly (dense attention, e.g.
-            the text queries of a joint sequence) in the same pass round the ring.
+            it does not name are returned as 0 (lse ``-inf``) unless ``exact_queries`` names them.
+        exact_queries: optional CPU int tensor of distinct global query positions that attend every
+            key exactly (dense attention, e.g. the text queries of a joint sequence), in the same pass
+            round the ring; where ``q_perm`` names them too (rows computed only to keep its query
+            blocks on the key blocks' grid), the exact result is returned.
         keep_blocks: as in ``pisa_attention``, indexed by global key block (of the permuted order).
         density, block_size, mode, covariance_aware, scale, layout, return_lse, backend: as in
             :func:`pisa_attn.pisa_attention` (the backend runs every ring step).
@@ -100,18 +102,17 @@ def ring_pisa_attention(
         ``out`` for this rank's queries (shape/layout of ``q``), plus its ``lse`` [B, H, Lq] fp32
         when ``return_lse``. Inference only.
 
-    Token orders (``perm``, ``q_perm``) are planned once per distinct tensor object (and in-place
-    version) and shard lengths: pass the same tensors on every call of a model.
+    Token orders (``perm``, ``q_perm``, ``exact_queries``) are planned once per distinct tensor
+    object (and in-place version) and shard lengths: pass the same tensors on every call of a model.
     """
     qh, kh, vh, sh = check_inputs(
         q, k, v, group=group, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
         backend=backend, what="ring_pisa_attention", covariance_aware=covariance_aware, return_lse=return_lse,
         seq_lens=seq_lens,
     )  # fmt: skip
-    spec.check_flag("exact_rest", exact_rest)
     be = get_backend(make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend).backend)
     scale = float(sh.head_dim**-0.5 if scale is None else scale)
-    plan = _ring_plan(perm, q_perm, sh, block_size)
+    plan = _ring_plan(perm, q_perm, exact_queries, sh, block_size)
     n_kv = spec.num_blocks(plan.k_dst[-1], block_size)
     keep, n_keep_max = normalize_keep_blocks(keep_blocks, sh.batch, sh.heads, n_kv, q.device)
     dev = q.device
@@ -119,7 +120,7 @@ def ring_pisa_attention(
     with phase("redist", dev):
         qa = plan.to_q.apply(qh, 2, group)
         ka, va = (plan.to_k.apply(x, 2, group) for x in (kh, vh))
-        rest = plan.rest_index(dev) if exact_rest else None
+        rest = plan.rest_index(dev)
         q_rest = qh.index_select(2, rest) if rest is not None else None
 
     (out, lse), rest_res = _ring_aligned(
@@ -131,7 +132,7 @@ def ring_pisa_attention(
         # Queries that q_perm leaves out come back as out = 0, lse = -inf (no term at all)...
         out = plan.to_q.reverse(out, 2, group)
         lse = plan.to_q.reverse(lse, 2, group, fill=float("-inf")) if return_lse else None
-        if rest_res is not None:  # ...unless they attended exactly
+        if rest_res is not None:  # ...and exact queries as they attended
             out.index_copy_(2, rest, rest_res[0])
             if lse is not None:
                 lse.index_copy_(2, rest, rest_res[1])
@@ -146,7 +147,7 @@ class _RingPlan:
     to_q: Redistribution
     to_k: Redistribution
     k_dst: list[int]
-    rest: Tensor | None  # local query positions q_perm does not name (CPU int64), None if all named
+    rest: Tensor | None  # local positions of the exact queries (CPU int64), None if there are none here
     refs: tuple  # the caller's order tensors: alive while cached, so their ids stay theirs
     _rest_dev: dict = dataclasses.field(default_factory=dict)
 
@@ -167,13 +168,14 @@ def _tensor_key(t):
     return None if t is None else (id(t), t._version)
 
 
-def _ring_plan(perm, q_perm, sh: Shards, block_size: int) -> _RingPlan:
-    key = (_tensor_key(perm), _tensor_key(q_perm), tuple(sh.q_lens), tuple(sh.k_lens), sh.rank, block_size)
+def _ring_plan(perm, q_perm, exact, sh: Shards, block_size: int) -> _RingPlan:
+    key = (_tensor_key(perm), _tensor_key(q_perm), _tensor_key(exact), tuple(sh.q_lens), tuple(sh.k_lens), sh.rank,
+           block_size)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is not None:
         _PLANS.move_to_end(key)
         return plan
-    refs = (perm, q_perm)
+    refs = (perm, q_perm, exact)
     q_src, k_src = bounds_of(sh.q_lens), bounds_of(sh.k_lens)
     if perm is not None:
         perm = check_permutation(perm, k_src[-1])
@@ -191,12 +193,10 @@ def _ring_plan(perm, q_perm, sh: Shards, block_size: int) -> _RingPlan:
     same = same_order and q_src == k_src and q_dst == k_dst
     to_k = to_q if same else Redistribution.plan(perm, k_src, k_dst, sh.rank)
     rest = None
-    if q_perm is not None and n_q < q_src[-1]:
-        named = torch.zeros(q_src[-1], dtype=torch.bool)
-        named[q_perm] = True
-        mine = named[q_src[sh.rank] : q_src[sh.rank + 1]]
-        if not bool(mine.all()):
-            rest = torch.nonzero(~mine).flatten()
+    if exact is not None:
+        exact = check_permutation(exact, q_src[-1], "exact_queries", subset=True)
+        mine = exact[(exact >= q_src[sh.rank]) & (exact < q_src[sh.rank + 1])] - q_src[sh.rank]
+        rest = torch.sort(mine).values if mine.numel() else None
     plan = _RingPlan(to_q, to_k, k_dst, rest, refs)
     _PLANS[key] = plan
     if len(_PLANS) > _MAX_PLANS:

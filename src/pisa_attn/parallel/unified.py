@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .. import spec
 from ..attention import validate
 from .comm import group_info
 from .ring import ring_pisa_attention
@@ -34,7 +33,7 @@ def unified_pisa_attention(
     keep_blocks: Tensor | None = None,
     perm: Tensor | None = None,
     q_perm: Tensor | None = None,
-    exact_rest: bool = False,
+    exact_queries: Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
     seq_lens: list[int] | None = None,
@@ -51,8 +50,9 @@ def unified_pisa_attention(
             Ulysses position of every group).
         seq_lens: per-rank local lengths in global-sequence order (``r * u`` entries), when every
             rank knows them; default: gathered.
-        Everything else as in :func:`pisa_attn.parallel.ring_pisa_attention` (``perm``, ``q_perm``
-        and ``keep_blocks`` index the global sequence; a per-head ``keep_blocks`` follows its heads).
+        Everything else as in :func:`pisa_attn.parallel.ring_pisa_attention` (``perm``, ``q_perm``,
+        ``exact_queries`` and ``keep_blocks`` index the global sequence; a per-head ``keep_blocks``
+        follows its heads).
 
     Returns:
         ``out`` for this rank's queries (shape/layout of ``q``), plus ``lse`` [B, H, Lq] when
@@ -61,7 +61,6 @@ def unified_pisa_attention(
     # The settings are checked here, before any collective (the ring checks them again per group).
     validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout, backend=backend,
              covariance_aware=covariance_aware, return_lse=return_lse)
-    spec.check_flag("exact_rest", exact_rest)
     u_rank, u = group_info(ulysses_group)
     r_rank, r = group_info(ring_group)
     u_lens = ring_lens = None
@@ -80,7 +79,7 @@ def unified_pisa_attention(
         return ring_pisa_attention(
             qf, kf, vf, group=ring_group, density=density, block_size=block_size, mode=mode,
             covariance_aware=covariance_aware, scale=scale, keep_blocks=keep, perm=perm, q_perm=q_perm,
-            exact_rest=exact_rest, return_lse=True, backend=backend, seq_lens=ring_lens,
+            exact_queries=exact_queries, return_lse=True, backend=backend, seq_lens=ring_lens,
         )  # fmt: skip
 
     out, lse = ulysses_attention(q, k, v, ring, group=ulysses_group, layout=layout, seq_lens=u_lens)

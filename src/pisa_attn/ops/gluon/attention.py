@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..launch import Desc, Launcher
+from ..triton.attention import _alloc_like_layout
 from ..triton.pairs import pair_union
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -186,7 +187,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr,
         qmax = gl.max(gl.max(gl.abs(qf), axis=1), axis=0)
         q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
         q16 = (qf / q_sc).to(gl.float16)
-        sc_scale = qk_scale * q_sc * gl.load(kscale_ptr + bhk)
+        sc_scale = qk_scale * q_sc  # q's scale; each centroid block has its own (powers of 2)
+        kscale_row = kscale_ptr + bhk * NK
         brow = bits_ptr + row * NW
         # The group's exact-set bits, one (C = 32) or two (C = 64) words, read one group ahead.
         lo_next = gl.load(brow, mask=active, other=0)
@@ -209,7 +211,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr,
                     word = lo
                 tail = (((word >> (cols % 32)) & 1) == 0) & (cj < NK)
                 sc = warpgroup_mma(q16, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * sc_scale
+                ks = gl.load(kscale_row + cj, mask=cj < NK, other=1.0)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * (sc_scale * ks)[None, :]
                 if EVEN_K:
                     sc = sc + LOG2_BS
                 else:
@@ -353,10 +356,7 @@ def attention(
     bs = block_size
     nq, nk = -(-lq // bs), -(-lk // bs)
     if out is None:
-        if q.stride(1) < q.stride(2):  # q is a [B, L, H, D] buffer: keep that layout
-            out = torch.empty(b, lq, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
-        else:
-            out = torch.empty(b, h, lq, d, device=q.device, dtype=q.dtype)
+        out = _alloc_like_layout(q)
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
     uidx, ucnt = pair_union(bits, nk, idx.shape[-1])
@@ -369,7 +369,7 @@ def attention(
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg)
     key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, tuple(x.data_ptr() % 16 == 0 for x in scalars[:5]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
-    full = tuple(_desc(x, blk) for x, blk in zip(tensors, blocks)) if key not in _launch._cache else None
+    full = None if key in _launch else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
             full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS)
     return out, lse

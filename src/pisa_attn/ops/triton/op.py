@@ -1,21 +1,19 @@
-"""The Triton backend of the stage contract (:mod:`pisa_attn.ops.stages`) and its registered op.
+"""The Triton backend of the stage contract (:mod:`pisa_attn.ops.stages`).
 
-``torch.ops.pisa_attn.pisa_fwd`` runs the three stages as one ``torch.library.custom_op`` with a
-fake implementation, so ``torch.compile(fullgraph=True)`` treats a call as one opaque node, and a
-CUDA graph can capture it: the implementation issues no host synchronisation and every shape is
-known from the arguments. The stages are also callable one by one (tests, phase timing, sharded
-keys). Inference only: the kernels have no backward.
+The portable kernels: any CUDA GPU Triton supports, and Triton's interpreter on the CPU. A whole
+call goes through the registered op of :mod:`pisa_attn.ops.fused` when traced. The stages are also
+callable one by one (tests, phase timing, sharded keys). Inference only: the kernels have no
+backward.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
+from .. import fused as _fused
 from ..selection import Selection
-from ..stages import Backend, forward_width, run_stages
+from ..stages import Backend
 from . import attention as _attn
 from ._common import interpreting
 from .prepare import Stats, deviation, prepare
@@ -74,36 +72,10 @@ def attend(
                            n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out)
 
 
-@torch.library.custom_op("pisa_attn::pisa_fwd", mutates_args=())
-def pisa_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    keep: Optional[Tensor],
-    n_select: int,
-    width: int,
-    mode: str,
-    scale: float,
-    block_size: int,
-    covariance_aware: bool,
-) -> tuple[Tensor, Tensor]:
-    _, _, res = run_stages(BACKEND, q, k, v, block_size=block_size, n_select=n_select, width=width, mode=mode,
-                           scale=scale, covariance_aware=covariance_aware, keep=keep, lean=True)
-    return res
-
-
-@pisa_fwd.register_fake
-def _pisa_fwd_fake(q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware):
-    b, h, lq, _ = q.shape
-    return _attn._alloc_like_layout(q), q.new_empty(b, h, lq, dtype=torch.float32)
-
-
 def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0):
-    """One call on one device through the registered op: ``[B, H, L, D]`` views in, (out, lse) out."""
-    return torch.ops.pisa_attn.pisa_fwd(
-        q, k, v, keep, plan.n_select, forward_width(plan, keep, n_keep_max), plan.mode, plan.scale,
-        plan.block_size, plan.covariance_aware,
-    )
+    """One call on one device (through the registered op when traced): (out, lse)."""
+    return _fused.forward(BACKEND, q, k, v, plan, keep, n_keep_max)
 
 
-BACKEND = Backend("triton", prepare, select, attend, deviation, forward, unsupported_reason, score_scratch)
+BACKEND = _fused.register(
+    Backend("triton", prepare, select, attend, deviation, forward, unsupported_reason, score_scratch))

@@ -1,19 +1,15 @@
-"""Prepare phase: the block statistics PISA needs, in three launches over q, k, v.
+"""Prepare phase: the block statistics PISA needs, reading k and v once and q once.
 
-1. ``_kv_means_kernel`` (streaming, one key block per program; true counts for the ragged last
-   block): centroid ``k̄_j`` in float32 (selection) and the head's largest centroid entry;
-   value mean ``V̂_j / n_j`` in the input dtype (weighted by ``n_j`` in the kernel,
-   which keeps float16 sums of large values from overflowing); ``V̂_j`` in float32 (scratch).
-2. ``_hbar_kernel``: ``H̄ = (1/N) Σ_j H_j`` with ``H_j = K_jᵀV_j − k̄_jᵀV̂_j``, a GEMM-like loop
-   (tensor-core product, rank-1 correction from the stored means) reduced on-chip per chunk of
-   blocks and added atomically into one ``[D, D]`` float32 matrix per kv head (never a per-block
-   ``D×D`` buffer); on the way it writes the centroids for the attention tail scan as float16
-   divided by one power of two per head (11 mantissa bits instead of bfloat16's 8, one
-   tensor-core product per tail score, no overflow whatever the magnitude).
-3. ``_q_mean_kernel`` (streaming): the query block means used by selection.
-
-The kv kernels are split so that no loop holds a block-wide reduction or barrier (a fused launch
-stalled on shared memory: see notes/kernel-notes.md).
+1. ``_kv_stats_kernel`` (one wave of programs, each a run of consecutive key blocks of one kv
+   head; true counts for the ragged last block), per block: centroid ``k̄_j`` in float32
+   (selection); the tail scan's float16 centroid ``k̄_j / s_j`` with ``s_j`` a power of two per
+   block (11 mantissa bits instead of bfloat16's 8, one tensor-core product per tail score, no
+   overflow whatever the magnitude); value mean ``V̂_j / n_j`` in the input dtype; and the
+   tensor-core product ``K_jᵀV_j`` accumulated on chip. Once per run it subtracts
+   ``Σ_j k̄_j V̂_jᵀ`` (float32, from the means it stored) and adds the result, divided by ``N``,
+   atomically into one ``[D, D]`` float32 ``H̄`` per kv head (``H_j = K_jᵀV_j − k̄_j V̂_jᵀ``; no
+   per-block ``D×D`` buffer, no per-block rank-1 update in the loop).
+2. ``_q_mean_kernel`` (streaming): the query block means used by selection.
 
 For covariance-aware selection a second, equally cheap pass computes ``||H_j − H̄||_F`` directly
 (``H_j`` lives in registers for one block at a time). The algebraic expansion
@@ -31,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..launch import Launcher, spec_class
 from ..stages import slice_blocks
 from ._common import chunking, interpreting
 
@@ -38,13 +35,13 @@ from ._common import chunking, interpreting
 @triton.jit(do_not_specialize=["HK", "LK", "NK"])
 def _kv_means_kernel(
     k_ptr, v_ptr,
-    kmean_ptr, kmax_ptr, vbar_ptr, vsum_ptr,
+    kmean_ptr, vbar_ptr, vsum_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK,
     BS: tl.constexpr, D: tl.constexpr,
 ):
-    # One block per program: a streaming pass with many independent loads in flight.
+    # The means alone (what ||H_j − H̄|| needs against a given H̄), one block per program.
     j = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HK).to(tl.int64)
@@ -60,8 +57,6 @@ def _kv_means_kernel(
     out_off = (bh.to(tl.int64) * NK + j) * D + offs_d
     # k̄ in float32 is stored transposed ([D, Nk] per head): the selection GEMM's right operand.
     tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
-    # The head's largest |k̄| picks the float16 scale of its centroids (written by _hbar_kernel).
-    tl.atomic_max(kmax_ptr + bh, tl.max(tl.abs(km), axis=0))
     tl.store(vbar_ptr + out_off, (v_sum * inv_n).to(vt.dtype))
     tl.store(vsum_ptr + out_off, v_sum)
 
@@ -87,36 +82,56 @@ def _add_block_h(acc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, s
 
 
 @triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
-def _hbar_kernel(
-    k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr, kmax_ptr, kbar_ptr, kscale_ptr,
+def _kv_stats_kernel(
+    k_ptr, v_ptr, kmean_ptr, kbar_ptr, kscale_ptr, vbar_ptr, vsum_ptr, hbar_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK, KV_PER, KV_CHUNKS,
     inv_nk,
     BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
 ):
-    # Only tensor-core work and two vector loads per block (the means come from _kv_means_kernel):
-    # a GEMM-like loop with nothing that needs a block-wide reduction or barrier.
     pid = tl.program_id(0)
-    offs_d = tl.arange(0, D)
     c = pid % KV_CHUNKS
     bh = pid // KV_CHUNKS
     b = (bh // HK).to(tl.int64)
     h = (bh % HK).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BS)
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
+    kmean_t = kmean_ptr + bh.to(tl.int64) * D * NK  # [D, Nk]: the selection GEMM's right operand
     hacc = tl.zeros([D, D], dtype=tl.float32)
-    # Power-of-two scale per head: its largest |k̄| lands in [2^13, 2^14), far from fp16's
-    # overflow, and the scaling itself is exact (one scalar for the attention kernel to fold back).
-    kmax = tl.load(kmax_ptr + bh)
-    ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
-    if c == 0:
-        tl.store(kscale_ptr + bh, ks)
     j0 = c * KV_PER
-    for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
-        hacc, km = _add_block_h(hacc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, skd, svl, svd,
-                                BS, D, F32)
-        tl.store(kbar_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d, (km / ks).to(tl.float16))
+    j1 = tl.minimum(NK, j0 + KV_PER)
+    for j in range(j0, j1):
+        rows = j * BS + offs_n
+        valid = (rows < LK)[:, None]
+        kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
+        vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
+        if F32:  # Triton 3.9's interpreter mis-evaluates low-precision tl.dot
+            hacc = tl.dot(tl.trans(kt.to(tl.float32)), vt.to(tl.float32), hacc)
+        else:
+            hacc = tl.dot(tl.trans(kt), vt, hacc)
+        inv_n = 1.0 / tl.minimum(LK - j * BS, BS).to(tl.float32)
+        km = tl.sum(kt.to(tl.float32), axis=0) * inv_n
+        v_sum = tl.sum(vt.to(tl.float32), axis=0)
+        out_off = (bh.to(tl.int64) * NK + j) * D + offs_d
+        tl.store(kmean_t + offs_d * NK + j, km)
+        tl.store(vbar_ptr + out_off, (v_sum * inv_n).to(vt.dtype))
+        tl.store(vsum_ptr + out_off, v_sum)
+        # Power-of-two scale per block: its largest |k̄| lands in [2^13, 2^14), far from fp16's
+        # overflow, and the scaling is exact (the attention kernel folds it back per column).
+        kmax = tl.max(tl.abs(km), axis=0)
+        ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
+        tl.store(kbar_ptr + out_off, (km / ks).to(tl.float16))
+        tl.store(kscale_ptr + bh.to(tl.int64) * NK + j, ks)
+    # Σ_j k̄_j V̂_jᵀ of the run as rank-1 updates, the means read back from what the loop stored
+    # (other threads wrote them) straight into the accumulator's row and column layouts.
+    tl.debug_barrier()
+    for j in range(j0, j1):
+        km = tl.load(kmean_t + offs_d * NK + j)
+        v_sum = tl.load(vsum_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d)
+        hacc -= km[:, None] * v_sum[None, :]
     # Dividing before the atomic add leaves H̄ itself in the buffer (no epilogue launch).
     tl.atomic_add(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :], hacc * inv_nk)
 
@@ -169,16 +184,15 @@ class Stats:
 
     qmean: Tensor | None  # [B, H, Nq, D] float32
     kmean: Tensor | None  # [B, Hk, Nk, D] float32, a transposed view of [B, Hk, D, Nk] storage
-    kbar: Tensor  # [B, Hk, Nk, D] float16: k̄_j / kscale, the tail scan's operand
-    kscale: Tensor  # [B, Hk] float32: the power of two each head's ``kbar`` was divided by
+    kbar: Tensor  # [B, Hk, Nk, D] float16: k̄_j / kscale_j, the tail scan's operand
+    kscale: Tensor  # [B, Hk, Nk] float32: the power of two each block's ``kbar`` was divided by
     vbar: Tensor  # [B, Hk, Nk, D] input dtype: value block means (V̂_j / n_j)
     hbar: Tensor | None  # [B, Hk, D, D] float32 (None after a lean prepare)
     hbar_lp: Tensor  # [B, Hk, D, D] input dtype: the attention kernel's operand for q·H̄
     hdev: Tensor | None  # [B, Hk, Nk] float32, ||H_j − H̄||_F (covariance-aware only)
 
-    BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "vbar": 2, "hdev": 2}
-    # kbar is only meaningful with the kscale it was divided by: a shard keeps its own.
-    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ("kscale",)
+    BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "kscale": 2, "vbar": 2, "hdev": 2}
+    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def tail(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What the attention kernel reads besides q, k, v and the selection."""
@@ -196,9 +210,14 @@ class Stats:
         return self
 
 
+_launch_kv = Launcher(_kv_stats_kernel)
+_launch_qmean = Launcher(_q_mean_kernel)
+
+
 def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
-            lean: bool = False) -> Stats:
-    """Block statistics of ``[B, H, L, D]`` views (any strides). Issues no host synchronisation.
+            lean: bool = False, query_block: int | None = None) -> Stats:
+    """Block statistics of ``[B, H, L, D]`` views (any strides); the query means are over blocks of
+    ``query_block`` rows (default ``block_size``). Issues no host synchronisation.
 
     ``lean`` frees the float32 ``H̄`` once its input-dtype copy exists (the fused path: at short
     lengths these fixed ``D×D`` buffers dominate the extra memory).
@@ -209,22 +228,16 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     dev = q.device
     kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
     kbar = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float16)
-    kscale = torch.empty(b, hk, device=dev, dtype=torch.float32)
-    kmax = torch.zeros(b, hk, device=dev, dtype=torch.float32)
+    kscale = torch.empty(b, hk, nk, device=dev, dtype=torch.float32)
     vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
     hbar = torch.zeros(b, hk, d, d, device=dev, dtype=torch.float32)
     kv_per, kv_chunks = chunking(nk, b * hk, dev)
-    n_kv = b * hk * kv_chunks
-    warps = 8 if d >= 128 else 4
     vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)  # scratch, freed below
-    _kv_means_kernel[(nk, b * hk)](
-        k, v, kmean, kmax, vbar, vsum, *k.stride(), *v.stride(), hk, lk, nk,
-        BS=block_size, D=d, num_warps=4,
-    )
-    _hbar_kernel[(n_kv,)](
-        k, v, kmean, vsum, hbar, kmax, kbar, kscale, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks, 1.0 / max(nk, 1),
-        BS=block_size, D=d, F32=interpreting(), num_warps=warps,
-    )
+    warps = 8 if d >= 128 else 4
+    args = (k, v, kmean, kbar, kscale, vbar, vsum, hbar, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks,
+            1.0 / max(nk, 1))
+    _launch_kv((k.dtype, block_size, d, warps, spec_class(k, v, *k.stride(), *v.stride())), (b * hk * kv_chunks,),
+               args, dict(BS=block_size, D=d, F32=interpreting()), num_warps=warps)
     hdev = _hdev(k, v, kmean, vsum, hbar, block_size) if with_hdev else None
     del vsum
     # Rounded once here instead of in every attention program (each would read 4·D² bytes).
@@ -232,8 +245,11 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     if lean:
         hbar = None
     # Allocated last, after the float32 H̄ may be gone: lowers the peak at short lengths.
-    qmean = torch.empty(b, h, nq, d, device=dev, dtype=torch.float32)
-    _q_mean_kernel[(nq, b * h)](q, qmean, *q.stride(), h, lq, nq, BS=block_size, D=d, num_warps=4)
+    qb = query_block or block_size
+    nqs = -(-lq // qb)
+    qmean = torch.empty(b, h, nqs, d, device=dev, dtype=torch.float32)
+    _launch_qmean((q.dtype, qb, d, spec_class(q, *q.stride())), (nqs, b * h), (q, qmean, *q.stride(), h, lq, nqs),
+                  dict(BS=qb, D=d), num_warps=4 if qb * d <= 8192 else 8)
     return Stats(qmean=qmean, kmean=kmean, kbar=kbar, kscale=kscale, vbar=vbar, hbar=hbar, hbar_lp=hbar_lp, hdev=hdev)
 
 
@@ -259,11 +275,10 @@ def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int)
     nk = stats.kbar.shape[2]
     dev = k.device
     kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
-    kmax = torch.zeros(b, hk, device=dev, dtype=torch.float32)
     vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
     vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)
     _kv_means_kernel[(nk, b * hk)](
-        k, v, kmean, kmax, vbar, vsum, *k.stride(), *v.stride(), hk, lk, nk,
+        k, v, kmean, vbar, vsum, *k.stride(), *v.stride(), hk, lk, nk,
         BS=block_size, D=d, num_warps=4,
     )
     return _hdev(k, v, kmean, vsum, hbar.float().contiguous(), block_size)

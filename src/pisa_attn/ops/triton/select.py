@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ...spec import COV_EPS
 from .. import reference as _ref
+from ..launch import Launcher, spec_class
 from ..selection import Selection
 from ._common import next_pow2
 
@@ -39,8 +40,9 @@ def _topk_kernel(
     scores_ptr, hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
     H, HK, NQ, NK, n_sel, W, NW, scale, C0, CQ, N_ROWS,
     keep_sb, keep_sh,
-    R: tl.constexpr, NKP: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr,
+    R: tl.constexpr, NKP: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr, REP: tl.constexpr = 1,
 ):
+    # NQ counts output rows: score row qi is written to rows qi·REP .. qi·REP + REP - 1 (< NQ).
     # Rows of this chunk's score buffer [B, H, CQ, NK] are (b·H + h, query block C0 + r % CQ).
     r = tl.program_id(0) * R + tl.arange(0, R)
     rvalid = r < N_ROWS
@@ -85,16 +87,22 @@ def _topk_kernel(
 
     ex = exact.to(tl.int32)
     pos = tl.cumsum(ex, axis=1) - 1
-    out_rows = bh.to(tl.int64) * NQ + qi
-    tl.store(idx_ptr + out_rows[:, None] * W + pos, cols[None, :] + tl.zeros([R, NKP], tl.int32),
-             mask=exact & rvalid[:, None])
-    tl.store(cnt_ptr + out_rows, tl.sum(ex, axis=1), mask=rvalid)
+    count = tl.sum(ex, axis=1)
     # Distinct bits: their sum is their OR (uint32, no carries).
     lanes = tl.arange(0, 32).to(tl.uint32)
     words = tl.sum(tl.reshape(ex.to(tl.uint32), [R, NKP // 32, 32]) << lanes[None, None, :], axis=2)
     words = words.to(tl.int32, bitcast=True)
     w_idx = tl.arange(0, NKP // 32)
-    tl.store(bits_ptr + out_rows[:, None] * NW + w_idx[None, :], words, mask=rvalid[:, None] & (w_idx < NW)[None, :])
+    for rep in tl.static_range(REP):
+        row_ok = rvalid & (qi * REP + rep < NQ)
+        out_rows = bh.to(tl.int64) * NQ + qi * REP + rep
+        tl.store(idx_ptr + out_rows[:, None] * W + pos, cols[None, :] + tl.zeros([R, NKP], tl.int32),
+                 mask=exact & row_ok[:, None])
+        tl.store(cnt_ptr + out_rows, count, mask=row_ok)
+        tl.store(bits_ptr + out_rows[:, None] * NW + w_idx[None, :], words, mask=row_ok[:, None] & (w_idx < NW)[None, :])
+
+
+_launch_topk = Launcher(_topk_kernel)
 
 
 def select(
@@ -107,17 +115,21 @@ def select(
     hdev: Tensor | None = None,
     keep: Tensor | None = None,
     scratch_elems: int | None = None,
+    repeat: int = 1,
+    n_q_blocks: int | None = None,
 ) -> Selection:
     """The :class:`Selection` from ``qmean [B,H,Nq,D]`` (contiguous) and ``kmean [B,Hk,Nk,D]``
     (float32, ideally the transposed view :func:`prepare.prepare` returns); ``keep`` bool
     ``[B|1, H|1, Nk]``. ``scratch_elems`` bounds the score buffer (default: the whole matrix in
-    one chunk). Issues no host synchronisation."""
-    b, h, nq, d = qmean.shape
+    one chunk). ``repeat``: each row of ``qmean`` selects for that many consecutive query blocks
+    (means of ``query_block`` rows), ``n_q_blocks`` of them in all. Issues no host synchronisation."""
+    b, h, nqs, d = qmean.shape
     hk, nk = kmean.shape[1], kmean.shape[2]
     n_sel = min(n_select, nk)
+    nq = nqs if n_q_blocks is None else n_q_blocks
     if nk > MAX_FUSED_BLOCKS:
         return _ref.select(qmean, kmean, n_select=n_sel, width=width, scale=scale, hdev=hdev, keep=keep,
-                           scratch_elems=1 << 24)
+                           scratch_elems=1 << 24, repeat=repeat, n_q_blocks=nq)
     if keep is not None:
         keep = keep.contiguous()
     dev = qmean.device
@@ -127,7 +139,7 @@ def select(
     cnt = torch.empty(b, h, nq, device=dev, dtype=torch.int32)
     bits = torch.empty(b, h, nq, nw, device=dev, dtype=torch.int32)
     kmean_t = kmean.transpose(2, 3)  # [B, Hk, D, Nk]
-    cq = max(1, nq if scratch_elems is None else min(nq, scratch_elems // max(1, b * h * nk)))
+    cq = max(1, nqs if scratch_elems is None else min(nqs, scratch_elems // max(1, b * h * nk)))
     scratch = torch.empty(b * h * cq * nk, device=dev, dtype=torch.float32)
     nkp = max(32, next_pow2(nk))
     warps = max(TOPK_WARPS["warps"], nkp // 1024)  # at most 32 scores per thread (no spills)
@@ -138,16 +150,14 @@ def select(
         ksh = keep_u8.stride(1) if keep_u8.shape[1] > 1 else 0
     else:
         keep_u8, ksb, ksh = cnt, 0, 0  # placeholder pointer, never read (HAS_KEEP=False)
-    for c0 in range(0, nq, cq):
-        c = min(cq, nq - c0)
+    for c0 in range(0, nqs, cq):
+        c = min(cq, nqs - c0)
         sc = scratch[: b * h * c * nk].view(b, hk, g, c, nk)
         # [B, Hk, G, c, D] @ [B, Hk, 1, D, Nk]: GQA groups share their kv head's centroids.
         torch.matmul(qmean[:, :, c0 : c0 + c].view(b, hk, g, c, d), kmean_t.unsqueeze(2), out=sc)
-        _topk_kernel[(triton.cdiv(b * h * c, r),)](
-            sc, hdev if hdev is not None else sc, keep_u8, idx, cnt, bits,
-            h, hk, nq, nk, n_sel, width, nw, scale, c0, c, b * h * c,
-            ksb, ksh,
-            R=r, NKP=nkp, COV=hdev is not None, HAS_KEEP=keep is not None,
-            num_warps=warps,
-        )
+        args = (sc, hdev if hdev is not None else sc, keep_u8, idx, cnt, bits,
+                h, hk, nq, nk, n_sel, width, nw, scale, c0, c, b * h * c, ksb, ksh)
+        _launch_topk((r, nkp, warps, hdev is not None, keep is not None, repeat, spec_class(*args[:6])),
+                     (triton.cdiv(b * h * c, r),), args,
+                     dict(R=r, NKP=nkp, COV=hdev is not None, HAS_KEEP=keep is not None, REP=repeat), num_warps=warps)
     return Selection(idx, cnt, bits)

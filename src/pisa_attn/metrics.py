@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import spec
-from ..ops import reference as ref
+from . import spec
+from .ops import reference as ref
 
 # Elements of one [B, H, rows, Lk] score slab a dense pass holds at once (~64 MB in fp32).
 _SLAB = 1 << 24

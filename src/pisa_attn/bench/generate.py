@@ -41,7 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output file: .png/.jpg/.webp (images) or .mp4/.gif (videos)")
     p.add_argument("--density", type=float, default=0.15, help="fraction of key blocks computed exactly (default 0.15)")
     p.add_argument("--mode", default="hybrid", choices=("hybrid", "zeroth", "first", "drop"))
-    p.add_argument("--dense-layers", type=int, default=None, help="first attention layers kept dense (default: per model)")
+    p.add_argument("--dense-layers", type=int, default=None, help="first transformer blocks kept dense (default: per model)")
     p.add_argument("--dense-steps", type=int, default=None, help="first denoising steps kept dense (default: per model)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--min-kv-len", type=int, default=None, help="attention calls with fewer keys stay dense (default 1024)")
@@ -214,7 +214,7 @@ def run(args) -> int:
     _check_args(args)
     import torch
 
-    from . import adapter_for, apply_pisa, stats
+    from ..diffusers import adapter_for, apply_pisa, stats
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")

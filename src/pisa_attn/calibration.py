@@ -1,0 +1,230 @@
+"""Weighted first-order tail correction and its closed-form fit against dense attention.
+
+PISA's output for query row ``t`` (notation of :mod:`pisa_attn.ops.reference`) is ``o_t = N_t / D_t``.
+The first-order term ``C_t`` (``"hybrid"``: ``(Σ_{j∈U} α_tj) s q_t H̄``; ``"first"``:
+``Σ_{j∈U} α_tj s q_t H_j``) enters the numerator only: its denominator share
+``Σ_n (k_jn − k̄_j) = 0`` vanishes. Weighting it by a scalar ``w`` therefore gives, row by row,
+
+    o_t(w) = (N⁰_t + w C_t) / D_t = o⁰_t + w c_t,        c_t := C_t / D_t,
+
+exactly affine in ``w``: ``o⁰`` is the zeroth-order output (``w = 0``) and ``o⁰ + c`` the paper's
+(``w = 1``). ``D_t``, the running maximum and the LSE do not depend on ``w``; for ``"hybrid"``
+``w`` is the same as scaling ``H̄`` by ``w`` (no extra cost in a kernel).
+
+The least-squares weight against the dense output ``o*`` over a set ``R`` of rows and channels
+(one head, one layer, or everything) is the 1-D regression of the correction on the residual
+
+    w* = Σ_R ⟨c_t, o*_t − o⁰_t⟩ / Σ_R ‖c_t‖²,
+
+and ``‖r − w c‖² = Σ‖r‖² − 2 w Σ⟨c, r⟩ + w² Σ‖c‖²`` tells what it gains. The fit is on the
+normalised rows on purpose: the output error is what matters, and in numerator space each row
+would be weighted by ``D_t²``, whose scale is set by the arbitrary per-row max shift. The three
+sums are additive, so fits pool over inputs, heads and layers by adding :class:`AlphaStats`.
+
+``alpha`` below is this weight ``w`` (one per query head, or one shared); it is unrelated to the
+centroid exponentials the reference's docstring calls ``α_tj``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import spec
+from .ops import reference as ref
+
+CORRECTION_MODES = ("hybrid", "first")
+FIT_OVER = ("head", "layer")
+
+
+@dataclass
+class TailTerms:
+    """PISA's output split into its ``alpha``-free part and its first-order correction.
+
+    base:     ``[B, H, Lq, D]`` zeroth-order output ``o⁰`` (``alpha = 0``)
+    corr:     ``[B, H, Lq, D]`` normalised correction ``c``: the output is ``base + alpha · corr``
+    lse:      ``[B, H, Lq]`` log-sum-exp of the shared denominator (the same for every ``alpha``)
+    selected: ``[B, H, Nq, Nk]`` the exact-set mask both parts used
+    """
+
+    base: Tensor
+    corr: Tensor
+    lse: Tensor
+    selected: Tensor
+
+    def output(self, alpha) -> Tensor:
+        """``base + alpha · corr`` with ``alpha`` a number, a 0-d tensor or one value per head."""
+        return self.base + _alpha_tensor(alpha, self.base.shape[1], self.base) * self.corr
+
+
+def _alpha_tensor(alpha, heads: int, like: Tensor) -> Tensor:
+    """``alpha`` as a tensor broadcasting over ``[B, H, L, D]``; ValueError/TypeError naming it."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, Tensor)):
+        raise TypeError(f"alpha must be a float or a tensor of one value per head, got {type(alpha).__name__}")
+    a = torch.as_tensor(alpha, dtype=like.dtype, device=like.device)
+    if a.dim() == 0:
+        a = a.reshape(1)
+    elif a.dim() != 1 or a.numel() != heads:
+        raise ValueError(f"alpha must be a scalar or have shape [{heads}] (one per query head), got {tuple(a.shape)}")
+    if not bool(torch.isfinite(a).all()):
+        raise ValueError(f"alpha must be finite, got {alpha!r}")
+    return a.view(1, -1, 1, 1)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in CORRECTION_MODES:
+        raise ValueError(f"mode must be one of {CORRECTION_MODES} (the modes with a first-order term), got {mode!r}")
+
+
+def tail_terms(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    density: float | None = None,
+    selected: Tensor | None = None,
+    block_size: int = 64,
+    mode: str = "hybrid",
+    covariance_aware: bool = False,
+    scale: float | None = None,
+    keep_blocks: Tensor | None = None,
+    stats: ref.BlockStats | None = None,
+) -> TailTerms:
+    """Split PISA's reference output on ``[B, H, L, D]`` tensors into ``o⁰`` and ``c``.
+
+    Give either ``density`` (the reference's selection, with ``covariance_aware``/``keep_blocks``)
+    or an exact-set mask ``selected`` ``[B, H, Nq, Nk]``. Both parts come from
+    :func:`pisa_attn.ops.reference.pisa_forward` on the same mask: ``c`` is the difference of its
+    ``mode`` and ``"zeroth"`` outputs, which share numerator terms, denominator and max shift, so
+    it is the correction to rounding (use float64 inputs for a float64 fit).
+    """
+    _check_mode(mode)
+    if (density is None) == (selected is None):
+        raise ValueError("give exactly one of density and selected")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if stats is None or (covariance_aware and stats.hdev is None):
+        stats = ref.block_stats(k, v, block_size, with_hdev=covariance_aware)
+    if selected is None:
+        qmean = ref.block_means(q, block_size, stats.kmean.dtype)
+        scores = ref.selection_scores(qmean, stats.kmean, scale, stats.hdev if covariance_aware else None)
+        n_sel = spec.num_selected(density, stats.kmean.shape[2])
+        keep = None if keep_blocks is None else keep_blocks.to(q.device)
+        selected = ref.select_blocks(scores, n_sel, keep)
+    kw = dict(scale=scale, block_size=block_size)
+    base, lse = ref.pisa_forward(q, k, v, stats, selected, mode="zeroth", **kw)
+    full, _ = ref.pisa_forward(q, k, v, stats, selected, mode=mode, **kw)
+    return TailTerms(base=base, corr=full - base, lse=lse, selected=selected)
+
+
+def pisa_alpha_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    density: float,
+    alpha,
+    block_size: int = 64,
+    mode: str = "hybrid",
+    covariance_aware: bool = False,
+    scale: float | None = None,
+    keep_blocks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PISA with the first-order term weighted by ``alpha`` (a number or one value per query head).
+
+    Returns ``(out, lse, selected)`` like :func:`pisa_attn.ops.reference.pisa_reference`;
+    ``alpha = 1`` is the paper's output, ``alpha = 0`` the zeroth-order one.
+    """
+    _check_mode(mode)
+    _alpha_tensor(alpha, q.shape[1], q)  # bad alpha fails before any work
+    t = tail_terms(q, k, v, density=density, block_size=block_size, mode=mode,
+                   covariance_aware=covariance_aware, scale=scale, keep_blocks=keep_blocks)
+    return t.output(alpha), t.lse, t.selected
+
+
+@dataclass
+class AlphaStats:
+    """Sufficient statistics of the least-squares fit, per query head (float64 ``[H]`` each).
+
+    cr = Σ⟨c, r⟩, cc = Σ‖c‖², rr = Σ‖r‖² with ``r = dense − o⁰``, over the rows fitted on;
+    ``n`` counts the elements. Add two to pool inputs (or layers, if they have as many heads).
+    """
+
+    cr: Tensor
+    cc: Tensor
+    rr: Tensor
+    n: Tensor
+
+    def __add__(self, other: AlphaStats) -> AlphaStats:
+        if not isinstance(other, AlphaStats):
+            return NotImplemented
+        if other.cr.shape != self.cr.shape:
+            raise ValueError(f"cannot pool AlphaStats of {self.cr.numel()} and {other.cr.numel()} heads")
+        return AlphaStats(self.cr + other.cr, self.cc + other.cc, self.rr + other.rr, self.n + other.n)
+
+    def alpha(self, over: str = "head", default: float = 1.0) -> Tensor:
+        """The least-squares weight: ``[H]`` per head (``over="head"``) or a 0-d tensor shared by all
+        heads (``"layer"``). A head whose correction is zero on every fitted row (no tail) does not
+        constrain it: it gets ``default``."""
+        if over not in FIT_OVER:
+            raise ValueError(f"over must be one of {FIT_OVER}, got {over!r}")
+        cr, cc = (self.cr, self.cc) if over == "head" else (self.cr.sum(), self.cc.sum())
+        tiny = torch.finfo(cc.dtype).tiny
+        return torch.where(cc > tiny, cr / cc.clamp_min(tiny), torch.full_like(cc, float(default)))
+
+    def residual(self, alpha) -> Tensor:
+        """``Σ‖r − alpha·c‖²`` per head for a scalar or per-head ``alpha`` (0 is zeroth, 1 the paper)."""
+        a = torch.as_tensor(alpha, dtype=self.cr.dtype, device=self.cr.device)
+        return self.rr - 2 * a * self.cr + a * a * self.cc
+
+
+def alpha_stats(terms: TailTerms, dense: Tensor, rows=None) -> AlphaStats:
+    """Fit statistics of ``terms`` against the ``[B, H, Lq, D]`` dense output, over query ``rows``
+    (a slice or index tensor into ``Lq``; all rows when None), pooled over batch and channels."""
+    if dense.shape != terms.base.shape:
+        raise ValueError(f"dense must have the shape of the PISA output {tuple(terms.base.shape)}, got {tuple(dense.shape)}")
+    c, o0, d = terms.corr.double(), terms.base.double(), dense.double()
+    if rows is not None:
+        c, o0, d = (x[:, :, rows] for x in (c, o0, d))
+    r = d - o0
+    dims = (0, 2, 3)
+    n = torch.full((c.shape[1],), float(c.shape[0] * c.shape[2] * c.shape[3]), dtype=torch.float64, device=c.device)
+    return AlphaStats((c * r).sum(dims), (c * c).sum(dims), (r * r).sum(dims), n)
+
+
+def fit_alpha(terms: TailTerms, dense: Tensor, *, over: str = "head", rows=None, default: float = 1.0) -> Tensor:
+    """Closed-form least-squares ``alpha`` of one input: ``[H]`` (``over="head"``) or 0-d (``"layer"``)."""
+    return alpha_stats(terms, dense, rows).alpha(over, default)
+
+
+def fit_alpha_l1(terms: TailTerms, dense: Tensor, *, over: str = "head", rows=None, default: float = 1.0) -> Tensor:
+    """The ``alpha`` minimising ``Σ|r − alpha·c|`` (the rel-L1 metric's own loss) instead of squares.
+
+    ``|r − a c| = |c|·|r/c − a|``: the minimiser is the ``|c|``-weighted median of ``r/c`` over the
+    elements with ``c ≠ 0`` (exact, no iteration; not poolable by addition like the squares)."""
+    if over not in FIT_OVER:
+        raise ValueError(f"over must be one of {FIT_OVER}, got {over!r}")
+    if dense.shape != terms.base.shape:
+        raise ValueError(f"dense must have the shape of the PISA output {tuple(terms.base.shape)}, got {tuple(dense.shape)}")
+    c, o0, d = terms.corr.double(), terms.base.double(), dense.double()
+    if rows is not None:
+        c, o0, d = (x[:, :, rows] for x in (c, o0, d))
+    r = d - o0
+    heads = c.shape[1]
+    c = c.transpose(0, 1).reshape(heads, -1)
+    r = r.transpose(0, 1).reshape(heads, -1)
+    groups = [(c[h], r[h]) for h in range(heads)] if over == "head" else [(c.reshape(-1), r.reshape(-1))]
+    out = [_weighted_median(cg, rg, default) for cg, rg in groups]
+    return torch.stack(out) if over == "head" else out[0]
+
+
+def _weighted_median(c: Tensor, r: Tensor, default: float) -> Tensor:
+    nz = c != 0
+    if not bool(nz.any()):
+        return torch.tensor(float(default), dtype=torch.float64, device=c.device)
+    ratio, w = r[nz] / c[nz], c[nz].abs()
+    order = ratio.argsort()
+    ratio, cw = ratio[order], w[order].cumsum(0)
+    i = int(torch.searchsorted(cw, 0.5 * cw[-1]))
+    return ratio[min(i, ratio.numel() - 1)]

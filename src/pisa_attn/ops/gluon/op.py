@@ -1,0 +1,82 @@
+"""The Hopper backend of the stage contract: the Triton prepare and select, and the Gluon pair
+kernel (:mod:`.attention`) for attend. Inference only.
+
+It runs on sm_90 GPUs (H100, H200) with a Triton that ships Gluon (3.6 or newer), for float16 /
+bfloat16, head dims 64 and 128 and 64-token blocks; ``backend="auto"`` prefers it there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .. import fused as _fused
+from ..selection import Selection
+from ..stages import Backend
+from ..triton import attention as _tattn
+from ..triton import op as _top
+from . import attention as _gattn
+
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (64,)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
+    """None when the pair kernel handles this call (``q`` a ``[B, H, L, D]`` view), else why not."""
+    reason = _top.unsupported_reason(q, mode, block_size)
+    if reason is not None:
+        return reason
+    if not q.is_cuda:
+        return "the Hopper kernel runs on CUDA tensors only (no interpreter)"
+    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if _capability(idx) != (9, 0):
+        return f"the GPU is sm_{''.join(map(str, _capability(idx)))}, the Hopper kernel is built for sm_90"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head dim {q.shape[-1]} (the Hopper kernel is built for head dims {HEAD_DIMS})"
+    if block_size not in BLOCK_SIZES:
+        return f"block_size {block_size} (the Hopper kernel is built for block sizes {BLOCK_SIZES})"
+    return None
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    stats: _top.Stats,
+    selection: Selection,
+    *,
+    mode: str,
+    scale: float,
+    block_size: int,
+    n_select: int | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The pair kernel under ``selection``: (out in ``out_dtype``, default q's, lse fp32).
+
+    The pair kernel reads q, k, v through TMA and writes an output of q's dtype; a call it cannot
+    serve that way (a float32 partial, a head dim that is not contiguous or a stride that is not a
+    multiple of 16 bytes) runs the Triton kernel, which computes the same function.
+    """
+    if (out_dtype not in (None, q.dtype)) or _gattn.tma_unsupported_reason(q, k, v) is not None:
+        return _top.attend(q, k, v, stats, selection, mode=mode, scale=scale, block_size=block_size,
+                           n_select=n_select, out_dtype=out_dtype)
+    out = _tattn._alloc_like_layout(q)
+    return _gattn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
+                            n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0):
+    """One call on one device (through the registered op when traced): (out, lse)."""
+    return _fused.forward(BACKEND, q, k, v, plan, keep, n_keep_max)
+
+
+BACKEND = _fused.register(
+    Backend("hopper", _top.prepare, _top.select, attend, _top.deviation, forward, unsupported_reason,
+            _top.score_scratch))

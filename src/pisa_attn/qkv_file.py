@@ -1,0 +1,165 @@
+"""The q/k/v capture file: post-norm, post-RoPE q/k/v of real attention calls in one
+``.safetensors`` file, written by :func:`pisa_attn.diffusers.capture_qkv` and read by the accuracy
+study (``pisa-attn study --source FILE``).
+
+Tensors are named ``step{S}.layer{L}.q|k|v`` (``[1, H, L, D]``, in the token order PISA ran them,
+described by the entry's token layout). The file's metadata (str -> str) holds JSON: ``format``,
+``version``, ``model``, ``dtype``, the first entry's ``grid`` / ``text_len`` / ``tile`` /
+``token_layout``, and ``entries`` with every entry's step, layer, layout, image-query range,
+softmax ``scale`` and the PISA settings of the run. Reading needs ``safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .layout import Grid, Text, TokenLayout
+
+FORMAT = "pisa-attn-qkv"
+VERSION = 1
+
+
+# --- token layout <-> JSON ---------------------------------------------------------------------
+def layout_to_json(layout: TokenLayout) -> dict:
+    segs = [{"text": s.n, "name": s.name} if isinstance(s, Text) else {"grid": list(s.shape)} for s in layout.segments]
+    out = {"segments": segs, "tile": list(layout.tile) if layout.tile else None, "order": layout.order}
+    if layout.offset:
+        out["offset"] = layout.offset
+    return out
+
+
+def layout_from_json(d: dict) -> TokenLayout:
+    try:
+        segs = tuple(Text(int(s["text"]), s.get("name", "text")) if "text" in s else Grid(tuple(s["grid"]))
+                     for s in d["segments"])
+        tile = tuple(d["tile"]) if d.get("tile") else None
+        return TokenLayout(segs, tile, d.get("order", "compact"), int(d.get("offset", 0)))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"malformed token layout description {d!r}: {e}") from None
+
+
+def trim_layout(layout: TokenLayout, n: int) -> TokenLayout | None:
+    """Layout of the first ``n`` tiled tokens when the rest are the tail of one text segment
+    (masked padding text keys), else None."""
+    length = layout.num_tokens
+    if n >= length:
+        return layout
+    seg_ids = layout.segment_ids(tiled=True)
+    tail = seg_ids[n:]
+    s = int(tail[0])
+    if not bool((tail == s).all()) or not isinstance(layout.segments[s], Text):
+        return None
+    cut = length - n
+    segs = list(layout.segments)
+    if segs[s].n > cut:
+        segs[s] = Text(segs[s].n - cut, segs[s].name)
+    else:
+        del segs[s]
+    new = TokenLayout(tuple(segs), layout.tile, layout.order, layout.offset)
+    same = torch.equal(new.coords(tiled=True), layout.coords(tiled=True)[:n]) and torch.equal(
+        new.text_mask_tokens(), layout.text_mask_tokens()[:n]
+    )
+    return new if same else None
+
+
+# --- file format -------------------------------------------------------------------------------
+@dataclass
+class QKVEntry:
+    """One captured attention call; ``q``/``k``/``v`` load from the file on first access."""
+
+    name: str
+    path: str
+    info: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.info["step"])
+
+    @property
+    def layer(self) -> int:
+        return int(self.info["layer"])
+
+    @cached_property
+    def layout(self) -> TokenLayout | None:
+        d = self.info.get("token_layout")
+        return None if d is None else layout_from_json(d)
+
+    def _load(self, part: str) -> Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_tensor(f"{self.name}.{part}")
+
+    @cached_property
+    def q(self) -> Tensor:
+        return self._load("q")
+
+    @cached_property
+    def k(self) -> Tensor:
+        return self._load("k")
+
+    @cached_property
+    def v(self) -> Tensor:
+        return self._load("v")
+
+
+@dataclass
+class QKVFile:
+    path: str
+    meta: dict[str, Any]
+    entries: list[QKVEntry] = field(default_factory=list)
+
+
+def read_qkv_file(path: str) -> QKVFile:
+    """Open a capture file (metadata now, tensors lazily)."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError as e:
+        raise RuntimeError("reading captures needs safetensors: pip install safetensors") from e
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = f.metadata() or {}
+            keys = set(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"path {str(path)!r} is not a readable .safetensors file: {e}") from None
+    if raw.get("format") != FORMAT:
+        raise ValueError(f"path {str(path)!r} is not a pisa-attn q/k/v capture (metadata format={raw.get('format')!r})")
+    try:
+        meta = {k: v if k == "format" else json.loads(v) for k, v in raw.items()}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"capture {str(path)!r} has malformed metadata: {e}") from None
+    if meta.get("version") != VERSION:
+        raise ValueError(f"capture {str(path)!r} has format version {meta.get('version')!r}, "
+                         f"this reader needs {VERSION}")
+    entries = []
+    for name, info in meta["entries"].items():
+        missing = [p for p in "qkv" if f"{name}.{p}" not in keys]
+        if missing:
+            raise ValueError(f"capture {str(path)!r} lists entry {name!r} but lacks its tensors {missing}")
+        entries.append(QKVEntry(name, str(path), info))
+    return QKVFile(str(path), meta, entries)
+
+
+def write_qkv_file(path: str, tensors: dict[str, Tensor], entries: dict[str, dict], model: str, dtype: str) -> None:
+    from safetensors.torch import save_file
+
+    first = next(iter(entries.values()), {})
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model,
+        "dtype": dtype,
+        "grid": first.get("grid"),
+        "text_len": first.get("text_len"),
+        "tile": (first.get("token_layout") or {}).get("tile"),
+        "token_layout": first.get("token_layout"),
+        "entries": entries,
+    }
+    # safetensors metadata is str -> str: every value is JSON (the "format" tag is a JSON-free str).
+    save_file(tensors, str(path), metadata={k: v if k == "format" else json.dumps(v) for k, v in meta.items()})

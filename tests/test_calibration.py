@@ -1,0 +1,170 @@
+"""The weighted first-order tail term (``pisa_attn.calibration``): its endpoints are the reference's
+zeroth and first-order modes, it is exactly the reference with ``H̄`` scaled, and the closed-form
+fits recover planted weights and minimise their losses (float64, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pisa_attn import calibration as cal
+from pisa_attn import metrics
+from pisa_attn.ops import reference as ref
+
+# (B, H, Hk, L, D, block_size): aligned; ragged last block + GQA.
+SHAPES = [(1, 2, 2, 128, 16, 32), (2, 4, 2, 150, 32, 32)]
+
+
+def shape_id(s) -> str:
+    b, h, hk, length, d, bs = s
+    return f"B{b}-H{h}-Hk{hk}-L{length}-D{d}-bs{bs}"
+
+
+def make_qkv(b, h, hk, length, d, seed=0):
+    """Locally correlated q/k/v (a smooth walk along the sequence plus noise), so blocks have
+    coherent centroids and the tail terms are not vanishingly small."""
+    g = torch.Generator().manual_seed(seed)
+
+    def field(heads):
+        walk = torch.randn(b, heads, length, d, generator=g, dtype=torch.float64).cumsum(2) / length**0.5
+        return 2.0 * walk + 0.5 * torch.randn(b, heads, length, d, generator=g, dtype=torch.float64)
+
+    return field(h), field(hk), field(hk)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("mode", cal.CORRECTION_MODES)
+def test_endpoints_are_the_reference_modes(shape, mode):
+    b, h, hk, length, d, bs = shape
+    q, k, v = make_qkv(b, h, hk, length, d)
+    t = cal.tail_terms(q, k, v, density=0.25, block_size=bs, mode=mode)
+    stats = ref.block_stats(k, v, bs)
+    zeroth, lse0 = ref.pisa_forward(q, k, v, stats, t.selected, mode="zeroth", scale=d**-0.5, block_size=bs)
+    full, lse1 = ref.pisa_forward(q, k, v, stats, t.selected, mode=mode, scale=d**-0.5, block_size=bs)
+    assert t.corr.abs().max() > 1e-3  # the correction is not trivially zero on this data
+    torch.testing.assert_close(t.output(0.0), zeroth, rtol=0, atol=1e-13)
+    torch.testing.assert_close(t.output(1.0), full, rtol=0, atol=1e-13)
+    # The first-order term leaves the denominator alone: one LSE for every weight.
+    torch.testing.assert_close(lse0, lse1, rtol=0, atol=1e-6)
+    torch.testing.assert_close(t.lse, lse0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_weight_is_hbar_scaled_per_head(shape):
+    """out(w) = base + w·corr is the reference run with H̄ multiplied by w (per head): the weight
+    costs a kernel one multiply and nothing else changes."""
+    b, h, hk, length, d, bs = shape
+    q, k, v = make_qkv(b, h, hk, length, d, seed=1)
+    t = cal.tail_terms(q, k, v, density=0.25, block_size=bs)
+    stats = ref.block_stats(k, v, bs)
+    w = torch.linspace(-0.5, 1.5, h, dtype=torch.float64)
+    x = lambda s: ref.expand_kv_heads(s, h)  # noqa: E731 (per query head, so H̄ can differ per head)
+    scaled = ref.BlockStats(kmean=x(stats.kmean), vsum=x(stats.vsum), counts=stats.counts,
+                            hbar=x(stats.hbar) * w.view(1, h, 1, 1))
+    out, _ = ref.pisa_forward(q, x(k), x(v), scaled, t.selected, mode="hybrid", scale=d**-0.5, block_size=bs)
+    torch.testing.assert_close(t.output(w), out, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("over", cal.FIT_OVER)
+def test_least_squares_recovers_a_planted_weight(over):
+    q, k, v = make_qkv(2, 4, 2, 150, 32, seed=2)
+    t = cal.tail_terms(q, k, v, density=0.25, block_size=32)
+    planted = torch.tensor([0.3, -0.2, 0.9, 1.7], dtype=torch.float64) if over == "head" else torch.tensor(0.45, dtype=torch.float64)
+    dense = t.output(planted)
+    torch.testing.assert_close(cal.fit_alpha(t, dense, over=over), planted, rtol=0, atol=1e-10)
+    torch.testing.assert_close(cal.fit_alpha_l1(t, dense, over=over), planted, rtol=0, atol=1e-10)
+    # With noise independent of the correction the fit stays close and is the L2 minimiser.
+    g = torch.Generator().manual_seed(3)
+    noisy = dense + 0.02 * dense.abs().mean() * torch.randn(dense.shape, generator=g, dtype=torch.float64)
+    w = cal.fit_alpha(t, noisy, over=over)
+    assert (w - planted).abs().max() < 0.05
+    st = cal.alpha_stats(t, noisy)
+    total = (lambda a: st.residual(a).sum()) if over == "layer" else (lambda a: st.residual(a))
+    for eps in (1e-3, -1e-3):
+        assert bool((total(w) <= total(w + eps)).all())
+
+
+def test_residual_and_l1_fit_are_their_losses_minimisers():
+    q, k, v = make_qkv(1, 2, 2, 128, 16, seed=4)
+    t = cal.tail_terms(q, k, v, density=0.25, block_size=32)
+    dense = metrics.dense_pass(q, k, v, block_size=32).out
+    st = cal.alpha_stats(t, dense)
+    for a in (0.0, 0.4, 1.0):
+        direct = ((dense - t.output(a)) ** 2).sum(dim=(0, 2, 3))
+        torch.testing.assert_close(st.residual(a), direct, rtol=1e-10, atol=0)
+    w1 = cal.fit_alpha_l1(t, dense, over="head")
+    grid = torch.linspace(-1, 2, 601, dtype=torch.float64)
+    l1 = torch.stack([(dense - t.output(a)).abs().sum(dim=(0, 2, 3)) for a in grid])  # [G, H]
+    best = l1.min(dim=0).values
+    at_fit = (dense - t.output(w1)).abs().sum(dim=(0, 2, 3))
+    assert bool((at_fit <= best * (1 + 1e-12)).all())
+
+
+def test_stats_pool_by_addition():
+    """Fitting on two inputs at once equals adding their statistics (how layers/inputs pool)."""
+    q, k, v = make_qkv(2, 2, 2, 128, 16, seed=5)
+    t = cal.tail_terms(q, k, v, density=0.25, block_size=32)
+    dense = metrics.dense_pass(q, k, v, block_size=32).out
+    both = cal.alpha_stats(t, dense)
+    parts = [cal.alpha_stats(cal.TailTerms(t.base[i : i + 1], t.corr[i : i + 1], t.lse[i : i + 1], t.selected[i : i + 1]),
+                             dense[i : i + 1]) for i in range(2)]
+    pooled = parts[0] + parts[1]
+    for name in ("cr", "cc", "rr", "n"):
+        torch.testing.assert_close(getattr(pooled, name), getattr(both, name), rtol=1e-12, atol=0)
+    layer = both.alpha("layer")
+    assert layer.dim() == 0
+    torch.testing.assert_close(layer, both.cr.sum() / both.cc.sum(), rtol=0, atol=0)
+
+
+def test_rows_subset_and_no_tail_default():
+    q, k, v = make_qkv(1, 2, 2, 128, 16, seed=6)
+    t = cal.tail_terms(q, k, v, density=0.25, block_size=32)
+    dense = metrics.dense_pass(q, k, v, block_size=32).out
+    sub = cal.fit_alpha(t, dense, rows=slice(0, 64))
+    direct = cal.fit_alpha(cal.TailTerms(t.base[:, :, :64], t.corr[:, :, :64], t.lse[:, :, :64], t.selected), dense[:, :, :64])
+    torch.testing.assert_close(sub, direct, rtol=0, atol=0)
+    # density 1: every block exact, no tail, no correction: the weight is unconstrained -> default.
+    full = cal.tail_terms(q, k, v, density=1.0, block_size=32)
+    assert float(full.corr.abs().max()) == 0.0
+    assert cal.fit_alpha(full, dense).tolist() == [1.0, 1.0]
+    assert cal.fit_alpha(full, dense, over="layer", default=0.5).item() == 0.5
+    assert cal.fit_alpha_l1(full, dense, default=0.25).tolist() == [0.25, 0.25]
+
+
+def test_alpha_reference_matches_terms():
+    q, k, v = make_qkv(1, 4, 2, 150, 32, seed=7)
+    w = torch.tensor([0.0, 0.5, 1.0, 0.25], dtype=torch.float64)
+    out, lse, sel = cal.pisa_alpha_reference(q, k, v, density=0.25, alpha=w, block_size=32, covariance_aware=True)
+    t = cal.tail_terms(q, k, v, density=0.25, block_size=32, covariance_aware=True)
+    torch.testing.assert_close(out, t.output(w), rtol=0, atol=0)
+    ref_out, ref_lse, ref_sel = ref.pisa_reference(q, k, v, density=0.25, block_size=32, covariance_aware=True)
+    assert torch.equal(sel, ref_sel)
+    torch.testing.assert_close(out[:, 2], ref_out[:, 2], rtol=0, atol=1e-13)  # w = 1: the paper
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-6)
+
+
+def test_bad_arguments_are_named():
+    q, k, v = make_qkv(1, 2, 2, 128, 16)
+    t = cal.tail_terms(q, k, v, density=0.25, block_size=32)
+    with pytest.raises(ValueError, match="alpha"):
+        t.output(torch.ones(3))
+    with pytest.raises(ValueError, match="alpha"):
+        t.output(float("nan"))
+    with pytest.raises(TypeError, match="alpha"):
+        t.output("0.5")
+    with pytest.raises(TypeError, match="alpha"):
+        t.output(True)
+    with pytest.raises(ValueError, match="mode"):
+        cal.tail_terms(q, k, v, density=0.25, block_size=32, mode="zeroth")
+    with pytest.raises(ValueError, match="density and selected"):
+        cal.tail_terms(q, k, v, block_size=32)
+    with pytest.raises(ValueError, match="density and selected"):
+        cal.tail_terms(q, k, v, density=0.25, selected=t.selected, block_size=32)
+    with pytest.raises(ValueError, match="dense"):
+        cal.alpha_stats(t, torch.zeros(1, 2, 100, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="over"):
+        cal.fit_alpha(t, t.base, over="model")
+    with pytest.raises(ValueError, match="over"):
+        cal.fit_alpha_l1(t, t.base, over="model")
+    with pytest.raises(ValueError, match="alpha"):
+        cal.pisa_alpha_reference(q, k, v, density=0.25, alpha=torch.ones(5), block_size=32)

@@ -1,0 +1,228 @@
+"""apply_pisa as a transaction: every failure leaves the model (and pipeline) exactly as it was."""
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import pisa_attn.diffusers as pd  # noqa: E402
+from diffusers.models import attention_dispatch as ad  # noqa: E402
+from pisa_attn.diffusers import telemetry as tm  # noqa: E402
+from diffusers_tiny import TILE_BLOCK, forward_inputs, tiny_pipeline, tiny_transformer  # noqa: E402
+
+SPARSE = dict(density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
+
+
+def _hooks(m) -> tuple:
+    return tuple(
+        tuple(d.values())
+        for d in (m._forward_pre_hooks, m._forward_hooks, m._forward_pre_hooks_with_kwargs, m._forward_hooks_always_called)
+    )
+
+
+def snapshot(obj) -> dict:
+    """What apply_pisa can touch, by identity: every module's hooks and attributes, every processor
+    and its attributes, the pipeline's attributes, diffusers' active backend."""
+    mods = obj.transformer.named_modules() if hasattr(obj, "transformer") else obj.named_modules()
+    out = {"active_backend": ad._AttentionBackendRegistry._active_backend}
+    for name, m in mods:
+        proc = getattr(m, "processor", None)
+        out[name] = (
+            _hooks(m),
+            dict(m.__dict__),
+            proc,
+            None if proc is None else dict(vars(proc)),
+            None if proc is None else getattr(proc, "_attention_backend", "<absent>"),
+        )
+    if not isinstance(obj, torch.nn.Module):
+        out["pipe"] = dict(obj.__dict__)
+    return out
+
+
+def assert_same(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for key in before:
+        if key == "active_backend":
+            assert before[key] is after[key]
+            continue
+        if key == "pipe":
+            assert before[key].keys() == after[key].keys()
+            assert all(before[key][k] is after[key][k] for k in before[key]), key
+            continue
+        hooks0, attrs0, proc0, pattrs0, backend0 = before[key]
+        hooks1, attrs1, proc1, pattrs1, backend1 = after[key]
+        assert hooks0 == hooks1, f"{key}: hooks changed"
+        assert attrs0.keys() == attrs1.keys(), f"{key}: attributes {set(attrs0) ^ set(attrs1)}"
+        assert all(attrs0[k] is attrs1[k] for k in attrs0), f"{key}: an attribute was replaced"
+        assert proc0 is proc1, f"{key}: processor replaced"
+        assert pattrs0 == pattrs1 and backend0 == backend1, f"{key}: processor attributes changed"
+
+
+class _OwnSDPA:
+    """A processor that computes attention itself (no ``_attention_backend``: PISA cannot reach it)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def _non_dispatching(tr):
+    """Give the last managed attention module a processor that does not call the dispatcher."""
+    blocks = tr.single_transformer_blocks if hasattr(tr, "single_transformer_blocks") else tr.blocks
+    attn = blocks[-1].attn if hasattr(blocks[-1], "attn") else blocks[-1].attn1
+    attn.processor = _OwnSDPA(attn.processor)
+    return tr
+
+
+BAD = [
+    (dict(telemetry=2.0), ValueError, "sample_rate"),
+    (dict(telemetry="yes"), TypeError, "telemetry"),
+    (dict(density=2.0), ValueError, "density"),
+    (dict(mode="fast"), ValueError, "mode"),
+    (dict(block_size=48), ValueError, "block_size"),
+    (dict(tile=(8,)), ValueError, "tile"),
+    (dict(dense_layers=-1), ValueError, "dense_layers"),
+    (dict(dense_steps=1.5), TypeError, "dense_steps"),
+    (dict(covariance_aware="no"), TypeError, "covariance_aware"),
+    (dict(min_kv_len=-1), ValueError, "min_kv_len"),
+]
+
+
+@pytest.mark.parametrize("managed", [False, True], ids=["fresh", "managed"])
+@pytest.mark.parametrize("kwargs, exc, match", BAD, ids=[next(iter(k)) + "-" + e.__name__ for k, e, _ in BAD])
+def test_bad_settings_leave_model_unchanged(kwargs, exc, match, managed):
+    tr = tiny_transformer("hunyuan")
+    if managed:
+        pd.apply_pisa(tr, telemetry=True, **SPARSE)
+    state = pd.pisa_state(tr)
+    before = snapshot(tr)
+    with pytest.raises(exc, match=match):
+        pd.apply_pisa(tr, **{**SPARSE, **kwargs})
+    assert_same(before, snapshot(tr))
+    assert pd.pisa_state(tr) is state
+    if managed:
+        assert tm.get(tr).active and len(pd.hooks.observers(tr)) == 1
+        pd.remove_pisa(tr)
+
+
+@pytest.mark.parametrize("managed", [False, True], ids=["fresh", "managed"])
+def test_unroutable_processor_leaves_model_unchanged(managed):
+    # The failing module comes after routable ones: nothing may have been re-routed before the check.
+    tr = tiny_transformer("hunyuan")
+    if managed:
+        pd.apply_pisa(tr, **SPARSE)
+    state = pd.pisa_state(tr)
+    _non_dispatching(tr)
+    before = snapshot(tr)
+    with pytest.raises(ValueError, match="_OwnSDPA"):
+        pd.apply_pisa(tr, **SPARSE)
+    assert_same(before, snapshot(tr))
+    assert pd.pisa_state(tr) is state
+    if managed:
+        pd.remove_pisa(tr)
+
+
+def test_pipeline_second_transformer_failure_leaves_both_unchanged():
+    pipe = tiny_pipeline("wan")
+    pipe.register_modules(transformer_2=_non_dispatching(tiny_transformer("wan", seed=1)))
+    before = snapshot(pipe)
+    before2 = snapshot(pipe.transformer_2)
+    with pytest.raises(ValueError, match="_OwnSDPA"):
+        pd.apply_pisa(pipe, **SPARSE)
+    assert_same(before, snapshot(pipe))
+    assert_same(before2, snapshot(pipe.transformer_2))
+    assert pd.pisa_state(pipe.transformer) is None
+
+
+def test_version_guard_leaves_model_unchanged(monkeypatch):
+    import diffusers
+
+    tr = tiny_transformer("wan")
+    before = snapshot(tr)
+    monkeypatch.setattr(diffusers, "__version__", "0.43.0")
+    with pytest.raises(RuntimeError, match="tested with diffusers"):
+        pd.apply_pisa(tr)
+    assert_same(before, snapshot(tr))
+
+
+def test_unsupported_model_checks_leave_model_unchanged():
+    tr = tiny_transformer("hunyuan", image_condition_type="token_replace")
+    before = snapshot(tr)
+    with pytest.raises(ValueError, match="token_replace"):
+        pd.apply_pisa(tr)
+    assert_same(before, snapshot(tr))
+
+
+@pytest.mark.parametrize("managed", [False, True], ids=["fresh", "managed"])
+def test_failure_while_installing_rolls_back(monkeypatch, managed):
+    # A failure after validation (here: attaching telemetry) undoes what was installed and puts
+    # back the previous apply_pisa.
+    pipe = tiny_pipeline("wan")
+    tr = pipe.transformer
+    inputs = forward_inputs("wan")
+    if managed:
+        pd.apply_pisa(pipe, telemetry=True, **SPARSE)
+    state = pd.pisa_state(tr)
+    with torch.no_grad():
+        expect = tr(**inputs).sample
+    before = snapshot(pipe)
+
+    def boom(transformer, config=True):
+        raise RuntimeError("telemetry broke")
+
+    monkeypatch.setattr(tm, "attach", boom)
+    with pytest.raises(RuntimeError, match="telemetry broke"):
+        pd.apply_pisa(pipe, telemetry=0.5, **{**SPARSE, "density": 0.25})
+    monkeypatch.undo()
+    after = snapshot(pipe)
+    assert pd.pisa_state(tr) is state
+    if not managed:
+        assert_same(before, after)
+    else:  # re-installed: same state, hooks and routing in place again, telemetry active
+        assert {k: len(v[0][0]) + len(v[0][2]) for k, v in before.items() if k not in ("pipe", "active_backend")} == {
+            k: len(v[0][0]) + len(v[0][2]) for k, v in after.items() if k not in ("pipe", "active_backend")
+        }
+        assert [v[4] for k, v in before.items() if k not in ("pipe", "active_backend")] == [
+            v[4] for k, v in after.items() if k not in ("pipe", "active_backend")
+        ]
+        assert tm.get(tr).active and len(pd.hooks.observers(tr)) == 1
+        assert before["pipe"].keys() == after["pipe"].keys()
+    with torch.no_grad():
+        torch.testing.assert_close(tr(**inputs).sample, expect, rtol=0, atol=0)
+    pd.remove_pisa(pipe)
+
+
+@pytest.mark.parametrize("head_dim", [8, 512])
+def test_head_dim_outside_kernel_range_refused_at_apply(head_dim):
+    tr = tiny_transformer("wan", attention_head_dim=head_dim)
+    before = snapshot(tr)
+    with pytest.raises(ValueError, match=rf"head dim.*\b{head_dim}\b"):
+        pd.apply_pisa(tr, density=0.5)
+    assert_same(before, snapshot(tr))
+
+
+def test_stats_and_report_on_a_compile_wrapper():
+    tr = tiny_transformer("wan")
+    compiled = torch.compile(tr, backend="eager")
+    pd.apply_pisa(compiled, telemetry=True, **SPARSE)
+    try:
+        assert pd.pisa_state(compiled) is pd.pisa_state(tr) is not None
+        with torch.no_grad():
+            tr(**forward_inputs("wan"))  # the wrapped model itself, eagerly
+        assert pd.stats(compiled) == pd.stats(tr) == {"sparse": 2}
+        assert tm.get(compiled) is tm.get(tr) and len(tm.get(compiled).records) == 2
+        summary = pd.report(compiled, console=_quiet_console())
+        assert summary["transformer"]["records"] == 2
+    finally:
+        pd.remove_pisa(compiled)
+    assert pd.pisa_state(tr) is None
+
+
+def _quiet_console():
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO())
