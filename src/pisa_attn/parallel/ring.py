@@ -18,8 +18,9 @@ statistics, so one call is:
 The steps use only the stage contract (:mod:`pisa_attn.ops.stages`), so any backend runs them;
 :func:`ring_pisa_attention` picks it as :func:`pisa_attn.pisa_attention` does (``backend="auto"``:
 the kernels on CUDA). The result equals single-process ``pisa_attention`` on the whole sequence
-(same selection, float tolerance; the partials stay in float32 until the merge, so the output is
-rounded once, as in one process). Global blocks must not straddle ranks: when the shards are not
+(same selection, float tolerance: float16/bfloat16 partials are rounded to the input dtype, merged
+in float32 and rounded again, so the output is within two roundings of one process's; float32 and
+float64 partials are kept as they are). Global blocks must not straddle ranks: when the shards are not
 block aligned (or a token permutation is asked for), tokens are first redistributed to
 block-aligned shards with one all-to-all, and the output is sent back the same way. Shards of
 whole blocks are balanced to within one block; with fewer blocks than ranks some ranks hold none
@@ -223,7 +224,9 @@ def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size,
     blocks = [spec.num_blocks(k_bounds[r + 1] - k_bounds[r], block_size) for r in range(world)]
     n_kv = sum(blocks)
     n_select = spec.num_selected(density, n_kv)
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # Partials in the kernels' own output dtype for 16-bit inputs (the Hopper kernel writes nothing
+    # else; half the bytes to merge): rounded once there and once after the float32 merge.
+    part_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else None
 
     with phase("stats", dev):
         local = be.prepare(q, k, v, block_size)
@@ -261,7 +264,7 @@ def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size,
                         # The kernel picks its config by density: a shard holds its share of the top-k.
                         n_sel = max(1, round(n_sel * blocks[src] / n_kv))
                     acc.append(be.attend(qg, ks, vs, shards[src], s_shard, mode=mode_g, scale=scale,
-                                         block_size=block_size, n_select=n_sel, out_dtype=wide))
+                                         block_size=block_size, n_select=n_sel, out_dtype=part_dtype))
         if nxt is not None:
             with phase("wait", dev):
                 exchange.wait()
