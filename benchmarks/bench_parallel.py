@@ -19,6 +19,10 @@ moves to block-aligned shards and back), ``a2a`` / ``permute`` (Ulysses), ``othe
 the forward: linear layers, norms, diffusers' own split/gather). ``calls`` counts kernel attends
 per forward (ring: layers x N per query group).
 
+Before the parallel rows, rank 0 times the kernels alone for one layer (``kernel split``): this
+rank's share of the queries against all keys in one attend, against the N key shards in N
+attends, and the merge: what splitting the keys costs the kernels, without communication.
+
 ``--dense`` adds two yardsticks: dense attention on 1 GPU and with diffusers' own Ulysses (the
 difference any context parallelism shows in bf16, and the scale of PISA's own approximation).
 
@@ -80,6 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3, help="timed forwards per configuration")
     p.add_argument("--warmup", type=int, default=1, help="untimed forwards first (Triton compile, autotune)")
     p.add_argument("--no-phases", action="store_true", help="skip the extra forward that splits the time")
+    p.add_argument("--no-split", action="store_true", help="skip the one-GPU kernel split (1 attend vs N shards)")
     p.add_argument("--stage-limit", type=float, default=180.0, help="seconds per stage (cuts timed iterations)")
     p.add_argument("--total-limit", type=float, default=540.0, help="seconds for the whole run (skips stages)")
     p.add_argument("--world", type=int, default=2, help="ranks to spawn with --tiny outside torchrun")
@@ -142,6 +147,8 @@ def _model(shape, device, dtype, layers):
     for name, p in model.named_parameters():
         if not keep.intersection(name.split(".")):
             p.data = p.data.to(dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the float32 originals: free them for the activations at 75K tokens
     return model
 
 
@@ -233,6 +240,60 @@ def _run_stage(model, inputs, args, clock: Clock, alone: bool, phases: bool):
     return out, times, split
 
 
+def kernel_split(shape, world: int, args, device, dtype, reps: int = 5) -> dict:
+    """On one GPU, what the ring asks of the kernels for one layer of this shape: this rank's
+    queries (1/N of the sequence, all heads) against all keys in ONE attend, against the N key
+    shards in N attends (the global selection restricted to each), and the merge of the N
+    partials. Random q/k/v (the time does not depend on the values); CUDA-event median of ``reps``."""
+    from pisa_attn.attention import get_backend, make_plan
+    from pisa_attn.ops.merge import merge
+
+    cfg, (f, h, w), _ = shape
+    heads, d, bs = cfg["num_attention_heads"], cfg["attention_head_dim"], 16 if args.tiny else 64
+    n = f * (h // 2) * (w // 2)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, heads, -(-n // world), d, generator=g, device=device).to(dtype)
+    k, v = (torch.randn(1, heads, n, d, generator=g, device=device).to(dtype) for _ in range(2))
+    plan = make_plan(q, k, args.density, bs, args.mode, False, None, "auto")
+    be = get_backend(plan.backend)
+    stats = be.prepare(q, k, v, bs)
+    width = min(plan.n_kv_blocks, plan.n_select)
+    sel = be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=width, scale=plan.scale)
+    nk = plan.n_kv_blocks
+    bounds = [r * nk // world for r in range(world)] + [nk]
+    shards = [(k[:, :, a * bs : b * bs], v[:, :, a * bs : b * bs], stats.blocks(a, b).with_hbar(stats.hbar),
+               sel.blocks(a, b), max(1, round(plan.n_select * (b - a) / nk))) for a, b in zip(bounds, bounds[1:])]
+    kw = dict(mode=args.mode, scale=plan.scale, block_size=bs)
+
+    def one():
+        return be.attend(q, k, v, stats, sel, n_select=plan.n_select, **kw)
+
+    def parts():
+        return [be.attend(q, ks, vs, st, se, n_select=ns, **kw) for ks, vs, st, se, ns in shards]
+
+    held = parts()
+
+    def timed(fn) -> float:
+        fn()
+        ts = []
+        for _ in range(reps):
+            if device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                torch.cuda.synchronize()
+                ts.append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+
+    return dict(backend=plan.backend, queries=q.shape[2], keys=n, shards=world, attend_one_ms=timed(one),
+                attend_shards_ms=timed(parts), merge_ms=timed(lambda: merge(held, out_dtype=dtype)))
+
+
 def _split_summary(splits: list[dict]) -> dict:
     """Mean over ranks of each phase; ``other`` = forward minus the phases."""
     keys = sorted({k for s in splits for k in s})
@@ -298,6 +359,11 @@ def bench_shape(name: str, shape, rank: int, world: int, args, clock: Clock, dev
                 refs[pisa], times, _ = _run_stage(model, inputs, args, clock, alone=True, phases=False)
                 base[pisa] = statistics.median(times)
                 res["rows"].append(_row(label, times))
+                emit(res)
+            dist.barrier()
+        if not args.no_split and clock.agree(clock.left() > 0):
+            if rank == 0:
+                res["kernel_split"] = kernel_split(shape, world, args, device, dtype)
                 emit(res)
             dist.barrier()
         runs = [(True, kind) for kind in kinds] + ([(False, "ulysses")] if args.dense else [])
@@ -366,6 +432,12 @@ def table(res: dict) -> str:
         )
         lines.append(f"  {'config':<24}{'ms':>9}{'speedup':>8}{'max|d|':>9}{'relL1':>9}  "
                      + "".join(f"{c:>8}" for c in cols) + f"{'calls':>6}")  # fmt: skip
+        ks = sh.get("kernel_split")
+        if ks:
+            extra = ks["attend_shards_ms"] / ks["attend_one_ms"] - 1
+            lines.append(f"  kernel split ({ks['backend']}, one layer, {ks['queries']} queries x {ks['keys']} keys): "
+                         f"1 attend {ks['attend_one_ms']:.2f} ms, {ks['shards']} shard attends "
+                         f"{ks['attend_shards_ms']:.2f} ms ({extra:+.0%}), merge {ks['merge_ms']:.2f} ms")
         for r in sh["rows"]:
             sp = (f"{r['speedup']:.2f}x", f"{r['max_abs_diff']:.3g}", f"{r['rel_l1']:.2e}") if "speedup" in r else ("",) * 3
             ph = r.get("phases_ms") or {}

@@ -204,6 +204,9 @@ def test_bench_tiny(ranks):
     assert ring["calls"] > 0 and all(ring[k] > 0 for k in ("attend", "wait", "merge", "stats", "select"))
     assert "a2a" in shape["rows"][2]["phases_ms"]
     assert shape["pisa_vs_dense_1gpu_max_abs"] > 1e-3
+    split = shape["kernel_split"]
+    assert split["shards"] == 2 and min(split["attend_one_ms"], split["attend_shards_ms"], split["merge_ms"]) > 0
+    assert "kernel split" in text
     assert text.splitlines()[-1].lstrip().startswith("dense ulysses x2")
 
 
