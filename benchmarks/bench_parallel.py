@@ -68,6 +68,7 @@ SHAPES = {
 }
 TINY = (WAN_TINY, (3, 12, 20), 8)
 KINDS = ("ulysses", "ring", "unified")
+NVLS_SWITCHES = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")  # recorded, never set
 PHASES = ("attend", "wait", "merge", "stats", "select", "redist", "a2a", "permute")
 
 
@@ -400,8 +401,7 @@ def bench_rank(rank: int, world: int, args) -> dict | None:
         benchmark="bench_parallel", world=world, dtype=str(dtype).replace("torch.", ""), density=args.density,
         mode=args.mode, iters=args.iters, warmup=args.warmup,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__, nccl_env={k: os.environ.get(k) for k in
-                                           ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")},
+        torch=torch.__version__, nccl_env={k: os.environ.get(k) for k in NVLS_SWITCHES},
         shapes=[],
     )  # fmt: skip
 
@@ -439,7 +439,9 @@ def table(res: dict) -> str:
                          f"1 attend {ks['attend_one_ms']:.2f} ms, {ks['shards']} shard attends "
                          f"{ks['attend_shards_ms']:.2f} ms ({extra:+.0%}), merge {ks['merge_ms']:.2f} ms")
         for r in sh["rows"]:
-            sp = (f"{r['speedup']:.2f}x", f"{r['max_abs_diff']:.3g}", f"{r['rel_l1']:.2e}") if "speedup" in r else ("",) * 3
+            sp = ("",) * 3
+            if "speedup" in r:
+                sp = (f"{r['speedup']:.2f}x", f"{r['max_abs_diff']:.3g}", f"{r['rel_l1']:.2e}")
             ph = r.get("phases_ms") or {}
             parts = "".join(f"{ph[c]:>8.1f}" if c in ph else f"{'':>8}" for c in cols)
             calls = f"{int(ph['calls']):>6}" if "calls" in ph else ""

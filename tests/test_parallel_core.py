@@ -1,9 +1,10 @@
 """Ring and Ulysses PISA on 2 gloo CPU ranks equal single-process PISA on the whole sequence
 (3 and 4 ranks, Ulysses x ring: test_parallel_four_ranks.py, which reuses these cases).
 
-All cases run inside one spawn (process start dominates); each case is then asserted on its own. Inputs are float64 so that a different block selection (an O(1e-2) change)
-cannot hide under the tolerance; ring partials merge through float32 LSEs (the reference returns
-float32 LSE), hence ring's 1e-5.
+All cases run inside one spawn (process start dominates); each case is then asserted on its own.
+Inputs are float64 so that a different block selection (an O(1e-2) change) cannot hide under the
+tolerance; ring partials merge through float32 LSEs (the reference returns float32 LSE), hence
+ring's 1e-5.
 """
 
 from __future__ import annotations
@@ -200,7 +201,9 @@ def test_clear_errors(two_ranks, case, words):
         assert msg.startswith("ValueError") and words in msg, msg
 
 
-@pytest.mark.parametrize("case, words", [("ring-truthy-flag", "return_lse"), ("ulysses-truthy-flag", "covariance_aware")])
+@pytest.mark.parametrize(
+    "case, words", [("ring-truthy-flag", "return_lse"), ("ulysses-truthy-flag", "covariance_aware")]
+)
 def test_flags_must_be_booleans(two_ranks, case, words):
     for res in two_ranks:
         msg = res["errors"][case]

@@ -102,7 +102,8 @@ def _uneven_refused(world: int) -> dict:
                 out[family] = "no error"
             except ValueError as e:
                 out[family] = str(e)
-            out[family + "-after"] = bool(torch.isfinite(model(**dict(dt.forward_inputs(family), return_dict=False))[0]).all())
+            even = dict(dt.forward_inputs(family), return_dict=False)
+            out[family + "-after"] = bool(torch.isfinite(model(**even)[0]).all())
     return out
 
 
