@@ -36,11 +36,12 @@ wan1.3b-480p       Wan2.1-1.3B, 480p 81 frames             21x30x52 = 32 760    
 Stages (``--part`` or ``--stages``), in order of value; each has its own time budget (``--budget-s``)
 and is skipped or cut cleanly when it would overrun it or the run's (``--total-budget-s``):
 ``wan14b``, ``hunyuan`` (eager), ``wan14b-compiled``, ``hunyuan-compiled``, ``flux`` (eager, both
-sizes, plus the attention-call sweep that explains ``min_kv_len``), ``flux-compiled``, ``wan1.3b``,
-``wan1.3b-compiled``. Compiled stages run ``torch.compile(transformer, fullgraph=True)`` (compile
-time reported separately) on a share of the blocks (``--fraction``; default 0.1 for the 13-14B
-models and FLUX, all 30 blocks for Wan-1.3B, where compile drift is the question): per-block cost
-is uniform, so ratios hold and per-forward times are extrapolated (labelled ``extrapolated``).
+sizes, plus the attention-call sweep that explains ``min_kv_len``), ``wan1.3b``, ``wan1.3b-compiled``,
+``flux-compiled``. Compiled stages run ``torch.compile(transformer, fullgraph=True)`` (compile time
+reported separately) on a share of the blocks (``--fraction``; default 0.1 for the 13-14B models and
+FLUX, all 30 blocks for Wan-1.3B, where compile drift is the question): per-block cost is uniform,
+so ratios hold and per-forward times are extrapolated (marked ``*``, ``derived.blocks`` in the JSON).
+``--fraction wan14b=0.5`` is how an eager stage builds fewer blocks when a dense forward is too slow.
 
 Estimated device time on one H100 (``--plan`` prints it for the chosen stages, no GPU needed):
 attention 4 L^2 H D per layer and the GEMMs at 600 TFLOP/s, elementwise work calibrated on
@@ -58,20 +59,22 @@ hunyuan            dense 22.5 s (10.5 PFLOP) x2, PISA ~9.4 s x2,          ~105 s
 wan14b-compiled    3 compiles of 4 blocks (~26 s each) + forwards         ~100 s    110 s
 hunyuan-compiled   3 compiles of 6 blocks (~29 s each) + forwards         ~115 s    120 s
 flux               2 sizes x 4 kinds of forward (0.2-1 s), call sweep     ~30 s     60 s
-flux-compiled      2 sizes x 3 compiles of 6 blocks (2048 first)          ~185 s    110 s
 wan1.3b            4 kinds of forward x ~0.6 s                            ~10 s     40 s
 wan1.3b-compiled   3 compiles of 30 blocks (~65 s each): compile drift    ~205 s    200 s
+flux-compiled      2 sizes x 3 compiles of 6 blocks (2048 first)          ~185 s    110 s
 =================  =====================================================  ========  ======
 
-So two device calls: ``--part eager`` (~4 min) and ``--part compiled`` (about 9 min of work in
-a 540 s run budget: unless compiles are faster than guessed, FLUX 1024 and the no-attention
-compile of Wan-1.3B are cut; rerun those with ``--stages``).
+One 10-minute device call (``--part all``, run budget 540 s) gets everything down to ``wan1.3b``
+(~7.5 min) and what fits of ``wan1.3b-compiled``; a second call runs the rest
+(``--stages wan1.3b-compiled,flux-compiled``, ~6.5 min). ``--part eager`` (~4 min) and
+``--part compiled`` split the same work the other way.
 
 Device (diffusers travels as a wheel; the device has torch, triton, transformers, accelerate,
 safetensors)::
 
     mkdir -p .whl && python -m pip download --no-deps --only-binary=:all: diffusers==0.42.1 -d .whl
-    bash benchmarks/run_e2e.sh eager        # one device call, carry .whl; then: compiled
+    bash benchmarks/run_e2e.sh all          # one device call, carry .whl
+    bash benchmarks/run_e2e.sh compiled --stages wan1.3b-compiled,flux-compiled   # the rest
 
 CPU check of every code path with tiny models of the same classes::
 
@@ -112,9 +115,9 @@ STAGES: dict[str, tuple[tuple[str, ...], bool]] = {
     "wan14b-compiled": (("wan14b-720p",), True),
     "hunyuan-compiled": (("hunyuan-720p",), True),
     "flux": (("flux-1024", "flux-2048"), False),
-    "flux-compiled": (("flux-2048", "flux-1024"), True),
     "wan1.3b": (("wan1.3b-480p",), False),
     "wan1.3b-compiled": (("wan1.3b-480p",), True),
+    "flux-compiled": (("flux-2048", "flux-1024"), True),
 }
 PARTS = {
     "all": tuple(STAGES),

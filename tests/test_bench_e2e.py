@@ -114,7 +114,7 @@ def test_arguments_per_stage():
     import bench_e2e as b
 
     a = b.parse_args(["--part", "compiled", "--fraction", "wan14b-compiled=0.5", "--budget-s", "flux=30"])
-    assert a.stage_list == ("wan14b-compiled", "hunyuan-compiled", "flux-compiled", "wan1.3b-compiled")
+    assert a.stage_list == ("wan14b-compiled", "hunyuan-compiled", "wan1.3b-compiled", "flux-compiled")
     assert a.fractions == {"wan14b-compiled": 0.5} and a.budgets["flux"] == 30 and a.budgets["hunyuan"] == 150
     assert b.parse_args(["--budget-s", "20"]).budgets["wan14b"] == 20
     for bad in (["--stages", "wan99"], ["--fraction", "1.5"], ["--budget-s", "nope=3"], ["--flux-sweep", "1000"]):
