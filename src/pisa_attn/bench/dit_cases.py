@@ -26,8 +26,8 @@ _CLASSES = {
 
 @dataclass(frozen=True)
 class Paper:
-    """End-to-end numbers the paper reports for a model (its Table 1 / Table 2: whole generations
-    with VAE and text encoders, on its own dense baseline)."""
+    """End-to-end numbers the paper reports for a model (its video and image tables: whole
+    generations with text encoders and VAE, against its own dense baseline)."""
 
     speedup: float  # with its warm-up schedule
     speedup_no_warmup: float | None = None
