@@ -32,11 +32,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import spec
+from . import metrics, spec
 from .ops import reference as ref
 
-CORRECTION_MODES = ("hybrid", "first")
+CORRECTION_MODES = spec.FIRST_ORDER_MODES
 FIT_OVER = ("head", "layer")
+FIT_BOUNDS = (0.0, 1.0)
+"""Where a fitted weight is clamped by the calibration tools: at most the paper's full term, never
+its opposite. On real attention the clamp changes no held-out error; it keeps a fit from few
+sampled rows sane."""
 
 
 @dataclass
@@ -163,15 +167,16 @@ class AlphaStats:
             raise ValueError(f"cannot pool AlphaStats of {self.cr.numel()} and {other.cr.numel()} heads")
         return AlphaStats(self.cr + other.cr, self.cc + other.cc, self.rr + other.rr, self.n + other.n)
 
-    def alpha(self, over: str = "head", default: float = 1.0) -> Tensor:
+    def alpha(self, over: str = "head", default: float = 1.0, bounds: tuple[float, float] | None = None) -> Tensor:
         """The least-squares weight: ``[H]`` per head (``over="head"``) or a 0-d tensor shared by all
-        heads (``"layer"``). A head whose correction is zero on every fitted row (no tail) does not
-        constrain it: it gets ``default``."""
+        heads (``"layer"``), clamped to ``bounds`` when given. A head whose correction is zero on
+        every fitted row (no tail) does not constrain it: it gets ``default``."""
         if over not in FIT_OVER:
             raise ValueError(f"over must be one of {FIT_OVER}, got {over!r}")
         cr, cc = (self.cr, self.cc) if over == "head" else (self.cr.sum(), self.cc.sum())
         tiny = torch.finfo(cc.dtype).tiny
-        return torch.where(cc > tiny, cr / cc.clamp_min(tiny), torch.full_like(cc, float(default)))
+        w = torch.where(cc > tiny, cr / cc.clamp_min(tiny), torch.full_like(cc, float(default)))
+        return w if bounds is None else w.clamp(*bounds)
 
     def residual(self, alpha) -> Tensor:
         """``Σ‖r − alpha·c‖²`` per head for a scalar or per-head ``alpha`` (0 is zeroth, 1 the paper)."""
@@ -228,3 +233,77 @@ def _weighted_median(c: Tensor, r: Tensor, default: float) -> Tensor:
     ratio, cw = ratio[order], w[order].cumsum(0)
     i = int(torch.searchsorted(cw, 0.5 * cw[-1]))
     return ratio[min(i, ratio.numel() - 1)]
+
+
+# --- fits on sampled query rows (what calibrating a running model or a capture file does) ----------
+@dataclass
+class RowFit:
+    """What :func:`fit_rows` measured on some query rows, per query head: the least-squares
+    statistics, the dense softmax mass on the tail summed over the rows, and the row count (batch
+    rows included). Add two to pool calls, steps or inputs."""
+
+    stats: AlphaStats
+    tail_mass: Tensor  # [H] float64
+    rows: int
+
+    def __add__(self, other: RowFit) -> RowFit:
+        if not isinstance(other, RowFit):
+            return NotImplemented
+        return RowFit(self.stats + other.stats, self.tail_mass + other.tail_mass, self.rows + other.rows)
+
+    def mean_tail_mass(self) -> Tensor:
+        """``[H]``: the mean over the fitted rows of the dense softmax mass PISA approximates."""
+        return self.tail_mass / max(self.rows, 1)
+
+
+def fit_rows(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    density: float,
+    blocks=None,
+    measured: tuple[int, int] | None = None,
+    block_size: int = 64,
+    mode: str = "hybrid",
+    covariance_aware: bool = False,
+    scale: float | None = None,
+    keep_blocks: Tensor | None = None,
+) -> RowFit:
+    """Fit statistics of the query blocks ``blocks`` of ``q`` against dense attention, computed
+    here in float32 (float64 for float64 inputs) whatever the inputs' dtype.
+
+    ``q`` ``[B, H, Lq, D]`` are the query rows as PISA runs them (query block ``i`` is rows
+    ``[i·block_size, (i+1)·block_size)``), ``k``/``v`` ``[B, Hk, Lk, D]``; ``blocks``: query-block
+    indices (ints or a tensor; None: all); ``measured``: the row range ``[lo, hi)`` whose rows
+    count (rows outside it, e.g. text rows sharing the first image block, are computed and left
+    out). The exact sets are the reference's selection (``density``, ``covariance_aware``,
+    ``keep_blocks``), the terms its :func:`pisa_attn.ops.reference.pisa_forward` on those rows only:
+    the cost is a few passes over ``rows x Lk`` scores plus the key statistics, not attention.
+    """
+    _check_mode(mode)
+    bs = block_size
+    lq = q.shape[2]
+    nq = spec.num_blocks(lq, bs)
+    chosen = sorted({int(i) for i in (range(nq) if blocks is None else torch.as_tensor(blocks).reshape(-1).tolist())})
+    if not chosen or chosen[0] < 0 or chosen[-1] >= nq:
+        raise ValueError(f"blocks must name query blocks in [0, {nq}), got {blocks!r}")
+    lo, hi = (0, lq) if measured is None else measured
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # Whole blocks in ascending order: a ragged last block can only come last, so the rows form
+    # blocks of their own and the reference's per-block selection applies to them unchanged.
+    spans = [(i * bs, min(lq, (i + 1) * bs)) for i in chosen]
+    qs = torch.cat([q[:, :, a:b] for a, b in spans], dim=2).to(dtype)
+    k, v = k.to(dtype), v.to(dtype)
+    # Positions ascend and [lo, hi) is an interval: the counted rows are one run (a slice, no index
+    # tensor to copy to the device).
+    counted = [j for j, pos in enumerate(p for a, b in spans for p in range(a, b)) if lo <= pos < hi]
+    if not counted:
+        raise ValueError(f"measured rows {measured!r} leave no row of blocks {chosen}")
+    rows = slice(counted[0], counted[-1] + 1)
+    t = tail_terms(qs, k, v, density=density, block_size=bs, mode=mode, covariance_aware=covariance_aware,
+                   scale=scale, keep_blocks=keep_blocks)
+    dense = metrics.dense_pass(qs, k, v, block_size=bs, masks=(t.selected,), scale=scale)
+    stats = alpha_stats(t, dense.out, rows=rows)
+    tail = dense.tail_mass[0][:, :, rows]
+    return RowFit(stats, tail.double().sum(dim=(0, 2)), q.shape[0] * len(counted))
