@@ -182,3 +182,49 @@ def test_telemetry_reports_alpha_per_layer():
     assert "α (mean)" in buf.getvalue()
     assert all(0.0 <= r["alpha"] <= 1.0 for r in summary["transformer"]["layers"])
     pd.remove_pisa(pipe)
+
+
+# --- offline: pisa-attn calibrate FILE ----------------------------------------------------------
+def test_calibrate_command_fits_a_capture_and_apply_loads_it(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from pisa_attn import cli
+    from pisa_attn.diffusers.capture import capture_qkv
+    from pisa_attn.qkv_file import read_qkv_file
+
+    pipe = tiny_pipeline("flux")
+    cap = tmp_path / "flux.safetensors"
+    with capture_qkv(pipe, steps=[0, 1], path=cap):
+        pipe(**prompt_kwargs("flux"), num_inference_steps=2)
+    out = tmp_path / "alpha.json"
+    args = ["calibrate", str(cap), "--out", str(out), "--density", "0.25", "--block-size", str(TILE_BLOCK),
+            "--query-blocks", "0"]
+    assert cli.main(args) == 0
+    assert "first-order weight" in capsys.readouterr().err
+    table = at.load(str(out))
+    assert table.model == "flux" and sorted(table.layers()) == [0, 1, 2, 3]
+    assert table.settings == {"density": 0.25, "mode": "hybrid", "covariance_aware": True,  # FLUX's default
+                              "block_size": TILE_BLOCK}
+    # Every block of both steps: the pooled least-squares fit of each layer's two calls.
+    f = read_qkv_file(str(cap))
+    for layer in range(4):
+        fits = []
+        for e in (x for x in f.entries if x.layer == layer):
+            lo, hi = e.info["image_range"]
+            start = block_floor(lo, TILE_BLOCK)
+            fits.append(cal.fit_rows(e.q[:, :, start:hi], e.k, e.v, density=0.25, block_size=TILE_BLOCK,
+                                     measured=(lo - start, hi - start), covariance_aware=True, scale=e.info["scale"],
+                                     keep_blocks=e.layout.keep_blocks(TILE_BLOCK)))
+        want = (fits[0] + fits[1]).stats.alpha(default=spec.DEFAULT_ALPHA, bounds=cal.FIT_BOUNDS)
+        torch.testing.assert_close(torch.tensor(table.layers()[layer].alpha, dtype=torch.float64), want,
+                                   rtol=1e-9, atol=1e-12)
+    pd.apply_pisa(pipe, alpha_table=str(out), **RUN)  # the settings match: no warning
+    assert set(pd.pisa_state(pipe.transformer).alphas) == {0, 1, 2, 3}
+    pd.remove_pisa(pipe)
+    # sampled blocks, one weight per layer, one step
+    assert cli.main([*args[:-1], "2", "--fit", "layer", "--steps", "1", "--out", str(tmp_path / "b.json")]) == 0
+    b = at.load(str(tmp_path / "b.json"))
+    assert all(len(set(x.alpha)) == 1 for x in b.layers().values())
+    assert cli.main(["calibrate", str(cap), "--steps", "7", "--out", str(tmp_path / "c.json")]) == 2
+    assert "no captured call" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["calibrate", str(tmp_path / "missing.safetensors")])
