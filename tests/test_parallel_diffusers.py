@@ -24,34 +24,87 @@ SETTINGS = dict(density=0.3, dense_layers=1, dense_steps=0, block_size=16, min_k
 TOL = 2e-5
 
 
-def _config(kind: str, world: int):
+def _config(kind: str, world: int, anything: bool = False):
     from diffusers import ContextParallelConfig
 
-    return ContextParallelConfig(**{f"{kind}_degree": world})
+    extra = {f"{kind}_anything": True} if anything else {}
+    return ContextParallelConfig(**{f"{kind}_degree": world}, **extra)
 
 
-def _family_results(family: str, world: int) -> dict:
+def uneven_inputs(family: str) -> dict:
+    """Token streams no even split handles: FLUX with 15 text tokens, Wan on a 3x5x9 latent grid
+    (135 tokens)."""
+    import diffusers_tiny as dt
+
+    inputs = dict(dt.forward_inputs(family), return_dict=False)
+    if family == "flux":
+        inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"][:, :15]
+        inputs["txt_ids"] = inputs["txt_ids"][:15]
+    else:
+        inputs["hidden_states"] = inputs["hidden_states"][:, :, :, :10, :18]
+    return inputs
+
+
+def cp_results(family: str, runs, heads: int = 2) -> dict:
+    """Max |CP - one process| per run (name, config, pisa_first, uneven) and the stats counters."""
     import diffusers_tiny as dt
 
     from pisa_attn.diffusers import apply_pisa, stats
 
-    inputs = dict(dt.forward_inputs(family), return_dict=False)
-    res = {}
+    kw = {} if heads == 2 else dict(num_attention_heads=heads)
+    res, want = {}, {}
     with torch.no_grad():
-        single = apply_pisa(dt.tiny_transformer(family), **SETTINGS)
-        want = single(**inputs)[0]
-        res["single_stats"] = stats(single)
-        res["pisa_vs_dense"] = float((want - dt.tiny_transformer(family)(**inputs)[0]).abs().max())
-        for kind, pisa_first in (("ulysses", True), ("ring", False)):  # both orders of the two calls
-            model = dt.tiny_transformer(family)
+        for uneven in sorted({r[3] for r in runs}):
+            inputs = uneven_inputs(family) if uneven else dict(dt.forward_inputs(family), return_dict=False)
+            single = apply_pisa(dt.tiny_transformer(family, **kw), **SETTINGS)
+            want[uneven] = (inputs, single(**inputs)[0], stats(single))
+            if not uneven:
+                dense = dt.tiny_transformer(family, **kw)(**inputs)[0]
+                res["pisa_vs_dense"] = float((want[uneven][1] - dense).abs().max())
+        res["single_stats"] = want[False][2] if False in want else want[True][2]
+        for name, config, pisa_first, uneven in runs:
+            inputs, ref, ref_stats = want[uneven]
+            model = dt.tiny_transformer(family, **kw)
             if pisa_first:
                 apply_pisa(model, **SETTINGS)
-            model.enable_parallelism(config=_config(kind, world))
+            model.enable_parallelism(config=config)
             if not pisa_first:
                 apply_pisa(model, **SETTINGS)
             got = model(**inputs)[0]
-            res[kind] = (float((got - want).abs().max()), stats(model))
+            res[name] = (float((got - ref).abs().max()), stats(model) == ref_stats, stats(model))
     return res
+
+
+def _family_results(family: str, world: int) -> dict:
+    runs = [
+        ("ulysses", _config("ulysses", world), True, False),  # both orders of the two calls
+        ("ring", _config("ring", world), False, False),
+        ("ring-uneven", _config("ring", world, anything=True), True, True),
+        ("ulysses-uneven", _config("ulysses", world, anything=True), True, True),
+    ]
+    return cp_results(family, runs)
+
+
+def _uneven_refused(world: int) -> dict:
+    """Without *_anything, a length diffusers cannot split evenly is refused before diffusers
+    shards anything, with the fix in the message; the model is unchanged and runs afterwards."""
+    import diffusers_tiny as dt
+
+    from pisa_attn.diffusers import apply_pisa
+
+    out = {}
+    with torch.no_grad():
+        for family in ("flux", "wan"):
+            model = apply_pisa(dt.tiny_transformer(family), **SETTINGS)
+            model.enable_parallelism(config=_config("ring", world))
+            try:
+                model(**uneven_inputs(family))
+                out[family] = "no error"
+            except ValueError as e:
+                out[family] = str(e)
+            even = dict(dt.forward_inputs(family), return_dict=False)
+            out[family + "-after"] = bool(torch.isfinite(model(**even)[0]).all())
+    return out
 
 
 def _errors(world: int) -> dict:
@@ -85,7 +138,8 @@ def _bench(rank: int, world: int):
     spec = importlib.util.spec_from_file_location("bench_parallel", BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    args = mod.parse_args(["--tiny", "--kinds", "ulysses", "--iters", "1", "--warmup", "0"])  # ring: above
+    args = mod.parse_args(["--tiny", "--dense", "--kinds", "ulysses,ring", "--iters", "1", "--warmup", "0",
+                           "--out", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_parallel_{os.getpid()}")])
     res = mod.bench_rank(rank, world, args)
     return None if res is None else (res, mod.table(res))
 
@@ -99,6 +153,7 @@ def _worker(rank, world):
         "flux": _family_results("flux", world),
         "wan": _family_results("wan", world),
         "errors": _errors(world),
+        "refused": _uneven_refused(world),
         "bench": _bench(rank, world),
     }
 
@@ -108,15 +163,27 @@ def ranks():
     return run_local(_worker, 2)
 
 
-@pytest.mark.parametrize("family", ["flux", "wan"])
-@pytest.mark.parametrize("kind", ["ulysses", "ring"])
-def test_context_parallel_equals_single_process(ranks, family, kind):
-    for res in ranks:
+def check_equal(results, family: str, kind: str, dense_calls: int = 1):
+    for res in results:
         fam = res[family]
-        err, stats = fam[kind]
+        err, same_stats, got_stats = fam[kind]
         assert fam["pisa_vs_dense"] > 1e-3  # the tiny models really run sparse: a wrong selection would show
         assert err < TOL, (family, kind, err)
-        assert stats == fam["single_stats"] and stats["sparse"] > 0 and stats["dense"] == 1
+        assert same_stats and got_stats["sparse"] > 0 and got_stats["dense"] == dense_calls, got_stats
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+@pytest.mark.parametrize("kind", ["ulysses", "ring", "ring-uneven", "ulysses-uneven"])
+def test_context_parallel_equals_single_process(ranks, family, kind):
+    check_equal(ranks, family, kind)
+
+
+def test_uneven_split_without_anything_mode_names_the_fix(ranks):
+    for res in ranks:
+        for family in ("flux", "wan"):
+            msg = res["refused"][family]
+            assert "not divisible by 2" in msg and "ring_anything=True" in msg, msg
+            assert res["refused"][family + "-after"]
 
 
 def test_clear_errors(ranks):
@@ -126,26 +193,48 @@ def test_clear_errors(ranks):
 
 
 def test_bench_tiny(ranks):
+    """The benchmark's rows, differences against 1-rank PISA, phase split and table (tiny, CPU)."""
     res, text = ranks[0]["bench"]
     assert ranks[1]["bench"] is None
-    configs = ["dense 1 rank", "pisa 1 rank", "dense ulysses x2", "pisa ulysses x2"]
-    assert [r["config"] for r in res["rows"]] == configs
-    for row in res["rows"][2:]:
+    (shape,) = res["shapes"]
+    configs = ["dense 1 GPU", "pisa 1 GPU", "pisa ulysses x2", "pisa ring x2", "dense ulysses x2"]
+    assert [r["config"] for r in shape["rows"]] == configs and not shape["skipped"]
+    for row in shape["rows"][2:]:
         assert row["max_abs_diff"] < TOL and row["finite"] and row["speedup"] > 0
-    assert res["pisa_vs_dense_1rank"] > 1e-3
-    assert text.splitlines()[-1].startswith("pisa ulysses x2")
+    ring = shape["rows"][3]["phases_ms"]
+    assert ring["calls"] > 0 and all(ring[k] > 0 for k in ("attend", "wait", "merge", "stats", "select"))
+    assert "a2a" in shape["rows"][2]["phases_ms"]
+    assert shape["pisa_vs_dense_1gpu_max_abs"] > 1e-3
+    split = shape["kernel_split"]
+    assert split["shards"] == 2 and min(split["attend_one_ms"], split["attend_shards_ms"], split["merge_ms"]) > 0
+    assert "kernel split" in text
+    assert text.splitlines()[-1].lstrip().startswith("dense ulysses x2")
 
 
-def test_unified_and_masks_rejected():
+def test_masks_rejected():
     from pisa_attn.diffusers.parallel import parallel_attention
 
     x = torch.zeros(1, 8, 2, 16)
-    both = SimpleNamespace(context_parallel_config=SimpleNamespace(ring_degree=2, ulysses_degree=2))
-    with pytest.raises(ValueError, match="not both"):
-        parallel_attention(x, x, x, None, None, False, both)
     ring = SimpleNamespace(context_parallel_config=SimpleNamespace(ring_degree=2, ulysses_degree=1))
     with pytest.raises(ValueError, match="attention masks"):
         parallel_attention(x, x, x, torch.ones(1, 8, dtype=torch.bool), None, False, ring)
+
+
+def test_token_split_check_names_the_fix_for_unified():
+    """Ulysses x ring: diffusers has no uneven split at all, so the message names the alternatives."""
+    from pisa_attn.diffusers.parallel import check_token_split
+    from pisa_attn.diffusers.tiling import build_layouts
+
+    seq = build_layouts((6, 8), 13, "before", (4, 4), 16).joint  # 13 text + 48 image tokens
+    cp = SimpleNamespace(ring_degree=2, ulysses_degree=2, ulysses_anything=False, ring_anything=False)
+    model = SimpleNamespace(_parallel_config=SimpleNamespace(context_parallel_config=cp))
+    with pytest.raises(ValueError, match=r"13 text tokens \(not divisible by 4\).*ring_anything=True"):
+        check_token_split(model, seq)
+    cp.ring_degree = 1
+    with pytest.raises(ValueError, match=r"ulysses_degree=2, ulysses_anything=True"):
+        check_token_split(model, seq)
+    cp.ulysses_anything = True
+    check_token_split(model, seq)  # tensor_split: any length
 
 
 def test_pisa_order_maps_rank_major_gather_to_tiled_sequence():

@@ -6,6 +6,12 @@ WAN_1_3B = dict(
     text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
 )  # fmt: skip
+# Wan2.1-T2V-14B: hidden 5120 = 40 heads x 128, FFN 13824, 40 layers.
+WAN_14B = dict(
+    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+)  # fmt: skip
 WAN_TINY = dict(
     patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
     text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64,

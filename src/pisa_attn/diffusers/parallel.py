@@ -1,8 +1,8 @@
 """The ``"pisa"`` backend under diffusers context parallelism (``transformer.enable_parallelism``).
 
-diffusers shards every token stream of the model evenly over the ranks before the blocks (FLUX:
-text and image separately, so rank r holds ``[text_r, image_r]``) and calls the attention backend
-with this rank's slice. PISA's result depends on which tokens share a block, so it must see the
+diffusers shards every token stream of the model over the ranks before the blocks (FLUX: text and
+image separately, so rank r holds ``[text_r, image_r]``) and calls the attention backend with this
+rank's slice. PISA's result depends on which tokens share a block, so it must see the
 single-process sequence: under context parallelism the model keeps its own token order (the tiling
 hooks stand aside, see :func:`tokens_stay_in_model_order`) and each attention call maps the
 gathered order onto the single-process tiled order with one permutation:
@@ -11,13 +11,17 @@ gathered order onto the single-process tiled order with one permutation:
   single-process backend computation (:func:`.backend.sparse_attention` / dense), permute back,
   all-to-all back (:func:`pisa_attn.parallel.ulysses_attention`);
 * ring (``ring_degree > 1``): :func:`pisa_attn.parallel.ring_pisa_attention` with global statistics
-  and selection for the image queries; text queries and dense (warm-up) calls run exact attention
-  through the same ring (density 1: every block exact).
+  and selection for the image queries, the text queries attending exactly in the same pass round
+  the ring; dense (warm-up) calls run exact attention through the same ring (density 1);
+* both (unified sequence parallelism, the ``(ring, ulysses)`` mesh diffusers builds): Ulysses inside
+  each group, ring across the groups (:func:`pisa_attn.parallel.unified_pisa_attention`).
 
-Both equal the single-process output (same selection, float tolerance), for token streams split
-evenly over the ranks as diffusers' own ``_cp_plan`` s do (FLUX, Wan); other shardings of a managed
-sequence raise. Ring and Ulysses together, attention masks, observers (capture, telemetry) and
-calls without :func:`apply_pisa` raise a clear error too. Inference only.
+All equal the single-process output (same selection, float tolerance). The token streams must be
+split as diffusers splits them: evenly (each length divisible by the number of ranks), or, with
+``ring_anything=True`` / ``ulysses_anything=True``, by ``tensor_split`` (any length; the ring then
+redistributes whole blocks). A length diffusers' even split would refuse is reported by
+:func:`check_token_split` before diffusers shards anything. Attention masks, observers (capture,
+telemetry) and calls without :func:`apply_pisa` raise a clear error. Inference only.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..parallel import ring_pisa_attention, ulysses_attention
-from ..parallel.comm import gather_ints
+from ..layout import block_floor
+from ..parallel import ring_pisa_attention, ulysses_attention, unified_pisa_attention
+from ..parallel.comm import all_gather_var, gather_ints
+from ..parallel.phases import phase
 from . import hooks
 from .calls import dense_attention, sparse_attention
 from .state import Sequence, current_run
@@ -50,16 +56,40 @@ def tokens_stay_in_model_order(transformer) -> bool:
     return context_parallel_config(transformer) is not None
 
 
+def check_token_split(transformer, seq: Sequence) -> None:
+    """ValueError naming the fix when diffusers' even split would refuse this call's token streams
+    (called at the start of the transformer's forward, before diffusers shards anything; its own
+    splitter fails with a bare assertion)."""
+    cp = context_parallel_config(transformer)
+    if cp is None or cp.ulysses_anything or cp.ring_anything:  # tensor_split: any length
+        return
+    world = cp.ring_degree * cp.ulysses_degree
+    streams = {("image" if (a, b) == (seq.image_lo, seq.image_hi) else "text"): b - a
+               for a, b in _runs(seq.image_lo, seq.image_hi, seq.length)}  # fmt: skip
+    bad = {name: n for name, n in streams.items() if n % world}
+    if not bad:
+        return
+    what = ", ".join(f"{n} {name} tokens" for name, n in bad.items())
+    if cp.ring_degree > 1 and cp.ulysses_degree > 1:
+        fix = (
+            "diffusers splits unevenly only with one kind of parallelism: use ContextParallelConfig(ring_degree="
+            f"{world}, ring_anything=True) or (ulysses_degree={world}, ulysses_anything=True), or a size whose "
+            f"token counts divide by {world}"
+        )
+    else:
+        kind = "ring" if cp.ring_degree > 1 else "ulysses"
+        fix = f"pass ContextParallelConfig({kind}_degree={world}, {kind}_anything=True) (PISA runs uneven shards)"
+    raise ValueError(
+        f"context parallelism over {world} ranks: diffusers splits each token stream evenly, but this call has "
+        f"{what} (not divisible by {world}); {fix}"
+    )
+
+
 def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa: bool, parallel_config) -> Tensor:
     """One dispatcher call under context parallelism; q/k/v ``[B, L_local, H, D]``, this rank's slice."""
     cp = getattr(parallel_config, "context_parallel_config", None)
     if cp is None:
         raise ValueError("the pisa backend supports diffusers context parallelism only (no other parallel_config)")
-    if cp.ring_degree > 1 and cp.ulysses_degree > 1:
-        raise ValueError(
-            "the pisa backend supports ring_degree > 1 or ulysses_degree > 1 under context parallelism, not both "
-            f"(got ring_degree={cp.ring_degree}, ulysses_degree={cp.ulysses_degree})"
-        )
     if mask is not None:
         raise ValueError("the pisa backend does not support attention masks under context parallelism")
     if q.shape[1] != k.shape[1]:
@@ -67,24 +97,22 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa:
             f"the pisa backend supports only self-attention under context parallelism (q has {q.shape[1]} local "
             f"tokens, k {k.shape[1]})"
         )
-    ring = cp.ring_degree > 1
-    group = (cp._ring_mesh if ring else cp._ulysses_mesh).get_group()
+    groups = _Groups.of(cp)
     run = current_run()
     if run is None:
         raise ValueError(
             "under context parallelism the pisa backend needs apply_pisa(...) on the transformer: it must know "
             "the token layout to build the same blocks as on one GPU"
         )
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    seq, lens = _managed_sequence(run, q.shape[1], rank, world)
+    seq, lens = _managed_sequence(run, q.shape[1], groups.rank, groups.world)
     if seq is None:
-        # Not a layout diffusers' even split explains: gather the lengths (one host sync) to know.
-        lens = tuple(r[0] for r in gather_ints([q.shape[1]], group, q.device))
+        # Not a layout diffusers' split explains: gather the lengths (one host sync) to know.
+        lens = tuple(r[0] for r in gather_ints([q.shape[1]], groups.flat, q.device))
         seq = run.sequence(sum(lens), sum(lens))
         if seq is not None:
-            pisa_order(seq, lens)  # raises: a managed sequence, sharded unlike diffusers' even split
+            pisa_order(seq, lens)  # raises: a managed sequence, sharded unlike diffusers' split
     if seq is None:  # self-attention that PISA does not manage: exact attention
-        return _dense(q, k, v, scale, enable_gqa, ring, group, list(lens))
+        return _dense(q, k, v, scale, enable_gqa, groups, list(lens))
     total = seq.length
     state, cfg = run.state, run.state.config
     if hooks.observers(state.transformer):
@@ -92,20 +120,21 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa:
     layer = run.next_layer()
     reason = run.dense_reason(layer, total)
     if reason is not None:
-        out = _dense(q, k, v, scale, enable_gqa, ring, group, list(lens))
+        out = _dense(q, k, v, scale, enable_gqa, groups, list(lens))
     else:
-        perm = pisa_order(seq, lens)
         settings = (cfg.density, cfg.mode, cfg.covariance_aware, cfg.block_size)
-        if ring:
-            out = _ring_sparse(q, k, v, seq, perm, scale, settings, group, list(lens))
+        if groups.ring is not None:
+            out = _ring_sparse(q, k, v, seq, scale, settings, groups, list(lens))
         else:
+            perm = pisa_order(seq, lens)
 
             def single_process(qf, kf, vf):  # [B, h, L, D] in PISA order
                 qs, ks, vs = (x.transpose(1, 2) for x in (qf, kf, vf))
-                return sparse_attention(qs, ks, vs, seq, None, scale, settings).transpose(1, 2)
+                with phase("attend", qf.device):
+                    return sparse_attention(qs, ks, vs, seq, None, scale, settings).transpose(1, 2)
 
             out = ulysses_attention(
-                q, k, v, single_process, group=group, layout="bshd", perm=perm, seq_lens=list(lens)
+                q, k, v, single_process, group=groups.ulysses, layout="bshd", perm=perm, seq_lens=list(lens)
             )
     state.stats["sparse" if reason is None else "dense"] += 1
     if reason is not None:
@@ -113,33 +142,53 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa:
     return out
 
 
-def _dense(q, k, v, scale, enable_gqa, ring: bool, group, lens: list[int]) -> Tensor:
-    if ring:  # density 1: every key block exact, i.e. exact softmax attention merged over the ring
-        return ring_pisa_attention(q, k, v, group=group, density=1.0, scale=scale, layout="bshd", seq_lens=lens)
+class _Groups:
+    """The process groups of one ``ContextParallelConfig``: Ulysses and ring (None when degree 1)
+    and the flattened group diffusers shards tokens over (rank ``ring_rank * u + ulysses_rank``)."""
+
+    def __init__(self, cp):
+        self.ulysses = cp._ulysses_mesh.get_group() if cp.ulysses_degree > 1 else None
+        self.ring = cp._ring_mesh.get_group() if cp.ring_degree > 1 else None
+        self.flat = cp._flattened_mesh.get_group()
+        self.rank, self.world = dist.get_rank(self.flat), dist.get_world_size(self.flat)
+
+    @classmethod
+    def of(cls, cp) -> "_Groups":
+        got = getattr(cp, "_pisa_groups", None)
+        if got is None:
+            got = cls(cp)
+            cp._pisa_groups = got  # the config outlives the calls; its groups do not change
+        return got
+
+
+def _dense(q, k, v, scale, enable_gqa, groups: _Groups, lens: list[int]) -> Tensor:
+    if groups.ring is not None:  # density 1: every key block exact, i.e. exact attention merged over the ring
+        kw = dict(density=1.0, scale=scale, layout="bshd", seq_lens=lens)
+        if groups.ulysses is None:
+            return ring_pisa_attention(q, k, v, group=groups.ring, **kw)
+        return unified_pisa_attention(q, k, v, ulysses_group=groups.ulysses, ring_group=groups.ring, **kw)
 
     def single_process(qf, kf, vf):
         qs, ks, vs = (x.transpose(1, 2) for x in (qf, kf, vf))
-        return dense_attention(qs, ks, vs, None, scale, enable_gqa).transpose(1, 2)
+        with phase("attend", qf.device):
+            return dense_attention(qs, ks, vs, None, scale, enable_gqa).transpose(1, 2)
 
-    return ulysses_attention(q, k, v, single_process, group=group, layout="bshd", seq_lens=lens)
+    return ulysses_attention(q, k, v, single_process, group=groups.ulysses, layout="bshd", seq_lens=lens)
 
 
-def _ring_sparse(q, k, v, seq: Sequence, perm: Tensor, scale, settings, group, lens: list[int]) -> Tensor:
-    """As :func:`.backend.sparse_attention`: PISA for the image queries (their own query blocks, text
-    key blocks kept exact), exact attention for the text queries; disjoint rows, so they add."""
+def _ring_sparse(q, k, v, seq: Sequence, scale, settings, groups: _Groups, lens: list[int]) -> Tensor:
+    """As :func:`.calls.sparse_attention`: PISA for the image queries (from the block boundary at or
+    before the first, so their query blocks are the key blocks' tiles; text key blocks kept exact),
+    exact attention for the text queries, in one pass round the ring."""
     density, mode, cov, bs = settings
-    out = ring_pisa_attention(
-        q, k, v, group=group, density=density, block_size=bs, mode=mode, covariance_aware=cov, scale=scale,
-        layout="bshd", keep_blocks=seq.keep_for(seq.length, bs), perm=perm, q_perm=perm[seq.image_lo : seq.image_hi],
-        seq_lens=lens,
+    perm, q_perm, exact = _orders(seq, lens, bs)
+    kw = dict(
+        density=density, block_size=bs, mode=mode, covariance_aware=cov, scale=scale, layout="bshd",
+        keep_blocks=seq.keep_for(seq.length, bs), perm=perm, q_perm=q_perm, exact_queries=exact, seq_lens=lens,
     )  # fmt: skip
-    texts = seq.text_ranges()
-    if texts:
-        text_q = torch.cat([perm[a:b] for a, b in texts])
-        out = out + ring_pisa_attention(
-            q, k, v, group=group, density=1.0, scale=scale, layout="bshd", q_perm=text_q, seq_lens=lens
-        )
-    return out
+    if groups.ulysses is None:
+        return ring_pisa_attention(q, k, v, group=groups.ring, **kw)
+    return unified_pisa_attention(q, k, v, ulysses_group=groups.ulysses, ring_group=groups.ring, **kw)
 
 
 def _managed_sequence(run, local_len: int, rank: int, world: int):
@@ -162,6 +211,22 @@ def _even_split(image_lo: int, image_hi: int, total: int, world: int) -> tuple[i
     """Per-rank tokens when diffusers splits each token stream evenly (``tensor_split``)."""
     runs = _runs(image_lo, image_hi, total)
     return tuple(sum((b - a) // world + (r < (b - a) % world) for a, b in runs) for r in range(world))
+
+
+def _orders(seq: Sequence, lens, block_size: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(PISA order of the gathered sequence; the PISA queries, the image rows from the block boundary
+    at or before the first, or None when that is the whole sequence; the text queries, which attend
+    exactly, or None): the same tensor objects on every call, which the ring's plan cache keys on."""
+    return _orders_cached(seq.layout, seq.image_lo, seq.image_hi, tuple(lens), block_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _orders_cached(layout, image_lo: int, image_hi: int, lens: tuple[int, ...], block_size: int):
+    perm = _pisa_order(layout, image_lo, image_hi, lens)
+    start = block_floor(image_lo, block_size)
+    q_perm = None if start == 0 and image_hi == layout.num_tokens else perm[start:image_hi].clone()
+    texts = [perm[a:b] for a, b in _runs(image_lo, image_hi, layout.num_tokens) if (a, b) != (image_lo, image_hi)]
+    return perm, q_perm, torch.cat(texts) if texts else None
 
 
 def pisa_order(seq: Sequence, lens: tuple[int, ...]) -> Tensor:
@@ -189,11 +254,27 @@ def _pisa_order(layout, image_lo: int, image_hi: int, lens: tuple[int, ...]) -> 
 
 
 def allow_cpu_context_parallel() -> None:
-    """Let diffusers set up context parallelism on CPU ranks (gloo tests, ``--tiny`` benchmarks).
+    """Let diffusers run context parallelism on CPU ranks (gloo tests, ``--tiny`` benchmarks).
 
     diffusers picks each rank's device as ``rank % torch.accelerator.device_count()``, which divides
-    by zero on a CPU-only torch; report one "device" (the CPU) instead. Process-wide: call it only
-    in CPU test or benchmark processes.
+    by zero on a CPU-only torch: report one "device" (the CPU) instead. Its uneven split
+    (``*_anything``) gathers outputs with an all-gather of unequal sizes, which NCCL runs and gloo
+    refuses: on gloo groups, gather padded instead. Process-wide: call it only in CPU test or
+    benchmark processes.
     """
     if torch.accelerator.device_count() == 0:
         torch.accelerator.device_count = lambda: 1
+    from diffusers.hooks import context_parallel as dcp
+
+    original = dcp._all_gather_anything
+    if getattr(original, "_pisa_gloo", False):
+        return
+
+    def gather(tensor: Tensor, dim: int, group) -> Tensor:
+        if dist.get_backend(group) != "gloo":
+            return original(tensor, dim, group)
+        sizes = [r[0] for r in gather_ints([tensor.shape[dim]], group, tensor.device)]
+        return all_gather_var(tensor.contiguous(), dim, sizes, group)
+
+    gather._pisa_gloo = True
+    dcp._all_gather_anything = gather

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..layout import TokenLayout, make_layout
 from .models import CallInfo, timestep_value
-from .parallel import tokens_stay_in_model_order
+from .parallel import check_token_split, tokens_stay_in_model_order
 from .state import Layouts, PisaState, Run, Sequence, close_run, open_run, state_of
 
 
@@ -73,6 +73,7 @@ def begin_forward(
     if layouts is None:
         layouts = build_layouts(grid, text_len, state.adapter.text, state.config.tile, state.config.block_size)
         state.layouts[(grid, text_len)] = layouts
+    check_token_split(state.transformer, layouts.joint)  # context parallelism: before diffusers shards tokens
     t = timestep_value(timestep)
     close_run(state)  # left open by a compiled forward that raised (an eager one closes it on exit)
     previous = state.tracker.step

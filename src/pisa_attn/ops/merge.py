@@ -24,7 +24,28 @@ def merge(parts: Sequence[tuple[Tensor, Tensor]], out_dtype: torch.dtype | None 
 
     Computed in float32 (float64 if any output is float64); ``out`` is returned in ``out_dtype``
     (default: that computation dtype), ``lse`` in float32 (float64 if any lse is float64).
+    CUDA partials of one layout run the one-pass Triton kernel (:mod:`pisa_attn.ops.triton.merge`,
+    same arithmetic up to float32 rounding); everything else :func:`merge_torch`.
     """
+    if not parts:
+        raise ValueError("merge needs at least one (out, lse) partial")
+    if parts[0][0].is_cuda and out_dtype != torch.float64:
+        kernel = _kernel()
+        if kernel is not None and kernel.supports(parts):
+            return kernel.merge(parts, out_dtype)
+    return merge_torch(parts, out_dtype)
+
+
+def _kernel():
+    try:
+        from .triton import merge as kernel
+    except ImportError:  # no Triton: the PyTorch merge
+        return None
+    return kernel
+
+
+def merge_torch(parts: Sequence[tuple[Tensor, Tensor]], out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`merge` in PyTorch ops (the reference of the Triton merge)."""
     if not parts:
         raise ValueError("merge needs at least one (out, lse) partial")
     wide = torch.float64 if any(o.dtype == torch.float64 for o, _ in parts) else torch.float32

@@ -44,9 +44,24 @@ class Selection(NamedTuple):
 
     def blocks(self, lo: int, hi: int) -> "Selection":
         """The selection restricted to key blocks ``[lo, hi)``, indices relative to ``lo``: what
-        attends one K/V shard holding exactly those blocks."""
-        mask = bits_to_mask(self.bits, hi)[..., lo:]
-        return Selection.from_mask(mask, max(1, min(hi - lo, self.idx.shape[-1])))
+        attends one K/V shard holding exactly those blocks. Width ``max(1, min(hi - lo, W))``.
+
+        Elementwise work on the index list and the bitmask only (a ring calls it once per step):
+        the list is ascending, so the shard's entries are one contiguous run of it, and the
+        shard's bitmask is the global one shifted right by ``lo`` bits."""
+        if not 0 <= lo <= hi:
+            raise ValueError(f"blocks: need 0 <= lo <= hi, got lo={lo}, hi={hi}")
+        idx, cnt, bits = self.idx, self.cnt, self.bits
+        w = idx.shape[-1]
+        width = max(1, min(hi - lo, w))
+        pos = torch.arange(w, device=idx.device, dtype=torch.int32)
+        valid = pos < cnt[..., None]
+        start = ((idx < lo) & valid).sum(-1, dtype=torch.int32)
+        n_in = ((idx < hi) & valid).sum(-1, dtype=torch.int32) - start
+        take = (start[..., None] + torch.arange(width, device=idx.device)).clamp_max(w - 1)
+        # Entries past cnt are unspecified by contract; keep them inside the shard all the same.
+        new_idx = (idx.gather(-1, take) - lo).clamp(0, max(hi - lo - 1, 0)).to(torch.int32)
+        return Selection(new_idx, n_in, _shift_bits(bits, lo, hi))
 
 
 def _mask_to_selection(mask: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -67,6 +82,25 @@ def _mask_to_selection(mask: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor
     return idx, cnt, words
 
 
+def _shift_bits(bits: Tensor, lo: int, hi: int) -> Tensor:
+    """Bitmask words of blocks ``[lo, hi)`` re-based to 0 (bit ``j - lo``), bits past ``hi`` cleared."""
+    n = hi - lo
+    nw = -(-n // 32)
+    if nw == 0:
+        return bits[..., :0]
+    w0, s = divmod(lo, 32)
+    u = bits.to(torch.int64) & 0xFFFFFFFF  # the words as unsigned 32-bit values
+    need = w0 + nw + 1  # the words read below, one past the last for the high part
+    if u.shape[-1] < need:
+        u = torch.nn.functional.pad(u, (0, need - u.shape[-1]))
+    low, high = u[..., w0 : w0 + nw], u[..., w0 + 1 : w0 + nw + 1]
+    words = ((low >> s) | (high << (32 - s))) & 0xFFFFFFFF
+    tail = n - 32 * (nw - 1)  # valid bits of the last word (1..32)
+    if tail < 32:
+        words[..., -1] &= (1 << tail) - 1
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
 def idx_to_mask(idx: Tensor, cnt: Tensor, n_kv_blocks: int) -> Tensor:
     """The bool ``[B, H, Nq, Nk]`` mask named by the first ``cnt`` entries of ``idx`` (tests check
     that ``idx`` and ``bits`` of a selection agree)."""
@@ -81,4 +115,4 @@ def bits_to_mask(bits: Tensor, n_kv_blocks: int) -> Tensor:
     """Unpack a ``bits`` tensor to the bool ``[B, H, Nq, Nk]`` mask."""
     lanes = torch.arange(32, device=bits.device, dtype=torch.int32)
     m = ((bits[..., None] >> lanes) & 1).bool()
-    return m.reshape(*bits.shape[:-1], -1)[..., :n_kv_blocks]
+    return m.reshape(*bits.shape[:-1], bits.shape[-1] * 32)[..., :n_kv_blocks]

@@ -6,7 +6,7 @@ and a global permutation), so a plan is one ``all_to_all_single`` with no extra 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,15 @@ class Redistribution:
     recv_order: Tensor  # received row i goes to local new position recv_order[i] (CPU int64)
     old_len: int  # local length before the move
     identity: bool
+    _on_device: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _index(self, name: str, device) -> Tensor:
+        """``send_idx`` / ``recv_order`` on ``device``, copied once per plan (a plan is reused
+        across calls, so no host-to-device copy per call)."""
+        key = (name, str(device))
+        if key not in self._on_device:
+            self._on_device[key] = to_device(getattr(self, name), device)
+        return self._on_device[key]
 
     @classmethod
     def plan(cls, perm: Tensor | None, src: list[int], dst: list[int], rank: int) -> "Redistribution":
@@ -102,11 +111,11 @@ class Redistribution:
         """Old sharding -> new: redistribute ``x`` along its sequence dimension ``dim``."""
         if self.identity:
             return x
-        rows = x.movedim(dim, 0).index_select(0, to_device(self.send_idx, x.device)).contiguous()
+        rows = x.movedim(dim, 0).index_select(0, self._index("send_idx", x.device)).contiguous()
         got = rows.new_empty((sum(self.recv_splits), *rows.shape[1:]))
         dist.all_to_all_single(got, rows, self.recv_splits, self.send_splits, group=group)
         placed = torch.empty_like(got)
-        placed[to_device(self.recv_order, x.device)] = got
+        placed[self._index("recv_order", x.device)] = got
         return placed.movedim(0, dim)
 
     def reverse(self, y: Tensor, dim: int, group, fill: float = 0.0) -> Tensor:
@@ -114,11 +123,11 @@ class Redistribution:
         does not name (a subset plan) are set to ``fill``."""
         if self.identity:
             return y
-        rows = y.movedim(dim, 0).index_select(0, to_device(self.recv_order, y.device)).contiguous()
+        rows = y.movedim(dim, 0).index_select(0, self._index("recv_order", y.device)).contiguous()
         got = rows.new_empty((sum(self.send_splits), *rows.shape[1:]))
         dist.all_to_all_single(got, rows, self.send_splits, self.recv_splits, group=group)
         out = rows.new_full((self.old_len, *rows.shape[1:]), fill)
-        out[to_device(self.send_idx, y.device)] = got
+        out[self._index("send_idx", y.device)] = got
         return out.movedim(0, dim)
 
 
@@ -147,24 +156,77 @@ def inverse_permutation(perm: Tensor) -> Tensor:
 
 
 class RingExchange:
-    """Pass a flat buffer one hop round the ring (to rank+1, from rank-1), overlapped with compute."""
+    """Pass buffers one hop round the ring (to rank+1, from rank-1), overlapped with compute.
+
+    The sends and receives are issued together (``batch_isend_irecv``); with NCCL they run on the
+    process group's own stream, which first waits for the work already queued on the current
+    stream, so compute queued after :meth:`start` overlaps them. :meth:`wait` makes the current
+    stream (not the host) wait for them.
+    """
 
     def __init__(self, group):
         self.group = group
         self.rank, self.world = group_info(group)
         self.reqs = []
 
-    def start(self, send: Tensor, recv: Tensor) -> None:
+    def start(self, sends: list[Tensor], recvs: list[Tensor]) -> None:
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         ops = []
         # Empty shards send nothing; both ends know the sizes, so they skip the same messages.
-        if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, group=self.group, group_peer=nxt))
-        if recv.numel():
-            ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=prv))
+        for send, recv in zip(sends, recvs):
+            if send.numel():
+                ops.append(dist.P2POp(dist.isend, send, group=self.group, group_peer=nxt))
+            if recv.numel():
+                ops.append(dist.P2POp(dist.irecv, recv, group=self.group, group_peer=prv))
         self.reqs = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> None:
         for r in self.reqs:
             r.wait()
         self.reqs = []
+
+
+_ALIGN = 128  # bytes: every packed tensor starts aligned for vector loads
+
+
+def _packed_offsets(shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
+    offsets, pos = [], 0
+    for shape, dt in zip(shapes, dtypes):
+        offsets.append(pos)
+        n = dt.itemsize
+        for s in shape:
+            n *= s
+        pos += -(-n // _ALIGN) * _ALIGN
+    return offsets, pos
+
+
+def all_gather_packed(tensors: list[Tensor], shapes: list[list[tuple[int, ...]]], group) -> list[list[Tensor]]:
+    """All-gather several tensors of mixed dtypes in one collective.
+
+    ``tensors``: this rank's; ``shapes[r][i]``: the shape of tensor ``i`` on rank ``r`` (every rank
+    knows every shape, so nothing else is exchanged). Returns ``out[r][i]``, contiguous views into
+    one received buffer.
+    """
+    rank, world = group_info(group)
+    dtypes = [t.dtype for t in tensors]
+    layouts = [_packed_offsets(shapes[r], dtypes) for r in range(world)]
+    slot = max(size for _, size in layouts)
+    dev = tensors[0].device
+    send = torch.empty(slot, dtype=torch.uint8, device=dev)
+    for t, off in zip(tensors, layouts[rank][0]):
+        n = t.numel() * t.element_size()
+        if n:
+            send[off : off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+    recv = torch.empty(world * slot, dtype=torch.uint8, device=dev)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(recv, send, group=group)
+    out = []
+    for r in range(world):
+        base, row = r * slot, []
+        for shape, dt, off in zip(shapes[r], dtypes, layouts[r][0]):
+            n = dt.itemsize
+            for s in shape:
+                n *= s
+            row.append(recv[base + off : base + off + n].view(dt).view(shape))
+        out.append(row)
+    return out

@@ -2,47 +2,57 @@
 
 Every rank holds a contiguous slice of the sequence. PISA's selection is global (top-k over all key
 blocks) and its tail terms need the global ``H̄``, but both are built from cheap per-block
-statistics, so:
+statistics, so one call is:
 
-1. each rank runs the backend's prepare stage on its shard; the per-block statistics are
-   all-gathered, and the global ``H̄`` is the all-reduced sum ``Σ_r N_r·H̄_r`` over ``N``;
+1. each rank runs the backend's prepare stage on its shard; the per-block statistics (centroids,
+   tail terms), each shard's scale factors and ``N_r·H̄_r`` travel in ONE all-gather (a second,
+   small one for ``||H_j − H̄||`` with covariance-aware selection, which needs the global ``H̄``);
 2. each rank selects, for its own query blocks, the global top-k key blocks;
-3. key/value shards travel round the ring; each step attends to that shard (its selected blocks
-   exactly, its other blocks through the tail) with the global ``H̄``;
-4. the partials merge through their log-sum-exp (:func:`pisa_attn.ops.merge.merge`), since
-   numerator and denominator are sums over key blocks.
+3. key/value shards travel round the ring; the next shard's send/receive is issued before the
+   current step's attend, so the transfer overlaps it; each step attends to one shard (its
+   selected blocks exactly, its other blocks through the tail) with the global ``H̄`` and returns
+   a partial output and its LSE;
+4. the partials merge in one pass (:func:`pisa_attn.ops.merge.merge`), since numerator and
+   denominator are sums over key blocks.
 
-The steps use only the stage contract (:mod:`pisa_attn.ops.stages`), so the backend is one
-argument of :func:`_ring_aligned`; the public entry runs the PyTorch reference.
-
-The result equals single-process :func:`pisa_attn.pisa_attention` on the whole sequence (same
-selection, float tolerance; the reference returns float32 LSEs, so float64 inputs agree to about
-1e-7, not to float64 round-off). Global blocks must not straddle ranks: when the shards are not block
-aligned (or a token permutation is asked for), tokens are first redistributed to block-aligned
-shards with one all-to-all, and the output is sent back the same way.
+The steps use only the stage contract (:mod:`pisa_attn.ops.stages`), so any backend runs them;
+:func:`ring_pisa_attention` picks it as :func:`pisa_attn.pisa_attention` does (``backend="auto"``:
+the kernels on CUDA). The result equals single-process ``pisa_attention`` on the whole sequence
+(same selection, float tolerance: float16/bfloat16 partials are rounded to the input dtype, merged
+in float32 and rounded again, so the output is within two roundings of one process's; float32 and
+float64 partials are kept as they are). Global blocks must not straddle ranks: when the shards are not
+block aligned (or a token permutation is asked for), tokens are first redistributed to
+block-aligned shards with one all-to-all, and the output is sent back the same way. Shards of
+whole blocks are balanced to within one block; with fewer blocks than ranks some ranks hold none
+and only relay.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .. import spec
-from ..attention import get_backend, normalize_keep_blocks
+from ..attention import get_backend, make_plan, normalize_keep_blocks
 from ..ops.merge import merge
+from ..ops.selection import Selection
 from ..ops.stages import Backend
 from .comm import (
     RingExchange,
     Redistribution,
-    all_gather_var,
+    all_gather_packed,
     balanced_block_bounds,
     bounds_of,
     check_permutation,
+    to_device,
 )
-from .common import check_inputs, to_layout
+from .common import Shards, check_inputs, to_layout
+from .phases import phase
 
 
 def ring_pisa_attention(
@@ -60,7 +70,9 @@ def ring_pisa_attention(
     keep_blocks: Tensor | None = None,
     perm: Tensor | None = None,
     q_perm: Tensor | None = None,
+    exact_queries: Tensor | None = None,
     return_lse: bool = False,
+    backend: str = "auto",
     seq_lens: list[int] | None = None,
 ):
     """Ring-parallel PISA: this rank's slice of ``pisa_attention`` over the global sequence.
@@ -76,23 +88,95 @@ def ring_pisa_attention(
         q_perm: optional CPU int tensor, the query sequence PISA runs on, as distinct global query
             positions (default: ``perm``, or all queries in order). A subset is allowed: its query
             blocks are blocks of ``x[q_perm]`` (e.g. image queries only); this rank's queries that
-            it does not name are returned as 0 (lse ``-inf``).
+            it does not name are returned as 0 (lse ``-inf``) unless ``exact_queries`` names them.
+        exact_queries: optional CPU int tensor of distinct global query positions that attend every
+            key exactly (dense attention, e.g. the text queries of a joint sequence), in the same pass
+            round the ring; where ``q_perm`` names them too (rows computed only to keep its query
+            blocks on the key blocks' grid), the exact result is returned.
         keep_blocks: as in ``pisa_attention``, indexed by global key block (of the permuted order).
-        density, block_size, mode, covariance_aware, scale, layout, return_lse: as in
-            :func:`pisa_attn.pisa_attention`.
+        density, block_size, mode, covariance_aware, scale, layout, return_lse, backend: as in
+            :func:`pisa_attn.pisa_attention` (the backend runs every ring step).
         seq_lens: per-rank local lengths (q and k/v alike), when known to every rank: saves the
             all-gather of the shard shapes (a host sync). Default: gathered and checked.
 
     Returns:
         ``out`` for this rank's queries (shape/layout of ``q``), plus its ``lse`` [B, H, Lq] fp32
-        when ``return_lse``. Inference only; runs the PyTorch reference stages per ring step.
+        when ``return_lse``. Inference only.
+
+    Token orders (``perm``, ``q_perm``, ``exact_queries``) are planned once per distinct tensor
+    object (and in-place version) and shard lengths: pass the same tensors on every call of a model.
     """
     qh, kh, vh, sh = check_inputs(
         q, k, v, group=group, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
-        backend="reference", what="ring_pisa_attention", covariance_aware=covariance_aware, return_lse=return_lse,
+        backend=backend, what="ring_pisa_attention", covariance_aware=covariance_aware, return_lse=return_lse,
         seq_lens=seq_lens,
     )  # fmt: skip
+    be = get_backend(make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend).backend)
     scale = float(sh.head_dim**-0.5 if scale is None else scale)
+    plan = _ring_plan(perm, q_perm, exact_queries, sh, block_size)
+    n_kv = spec.num_blocks(plan.k_dst[-1], block_size)
+    keep, n_keep_max = normalize_keep_blocks(keep_blocks, sh.batch, sh.heads, n_kv, q.device)
+    dev = q.device
+
+    with phase("redist", dev):
+        qa = plan.to_q.apply(qh, 2, group)
+        ka, va = (plan.to_k.apply(x, 2, group) for x in (kh, vh))
+        rest = plan.rest_index(dev)
+        q_rest = qh.index_select(2, rest) if rest is not None else None
+
+    (out, lse), rest_res = _ring_aligned(
+        qa, ka, va, plan.k_dst, group, be, density=density, block_size=block_size, mode=mode,
+        covariance_aware=covariance_aware, scale=scale, keep=keep, n_keep_max=n_keep_max, q_exact=q_rest,
+    )  # fmt: skip
+
+    with phase("redist", dev):
+        # Queries that q_perm leaves out come back as out = 0, lse = -inf (no term at all)...
+        out = plan.to_q.reverse(out, 2, group)
+        lse = plan.to_q.reverse(lse, 2, group, fill=float("-inf")) if return_lse else None
+        if rest_res is not None:  # ...and exact queries as they attended
+            out.index_copy_(2, rest, rest_res[0])
+            if lse is not None:
+                lse.index_copy_(2, rest, rest_res[1])
+    out = to_layout(out, layout)
+    return (out, lse) if return_lse else out
+
+
+@dataclass
+class _RingPlan:
+    """Where this rank's tokens go for one (token orders, shard lengths): computed on the host once."""
+
+    to_q: Redistribution
+    to_k: Redistribution
+    k_dst: list[int]
+    rest: Tensor | None  # local positions of the exact queries (CPU int64), None if there are none here
+    refs: tuple  # the caller's order tensors: alive while cached, so their ids stay theirs
+    _rest_dev: dict = dataclasses.field(default_factory=dict)
+
+    def rest_index(self, device) -> Tensor | None:
+        if self.rest is None:
+            return None
+        key = str(device)
+        if key not in self._rest_dev:
+            self._rest_dev[key] = to_device(self.rest, device)
+        return self._rest_dev[key]
+
+
+_PLANS: OrderedDict = OrderedDict()
+_MAX_PLANS = 64
+
+
+def _tensor_key(t):
+    return None if t is None else (id(t), t._version)
+
+
+def _ring_plan(perm, q_perm, exact, sh: Shards, block_size: int) -> _RingPlan:
+    key = (_tensor_key(perm), _tensor_key(q_perm), _tensor_key(exact), tuple(sh.q_lens), tuple(sh.k_lens), sh.rank,
+           block_size)  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        return plan
+    refs = (perm, q_perm, exact)
     q_src, k_src = bounds_of(sh.q_lens), bounds_of(sh.k_lens)
     if perm is not None:
         perm = check_permutation(perm, k_src[-1])
@@ -103,28 +187,22 @@ def ring_pisa_attention(
     n_q = q_src[-1] if q_perm is None else q_perm.numel()
     q_dst = _aligned_bounds(q_src, n_q, block_size, sh.world, q_perm)
     k_dst = _aligned_bounds(k_src, k_src[-1], block_size, sh.world, perm)
-    n_kv = spec.num_blocks(k_src[-1], block_size)
-    keep, n_keep_max = normalize_keep_blocks(keep_blocks, sh.batch, sh.heads, n_kv, q.device)
-
     to_q = Redistribution.plan(q_perm, q_src, q_dst, sh.rank)
     same_order = (q_perm is None and perm is None) or (
         q_perm is not None and perm is not None and q_perm.shape == perm.shape and torch.equal(q_perm, perm)
     )
     same = same_order and q_src == k_src and q_dst == k_dst
     to_k = to_q if same else Redistribution.plan(perm, k_src, k_dst, sh.rank)
-    qa = to_q.apply(qh, 2, group)
-    ka, va = (to_k.apply(x, 2, group) for x in (kh, vh))
-
-    out, lse = _ring_aligned(
-        qa, ka, va, k_dst, group, get_backend("reference"), density=density, block_size=block_size, mode=mode,
-        covariance_aware=covariance_aware, scale=scale, keep=keep, n_keep_max=n_keep_max,
-    )  # fmt: skip
-
-    # Queries that q_perm leaves out come back as out = 0, lse = -inf (no term at all).
-    out = to_layout(to_q.reverse(out, 2, group), layout)
-    if not return_lse:
-        return out
-    return out, to_q.reverse(lse, 2, group, fill=float("-inf"))
+    rest = None
+    if exact is not None:
+        exact = check_permutation(exact, q_src[-1], "exact_queries", subset=True)
+        mine = exact[(exact >= q_src[sh.rank]) & (exact < q_src[sh.rank + 1])] - q_src[sh.rank]
+        rest = torch.sort(mine).values if mine.numel() else None
+    plan = _RingPlan(to_q, to_k, k_dst, rest, refs)
+    _PLANS[key] = plan
+    if len(_PLANS) > _MAX_PLANS:
+        _PLANS.popitem(last=False)
+    return plan
 
 
 def _aligned_bounds(src: list[int], total: int, block_size: int, world: int, perm) -> list[int]:
@@ -135,78 +213,140 @@ def _aligned_bounds(src: list[int], total: int, block_size: int, world: int, per
 
 
 def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size, mode, covariance_aware, scale,
-                  keep, n_keep_max):  # fmt: skip
-    """Ring PISA on block-aligned shards ([B, H, L, D] views) with backend ``be``'s stages.
-    Returns (out, lse) of the local queries."""
+                  keep, n_keep_max, q_exact=None):  # fmt: skip
+    """Ring PISA on block-aligned K/V shards ([B, H, L, D] views, any strides) with backend ``be``'s
+    stages. ``q``: this rank's query blocks (whole blocks of the global query sequence, which may
+    differ from the key sequence). ``q_exact``: optional further queries (any count) that attend
+    every key exactly, in the same pass. Returns ``((out, lse), (out_exact, lse_exact) | None)``,
+    outputs in q's dtype, LSEs float32."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    b, h, lq, d = q.shape
-    hk = k.shape[1]
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
     blocks = [spec.num_blocks(k_bounds[r + 1] - k_bounds[r], block_size) for r in range(world)]
     n_kv = sum(blocks)
     n_select = spec.num_selected(density, n_kv)
+    # Partials in the kernels' own output dtype for 16-bit inputs (the Hopper kernel writes nothing
+    # else; half the bytes to merge): rounded once there and once after the float32 merge.
+    part_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else None
 
-    # 1. Local statistics, then global ones: H̄ is the mean of all H_j, so the local means weighted
-    #    by their block counts are all-reduced; ||H_j − H̄|| needs that global H̄.
-    local = be.prepare(q, k, v, block_size)
-    hbar = (local.hbar * blocks[rank]).contiguous()
-    dist.all_reduce(hbar, group=group)
-    hbar = hbar / n_kv
-    if covariance_aware:
-        local.hdev = be.deviation(k, v, local, hbar, block_size)
-    shards, gathered = _gather_stats(local, blocks, group, hbar)
+    with phase("stats", dev):
+        local = be.prepare(q, k, v, block_size)
+        shards, kmean, hdev = _gather_stats(be, local, k, v, blocks, group, covariance_aware, block_size)
+    with phase("select", dev):
+        width = spec.selection_width(n_kv, n_select, n_keep_max if keep is not None else 0)
+        sel = be.select(local.qmean, kmean, n_select=n_select, width=width, scale=scale, hdev=hdev, keep=keep)
+    del local, kmean, hdev
 
-    # 2. Global top-k for the local query blocks.
-    width = spec.selection_width(n_kv, n_select, n_keep_max if keep is not None else 0)
-    sel = be.select(local.qmean, gathered["kmean"], n_select=n_select, width=width, scale=scale,
-                    hdev=gathered.get("hdev"), keep=keep)
-    del local, gathered
-
-    # 3./4. Rotate k/v shards; each step's partial (kept in the accumulation dtype, so the output is
-    # rounded once, as in one process) merges through its LSE.
-    out = torch.zeros(b, h, lq, d, dtype=wide, device=q.device)
-    lse = torch.full((b, h, lq), float("-inf"), dtype=torch.float32, device=q.device)
-    ring = RingExchange(group)
-    cur, src = torch.cat([k.reshape(-1), v.reshape(-1)]), rank
+    # Query groups sharing the K/V pass: (queries, selection over all key blocks or None = every
+    # block exact, mode, top-k count for the kernel's config choice).
+    groups = [(q, sel, mode, n_select)]
+    if q_exact is not None:
+        groups.append((q_exact, None, "drop", None))
+    parts: list[list] = [[] for _ in groups]
+    exchange = RingExchange(group)
+    cur, src = _KVShard.local(k, v), rank
     for step in range(world):
         nxt = None
-        if step < world - 1:
+        if step < world - 1:  # issued before this step's attend: the transfer overlaps it
             prev = (src - 1) % world
-            nxt = cur.new_empty(2 * b * hk * (k_bounds[prev + 1] - k_bounds[prev]) * d)
-            ring.start(cur, nxt)
-        n_tok = k_bounds[src + 1] - k_bounds[src]
-        if n_tok and lq:
-            ks, vs = cur.view(2, b, hk, n_tok, d).unbind(0)
+            nxt = cur.like(k_bounds[prev + 1] - k_bounds[prev])
+            exchange.start(cur.wire, nxt.wire)
+        if blocks[src]:
+            ks, vs = cur.k, cur.v
             c0 = k_bounds[src] // block_size
-            part = be.attend(q, ks, vs, shards[src], sel.blocks(c0, c0 + blocks[src]), mode=mode, scale=scale,
-                             block_size=block_size, n_select=n_select, out_dtype=wide)
-            out, lse = merge([(out, lse), part], out_dtype=wide)
+            with phase("attend", dev):
+                for (qg, selg, mode_g, n_sel), acc in zip(groups, parts):
+                    if not qg.shape[2]:
+                        continue
+                    if selg is None:
+                        s_shard, n_sel = _every_block(qg, blocks[src], block_size), blocks[src]
+                    else:
+                        s_shard = selg.blocks(c0, c0 + blocks[src])
+                        # The kernel picks its config by density: a shard holds its share of the top-k.
+                        n_sel = max(1, round(n_sel * blocks[src] / n_kv))
+                    acc.append(be.attend(qg, ks, vs, shards[src], s_shard, mode=mode_g, scale=scale,
+                                         block_size=block_size, n_select=n_sel, out_dtype=part_dtype))
         if nxt is not None:
-            ring.wait()
-            cur, src = nxt, (src - 1) % world
-    return out.to(q.dtype), lse
+            with phase("wait", dev):
+                exchange.wait()
+            cur, src = nxt, prev
+    with phase("merge", dev):
+        res = [merge(p, out_dtype=qg.dtype) if p else _no_rows(qg) for p, (qg, *_) in zip(parts, groups)]
+    # float32 LSEs on every rank (a rank without queries too): the ranks exchange them afterwards.
+    res = [(o, l.float()) for o, l in res]
+    return res[0], (res[1] if len(res) > 1 else None)
 
 
-def _gather_stats(local, blocks: list[int], group, hbar: Tensor):
-    """Every rank's statistics from this rank's ``local`` ones: (per-rank stats with the global
-    ``hbar``, {field: all ranks' blocks concatenated} for the per-block fields)."""
-    world = len(blocks)
-    offsets = bounds_of(blocks)
-    per_rank: list[dict] = [{} for _ in range(world)]
-    gathered = {}
-    for name, axis in type(local).BLOCK_AXES.items():
-        x = getattr(local, name)
-        if x is None:
-            continue
-        full = all_gather_var(x, axis, blocks, group)
-        gathered[name] = full
-        for r in range(world):  # contiguous: kernels index statistics by their shape, not by strides
-            per_rank[r][name] = full.narrow(axis, offsets[r], blocks[r]).contiguous()
-    for name in type(local).SHARD_FIELDS:
-        x = getattr(local, name).contiguous()
-        parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x, group=group)
+def _every_block(q: Tensor, n_blocks: int, block_size: int) -> Selection:
+    """Every key block exact for every query block of ``q`` (contiguous, as kernels index it)."""
+    b, h, lq, _ = q.shape
+    one = Selection.from_mask(torch.ones(1, 1, 1, n_blocks, dtype=torch.bool, device=q.device))
+    nq = spec.num_blocks(lq, block_size)
+    return Selection(*(x.expand(b, h, nq, x.shape[-1]).contiguous() for x in one))
+
+
+def _no_rows(q: Tensor) -> tuple[Tensor, Tensor]:
+    b, h, lq, d = q.shape
+    return q.new_zeros(b, h, lq, d), torch.full((b, h, lq), float("-inf"), device=q.device)
+
+
+class _KVShard:
+    """One K/V shard as it travels: ``k``/``v`` [B, Hk, L, D] views of ``wire``, two contiguous
+    [L, B, Hk, D] buffers. Every rank uses this one memory order (the bytes a rank receives are
+    read as the sender laid them out); it is the order redistributed tokens arrive in, and for
+    B = 1 also diffusers' [B, L, H, D], so a shard is sent as it lies, without a packing copy."""
+
+    _ORDER, _INVERSE = (2, 0, 1, 3), (1, 2, 0, 3)
+
+    def __init__(self, wire: list[Tensor]):
+        self.wire = wire
+        self.k, self.v = (w.permute(self._INVERSE) for w in wire)
+
+    @classmethod
+    def local(cls, k: Tensor, v: Tensor) -> "_KVShard":
+        return cls([x.permute(cls._ORDER).contiguous() for x in (k, v)])  # no copy when already so laid out
+
+    def like(self, n_tokens: int) -> "_KVShard":
+        """An empty shard of ``n_tokens`` tokens (a receive buffer)."""
+        return _KVShard([w.new_empty((n_tokens, *w.shape[1:])) for w in self.wire])
+
+
+def _gather_stats(be: Backend, local, k: Tensor, v: Tensor, blocks: list[int], group, covariance_aware: bool,
+                  block_size: int):  # fmt: skip
+    """Every rank's statistics from this rank's ``local`` ones, in one all-gather (two with
+    covariance-aware selection). Returns (per-rank statistics with the global H̄ for attend, the
+    global key centroids and ``||H_j − H̄||`` (or None) for selection)."""
+    world, rank = len(blocks), dist.get_rank(group)
+    cls = type(local)
+    per_block = [(n, ax) for n, ax in cls.BLOCK_AXES.items() if n != "hdev" and getattr(local, n) is not None]
+    whole = list(cls.SHARD_FIELDS)
+    hsum = local.hbar * blocks[rank]  # H̄ is the mean of all H_j: block-weighted local means add up
+
+    def resized(x: Tensor, axis: int, n: int) -> tuple[int, ...]:
+        shape = list(x.shape)
+        shape[axis] = n
+        return tuple(shape)
+
+    tensors = [hsum] + [getattr(local, n) for n, _ in per_block] + [getattr(local, n) for n in whole]
+    shapes = [
+        [tuple(hsum.shape)] + [resized(getattr(local, n), ax, blocks[r]) for n, ax in per_block]
+        + [tuple(getattr(local, n).shape) for n in whole]
+        for r in range(world)
+    ]  # fmt: skip
+    got = all_gather_packed(tensors, shapes, group)
+    hbar = got[0][0].clone()
+    for r in range(1, world):  # the same order on every rank: every rank gets the same H̄
+        hbar += got[r][0]
+    hbar /= sum(blocks)
+    fields = [dict(zip([n for n, _ in per_block] + whole, got[r][1:])) for r in range(world)]
+    hdev = None
+    if covariance_aware:
+        mine = be.deviation(k, v, local, hbar, block_size)
+        ax = cls.BLOCK_AXES["hdev"]
+        parts = all_gather_packed([mine], [[resized(mine, ax, blocks[r])] for r in range(world)], group)
         for r in range(world):
-            per_rank[r][name] = parts[r]
-    shards = [dataclasses.replace(local, qmean=None, **fields).with_hbar(hbar) for fields in per_rank]
-    return shards, gathered
+            fields[r]["hdev"] = parts[r][0]
+        hdev = torch.cat([p[0] for p in parts], dim=ax)
+    ax = cls.BLOCK_AXES["kmean"]
+    kmean = torch.cat([f["kmean"] for f in fields], dim=ax)
+    shards = [dataclasses.replace(local, qmean=None, **f).with_hbar(hbar) for f in fields]
+    return shards, kmean, hdev

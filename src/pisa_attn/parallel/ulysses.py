@@ -9,6 +9,7 @@ order differs from it (FLUX shards text and image separately, so ranks hold ``[t
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -19,6 +20,7 @@ from ..attention import pisa_attention
 from ..spec import expand_kv_heads
 from .comm import check_permutation, inverse_permutation, to_device
 from .common import Shards, check_inputs, to_layout
+from .phases import phase
 
 # fn(q, k, v) on full-sequence [B, h, L, D] tensors of this rank's heads -> out [B, h, L, D], or
 # (out, lse [B, h, L]) when the caller wants the LSE back.
@@ -61,10 +63,11 @@ def ulysses_pisa_attention(
         keep = keep[:, heads_here]
 
     def fn(qf, kf, vf):
-        return pisa_attention(
-            qf, kf, vf, density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
-            scale=scale, keep_blocks=keep, return_lse=True, backend=backend,
-        )  # fmt: skip
+        with phase("attend", qf.device):
+            return pisa_attention(
+                qf, kf, vf, density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
+                scale=scale, keep_blocks=keep, return_lse=True, backend=backend,
+            )  # fmt: skip
 
     out, lse = _ulysses(qh, kh, vh, fn, sh, group, perm)
     out = to_layout(out, layout)
@@ -97,27 +100,49 @@ def _ulysses(qh, kh, vh, fn: HeadFn, sh: Shards, group, perm):
     if perm is not None:
         if sh.q_lens != sh.k_lens:
             raise ValueError(f"perm needs q and k/v sharded alike, got q lengths {sh.q_lens}, k lengths {sh.k_lens}")
-        perm = check_permutation(perm, sum(sh.q_lens))
-        perm, inv = to_device(perm, qh.device), to_device(inverse_permutation(perm), qh.device)
+        perm, inv = _device_order(perm, sum(sh.q_lens), qh.device)
     if sh.kv_heads % sh.world:
         # Exact GQA with fewer kv heads than ranks: each rank needs the kv heads of its query heads.
         kh, vh = expand_kv_heads(kh, sh.heads), expand_kv_heads(vh, sh.heads)
-    if sh.q_lens == sh.k_lens:
-        qf, kf, vf = _seq_to_heads([qh, kh, vh], sh.q_lens, sh, group)
-    else:
-        (qf,) = _seq_to_heads([qh], sh.q_lens, sh, group)
-        kf, vf = _seq_to_heads([kh, vh], sh.k_lens, sh, group)
+    dev = qh.device
+    with phase("a2a", dev):
+        if sh.q_lens == sh.k_lens:
+            qf, kf, vf = _seq_to_heads([qh, kh, vh], sh.q_lens, sh, group)
+        else:
+            (qf,) = _seq_to_heads([qh], sh.q_lens, sh, group)
+            kf, vf = _seq_to_heads([kh, vh], sh.k_lens, sh, group)
     if perm is not None:
-        qf, kf, vf = (x.index_select(2, perm) for x in (qf, kf, vf))
+        with phase("permute", dev):
+            qf, kf, vf = (x.index_select(2, perm) for x in (qf, kf, vf))
     res = fn(qf, kf, vf)
     out, lse = (res, None) if isinstance(res, Tensor) else res
     if perm is not None:
-        out = out.index_select(2, inv)
-        lse = None if lse is None else lse.index_select(2, inv)
-    out = _heads_to_seq(out, sh.q_lens, sh, group)
-    if lse is None:
-        return out
-    return out, _heads_to_seq(lse[..., None], sh.q_lens, sh, group)[..., 0]
+        with phase("permute", dev):
+            out = out.index_select(2, inv)
+            lse = None if lse is None else lse.index_select(2, inv)
+    with phase("a2a", dev):
+        out = _heads_to_seq(out, sh.q_lens, sh, group)
+        if lse is not None:
+            lse = _heads_to_seq(lse[..., None], sh.q_lens, sh, group)[..., 0]
+    return out if lse is None else (out, lse)
+
+
+_ORDERS: OrderedDict = OrderedDict()
+
+
+def _device_order(perm: Tensor, total: int, device) -> tuple[Tensor, Tensor]:
+    """``perm`` checked, and it and its inverse on ``device``: once per tensor object (and in-place
+    version), not per call."""
+    key = (id(perm), perm._version, total, str(device))
+    hit = _ORDERS.get(key)
+    if hit is not None and hit[0] is perm:
+        return hit[1], hit[2]
+    checked = check_permutation(perm, total)
+    entry = (perm, to_device(checked, device), to_device(inverse_permutation(checked), device))
+    _ORDERS[key] = entry
+    if len(_ORDERS) > 64:
+        _ORDERS.popitem(last=False)
+    return entry[1], entry[2]
 
 
 def _seq_to_heads(xs: list[Tensor], lens: list[int], sh: Shards, group) -> list[Tensor]:

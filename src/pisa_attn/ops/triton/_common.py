@@ -37,6 +37,8 @@ def chunking(n_items: int, n_rows: int, device: torch.device, waves: int = 1) ->
     most ``waves`` waves of the GPU (at least one chunk per row): returns (items per chunk, chunks
     per row). One wave suits the kv-statistics kernel: one program per SM, and each program's
     D×D atomic add is a fixed cost, so fewer, longer programs win."""
+    if n_items <= 0:  # nothing to split (an empty K/V shard): no chunk, so no program
+        return 1, 0
     chunks = max(1, min(n_items, (waves * sm_count(device)) // max(1, n_rows)))
     per = -(-n_items // chunks)
     return per, -(-n_items // per)

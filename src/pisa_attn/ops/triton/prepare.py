@@ -1,15 +1,18 @@
-"""Prepare phase: the block statistics PISA needs, reading k and v once and q once.
+"""Prepare phase: the block statistics PISA needs, in three launches over q, k, v.
 
-1. ``_kv_stats_kernel`` (one wave of programs, each a run of consecutive key blocks of one kv
-   head; true counts for the ragged last block), per block: centroid ``k̄_j`` in float32
-   (selection); the tail scan's float16 centroid ``k̄_j / s_j`` with ``s_j`` a power of two per
-   block (11 mantissa bits instead of bfloat16's 8, one tensor-core product per tail score, no
-   overflow whatever the magnitude); value mean ``V̂_j / n_j`` in the input dtype; and the
-   tensor-core product ``K_jᵀV_j`` accumulated on chip. Once per run it subtracts
-   ``Σ_j k̄_j V̂_jᵀ`` (float32, from the means it stored) and adds the result, divided by ``N``,
-   atomically into one ``[D, D]`` float32 ``H̄`` per kv head (``H_j = K_jᵀV_j − k̄_j V̂_jᵀ``; no
-   per-block ``D×D`` buffer, no per-block rank-1 update in the loop).
-2. ``_q_mean_kernel`` (streaming): the query block means used by selection.
+1. ``_kv_means_kernel`` (streaming, one key block per program; true counts for the ragged last
+   block): centroid ``k̄_j`` in float32 (selection); the tail scan's float16 centroid ``k̄_j / s_j``
+   with ``s_j`` a power of two per block (11 mantissa bits instead of bfloat16's 8, one tensor-core
+   product per tail score, no overflow whatever the magnitude); value mean ``V̂_j / n_j`` in the
+   input dtype; ``V̂_j`` in float32 (scratch).
+2. ``_hbar_kernel``: ``H̄ = (1/N) Σ_j H_j`` with ``H_j = K_jᵀV_j − k̄_jᵀV̂_j``, a GEMM-like loop
+   (tensor-core product, rank-1 correction from the stored means) reduced on-chip per run of
+   blocks and added atomically into one ``[D, D]`` float32 matrix per kv head (never a per-block
+   ``D×D`` buffer).
+3. ``_q_mean_kernel`` (streaming): the query means selection reads.
+
+The kv work is split in two so that no loop holds a block-wide reduction (a barrier): fused into
+one loop that reads k and v once it measured slower, twice (notes/kernel-notes.md).
 
 For covariance-aware selection a second, equally cheap pass computes ``||H_j − H̄||_F`` directly
 (``H_j`` lives in registers for one block at a time). The algebraic expansion
@@ -35,13 +38,13 @@ from ._common import chunking, interpreting
 @triton.jit(do_not_specialize=["HK", "LK", "NK"])
 def _kv_means_kernel(
     k_ptr, v_ptr,
-    kmean_ptr, vbar_ptr, vsum_ptr,
+    kmean_ptr, vbar_ptr, vsum_ptr, kbar_ptr, kscale_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK,
     BS: tl.constexpr, D: tl.constexpr,
 ):
-    # The means alone (what ||H_j − H̄|| needs against a given H̄), one block per program.
+    # One block per program: a streaming pass with many independent loads in flight.
     j = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HK).to(tl.int64)
@@ -59,6 +62,12 @@ def _kv_means_kernel(
     tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
     tl.store(vbar_ptr + out_off, (v_sum * inv_n).to(vt.dtype))
     tl.store(vsum_ptr + out_off, v_sum)
+    # Power-of-two scale per block: its largest |k̄| lands in [2^13, 2^14), far from fp16's
+    # overflow, and the scaling is exact (the attention kernel folds it back per column).
+    kmax = tl.max(tl.abs(km), axis=0)
+    ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
+    tl.store(kbar_ptr + out_off, (km / ks).to(tl.float16))
+    tl.store(kscale_ptr + bh.to(tl.int64) * NK + j, ks)
 
 
 @triton.jit
@@ -82,56 +91,29 @@ def _add_block_h(acc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, s
 
 
 @triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
-def _kv_stats_kernel(
-    k_ptr, v_ptr, kmean_ptr, kbar_ptr, kscale_ptr, vbar_ptr, vsum_ptr, hbar_ptr,
+def _hbar_kernel(
+    k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK, KV_PER, KV_CHUNKS,
     inv_nk,
     BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
 ):
+    # Only tensor-core work and two vector loads per block (the means come from _kv_means_kernel):
+    # a GEMM-like loop with nothing that needs a block-wide reduction or barrier.
     pid = tl.program_id(0)
+    offs_d = tl.arange(0, D)
     c = pid % KV_CHUNKS
     bh = pid // KV_CHUNKS
     b = (bh // HK).to(tl.int64)
     h = (bh % HK).to(tl.int64)
-    offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BS)
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
-    kmean_t = kmean_ptr + bh.to(tl.int64) * D * NK  # [D, Nk]: the selection GEMM's right operand
     hacc = tl.zeros([D, D], dtype=tl.float32)
     j0 = c * KV_PER
-    j1 = tl.minimum(NK, j0 + KV_PER)
-    for j in range(j0, j1):
-        rows = j * BS + offs_n
-        valid = (rows < LK)[:, None]
-        kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
-        vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
-        if F32:  # Triton 3.9's interpreter mis-evaluates low-precision tl.dot
-            hacc = tl.dot(tl.trans(kt.to(tl.float32)), vt.to(tl.float32), hacc)
-        else:
-            hacc = tl.dot(tl.trans(kt), vt, hacc)
-        inv_n = 1.0 / tl.minimum(LK - j * BS, BS).to(tl.float32)
-        km = tl.sum(kt.to(tl.float32), axis=0) * inv_n
-        v_sum = tl.sum(vt.to(tl.float32), axis=0)
-        out_off = (bh.to(tl.int64) * NK + j) * D + offs_d
-        tl.store(kmean_t + offs_d * NK + j, km)
-        tl.store(vbar_ptr + out_off, (v_sum * inv_n).to(vt.dtype))
-        tl.store(vsum_ptr + out_off, v_sum)
-        # Power-of-two scale per block: its largest |k̄| lands in [2^13, 2^14), far from fp16's
-        # overflow, and the scaling is exact (the attention kernel folds it back per column).
-        kmax = tl.max(tl.abs(km), axis=0)
-        ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
-        tl.store(kbar_ptr + out_off, (km / ks).to(tl.float16))
-        tl.store(kscale_ptr + bh.to(tl.int64) * NK + j, ks)
-    # Σ_j k̄_j V̂_jᵀ of the run as rank-1 updates, the means read back from what the loop stored
-    # (other threads wrote them) straight into the accumulator's row and column layouts.
-    tl.debug_barrier()
-    for j in range(j0, j1):
-        km = tl.load(kmean_t + offs_d * NK + j)
-        v_sum = tl.load(vsum_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d)
-        hacc -= km[:, None] * v_sum[None, :]
+    for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
+        hacc, _ = _add_block_h(hacc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, skd, svl, svd,
+                               BS, D, F32)
     # Dividing before the atomic add leaves H̄ itself in the buffer (no epilogue launch).
     tl.atomic_add(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :], hacc * inv_nk)
 
@@ -210,7 +192,8 @@ class Stats:
         return self
 
 
-_launch_kv = Launcher(_kv_stats_kernel)
+_launch_means = Launcher(_kv_means_kernel)
+_launch_hbar = Launcher(_hbar_kernel)
 _launch_qmean = Launcher(_q_mean_kernel)
 
 
@@ -233,11 +216,14 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     hbar = torch.zeros(b, hk, d, d, device=dev, dtype=torch.float32)
     kv_per, kv_chunks = chunking(nk, b * hk, dev)
     vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)  # scratch, freed below
+    strides = (*k.stride(), *v.stride())
+    cls = spec_class(k, v, *strides)
+    _launch_means((k.dtype, block_size, d, cls), (nk, b * hk),
+                  (k, v, kmean, vbar, vsum, kbar, kscale, *strides, hk, lk, nk), dict(BS=block_size, D=d), num_warps=4)
     warps = 8 if d >= 128 else 4
-    args = (k, v, kmean, kbar, kscale, vbar, vsum, hbar, *k.stride(), *v.stride(), hk, lk, nk, kv_per, kv_chunks,
-            1.0 / nk)
-    _launch_kv((k.dtype, block_size, d, warps, spec_class(k, v, *k.stride(), *v.stride())), (b * hk * kv_chunks,),
-               args, dict(BS=block_size, D=d, F32=interpreting()), num_warps=warps)
+    _launch_hbar((k.dtype, block_size, d, warps, cls), (b * hk * kv_chunks,),
+                 (k, v, kmean, vsum, hbar, *strides, hk, lk, nk, kv_per, kv_chunks, 1.0 / max(nk, 1)),
+                 dict(BS=block_size, D=d, F32=interpreting()), num_warps=warps)
     hdev = _hdev(k, v, kmean, vsum, hbar, block_size) if with_hdev else None
     del vsum
     # Rounded once here instead of in every attention program (each would read 4·D² bytes).
@@ -277,8 +263,10 @@ def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int)
     kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
     vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
     vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)
+    kbar = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float16)
+    kscale = torch.empty(b, hk, nk, device=dev, dtype=torch.float32)
     _kv_means_kernel[(nk, b * hk)](
-        k, v, kmean, vbar, vsum, *k.stride(), *v.stride(), hk, lk, nk,
+        k, v, kmean, vbar, vsum, kbar, kscale, *k.stride(), *v.stride(), hk, lk, nk,
         BS=block_size, D=d, num_warps=4,
     )
     return _hdev(k, v, kmean, vsum, hbar.float().contiguous(), block_size)

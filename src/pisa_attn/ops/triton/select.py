@@ -139,7 +139,7 @@ def select(
     cnt = torch.empty(b, h, nq, device=dev, dtype=torch.int32)
     bits = torch.empty(b, h, nq, nw, device=dev, dtype=torch.int32)
     kmean_t = kmean.transpose(2, 3)  # [B, Hk, D, Nk]
-    cq = nqs if scratch_elems is None else max(1, min(nqs, scratch_elems // (b * h * nk)))
+    cq = max(1, nqs if scratch_elems is None else min(nqs, scratch_elems // max(1, b * h * nk)))
     scratch = torch.empty(b * h * cq * nk, device=dev, dtype=torch.float32)
     nkp = max(32, next_pow2(nk))
     warps = max(TOPK_WARPS["warps"], nkp // 1024)  # at most 32 scores per thread (no spills)

@@ -1,0 +1,86 @@
+"""PISA under unified sequence parallelism: Ulysses inside groups, ring across them.
+
+Ranks form a grid of ``ring`` x ``ulysses`` (diffusers' ``ContextParallelConfig(ring_degree=r,
+ulysses_degree=u)`` builds exactly this mesh). An all-to-all inside each Ulysses group turns "my
+slice, all heads" into "my group's slices, H/u heads"; the groups' sequences are then the ring's
+shards, and :func:`pisa_attn.parallel.ring_pisa_attention` runs across the ring group (global
+statistics and selection, one merge); a second all-to-all returns the heads.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..attention import validate
+from .comm import group_info
+from .ring import ring_pisa_attention
+from .ulysses import ulysses_attention
+
+
+def unified_pisa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    ulysses_group,
+    ring_group,
+    density: float = 0.125,
+    block_size: int = 64,
+    mode: str = "hybrid",
+    covariance_aware: bool = False,
+    scale: float | None = None,
+    layout: str = "bhsd",
+    keep_blocks: Tensor | None = None,
+    perm: Tensor | None = None,
+    q_perm: Tensor | None = None,
+    exact_queries: Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    seq_lens: list[int] | None = None,
+):
+    """Ulysses x ring PISA: this rank's slice of ``pisa_attention`` over the global sequence.
+
+    Args:
+        q, k, v: this rank's contiguous slice, ``layout`` as in :func:`pisa_attn.pisa_attention`.
+            The global sequence is the concatenation over ring ranks of each Ulysses group's
+            slices in Ulysses-rank order (rank ``ring_rank * u + ulysses_rank`` of a row-major
+            ``(ring, ulysses)`` grid holds the slice of that index).
+        ulysses_group, ring_group: this rank's Ulysses group (size ``u``, splits heads: the query
+            heads must be divisible by ``u``) and ring group (size ``r``; ranks at the same
+            Ulysses position of every group).
+        seq_lens: per-rank local lengths in global-sequence order (``r * u`` entries), when every
+            rank knows them; default: gathered.
+        Everything else as in :func:`pisa_attn.parallel.ring_pisa_attention` (``perm``, ``q_perm``,
+        ``exact_queries`` and ``keep_blocks`` index the global sequence; a per-head ``keep_blocks``
+        follows its heads).
+
+    Returns:
+        ``out`` for this rank's queries (shape/layout of ``q``), plus ``lse`` [B, H, Lq] when
+        ``return_lse``. Inference only.
+    """
+    # The settings are checked here, before any collective (the ring checks them again per group).
+    validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout, backend=backend,
+             covariance_aware=covariance_aware, return_lse=return_lse)
+    u_rank, u = group_info(ulysses_group)
+    r_rank, r = group_info(ring_group)
+    u_lens = ring_lens = None
+    if seq_lens is not None:
+        lens = list(seq_lens) if isinstance(seq_lens, (list, tuple)) else None
+        if lens is None or len(lens) != u * r:
+            raise ValueError(f"seq_lens must list {u * r} local lengths (ring x ulysses ranks), got {seq_lens!r}")
+        u_lens = lens[r_rank * u : (r_rank + 1) * u]
+        ring_lens = [sum(lens[j * u : (j + 1) * u]) for j in range(r)]
+    keep = keep_blocks
+    heads = q.shape[1 if layout == "bhsd" else 2]
+    if isinstance(keep, Tensor) and keep.dim() == 3 and keep.shape[1] != 1:
+        keep = keep[:, u_rank * heads // u : (u_rank + 1) * heads // u]
+
+    def ring(qf, kf, vf):  # [B, H/u, L_group, D]: this Ulysses group's sequence, my heads
+        return ring_pisa_attention(
+            qf, kf, vf, group=ring_group, density=density, block_size=block_size, mode=mode,
+            covariance_aware=covariance_aware, scale=scale, keep_blocks=keep, perm=perm, q_perm=q_perm,
+            exact_queries=exact_queries, return_lse=True, backend=backend, seq_lens=ring_lens,
+        )  # fmt: skip
+
+    out, lse = ulysses_attention(q, k, v, ring, group=ulysses_group, layout=layout, seq_lens=u_lens)
+    return (out, lse) if return_lse else out

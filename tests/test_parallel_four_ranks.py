@@ -1,0 +1,124 @@
+"""Four gloo CPU ranks in ONE spawn (process start and the diffusers import dominate): the core
+entry points and the diffusers backend under ring x4, Ulysses x4 and Ulysses 2 x ring 2, and
+three-rank cases on a subgroup; each equals one process. Cases assert apart.
+
+Core cases are float64 on the reference (tolerances as in test_parallel_core.py); the Triton case
+runs the kernels through the interpreter in bfloat16 with an empty K/V shard (fewer key blocks
+than ranks); diffusers cases use the tiny FLUX and Wan with 4 heads (float32, 2e-5).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from pisa_attn.parallel.launch import run_local
+from test_parallel_core import INTERPRETED, TOL, _check, _run_case, spec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+CASES4 = {
+    # 3 key blocks over 4 ranks: one rank holds no key block and no query block (it only relays).
+    "ring4-hybrid-empty-shard": spec("ring", 40, cov=True, h=2, hk=2),
+    "ring4-drop-uneven-perm-keep": spec("ring", 190, "drop", shards=[90, 7, 60, 33], perm=True, keep="head"),
+    "ulysses4-zeroth-gqa-uneven": spec("ulysses", 150, "zeroth", shards=[40, 30, 50, 30], hk=2, perm=True),
+    "unified-hybrid-perm-keep": spec("unified", 200, cov=True, hk=2, layout="bshd", perm=True, keep="head"),
+    "unified-zeroth-uneven-subset-exact": spec("unified", 170, "zeroth", shards=[50, 33, 47, 40], perm=True,
+                                              keep="flat", q_subset=True, exact_q=True),
+}
+CASES3 = {
+    "ring3-hybrid-unaligned": spec("ring", 230, shards=[90, 60, 80], cov=True, h=3, hk=3),
+    "ring3-first-perm": spec("ring", 192, "first", h=3, hk=1, layout="bshd", perm=True, keep="flat"),
+    "ulysses3-hybrid-perm": spec("ulysses", 180, cov=True, h=6, hk=2, perm=True, keep="head"),
+}
+
+
+def _ring_triton_empty_shard(rank, world):
+    """Kernels (interpreter), bfloat16, 3 key blocks on 4 ranks: prepare on an empty K/V shard and
+    select with no local query block must run; equal to one process on the kernels."""
+    from pisa_attn import pisa_attention
+    from pisa_attn.parallel import ring_pisa_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=g).bfloat16() for _ in range(3))
+    kw = dict(density=0.5, block_size=16, return_lse=True, backend="triton")
+    want, want_lse = pisa_attention(q, k, v, **kw)
+    sl = slice(10 * rank, 10 * rank + 10)
+    out, lse = ring_pisa_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], **kw)
+    ref = want[:, :, sl].double()
+    return float((out.double() - ref).abs().sum() / ref.abs().sum()), float((lse - want_lse[:, :, sl]).abs().max())
+
+
+def _core(rank, world):
+    import torch.distributed as dist
+
+    # Ulysses groups {0,1}, {2,3}; ring groups {0,2}, {1,3}: rank = ring_rank * 2 + ulysses_rank.
+    # Every rank creates every group, in the same order.
+    uly = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ring = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    three = dist.new_group([0, 1, 2])
+    groups = {"ulysses_group": uly[rank // 2], "ring_group": ring[rank % 2]}
+    res = {}
+    for name, c in CASES4.items():
+        res[name] = _run_case(rank, world, c, groups if c["algo"] == "unified" else None)
+    for name, c in CASES3.items():
+        res[name] = _run_case(rank, 3, c, {"group": three}) if rank < 3 else None
+    if INTERPRETED:
+        res["ring4-triton-empty-shard"] = _ring_triton_empty_shard(rank, world)
+    return res
+
+
+def _diffusers(world):
+    sys.path.insert(0, HERE)  # diffusers_tiny
+    from test_parallel_diffusers import _config, cp_results
+
+    from diffusers import ContextParallelConfig
+
+    runs = [
+        ("ulysses", _config("ulysses", world), True, False),
+        ("ring", _config("ring", world), False, False),
+        ("unified", ContextParallelConfig(ulysses_degree=2, ring_degree=2), True, False),
+        ("ring-uneven", _config("ring", world, anything=True), True, True),
+    ]
+    return {family: cp_results(family, runs, heads=4) for family in ("flux", "wan")}
+
+
+def _worker(rank, world):
+    from pisa_attn.diffusers.parallel import allow_cpu_context_parallel
+
+    allow_cpu_context_parallel()
+    return {"core": _core(rank, world), "diffusers": _diffusers(world)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_local(_worker, 4)
+
+
+@pytest.mark.parametrize("name", list(CASES4))
+def test_four_ranks_equal_single_process(four_ranks, name):
+    _check([r["core"] for r in four_ranks], name, CASES4[name]["algo"])
+
+
+@pytest.mark.parametrize("name", list(CASES3))
+def test_three_ranks_of_four_equal_single_process(four_ranks, name):
+    _check([r["core"] for r in four_ranks[:3]], name, CASES3[name]["algo"])
+    assert four_ranks[3]["core"][name] is None
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the gloo ranks run the Triton kernels through the CPU interpreter")
+def test_ring_on_the_kernels_with_an_empty_shard(four_ranks):
+    for rank, res in enumerate(four_ranks):
+        err_out, err_lse = res["core"]["ring4-triton-empty-shard"]
+        assert err_out < 4e-3 and err_lse < 1e-5, (rank, err_out, err_lse)
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+@pytest.mark.parametrize("kind", ["ulysses", "ring", "unified", "ring-uneven"])
+def test_diffusers_four_ranks_equal_single_process(four_ranks, family, kind):
+    from test_parallel_diffusers import check_equal
+
+    check_equal([r["diffusers"] for r in four_ranks], family, kind)
