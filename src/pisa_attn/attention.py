@@ -68,7 +68,7 @@ def _check_tensor(name: str, x) -> None:
 
 
 def validate(q, k, v, *, density, block_size, mode, scale=None, layout="bhsd", backend="auto",
-             covariance_aware=False, return_lse=False, query_block=None) -> tuple[Tensor, Tensor, Tensor]:
+             covariance_aware=False, return_lse=False, query_block=None, alpha=None) -> tuple[Tensor, Tensor, Tensor]:
     """Check a call's tensors and settings (ValueError/TypeError naming the argument); return
     ``q, k, v`` as ``[B, H, L, D]`` views. ``keep_blocks`` is checked by :func:`normalize_keep_blocks`,
     which needs the block count."""
@@ -88,6 +88,7 @@ def validate(q, k, v, *, density, block_size, mode, scale=None, layout="bhsd", b
     spec.check_flag("return_lse", return_lse)
     qh, kh, vh = (to_bhsd(x, layout) for x in (q, k, v))
     _validate_shapes(qh, kh, vh)
+    tail_weight.check(alpha, mode, qh.shape[1])
     return qh, kh, vh
 
 
@@ -268,8 +269,7 @@ def pisa_attention(
     """
     qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
                           backend=backend, covariance_aware=covariance_aware, return_lse=return_lse,
-                          query_block=query_block)
-    tail_weight.check(alpha, mode, qh.shape[1])
+                          query_block=query_block, alpha=alpha)
     p = _cached_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend, query_block)
     _check_inference_only(p.backend, (q, k, v))
     keep, n_keep_max = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, q.device)
