@@ -68,11 +68,11 @@ def test_calibrated_run_equals_a_run_with_its_table(family):
 
 
 def test_calibration_is_the_fit_of_the_warmup_rows():
-    """With every query block sampled, a layer's weight is the least-squares fit of its warm-up
+    """With every query row sampled (16-row blocks: one run each), a layer's weight is the least-squares fit of its warm-up
     call (image queries, text key blocks kept exact, the call's scale and selection: FLUX's default
     is covariance-aware)."""
     pipe = tiny_pipeline("flux")
-    pd.apply_pisa(pipe, calibrate=pd.CalibrationConfig(query_blocks=10**6), **RUN)
+    pd.apply_pisa(pipe, calibrate=pd.CalibrationConfig(rows=10**6), **RUN)
     calls = _Calls(pipe.transformer)
     _generate(pipe, "flux")
     frozen = pd.pisa_state(pipe.transformer).calibrator.frozen
@@ -197,7 +197,7 @@ def test_calibrate_command_fits_a_capture_and_apply_loads_it(tmp_path, capsys):
         pipe(**prompt_kwargs("flux"), num_inference_steps=2)
     out = tmp_path / "alpha.json"
     args = ["calibrate", str(cap), "--out", str(out), "--density", "0.25", "--block-size", str(TILE_BLOCK),
-            "--query-blocks", "0"]
+            "--rows", "0"]
     assert cli.main(args) == 0
     assert "first-order weight" in capsys.readouterr().err
     table = at.load(str(out))

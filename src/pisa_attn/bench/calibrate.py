@@ -1,6 +1,6 @@
 """``pisa-attn calibrate FILE``: fit the first-order weight per layer and head from a q/k/v capture.
 
-Reads a :func:`pisa_attn.diffusers.capture_qkv` file, samples query blocks of every captured call
+Reads a :func:`pisa_attn.diffusers.capture_qkv` file, samples query rows of every captured call
 (image queries, text key blocks kept exact, the call's softmax scale, as the diffusers backend
 runs them), fits the least-squares weight of the first-order tail term against dense attention
 per layer and head, pooled over the captured steps, and writes the JSON table
@@ -45,14 +45,15 @@ def _transformer_of(entry_name: str) -> str:
 
 
 def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", covariance_aware: bool | None = None,
-                   block_size: int = 64, query_blocks: int = 16, fit: str = "head", steps=None, seed: int = 0,
+                   block_size: int = 64, rows: int = 512, fit: str = "head", steps=None, seed: int = 0,
                    device: str = "cpu", progress=None):
     """The :class:`~pisa_attn.alpha_table.AlphaTable` of a capture file (see the module docstring).
-    ``query_blocks``: sampled per captured call (0: every block); ``steps``: captured steps to use
+    ``rows``: query rows sampled per captured call (0: all); ``steps``: captured steps to use
     (None: all); ``covariance_aware`` None: the capture's model's default selection."""
     import torch
 
     from .. import alpha_table, calibration, spec
+    from ..diffusers.calibrate import sample_rows
     from ..layout import block_floor
     from ..qkv_file import read_qkv_file
 
@@ -73,13 +74,12 @@ def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", co
         n = k.shape[2]
         lo, hi = e.info.get("image_range") or (0, q.shape[2])
         start = block_floor(lo, block_size)
-        nb = spec.num_blocks(hi - start, block_size)
-        blocks = None if query_blocks == 0 or query_blocks >= nb else rng.sample(range(nb), query_blocks)
+        sampled = None if rows == 0 or rows >= hi - lo else sample_rows(rng, lo - start, hi - start, block_size, rows)
         keep = None
         if e.layout is not None and e.layout.num_text_tokens:
             keep = e.layout.keep_blocks(block_size)[: spec.num_blocks(n, block_size)]
             keep = keep if bool(keep.any()) else None
-        rf = calibration.fit_rows(q[:, :, start:hi], k, v, density=density, blocks=blocks,
+        rf = calibration.fit_rows(q[:, :, start:hi], k, v, density=density, rows=sampled,
                                   measured=(lo - start, hi - start), block_size=block_size, mode=mode,
                                   covariance_aware=cov, scale=e.info.get("scale"), keep_blocks=keep)
         layers = fits.setdefault(_transformer_of(e.name), {})
@@ -120,8 +120,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="covariance-aware selection (default: the captured model's apply_pisa default)")
     p.add_argument("--no-covariance-aware", dest="covariance_aware", action="store_false")
     p.add_argument("--block-size", type=at.block_size, default=64)
-    p.add_argument("--query-blocks", type=at.int_at_least(0), default=16,
-                   help="query blocks sampled per captured call (0: all of them)")
+    p.add_argument("--rows", type=at.int_at_least(0), default=512,
+                   help="query rows sampled per captured call (0: all of them)")
     p.add_argument("--fit", type=at.one_of(FITS), default="head", help="a weight per head or one per layer")
     p.add_argument("--steps", type=at.comma_list(at.int_at_least(0)), default=None,
                    help="captured steps to fit on (default: every captured step)")
@@ -142,7 +142,7 @@ def _cmd(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         table = calibrate_file(args.file, density=args.density, mode=args.mode, covariance_aware=args.covariance_aware,
-                               block_size=args.block_size, query_blocks=args.query_blocks, fit=args.fit,
+                               block_size=args.block_size, rows=args.rows, fit=args.fit,
                                steps=args.steps, seed=args.seed, device=args.device,
                                progress=lambda name: print(f"  {name}", file=sys.stderr, flush=True))
     except ValueError as e:

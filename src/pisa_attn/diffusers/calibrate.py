@@ -2,17 +2,19 @@
 
 Warm-up steps run dense attention in every layer, so the answer the weight is fitted against is
 there. On each warm-up call of a layer that will later run sparse, :class:`Calibrator` (an
-observer of the managed calls) samples a few query blocks of one batch row and computes on those
-rows only, with the reference in float32, the zeroth-order output, the first-order correction and
-the dense output (:func:`pisa_attn.calibration.fit_rows`); it adds their least-squares statistics
-per layer and head. The first sparse call of a generation freezes the weights: per layer and head
+observer of the managed calls) samples a few query rows of one batch row and computes on those
+rows only, in float32 with the reference's arithmetic, the zeroth-order output, the first-order
+correction and the dense output (:func:`pisa_attn.calibration.fit_rows`); it adds their
+least-squares statistics per layer and head. The first sparse call of a generation freezes the weights: per layer and head
 the pooled least-squares fit, clamped to :data:`pisa_attn.calibration.FIT_BOUNDS`; a layer without
 samples keeps the weight it has without calibration. Each generation fits anew, on its own
 warm-up (the input being generated is the best calibration input there is).
 
-Cost per calibrated call: the key statistics (``O(Lk·D²)`` per head, as PISA's prepare) and a
-few passes over ``rows x Lk`` scores, against the call's ``O(Lq·Lk·D)`` dense attention: about
-``3·rows/Lq + D/(2·Lq)`` of the attention, plus a fixed ~50 small operations.
+Cost per calibrated call: the key statistics (``O(Lk·D²)`` per head, as PISA's prepare) and about
+ten passes over one ``rows x Lk`` score matrix, against the call's ``O(Lq·Lk·D)`` dense attention:
+measured on CPU, one sampled row costs about five rows of fused dense attention, so a call adds
+about ``5·rows/Lq`` of its attention plus a fixed ~40 small operations (1% at 32K tokens with
+the default 32 rows; ``benchmarks/calibration_cost.py`` times it per warm-up step).
 """
 
 from __future__ import annotations
@@ -33,22 +35,40 @@ from .schedule import Schedule
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """query_blocks: query blocks (of ``block_size`` rows) sampled per warm-up call and layer.
+    """rows: query rows sampled per warm-up call and layer (runs of up to :data:`CHUNK`
+    consecutive rows in distinct random query blocks: a block's rows share its exact set).
     fit: ``"head"`` (a weight per head) or ``"layer"`` (one per layer).
     seed: the sampling's seed."""
 
-    query_blocks: int = 2
+    rows: int = 32
     fit: str = "head"
     seed: int = 0
 
     def __post_init__(self):
-        n = self.query_blocks
+        n = self.rows
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"query_blocks must be a positive int, got {n!r}")
+            raise ValueError(f"rows must be a positive int, got {n!r}")
         if self.fit not in cal.FIT_OVER:
             raise ValueError(f"fit must be one of {cal.FIT_OVER}, got {self.fit!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+
+
+CHUNK = 16
+
+
+def sample_rows(rng: random.Random, lo: int, hi: int, block_size: int, rows: int) -> list[int]:
+    """About ``rows`` positions in ``[lo, hi)``: runs of up to :data:`CHUNK` consecutive rows, each
+    in its own query block (blocks of ``block_size`` rows counted from 0), blocks drawn at random."""
+    chunk = min(CHUNK, block_size)
+    first, last = lo // block_size, (hi - 1) // block_size
+    blocks = rng.sample(range(first, last + 1), min(last - first + 1, -(-rows // chunk)))
+    out = []
+    for i in sorted(blocks):
+        a, e = max(lo, i * block_size), min(hi, (i + 1) * block_size)
+        start = a + rng.randrange(max(1, e - a - chunk + 1))
+        out.extend(range(start, min(e, start + chunk)))
+    return out
 
 
 def as_config(value) -> CalibrationConfig | None:
@@ -110,14 +130,13 @@ class Calibrator:
         bs = call.block_size
         lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
         start = block_floor(lo, bs)  # the query blocks the backend runs (see layout.block_floor)
-        n_blocks = spec.num_blocks(hi - start, bs)
-        blocks = self.rng.sample(range(n_blocks), min(self.config.query_blocks, n_blocks))
+        rows = sample_rows(self.rng, lo - start, hi - start, bs, self.config.rows)
         keep = None
         if call.keep_blocks is not None:
             keep = call.keep_blocks[: spec.num_blocks(n, bs)]
             keep = keep if bool(keep.any()) else None
         fit = cal.fit_rows(call.q[b : b + 1, :, start:hi], call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n],
-                           density=call.density, blocks=blocks, measured=(lo - start, hi - start), block_size=bs,
+                           density=call.density, rows=rows, measured=(lo - start, hi - start), block_size=bs,
                            mode=call.mode, covariance_aware=call.covariance_aware, scale=call.scale,
                            keep_blocks=keep)
         self.calls += 1

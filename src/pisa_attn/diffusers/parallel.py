@@ -117,7 +117,8 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa:
     total = seq.length
     state, cfg = run.state, run.state.config
     if hooks.observers(state.transformer):
-        raise ValueError("attention observers (capture, telemetry) are not supported under context parallelism")
+        raise ValueError("attention observers (capture, telemetry, calibrate=True) are not supported under context "
+                         "parallelism: calibrate offline (pisa-attn calibrate) and pass alpha_table=")
     layer = run.next_layer()
     reason = run.dense_reason(layer, total)
     if reason is not None:
