@@ -311,7 +311,7 @@ def fit_rows(
     qblocks = torch.cat([q[:, :, i * bs : min(lq, (i + 1) * bs)] for i in blocks], dim=2)
     qmean = ref.block_means(qblocks, bs, dtype)
     scores = ref.selection_scores(qmean, stats.kmean, scale, stats.hdev if covariance_aware else None)
-    keep = None if keep_blocks is None else keep_blocks.to(dev)
+    keep = None if keep_blocks is None else keep_blocks.to(dev, non_blocking=True)
     sel = ref.select_blocks(scores, spec.num_selected(density, nk), keep)  # [B, H, blocks, Nk]
     # The rows as runs of consecutive rows inside one block: views and fills, no index tensor to
     # copy to the device (no host synchronisation).
