@@ -4,13 +4,7 @@
 # Writes: gpu_tests.log, bench_kernels.json/.md/.png (2-16-128 grid), bench_kernels_b.json (other
 # B-H-D), bench_diffusers.json, all.log. Each stage has its own time limit so later ones still run.
 set -o pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
 log() { tee -a "$OUT/all.log"; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | log
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader 2>&1 | log
@@ -30,10 +24,12 @@ B="1-40-128:32768:0.125,2-24-64:32768:0.125,1-40-128:8192:0.125,2-24-64:8192:0.1
 timeout "${T_BENCH_B:-70}" python3 -m pisa_attn.bench.kernels --cases "${CASES_B:-$B}" --no-flex \
   --out "$OUT/bench_kernels_b.json" 2>&1 | log
 
-# 4. diffusers: one transformer forward, Wan2.1-1.3B-shaped (32760 tokens) and FLUX-shaped (4608)
-timeout "${T_DIFFUSERS:-150}" python3 benchmarks/bench_diffusers.py --out "$OUT" 2>&1 | log
+# 4. diffusers: one transformer forward, eager, Wan2.1-1.3B-shaped (32760 tokens) and FLUX-shaped
+#    (4608 and 16896 tokens); the paper-scale models are benchmarks/run_e2e.sh's
+timeout "${T_DIFFUSERS:-150}" python3 benchmarks/bench_e2e.py --stages wan1.3b,flux --total-budget-s 125 \
+  --out "$OUT" --name bench_diffusers 2>&1 | log
 
 echo "=== summary ===" | log
 grep -E "passed|failed|FAILED|ERROR" "$OUT/gpu_tests.log" | tail -8
 [[ -f "$OUT/bench_kernels.md" ]] && cat "$OUT/bench_kernels.md"
-grep -A4 "one transformer forward" "$OUT/all.log" | tail -5
+grep -A6 "one transformer forward" "$OUT/all.log" | tail -7

@@ -1,6 +1,10 @@
-"""Transformer configs the GPU benchmarks build with random weights (diffusers constructor kwargs)."""
+"""Transformer configs the GPU benchmarks build with random weights (diffusers constructor kwargs).
 
-# Wan2.1-T2V-1.3B (diffusers WanTransformer3DModel), and a tiny one for CPU checks of the scripts.
+The real configs are those of the public diffusers checkpoints; the tiny ones have the same
+classes and code paths for CPU checks of the scripts.
+"""
+
+# Wan2.1-T2V-1.3B (diffusers WanTransformer3DModel), -14B, and a tiny one for CPU checks.
 WAN_1_3B = dict(
     patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
     text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -23,6 +27,19 @@ FLUX_DEV = dict(
     axes_dims_rope=(16, 56, 56),
 )  # fmt: skip
 FLUX_TINY = dict(
-    patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+    patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
     joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+)  # fmt: skip
+# HunyuanVideo (diffusers HunyuanVideoTransformer3DModel; the checkpoint's config is the class
+# defaults: 20 dual-stream + 40 single-stream blocks, 24 heads x 128), and a tiny one.
+HUNYUAN_VIDEO = dict(
+    in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+    num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1, qk_norm="rms_norm",
+    guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768, rope_theta=256.0,
+    rope_axes_dim=(16, 56, 56),
+)  # fmt: skip
+HUNYUAN_TINY = dict(
+    in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1, num_single_layers=2,
+    num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=32, pooled_projection_dim=32,
+    rope_axes_dim=(4, 6, 6), guidance_embeds=True,
 )  # fmt: skip

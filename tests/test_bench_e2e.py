@@ -1,0 +1,187 @@
+"""The paper-scale end-to-end benchmark (benchmarks/bench_e2e.py): its cases, its arithmetic, and
+one CPU run of every code path with tiny models of the same classes."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pisa_attn.bench import dit_cases as dc
+from pisa_attn.bench import e2e_estimates as est
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+@pytest.mark.parametrize(
+    "key, grid, text, joint, blocks",
+    [
+        ("wan14b-720p", (21, 45, 80), 512, 75_600, 40),
+        ("hunyuan-720p", (33, 45, 80), 256, 119_056, 60),
+        ("flux-1024", (64, 64), 512, 4_608, 57),
+        ("flux-2048", (128, 128), 512, 16_896, 57),
+        ("wan1.3b-480p", (21, 30, 52), 512, 32_760, 30),
+    ],
+)
+def test_cases_have_the_papers_token_counts(key, grid, text, joint, blocks):
+    case = dc.CASES[key]
+    assert case.grid == grid and case.text == text and case.blocks == blocks
+    assert case.image_tokens + case.joint_text == joint
+
+
+def test_case_settings_follow_the_paper():
+    # Appendix D warm-up; 87.5% sparsity for video, 85% for FLUX; the paper's own speed-ups.
+    assert {k: (c.density, c.dense_layers, c.dense_steps) for k, c in dc.CASES.items()} == {
+        "wan14b-720p": (0.125, 1, 10), "hunyuan-720p": (0.125, 1, 10), "flux-1024": (0.15, 4, 0),
+        "flux-2048": (0.15, 4, 0), "wan1.3b-480p": (0.125, 1, 15),
+    }  # fmt: skip
+    assert dc.CASES["wan14b-720p"].paper.speedup == 1.91 and dc.CASES["hunyuan-720p"].paper.speedup == 2.57
+
+
+def test_reduced_scales_every_block_kind():
+    hun = dc.reduced(dc.CASES["hunyuan-720p"], 0.1)
+    assert (hun.config["num_layers"], hun.config["num_single_layers"], hun.blocks) == (2, 4, 6)
+    assert dc.reduced(dc.CASES["wan14b-720p"], 0.01).blocks == 1  # at least one block
+    assert dc.reduced(dc.CASES["flux-1024"], 1.0) is dc.CASES["flux-1024"]
+    with pytest.raises(ValueError, match="fraction"):
+        dc.reduced(dc.CASES["flux-1024"], 0)
+
+
+def test_amdahl_bound():
+    assert est.amdahl_bound(10.0, 3.0, 7.0) == pytest.approx(2.5)  # 10 / (3 + 7 / 7)
+    assert est.amdahl_bound(10.0, 3.0, 1.0) == pytest.approx(1.0)
+    assert est.amdahl_bound(10.0, 3.0, 1e12) == pytest.approx(10 / 3)
+    with pytest.raises(ValueError):
+        est.amdahl_bound(10.0, 3.0, 0.0)
+
+
+def test_schedule_speedup_weights_steps_and_layers():
+    s = est.schedule_speedup(100.0, 40.0, steps=50, dense_steps=10, dense_layers=1, dense_layer_extra=2.0,
+                             dense_step_extra=5.0)  # fmt: skip
+    assert s["dense_step_ms"] == 105.0 and s["sparse_step_ms"] == 42.0
+    assert s["speedup"] == pytest.approx(5000 / (10 * 105 + 40 * 42))
+    assert est.schedule_speedup(100.0, 40.0, steps=3, dense_steps=0, dense_layers=0)["speedup"] == pytest.approx(2.5)
+    with pytest.raises(ValueError):
+        est.schedule_speedup(100.0, 40.0, steps=5, dense_steps=6, dense_layers=0)
+
+
+def test_flop_estimate_of_wan14b_attention():
+    f = est.forward_flops(dc.CASES["wan14b-720p"])
+    assert f["attention"] == 4 * 75_600**2 * 40 * 128 * 40
+    s = est.forward_seconds(dc.CASES["wan14b-720p"])
+    assert s["pisa"] < s["dense"] and s["rest"] < s["dense"]
+
+
+def test_derive_extrapolates_reduced_models():
+    import bench_e2e as b
+
+    full = dc.CASES["wan14b-720p"]
+    case = dc.reduced(full, 0.1)  # 4 of 40 blocks: per-forward times x10
+    rec = {
+        "forward_ms": {n: {"ms": ms} for n, ms in
+                       (("dense", 1000.0), ("pisa", 500.0), ("no_attention", 300.0), ("no_attention_pisa_hooks", 310.0))},
+        "attention_call": {"speedup": 7.0, "pisa_ms": 10.0, "pisa_dense_path_ms": 80.0, "dense_backend": "cudnn",
+                           "dense_ms": {"cudnn": 70.0}},
+    }  # fmt: skip
+    args = b.parse_args(["--tiny"])
+    d = b.derive(rec, case, full, args)
+    assert d["speedup"] == pytest.approx(2.0) and d["dense_forward_ms"] == pytest.approx(10_000.0)
+    assert d["amdahl_bound"] == pytest.approx(1000 / (300 + 700 / 7))
+    assert d["share_of_bound"] == pytest.approx(2.0 / d["amdahl_bound"])
+    assert d["boundary_pct_of_pisa_forward"] == pytest.approx(100 * 10 / 5000)  # once per full forward
+    sched = d["schedule"]
+    assert sched["sparse_step_ms"] == pytest.approx(5000 + 1 * (80 - 10))
+    assert sched["dense_step_ms"] == pytest.approx(10_000 + 40 * (80 - 70))
+
+
+def test_first_dense_falls_back_and_records_why():
+    import bench_e2e as b
+
+    def run(name):
+        if name == "a":
+            raise RuntimeError("no kernel for this mask")
+        return name.upper()
+
+    rec = {}
+    assert b.first_dense(["a", "b"], run, rec, "dense") == ("b", "B")
+    assert "no kernel" in rec["dense_backend_errors"]["dense a"]
+    with pytest.raises(RuntimeError, match="no dense backend"):
+        b.first_dense(["a"], run, {}, "dense")
+
+
+def test_arguments_per_stage():
+    import bench_e2e as b
+
+    a = b.parse_args(["--part", "compiled", "--fraction", "wan14b-compiled=0.5", "--budget-s", "flux=30"])
+    assert a.stage_list == ("wan14b-compiled", "hunyuan-compiled", "wan1.3b-compiled", "flux-compiled")
+    assert a.fractions == {"wan14b-compiled": 0.5} and a.budgets["flux"] == 30 and a.budgets["hunyuan"] == 150
+    assert b.parse_args(["--budget-s", "20"]).budgets["wan14b"] == 20
+    for bad in (["--stages", "wan99"], ["--fraction", "1.5"], ["--budget-s", "nope=3"], ["--flux-sweep", "1000"]):
+        with pytest.raises(SystemExit):
+            b.parse_args(bad)
+
+
+def test_plan_names_every_stage(capsys):
+    import bench_e2e as b
+
+    assert b.main(["--plan", "--part", "all"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in b.STAGES) and "total" in out
+
+
+@pytest.mark.slow
+def test_tiny_run_covers_eager_compiled_and_sweep(tmp_path):
+    pytest.importorskip("diffusers")
+    import bench_e2e as b
+
+    threads = torch.get_num_threads()
+    try:
+        rc = b.main(["--tiny", "--stages", "wan1.3b,hunyuan-compiled,flux", "--compile-backend", "aot_eager",
+                     "--total-budget-s", "600", "--budget-s", "300", "--out", str(tmp_path)])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    res = json.loads((tmp_path / "bench_e2e.json").read_text())
+    assert [s["status"] for s in res["stages"]] == ["done"] * 3
+    cases = {c["case"]: c for s in res["stages"] for c in s["cases"]}
+    assert set(cases) == {"wan1.3b-480p", "hunyuan-720p", "flux-1024", "flux-2048"}
+    for key in ("wan1.3b-480p", "flux-1024", "flux-2048"):  # eager: every measurement and what it gives
+        c = cases[key]
+        assert set(c["forward_ms"]) == {"dense", "pisa", "no_attention", "no_attention_pisa_hooks"}
+        assert {"speedup", "amdahl_bound", "share_of_bound", "boundary_pct_of_pisa_forward", "schedule"} <= set(c["derived"])
+        assert set(c["gathers"]["per_kind_ms"]) == {"token", "rope", "untile"}
+        assert 0 < c["rel_l1"]["pisa_vs_dense"] < 0.05
+    hun = cases["hunyuan-720p"]  # compiled, half the blocks, a key-padding mask
+    assert hun["blocks"] == {"measured": 2, "total": 3, "extrapolation": 1.5}
+    assert set(hun["compile_s"]) == {"dense", "pisa", "no_attention"}
+    drift = hun["rel_l1"]
+    assert drift["compiled_pisa_vs_eager_pisa"] < 1e-6 and drift["compiled_dense_vs_eager_dense"] < 1e-6  # aot_eager
+    assert 0 < drift["compiled_pisa_vs_compiled_dense"] < 0.05
+    assert hun["pisa_calls"]["sparse"] > 0 and "dense" not in hun["pisa_calls"]
+    sweep = next(s for s in res["stages"] if s["stage"] == "flux")["min_kv_len"]
+    assert [r["image_tokens"] for r in sweep["rows"]] == list(b.FLUX_SWEEP_TINY) and sweep["default"] == 1024
+
+
+def test_a_failing_step_is_recorded_and_the_stage_goes_on(tmp_path, monkeypatch):
+    pytest.importorskip("diffusers")
+    import contextlib
+
+    import bench_e2e as b
+
+    @contextlib.contextmanager
+    def broken(model, case, args):
+        raise RuntimeError("kernel launch failed")
+        yield
+
+    monkeypatch.setattr(b, "pisa_applied", broken)
+    threads = torch.get_num_threads()
+    try:
+        assert b.main(["--tiny", "--stages", "wan1.3b", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    stage = json.loads((tmp_path / "bench_e2e.json").read_text())["stages"][0]
+    case = stage["cases"][0]
+    assert stage["status"] == "partial: 2 steps failed"
+    assert set(case["errors"]) == {"pisa", "no_attention_pisa_hooks"} and "kernel launch" in case["errors"]["pisa"]
+    assert set(case["forward_ms"]) == {"dense", "no_attention"} and "amdahl_bound" in case["derived"]
