@@ -137,7 +137,7 @@ def test_demo_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     for word in ("method", "density", "rel-L1", "max abs", "time (ms)", "dense", *demo.METHODS):
         assert word in text
-    assert "hybrid: + shared first-order term (PISA, the paper's method)" in " ".join(text.split())  # the legend
+    assert "hybrid: + shared first-order term (PISA, weight 0.75)" in " ".join(text.split())  # the legend
     data = json.loads(out_json.read_text())
     assert data["grid"] == [2, 8, 8] and len(data["rows"]) == 9
     assert data["config"]["densities"] == [0.25, 0.5]
