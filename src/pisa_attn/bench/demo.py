@@ -35,13 +35,13 @@ import torch.nn.functional as F
 
 from ..attention import BACKENDS, make_plan, pisa_attention
 from ..metrics import rel_l1
-from ..spec import MODES
+from ..spec import DEFAULT_ALPHA, MODES
 from . import argtypes
 
 METHODS = ("drop", "zeroth", "hybrid", "first")  # from plain block-sparse to the accuracy bound
 # The table's one-line key to the methods.
 LEGEND = ("drop: selected blocks only · zeroth: + tail block means · hybrid: + shared first-order term "
-          "(PISA, weight 0.75) · first: + per-block first order (weight 0.75, dense cost)")
+          f"(PISA, weight {DEFAULT_ALPHA:g}) · first: + per-block first order (weight {DEFAULT_ALPHA:g}, dense cost)")
 DEFAULT_DENSITIES = (0.0625, 0.125, 0.25)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
