@@ -57,7 +57,7 @@ def _report(label, fn, types, constexprs, num_warps, num_stages=3):
 
 def main():
     attn_types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "vbar_ptr", "o_ptr")}
-    attn_types.update(kbar_ptr="*fp16", kscale_ptr="*fp32", hbar_ptr="*bf16", idx_ptr="*i32", cnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
+    attn_types.update(kbar_ptr="*fp16", kscale_ptr="*fp32", hbar_ptr="*bf16", alpha_ptr="*fp32", idx_ptr="*i32", cnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                       qk_scale="fp32", scale="fp32")
     which = sys.argv[1:] or ["attn", "prep", "select"]
     if "attn" in which:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the kernels: GPU correctness tests of both kernel backends, the host time of
 # an eager call, and the kernel benchmark (Hopper backend on random and DiT-like data with the
-# query_block=128 column, Triton for comparison). Everything lands under $OUT; a summary prints last.
+# query_block=128 column, Triton for comparison); with CALIB_COST=1 also the cost of calibrate=True per
+# dense warm-up step. Everything lands under $OUT; a summary prints last.
 #   OUT=/tmp/out bash benchmarks/kernel_session.sh
 set -o pipefail
 OUT=${OUT:-out}
@@ -20,7 +21,11 @@ timeout "${T_BENCH_T:-70}" python3 -m pisa_attn.bench.kernels --backend triton -
   --cases "${CASES_T:-2-16-128:4096:0.125,2-16-128:32768:0.125}" --out "$OUT/bench_triton.json" > "$OUT/bench_triton.log" 2>&1
 timeout "${T_BENCH_D:-120}" python3 -m pisa_attn.bench.kernels --backend hopper --data dit --no-flex --query-block 128 \
   --cases "${CASES_D:-2-16-128:8192:0.125,2-16-128:32768:0.125}" --out "$OUT/bench_hopper_dit.json" > "$OUT/bench_dit.log" 2>&1
+if [[ -n "$CALIB_COST" ]]; then  # what apply_pisa(calibrate=True) adds to a dense warm-up step (Wan 1.3B, FLUX.1)
+  timeout "${T_CALIB:-240}" python3 benchmarks/calibration_cost.py --out "$OUT" > "$OUT/calibration_cost.log" 2>&1
+fi
 echo "=== summary ==="
 grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" 2>/dev/null | tail -5
 head -5 "$OUT/host.log"
 for f in bench_hopper bench_triton bench_dit; do grep -E "L= *[0-9]+ d=" "$OUT/$f.log" | cut -c1-330; done
+if [[ -n "$CALIB_COST" ]]; then tail -4 "$OUT/calibration_cost.log"; fi

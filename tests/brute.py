@@ -8,6 +8,8 @@ out, ``n_j`` = true token count of key block ``j``):
           "first":  + Σ_{j∈U} exp(s q_t·k̄_j) s q_t H_j,  H_j = Σ_n (k_jn − k̄_j)ᵀ v_jn     (eq. 6)
           "hybrid": + (Σ_{j∈U} exp(s q_t·k̄_j)) s q_t H̄,  H̄ = (1/N) Σ_j H_j            (eq. 7)
           "drop":   the exact terms only.
+    The first-order term (either form) is multiplied by ``alpha_h`` per query head (default 1: the
+    paper's equations).
 
 Every exponent is shifted by the row maximum over all terms (a mathematically neutral rewrite) so
 large finite inputs stay finite. Meant for tiny shapes only.
@@ -32,10 +34,18 @@ def _blocks(x: Tensor, block_size: int) -> list[Tensor]:
     return [x[s : s + block_size] for s in range(0, x.shape[0], block_size)]
 
 
+def paper(mode: str) -> dict:
+    """``pisa_attention`` keyword arguments for the paper's equations in ``mode`` (weight 1 on the
+    first-order term; the API's default weight is ``spec.DEFAULT_ALPHA``)."""
+    return {"alpha": 1.0} if mode in ("hybrid", "first") else {}
+
+
 def brute_pisa(
-    q: Tensor, k: Tensor, v: Tensor, selected: Tensor, *, mode: str, block_size: int, scale: float | None = None
+    q: Tensor, k: Tensor, v: Tensor, selected: Tensor, *, mode: str, block_size: int, scale: float | None = None,
+    alpha=1.0,
 ) -> tuple[Tensor, Tensor]:
-    """q [B, H, Lq, D], k/v [B, Hk, Lk, D], selected bool [B, H, Nq, Nk] -> (out, lse) float64."""
+    """q [B, H, Lq, D], k/v [B, Hk, Lk, D], selected bool [B, H, Nq, Nk] -> (out, lse) float64.
+    ``alpha``: the first-order weight, a number or one per query head."""
     if mode not in MODES:
         raise ValueError(mode)
     q, k, v = _f64(q), _f64(k), _f64(v)
@@ -43,6 +53,7 @@ def brute_pisa(
     b_, h_, lq, d = q.shape
     group = h_ // k.shape[1]
     s = d**-0.5 if scale is None else scale
+    weight = [float(x) for x in torch.as_tensor(alpha, dtype=torch.float64).reshape(-1).expand(h_)]
     out = torch.zeros(b_, h_, lq, d, dtype=torch.float64)
     lse = torch.zeros(b_, h_, lq, dtype=torch.float64)
     for b in range(b_):
@@ -55,13 +66,13 @@ def brute_pisa(
             hbar = sum(hj) / len(hj)
             for i, qi in enumerate(_blocks(q[b, h], block_size)):
                 r0 = i * block_size
-                o, l = _query_block(qi, kb, vb, kbar, vhat, hj, hbar, sel[b, h, i], mode, s)
+                o, l = _query_block(qi, kb, vb, kbar, vhat, hj, hbar, sel[b, h, i], mode, s, weight[h])
                 out[b, h, r0 : r0 + qi.shape[0]] = o
                 lse[b, h, r0 : r0 + qi.shape[0]] = l
     return out, lse
 
 
-def _query_block(qi, kb, vb, kbar, vhat, hj, hbar, sel_row, mode, s):
+def _query_block(qi, kb, vb, kbar, vhat, hj, hbar, sel_row, mode, s, weight=1.0):
     """Eqs. 3-7 for the queries ``qi`` [m, D] of one query block."""
     exact = [j for j in range(len(kb)) if sel_row[j]]
     tail = [] if mode == "drop" else [j for j in range(len(kb)) if not sel_row[j]]
@@ -81,10 +92,10 @@ def _query_block(qi, kb, vb, kbar, vhat, hj, hbar, sel_row, mode, s):
         den += kb[j].shape[0] * alpha
         num += alpha[:, None] * vhat[j]
         if mode == "first":
-            num += alpha[:, None] * (s * qi @ hj[j])
+            num += weight * alpha[:, None] * (s * qi @ hj[j])
         alpha_sum += alpha
     if mode == "hybrid":
-        num += alpha_sum[:, None] * (s * qi @ hbar)
+        num += weight * alpha_sum[:, None] * (s * qi @ hbar)
     return num / den[:, None], m + torch.log(den)
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brute import MODES, brute_dense, brute_pisa, brute_selection
+from brute import MODES, brute_dense, brute_pisa, brute_selection, paper
 from pisa_attn import pisa_attention, spec
 from pisa_attn.ops import reference as ref
 
@@ -80,6 +80,17 @@ BAD_INPUTS = [
     ("return-lse-truthy-str", _with(return_lse="no"), TypeError, "return_lse"),
     ("return-lse-none", _with(return_lse=None), TypeError, "return_lse"),
     ("keep-list", _with(keep_blocks=[True]), TypeError, "keep_blocks"),
+    ("alpha-nan", _with(alpha=float("nan")), ValueError, "alpha.*finite"),
+    ("alpha-inf-in-tensor", _with(alpha=torch.tensor([0.5, float("inf"), 0.5, 0.5])), ValueError, "alpha.*finite"),
+    ("alpha-wrong-heads", _with(alpha=torch.ones(2)), ValueError, r"alpha.*\[4\]"),
+    ("alpha-per-kv-head-matrix", _with(alpha=torch.ones(1, 4)), ValueError, "alpha"),
+    ("alpha-str", _with(alpha="0.5"), TypeError, "alpha"),
+    ("alpha-bool", _with(alpha=True), TypeError, "alpha"),
+    ("alpha-list", _with(alpha=[0.5] * 4), TypeError, "alpha"),
+    ("alpha-int-tensor", _with(alpha=torch.ones(4, dtype=torch.int32)), TypeError, "alpha"),
+    ("alpha-zeroth", _with(alpha=0.5, mode="zeroth"), ValueError, "alpha.*zeroth"),
+    ("alpha-drop", _with(alpha=1.0, mode="drop"), ValueError, "alpha.*drop"),
+    ("alpha-other-device", _with(alpha=torch.ones(4, device="meta")), ValueError, "alpha.*device"),
 ]
 
 
@@ -132,7 +143,8 @@ def test_gqa_equals_repeated_kv_heads_B1_H4_L96_D32(hk, mode):
     want = pisa_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), density=0.25, block_size=16, mode=mode)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
     sel = brute_selection(q, k, density=0.25, block_size=16)
-    torch.testing.assert_close(out.double(), brute_pisa(q, k, v, sel, mode=mode, block_size=16)[0], atol=2e-5, rtol=1e-4)
+    want = brute_pisa(q, k, v, sel, mode=mode, block_size=16, alpha=spec.DEFAULT_ALPHA)[0]  # the default weight
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
 
 
 LQ_LK = [(40, 200), (200, 40), (1, 33), (33, 1)]
@@ -144,7 +156,8 @@ def test_lq_differs_from_lk(lq, lk):
     out, lse = pisa_attention(q, k, v, density=0.5, block_size=16, return_lse=True)
     assert out.shape == q.shape and lse.shape == (2, 2, lq)
     sel = brute_selection(q, k, density=0.5, block_size=16)
-    torch.testing.assert_close(out.double(), brute_pisa(q, k, v, sel, mode="hybrid", block_size=16)[0], atol=2e-5, rtol=1e-4)
+    want = brute_pisa(q, k, v, sel, mode="hybrid", block_size=16, alpha=spec.DEFAULT_ALPHA)[0]
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("d", [32, 64, 128, 256], ids=lambda d: f"B1-H2-L130-D{d}")
@@ -195,7 +208,7 @@ def test_keep_blocks_are_exact_and_do_not_count_against_k():
     assert (sel[..., ~keep].sum(-1) == n_sel).all()
     assert torch.equal(sel, brute_selection(q, k, density=0.2, block_size=16, keep_blocks=keep))
     for mode in MODES:
-        out = pisa_attention(q, k, v, density=0.2, block_size=16, mode=mode, keep_blocks=keep)
+        out = pisa_attention(q, k, v, density=0.2, block_size=16, mode=mode, keep_blocks=keep, **paper(mode))
         torch.testing.assert_close(out.double(), brute_pisa(q, k, v, sel, mode=mode, block_size=16)[0], atol=2e-5, rtol=1e-4)
 
 
@@ -253,6 +266,76 @@ def test_property_finite_shapes_and_density_one_is_dense(p):
     want, want_lse = brute_dense(q, k, v)
     torch.testing.assert_close(to(dense).double(), want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(dense_lse.double(), want_lse, atol=2e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the first-order weight alpha
+@pytest.mark.parametrize("mode", ["hybrid", "first"])
+@pytest.mark.parametrize("hk", [4, 1], ids=["Hk4", "Hk1-gqa"])
+def test_alpha_per_query_head_matches_brute_B2_H4_Lq90_Lk110_D32(mode, hk):
+    """A weight per QUERY head (heads sharing a kv head differ) on ragged blocks, both first-order
+    forms, against the brute force with the same weights."""
+    q, k, v = make_qkv(2, 4, hk, 90, 110, 32, dtype=torch.float64, seed=21)
+    w = torch.tensor([0.0, 0.4, 1.0, -0.3], dtype=torch.float64)
+    out = pisa_attention(q, k, v, density=0.3, block_size=16, mode=mode, alpha=w, backend="reference")
+    sel = brute_selection(q, k, density=0.3, block_size=16)
+    torch.testing.assert_close(out, brute_pisa(q, k, v, sel, mode=mode, block_size=16, alpha=w)[0], atol=1e-11, rtol=1e-11)
+    # A float is the same weight for every head; a 0-d tensor is a float.
+    one = pisa_attention(q, k, v, density=0.3, block_size=16, mode=mode, alpha=0.4, backend="reference")
+    torch.testing.assert_close(one[:, 1], out[:, 1], atol=0, rtol=0)
+    assert torch.equal(one, pisa_attention(q, k, v, density=0.3, block_size=16, mode=mode, alpha=torch.tensor(0.4, dtype=torch.float64)))
+
+
+def test_alpha_endpoints_are_zeroth_and_the_paper_bit_for_bit():
+    q, k, v = make_qkv(1, 2, 2, 150, 150, 32, seed=22)
+    kw = dict(density=0.25, block_size=32, return_lse=True)
+    zeroth = pisa_attention(q, k, v, mode="zeroth", **kw)
+    a0 = pisa_attention(q, k, v, alpha=0.0, **kw)
+    assert torch.equal(a0[0], zeroth[0]) and torch.equal(a0[1], zeroth[1])
+    out, lse, _ = ref.pisa_reference(q, k, v, density=0.25, block_size=32)  # no weight: the paper's term
+    a1 = pisa_attention(q, k, v, alpha=1.0, **kw)
+    assert torch.equal(a1[0], out) and torch.equal(a1[1], lse)
+    default = pisa_attention(q, k, v, **kw)
+    assert torch.equal(default[1], lse)  # the weight never touches the denominator
+    # The output is affine in the weight: the default sits at DEFAULT_ALPHA between the endpoints.
+    want = zeroth[0].double() + spec.DEFAULT_ALPHA * (out.double() - zeroth[0].double())
+    torch.testing.assert_close(default[0].double(), want, atol=1e-6, rtol=1e-6)
+    assert spec.DEFAULT_ALPHA == 0.75
+
+
+def test_alpha_cpu_tensor_values_are_read_every_call():
+    """A CPU tensor's values are read on each call (the device copy is cached by value): editing it
+    in place changes the next call's output."""
+    q, k, v = make_qkv(1, 2, 2, 96, 96, 32, seed=23)
+    w = torch.tensor([0.5, 0.5])
+    first = pisa_attention(q, k, v, density=0.25, block_size=16, alpha=w)
+    w[1] = 1.0
+    second = pisa_attention(q, k, v, density=0.25, block_size=16, alpha=w)
+    assert torch.equal(first[:, 0], second[:, 0]) and not torch.equal(first[:, 1], second[:, 1])
+
+
+def test_alpha_device_tensors_are_cached_by_value():
+    from pisa_attn import tail_weight
+
+    a = tail_weight.resolve(0.25, mode="hybrid", heads=3, device="cpu")
+    assert a is tail_weight.resolve(torch.tensor([0.25, 0.25, 0.25]), mode="hybrid", heads=3, device="cpu")
+    assert a.dtype == torch.float32 and a.tolist() == [0.25] * 3
+    assert tail_weight.resolve(None, mode="hybrid", heads=3, device="cpu").tolist() == [spec.DEFAULT_ALPHA] * 3
+    assert tail_weight.resolve(None, mode="zeroth", heads=3, device="cpu") is None
+
+
+def test_alpha_under_torch_compile_is_an_input_not_a_constant():
+    """Under torch.compile (fullgraph) alpha is traced, and a new per-head tensor does not recompile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 2, 2, 128, 128, 32, seed=24)
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda q, k, v, a: pisa_attention(q, k, v, density=0.25, block_size=32, alpha=a),
+                       fullgraph=True, backend=counter)
+    for w in (torch.tensor([0.2, 0.9]), torch.tensor([1.0, 0.0])):
+        torch.testing.assert_close(fn(q, k, v, w), pisa_attention(q, k, v, density=0.25, block_size=32, alpha=w),
+                                   rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
 
 
 def _compiled_keep_blocks_matches_eager(backend: str) -> None:

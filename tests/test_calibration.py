@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pisa_attn import calibration as cal
-from pisa_attn import metrics
+from pisa_attn import metrics, spec
 from pisa_attn.ops import reference as ref
 
 # (B, H, Hk, L, D, block_size): aligned; ragged last block + GQA.
@@ -168,3 +168,92 @@ def test_bad_arguments_are_named():
         cal.fit_alpha_l1(t, t.base, over="model")
     with pytest.raises(ValueError, match="alpha"):
         cal.pisa_alpha_reference(q, k, v, density=0.25, alpha=torch.ones(5), block_size=32)
+
+
+# --- fits on sampled query rows -----------------------------------------------------------------
+@pytest.mark.parametrize("mode", cal.CORRECTION_MODES)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_fit_rows_is_the_fit_restricted_to_those_rows(shape, mode):
+    """Sampled rows give exactly the statistics of the whole-input fit (tail_terms: two reference
+    passes) restricted to them: same selection per query block (a ragged last block included, GQA,
+    kept blocks, covariance-aware), same terms, and the dense tail mass."""
+    b, h, hk, length, d, bs = shape
+    q, k, v = make_qkv(b, h, hk, length, d, seed=8)
+    keep = torch.zeros(spec.num_blocks(length, bs), dtype=torch.bool)
+    keep[0] = True
+    kw = dict(density=0.25, block_size=bs, covariance_aware=True, keep_blocks=keep, mode=mode)
+    t = cal.tail_terms(q, k, v, **kw)
+    dense = metrics.dense_pass(q, k, v, block_size=bs, masks=(t.selected,))
+    rows = [length - 1, 3, 4, 5, 40, 41, 100, 4]  # unsorted, a repeat, runs across a block boundary
+    picked = torch.tensor(sorted(set(rows)))
+    want = cal.alpha_stats(t, dense.out, rows=picked)
+    got = cal.fit_rows(q, k, v, rows=rows, **kw)
+    for name in ("cr", "cc", "rr", "n"):
+        torch.testing.assert_close(getattr(got.stats, name), getattr(want, name), rtol=1e-10, atol=1e-12)
+    assert got.rows == b * picked.numel()
+    torch.testing.assert_close(got.tail_mass, dense.tail_mass[0][:, :, picked].sum(dim=(0, 2)), rtol=1e-10, atol=0)
+    # measured=[lo, hi): rows outside are left out; all rows = the whole input.
+    part = cal.fit_rows(q, k, v, rows=rows, measured=(5, length), **kw)
+    torch.testing.assert_close(part.stats.cr, cal.alpha_stats(t, dense.out, rows=picked[picked >= 5]).cr,
+                               rtol=1e-10, atol=1e-12)
+    whole = cal.fit_rows(q, k, v, **kw)
+    torch.testing.assert_close(whole.stats.alpha(), cal.fit_alpha(t, dense.out), rtol=1e-9, atol=1e-12)
+
+
+def test_fit_rows_chunks_heads_like_one_pass(monkeypatch):
+    q, k, v = make_qkv(1, 4, 2, 150, 32, seed=11)
+    kw = dict(density=0.25, block_size=32, rows=range(20, 90))
+    whole = cal.fit_rows(q, k, v, **kw)
+    monkeypatch.setattr(cal, "_FIT_SLAB", 1)  # one kv head per pass
+    part = cal.fit_rows(q, k, v, **kw)
+    torch.testing.assert_close(part.stats.cr, whole.stats.cr, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(part.tail_mass, whole.tail_mass, rtol=1e-12, atol=0)
+
+
+def test_fit_rows_low_precision_inputs_fit_in_float32():
+    q, k, v = make_qkv(1, 2, 2, 256, 32, seed=9)
+    kw = dict(density=0.25, block_size=32, rows=list(range(64, 96)) + list(range(160, 192)))
+    exact = cal.fit_rows(q, k, v, **kw)
+    low = cal.fit_rows(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kw)
+    assert low.stats.cr.dtype == torch.float64  # statistics accumulate in float64
+    torch.testing.assert_close(low.stats.alpha(), exact.stats.alpha(), rtol=0, atol=0.05)
+    pooled = exact + low
+    assert pooled.rows == 2 * exact.rows
+    assert bool((pooled.mean_tail_mass() > 0).all() and (pooled.mean_tail_mass() < 1).all())
+    with pytest.raises(ValueError, match="rows"):
+        cal.fit_rows(q, k, v, density=0.25, block_size=32, rows=[300])
+    with pytest.raises(ValueError, match="measured"):
+        cal.fit_rows(q, k, v, density=0.25, block_size=32, rows=[0, 1], measured=(100, 200))
+
+
+def test_sample_rows_are_runs_in_distinct_blocks():
+    import random
+
+    from pisa_attn.diffusers.calibrate import CHUNK, sample_rows
+
+    rng = random.Random(0)
+    for lo, hi, bs, n in ((13, 300, 64, 32), (0, 50, 16, 100), (5, 6, 64, 32)):
+        rows = sample_rows(rng, lo, hi, bs, n)
+        assert rows == sorted(set(rows)) and all(lo <= r < hi for r in rows)
+        blocks = [r // bs for r in rows]
+        assert all(blocks.count(x) <= min(CHUNK, bs) for x in set(blocks))
+        assert len(rows) <= max(n, min(CHUNK, bs)) and rows
+
+
+def test_fit_bounds_clamp():
+    st = cal.AlphaStats(torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), torch.ones(3, dtype=torch.float64),
+                        torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64))
+    assert st.alpha().tolist() == [2.0, -1.0, 0.5]
+    assert st.alpha(bounds=cal.FIT_BOUNDS).tolist() == [1.0, 0.0, 0.5]
+
+
+def test_reference_alpha_equals_the_split_terms():
+    """pisa_forward(alpha=w) is base + w·corr of tail_terms (float64), for both forms."""
+    q, k, v = make_qkv(2, 4, 2, 150, 32, seed=10)
+    w = torch.tensor([0.0, 0.3, 1.0, 0.8], dtype=torch.float64)
+    for mode in cal.CORRECTION_MODES:
+        t = cal.tail_terms(q, k, v, density=0.25, block_size=32, mode=mode)
+        out, lse = ref.pisa_forward(q, k, v, ref.block_stats(k, v, 32), t.selected, mode=mode, scale=32**-0.5,
+                                    block_size=32, alpha=w)
+        torch.testing.assert_close(out, t.output(w), rtol=0, atol=1e-13)
+        torch.testing.assert_close(lse, t.lse, rtol=0, atol=0)

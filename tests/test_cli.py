@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pisa_attn import cli, pisa_attention
 from pisa_attn.bench import demo
 from pisa_attn.data import dit_qkv
+from pisa_attn.spec import DEFAULT_ALPHA
 
 TINY = ["--grid", "2", "8", "8", "--heads", "2", "--head-dim", "32", "--block-size", "16", "--repeats", "1"]
 
@@ -137,7 +138,7 @@ def test_demo_command_prints_table_and_writes_json_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     for word in ("method", "density", "rel-L1", "max abs", "time (ms)", "dense", *demo.METHODS):
         assert word in text
-    assert "hybrid: + shared first-order term (PISA, the paper's method)" in " ".join(text.split())  # the legend
+    assert f"hybrid: + shared first-order term (PISA, weight {DEFAULT_ALPHA:g})" in " ".join(text.split())  # legend
     data = json.loads(out_json.read_text())
     assert data["grid"] == [2, 8, 8] and len(data["rows"]) == 9
     assert data["config"]["densities"] == [0.25, 0.5]

@@ -87,6 +87,14 @@ BAD = [
     (dict(dense_steps=1.5), TypeError, "dense_steps"),
     (dict(covariance_aware="no"), TypeError, "covariance_aware"),
     (dict(min_kv_len=-1), ValueError, "min_kv_len"),
+    (dict(alpha=float("nan")), ValueError, "alpha"),
+    (dict(alpha=torch.ones(3)), ValueError, "alpha"),
+    (dict(alpha=0.5, mode="drop"), ValueError, "alpha"),
+    (dict(calibrate=True), ValueError, "dense_steps"),
+    (dict(calibrate=True, dense_steps=1, mode="zeroth"), ValueError, "calibrate"),
+    (dict(calibrate="yes"), TypeError, "calibrate"),
+    (dict(alpha_table={"format": "nope"}), ValueError, "alpha_table"),
+    (dict(calibrate=True, dense_steps=1, alpha_table={"format": "nope"}), ValueError, "alpha_table"),
 ]
 
 

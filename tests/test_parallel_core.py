@@ -26,12 +26,13 @@ BS = 16
 
 
 def spec(algo, total, mode="hybrid", *, shards=None, cov=False, h=4, hk=4, layout="bhsd", perm=False, keep=None,
-         q_subset=False, exact_q=False, dtype=torch.float64):  # fmt: skip
+         q_subset=False, exact_q=False, dtype=torch.float64, alpha=None):  # fmt: skip
     """One case. shards: per-rank lengths (None: even); perm: PISA on a random token order;
     keep: None, "flat" [Nk] or "head" [B, H, Nk]; q_subset: ring queries are a subset (q_perm);
-    exact_q: the queries before q_perm's (and 5 of its own) attend exactly (exact_queries)."""
+    exact_q: the queries before q_perm's (and 5 of its own) attend exactly (exact_queries);
+    alpha: the first-order weight (a float or a list, one per query head)."""
     return dict(algo=algo, total=total, mode=mode, shards=shards, cov=cov, h=h, hk=hk, layout=layout, perm=perm,
-                keep=keep, q_subset=q_subset, exact_q=exact_q, dtype=dtype)  # fmt: skip
+                keep=keep, q_subset=q_subset, exact_q=exact_q, dtype=dtype, alpha=alpha)  # fmt: skip
 
 
 CASES = {
@@ -48,6 +49,8 @@ CASES = {
     "ulysses-first-cov-ragged": spec("ulysses", 200, "first", shards=[72, 128], cov=True, hk=2),
     "ulysses-zeroth-mqa": spec("ulysses", 160, "zeroth", hk=1, layout="bshd", keep="head"),
     "ulysses-drop-perm": spec("ulysses", 150, "drop", shards=[100, 50], cov=True, h=2, hk=2, perm=True, keep="flat"),
+    "ring-hybrid-alpha-per-head-gqa": spec("ring", 200, hk=2, alpha=[0.0, 0.3, 1.0, 0.6]),
+    "ulysses-first-alpha-per-head": spec("ulysses", 160, "first", hk=2, alpha=[0.1, 0.9, 0.4, 1.0]),
 }
 TOL = {"ring": 1e-5, "ulysses": 1e-12, "unified": 1e-5}
 
@@ -74,6 +77,8 @@ def _run_case(rank, world, c, groups=None):
     elif c["keep"] == "head":
         keep = torch.rand(2, h, n_kv, generator=g) < 0.2
     kw = dict(density=0.3, block_size=BS, mode=c["mode"], covariance_aware=c["cov"], keep_blocks=keep)
+    if c.get("alpha") is not None:
+        kw["alpha"] = torch.tensor(c["alpha"], dtype=torch.float64) if isinstance(c["alpha"], list) else c["alpha"]
 
     # Single process on the (permuted) global sequence, scattered back to the original positions.
     got_q = pisa_attention(

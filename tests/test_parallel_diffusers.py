@@ -52,11 +52,13 @@ def cp_results(family: str, runs, heads: int = 2) -> dict:
     from pisa_attn.diffusers import apply_pisa, stats
 
     kw = {} if heads == 2 else dict(num_attention_heads=heads)
+    # A different first-order weight per head: Ulysses must hand each rank its own heads' weights.
+    settings = {**SETTINGS, "alpha": torch.linspace(0.2, 1.0, heads, dtype=torch.float64)}
     res, want = {}, {}
     with torch.no_grad():
         for uneven in sorted({r[3] for r in runs}):
             inputs = uneven_inputs(family) if uneven else dict(dt.forward_inputs(family), return_dict=False)
-            single = apply_pisa(dt.tiny_transformer(family, **kw), **SETTINGS)
+            single = apply_pisa(dt.tiny_transformer(family, **kw), **settings)
             want[uneven] = (inputs, single(**inputs)[0], stats(single))
             if not uneven:
                 dense = dt.tiny_transformer(family, **kw)(**inputs)[0]
@@ -66,10 +68,10 @@ def cp_results(family: str, runs, heads: int = 2) -> dict:
             inputs, ref, ref_stats = want[uneven]
             model = dt.tiny_transformer(family, **kw)
             if pisa_first:
-                apply_pisa(model, **SETTINGS)
+                apply_pisa(model, **settings)
             model.enable_parallelism(config=config)
             if not pisa_first:
-                apply_pisa(model, **SETTINGS)
+                apply_pisa(model, **settings)
             got = model(**inputs)[0]
             res[name] = (float((got - ref).abs().max()), stats(model) == ref_stats, stats(model))
     return res

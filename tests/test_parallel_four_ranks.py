@@ -25,7 +25,8 @@ CASES4 = {
     "ring4-hybrid-empty-shard": spec("ring", 40, cov=True, h=2, hk=2),
     "ring4-drop-uneven-perm-keep": spec("ring", 190, "drop", shards=[90, 7, 60, 33], perm=True, keep="head"),
     "ulysses4-zeroth-gqa-uneven": spec("ulysses", 150, "zeroth", shards=[40, 30, 50, 30], hk=2, perm=True),
-    "unified-hybrid-perm-keep": spec("unified", 200, cov=True, hk=2, layout="bshd", perm=True, keep="head"),
+    "unified-hybrid-perm-keep": spec("unified", 200, cov=True, hk=2, layout="bshd", perm=True, keep="head",
+                                     alpha=[0.2, 1.0, 0.0, 0.7]),
     "unified-zeroth-uneven-subset-exact": spec("unified", 170, "zeroth", shards=[50, 33, 47, 40], perm=True,
                                               keep="flat", q_subset=True, exact_q=True),
 }

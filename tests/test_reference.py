@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from brute import MODES, brute_dense, brute_pisa, brute_selection
-from pisa_attn import make_plan, pisa_attention
+from brute import MODES, brute_dense, brute_pisa, brute_selection, paper
+from pisa_attn import make_plan, pisa_attention, spec, tail_weight
 from pisa_attn.ops import reference as ref
 from pisa_attn.ops.selection import Selection
 from pisa_attn.ops.stages import run_plan
@@ -68,7 +68,7 @@ def test_end_to_end_matches_brute(shape, density, mode):
     want_sel = brute_selection(q, k, density=density, block_size=bs)
     assert torch.equal(selected, want_sel)
     out, lse = pisa_attention(
-        q, k, v, density=density, block_size=bs, mode=mode, backend="reference", return_lse=True
+        q, k, v, density=density, block_size=bs, mode=mode, backend="reference", return_lse=True, **paper(mode)
     )
     want, want_lse = brute_pisa(q, k, v, want_sel, mode=mode, block_size=bs)
     assert out.dtype == torch.float64
@@ -80,7 +80,7 @@ def test_end_to_end_matches_brute(shape, density, mode):
 def test_ragged_B1_H2_L1000_D64(mode):
     """L=1000 with block 64: the last block holds 40 tokens (its mean, sum and weight use 40)."""
     q, k, v = make_qkv(1, 2, 2, 1000, 1000, 64, dtype=torch.float32, seed=2)
-    out = pisa_attention(q, k, v, density=0.25, block_size=64, mode=mode, backend="reference")
+    out = pisa_attention(q, k, v, density=0.25, block_size=64, mode=mode, backend="reference", **paper(mode))
     sel = brute_selection(q, k, density=0.25, block_size=64)
     want, _ = brute_pisa(q, k, v, sel, mode=mode, block_size=64)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
@@ -127,7 +127,7 @@ def test_tail_block_holds_row_maximum(mode, dtype, tol):
     centroid = (q.double() @ k.double()[..., -5:, :].mean(-2, keepdim=True).transpose(-1, -2)).squeeze(-1) / 32**0.5
     exact_max = (q.double() @ k.double()[..., :bs, :].transpose(-1, -2)).amax(-1) / 32**0.5
     assert (centroid[..., ::2] > exact_max[..., ::2] + 500).all()  # the tail holds the row maximum
-    via_api = pisa_attention(q, k, v, density=0.2, block_size=bs, mode=mode, backend="reference")
+    via_api = pisa_attention(q, k, v, density=0.2, block_size=bs, mode=mode, backend="reference", **paper(mode))
     torch.testing.assert_close(via_api, out, atol=0, rtol=0)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     want, want_lse = brute_pisa(q, k, v, sel, mode=mode, block_size=bs)
@@ -181,7 +181,7 @@ def test_long_sequence_chunks_stay_bounded(monkeypatch):
     (checked on the chunk plan at L=32K without running the O(L²) work)."""
     seen = []
 
-    def fake_chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale):
+    def fake_chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha=None):
         seen.append(qc.shape[0] * qc.shape[1] * qc.shape[2] * kx.shape[2])
         return torch.zeros_like(qc), torch.zeros(qc.shape[:3], dtype=qc.dtype)
 
@@ -204,7 +204,7 @@ def test_large_magnitude_inputs_never_nan(mode, dtype):
     out, lse = pisa_attention(q, k, v, density=0.25, block_size=16, mode=mode, return_lse=True)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     sel = brute_selection(q, k, density=0.25, block_size=16)
-    want, _ = brute_pisa(q, k, v, sel, mode=mode, block_size=16)
+    want, _ = brute_pisa(q, k, v, sel, mode=mode, block_size=16, alpha=spec.DEFAULT_ALPHA)  # the API's default
     # fp32 internally: |score| ~ 100 loses ~1e-5 absolute; low-precision inputs add output rounding.
     tol = 1e-3 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
@@ -214,7 +214,7 @@ def test_large_magnitude_inputs_never_nan(mode, dtype):
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 4e-3), (torch.bfloat16, 3e-2)], ids=["fp16", "bf16"])
 def test_low_precision_inputs_on_cpu(mode, dtype, tol):
     q, k, v = make_qkv(2, 4, 2, 100, 90, 64, dtype=dtype, seed=8)
-    out, lse = pisa_attention(q, k, v, density=0.3, block_size=32, mode=mode, return_lse=True)
+    out, lse = pisa_attention(q, k, v, density=0.3, block_size=32, mode=mode, return_lse=True, **paper(mode))
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 4, 100)
     sel = brute_selection(q, k, density=0.3, block_size=32)
     want, want_lse = brute_pisa(q, k, v, sel, mode=mode, block_size=32)
@@ -241,7 +241,7 @@ def test_taylor_terms_converge_at_their_order():
         q, k, v = smooth_tail_qkv(eps)
         dense, _ = brute_dense(q, k, v)
         for mode in MODES:
-            out = pisa_attention(q, k, v, density=0.25, block_size=64, mode=mode)
+            out = pisa_attention(q, k, v, density=0.25, block_size=64, mode=mode, **paper(mode))
             errs[mode, eps] = ((out - dense).abs().mean() / dense.abs().mean()).item()
         assert errs["drop", eps] > errs["zeroth", eps] > errs["hybrid", eps] > errs["first", eps]
     ratio = {m: errs[m, 0.05] / errs[m, 0.1] for m in MODES}
@@ -274,7 +274,8 @@ def test_stages_compose_to_the_public_call(cov):
     keep = torch.zeros(2, 4, 10, dtype=torch.bool)
     keep[0, 1, 3] = True
     plan = make_plan(q, k, 0.3, 16, "hybrid", cov, None, "reference")
-    stats, sel, (out, lse) = run_plan(ref.BACKEND, q, k, v, plan, keep, n_keep_max=1)
+    alpha = tail_weight.resolve(None, mode="hybrid", heads=4, device=q.device, dtype=q.dtype)  # the default weight
+    stats, sel, (out, lse) = run_plan(ref.BACKEND, q, k, v, plan, keep, n_keep_max=1, alpha=alpha)
     assert isinstance(sel, Selection) and sel.idx.shape[-1] == plan.n_select + 1
     scores = ref.selection_scores(ref.block_means(q, 16, torch.float64), stats.kmean, plan.scale, stats.hdev)
     assert torch.equal(sel.to_mask(10), ref.select_blocks(scores, plan.n_select, keep))

@@ -27,7 +27,8 @@ def test_tiny_study_writes_json_and_plots(tiny_study):
     on_disk = json.loads((out / "study.json").read_text())
     for key in ("config", "source", "density_sweep", "length_sweep", "scores", "tail_mass", "tiling", "summary"):
         assert key in on_disk, key
-    variants = [m for m in MODES] + [f"{m}+cov" for m in MODES]
+    weighted = ["hybrid-default", "hybrid-calibrated", "hybrid-default+cov", "hybrid-calibrated+cov"]
+    variants = [m for m in MODES] + [f"{m}+cov" for m in MODES] + weighted
     assert on_disk["variants"] == variants
     assert set(on_disk["density_sweep"]["rel_l1"]) == set(variants)
     assert set(on_disk["length_sweep"]["rel_l1"]) == set(variants)
@@ -74,9 +75,45 @@ def test_cli_subcommand_runs_and_writes(tmp_path):
                               "--heads", "2", "--no-plots", "--no-progress"])
     assert args.func(args) == 0
     r = json.loads((tmp_path / "study.json").read_text())
-    assert r["variants"] == ["drop", "hybrid"] and r["density_sweep"]["length"] == 256
+    assert r["variants"] == ["drop", "hybrid", "hybrid-default", "hybrid-calibrated"]
+    assert r["density_sweep"]["length"] == 256
     assert r["length_sweep"]["lengths"] == [256] and r["plots"] == []
     assert r["config"]["heads"] == 2 and r["config"]["covariance"] is False
+
+
+def test_weighted_variants_are_honest(tiny_study):
+    """hybrid is the paper (alpha 1); hybrid-default runs spec.DEFAULT_ALPHA; hybrid-calibrated uses
+    weights fitted on ANOTHER input (the generator's next seed), recorded in the JSON."""
+    from pisa_attn import calibration as cal
+    from pisa_attn import spec
+
+    result, _ = tiny_study
+    c = result["calibration"]
+    assert c["on"] == "synthetic draw with seed 1" and result["alpha_default"] == spec.DEFAULT_ALPHA
+    cfg = StudyConfig(size="tiny").resolved()
+    src = SyntheticSource(heads=cfg.heads, head_dim=cfg.head_dim, seed=0, text_tokens=0, dtype=torch.float32,
+                          device="cpu")
+    (s,) = src.fixed(cfg.length)
+    (other,) = SyntheticSource(heads=cfg.heads, head_dim=cfg.head_dim, seed=1, text_tokens=0, dtype=torch.float32,
+                               device="cpu").fixed(cfg.length)
+    i = cfg.densities.index(0.2)
+    alpha = torch.tensor(c["alpha"][s.name]["topk"][i])
+    fitted = cal.fit_rows(other.q, other.k, other.v, density=0.2, block_size=64).stats.alpha(
+        default=spec.DEFAULT_ALPHA, bounds=cal.FIT_BOUNDS)
+    torch.testing.assert_close(alpha.double(), fitted, rtol=1e-6, atol=1e-6)
+    own = cal.fit_rows(s.q, s.k, s.v, density=0.2, block_size=64).stats.alpha()
+    assert not torch.allclose(alpha.double(), own, atol=1e-4)  # not fitted on the evaluated input
+    dense = torch.nn.functional.scaled_dot_product_attention(s.q, s.k, s.v)
+    ds = result["density_sweep"]["rel_l1"]
+    for name, a in (("hybrid", 1.0), ("hybrid-default", None), ("hybrid-calibrated", alpha)):
+        out = pisa_attention(s.q, s.k, s.v, density=0.2, block_size=64, alpha=a)
+        assert ds[name][i] == pytest.approx(metrics.rel_l1(out, dense), rel=1e-5), name
+
+
+def test_study_without_weighted_variants():
+    r = run_study(StudyConfig(size="tiny", modes=("zeroth", "hybrid"), covariance=False, weights=(), densities=(0.25,),
+                              lengths=(512,), plots=False), progress=False)
+    assert r["variants"] == ["zeroth", "hybrid"] and r["calibration"] is None
 
 
 @pytest.mark.parametrize(
@@ -92,6 +129,8 @@ def test_cli_subcommand_runs_and_writes(tmp_path):
         (dict(device="tpu"), "device"),
         (dict(block_size=48), "block_size"),
         (dict(head_dim=33), "head_dim"),
+        (dict(weights=("calibrated", "oracle")), "weights"),
+        (dict(calib_source="/nonexistent/x.safetensors"), "calib_source"),
     ],
 )
 def test_bad_config_names_the_field(kwargs, word):

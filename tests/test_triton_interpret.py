@@ -285,3 +285,61 @@ def test_unsupported_reason(d, dtype, mode, bs, needle):
     assert reason is not None and needle in reason
     assert op.unsupported_reason(torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=DEV), "drop", 64) is None
 
+
+
+# --- the weight alpha of the first-order term (per query head) ------------------------------------
+ALPHA_CASES = [
+    # id, (B, H, Hk, Lq, Lk, D, bs, layout, density): GQA (4 query heads on 1 kv head), ragged blocks
+    pytest.param((1, 4, 1, 150, 230, 32, 32, "bshd", 0.3), id="B1-H4-Hk1-Lq150-Lk230-D32-bs32-bshd-gqa"),
+    pytest.param((2, 2, 2, 96, 96, 64, 16, "bhsd", 0.25), id="B2-H2-L96-D64-bs16-bhsd"),
+]
+
+
+@pytest.mark.parametrize("case", ALPHA_CASES)
+def test_alpha_per_query_head_matches_reference(case):
+    """The kernel's first-order weight is per QUERY head (GQA heads sharing a kv head differ), is
+    affine in the output (α = 0 is the zeroth-order kernel bit for bit, α = 1 the paper's), and
+    matches the reference with the same weights under the same selection."""
+    b, h, hk, lq, lk, d, bs, layout, density = case
+    q, k, v = make_qkv(b, h, hk, lq, lk, d, layout=layout, seed=41)
+    # H̄ must matter: give the values a component along the keys' deviations.
+    v = (v.float() + 2.0 * k.float()).to(v.dtype)
+    p = plan_for(q, k, density, bs, "hybrid")
+    stats, sel, _ = run_plan(TRITON, q, k, v, p)
+    w = torch.tensor([0.0, 1.0, 0.5, -0.75][:h], dtype=torch.float32, device=DEV)
+    kw = dict(scale=p.scale, block_size=bs, n_select=p.n_select)
+    out_w, lse_w = TRITON.attend(q, k, v, stats, sel, mode="hybrid", alpha=w, **kw)
+    out_1, lse_1 = TRITON.attend(q, k, v, stats, sel, mode="hybrid", **kw)  # no alpha: weight 1
+    out_0, lse_0 = TRITON.attend(q, k, v, stats, sel, mode="zeroth", **kw)
+    assert torch.equal(lse_w, lse_1) and torch.equal(lse_w, lse_0)  # the term has no denominator share
+    assert torch.equal(out_w[:, 0], out_0[:, 0])  # α = 0: the zeroth-order output
+    assert torch.equal(out_w[:, 1], out_1[:, 1])  # α = 1: the paper's output
+    ones = TRITON.attend(q, k, v, stats, sel, mode="hybrid", alpha=torch.ones(h, device=DEV), **kw)[0]
+    assert torch.equal(ones, out_1)
+    # Affine per head: out(w) − out(0) = w_h · (out(1) − out(0)), up to the output rounding.
+    corr = (out_1.double() - out_0.double())
+    assert corr.abs().amax(dim=(0, 2, 3)).min() > 1e-2  # the term is not negligible in any head
+    want = out_0.double() + w.double().view(1, h, 1, 1) * corr
+    assert rel_l1(out_w, want) < 5e-3
+    o_ref, lse_ref = REF.attend(*(x.double() for x in (q, k, v)), REF.prepare(q.double(), k.double(), v.double(), bs),
+                                sel, mode="hybrid", scale=p.scale, block_size=bs, alpha=w.double())
+    assert rel_l1(out_w, o_ref) < BF16_TOL
+    assert (lse_w.double() - lse_ref).abs().max().item() < 2e-2
+
+
+def test_alpha_through_the_public_api_and_default():
+    """pisa_attention(alpha=...) on the kernels agrees with the reference backend; the default is
+    spec.DEFAULT_ALPHA, a per-head tensor may live on the CPU or the device."""
+    q, k, v = make_qkv(1, 4, 2, 130, 130, 32, seed=43)
+    v = (v.float() + 2.0 * k.float()).to(v.dtype)
+    kw = dict(density=0.3, block_size=32)
+    w = torch.tensor([0.2, 0.9, 0.0, 1.3])
+    out_t = pisa_attention(q, k, v, backend="triton", alpha=w, **kw)
+    out_td = pisa_attention(q, k, v, backend="triton", alpha=w.to(DEV), **kw)
+    assert torch.equal(out_t, out_td)
+    out_r = pisa_attention(q, k, v, backend="reference", alpha=w, **kw)
+    assert rel_l1(out_t, out_r) < BF16_TOL
+    default = pisa_attention(q, k, v, backend="triton", **kw)
+    assert torch.equal(default, pisa_attention(q, k, v, backend="triton", alpha=spec.DEFAULT_ALPHA, **kw))
+    paper = pisa_attention(q, k, v, backend="triton", alpha=1.0, **kw)
+    assert not torch.equal(default, paper)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import spec
+from . import spec, tail_weight
 from .ops.stages import Backend
 
 log = logging.getLogger("pisa_attn")
@@ -68,7 +68,7 @@ def _check_tensor(name: str, x) -> None:
 
 
 def validate(q, k, v, *, density, block_size, mode, scale=None, layout="bhsd", backend="auto",
-             covariance_aware=False, return_lse=False, query_block=None) -> tuple[Tensor, Tensor, Tensor]:
+             covariance_aware=False, return_lse=False, query_block=None, alpha=None) -> tuple[Tensor, Tensor, Tensor]:
     """Check a call's tensors and settings (ValueError/TypeError naming the argument); return
     ``q, k, v`` as ``[B, H, L, D]`` views. ``keep_blocks`` is checked by :func:`normalize_keep_blocks`,
     which needs the block count."""
@@ -88,6 +88,7 @@ def validate(q, k, v, *, density, block_size, mode, scale=None, layout="bhsd", b
     spec.check_flag("return_lse", return_lse)
     qh, kh, vh = (to_bhsd(x, layout) for x in (q, k, v))
     _validate_shapes(qh, kh, vh)
+    tail_weight.check(alpha, mode, qh.shape[1])
     return qh, kh, vh
 
 
@@ -216,6 +217,7 @@ def pisa_attention(
     return_lse: bool = False,
     backend: str = "auto",
     query_block: int | None = None,
+    alpha: float | Tensor | None = None,
 ):
     """Piecewise Sparse Attention: a drop-in for ``F.scaled_dot_product_attention`` in DiTs.
 
@@ -230,10 +232,20 @@ def pisa_attention(
         density: fraction of key blocks computed exactly, in (0, 1]: ``k = max(1, density · N)``
             rounded half up, ``N = ceil(Lk / block_size)``. ``1.0`` is dense attention.
         block_size: tokens per query and key block (power of two >= 16).
-        mode: ``"hybrid"`` (exact + block-wise 0th order + global 1st-order correction, the
-            paper's method), ``"zeroth"`` (no 1st-order term), ``"first"`` (exact block-wise
-            1st order; the accuracy upper bound), ``"drop"`` (keep-or-drop block sparse).
+        mode: ``"hybrid"`` (exact + block-wise 0th order + global 1st-order correction weighted
+            by ``alpha``: the paper's method), ``"zeroth"`` (no 1st-order term), ``"first"`` (exact
+            block-wise 1st order, weighted by ``alpha``; dense cost), ``"drop"`` (keep-or-drop
+            block sparse).
         covariance_aware: add ``log(||H_j - H̄||_F + eps)`` to the selection scores (paper eq. 9).
+        alpha: weight of the first-order tail term (modes ``"hybrid"`` and ``"first"``): a float,
+            or a tensor of one value per query head (``[H]``, on the CPU or on q's device). ``None``
+            means :data:`pisa_attn.spec.DEFAULT_ALPHA` (0.75, which beats the full term on real
+            attention); ``1.0`` is the paper's method exactly, ``0.0`` equals ``mode="zeroth"``.
+            Per-head values fitted against dense attention come from :mod:`pisa_attn.calibration`
+            (or ``apply_pisa(..., calibrate=True)``). Not allowed with ``"zeroth"``/``"drop"``.
+            A CPU tensor or a number is read on the host and cached on the device (no sync; CUDA
+            graph and ``torch.compile`` friendly); a device tensor's values are checked with one
+            host read.
         scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
         layout: ``"bhsd"`` or ``"bshd"``; the output has ``q``'s layout.
         keep_blocks: optional bool ``[Nk]`` or broadcastable ``[B, H, Nk]``: key blocks always
@@ -257,11 +269,13 @@ def pisa_attention(
     """
     qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
                           backend=backend, covariance_aware=covariance_aware, return_lse=return_lse,
-                          query_block=query_block)
+                          query_block=query_block, alpha=alpha)
     p = _cached_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend, query_block)
     _check_inference_only(p.backend, (q, k, v))
     keep, n_keep_max = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, q.device)
-    out, lse = run(qh, kh, vh, p, keep, n_keep_max)
+    weights = tail_weight.resolve(alpha, mode=mode, heads=p.heads, device=q.device,
+                                  dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    out, lse = run(qh, kh, vh, p, keep, n_keep_max, weights)
     out = to_bhsd(out, layout)
     return (out, lse) if return_lse else out
 
@@ -309,11 +323,15 @@ def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware,
 
 
 def run(
-    q: Tensor, k: Tensor, v: Tensor, p: PisaPlan, keep: Tensor | None = None, n_keep_max: int = 0
+    q: Tensor, k: Tensor, v: Tensor, p: PisaPlan, keep: Tensor | None = None, n_keep_max: int = 0,
+    alpha: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The run step: the backend's prepare -> select -> attend on [B, H, L, D] views.
 
     ``keep`` is a bool [B|1, H|1, Nk] on the device of ``q``; ``n_keep_max`` bounds its per-row
     count (it sizes the static index list: at most ``n_select + n_keep_max`` exact blocks).
+    ``alpha``: the ``[H]`` weights of the first-order term as :func:`pisa_attn.tail_weight.resolve`
+    returns them (None: weight 1, the paper's term). Like ``keep``, data rather than a plan
+    setting: the plan stays shape-only and another value never re-plans or recompiles.
     """
-    return get_backend(p.backend).forward(q, k, v, p, keep, n_keep_max)
+    return get_backend(p.backend).forward(q, k, v, p, keep, n_keep_max, alpha)

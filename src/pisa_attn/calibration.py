@@ -32,11 +32,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import spec
+from . import metrics, spec
 from .ops import reference as ref
 
-CORRECTION_MODES = ("hybrid", "first")
+CORRECTION_MODES = spec.FIRST_ORDER_MODES
 FIT_OVER = ("head", "layer")
+FIT_BOUNDS = (0.0, 1.0)
+"""Where a fitted weight is clamped by the calibration tools: at most the paper's full term, never
+its opposite. On real attention the clamp changes no held-out error; it keeps a fit from few
+sampled rows sane."""
 
 
 @dataclass
@@ -163,15 +167,16 @@ class AlphaStats:
             raise ValueError(f"cannot pool AlphaStats of {self.cr.numel()} and {other.cr.numel()} heads")
         return AlphaStats(self.cr + other.cr, self.cc + other.cc, self.rr + other.rr, self.n + other.n)
 
-    def alpha(self, over: str = "head", default: float = 1.0) -> Tensor:
+    def alpha(self, over: str = "head", default: float = 1.0, bounds: tuple[float, float] | None = None) -> Tensor:
         """The least-squares weight: ``[H]`` per head (``over="head"``) or a 0-d tensor shared by all
-        heads (``"layer"``). A head whose correction is zero on every fitted row (no tail) does not
-        constrain it: it gets ``default``."""
+        heads (``"layer"``), clamped to ``bounds`` when given. A head whose correction is zero on
+        every fitted row (no tail) does not constrain it: it gets ``default``."""
         if over not in FIT_OVER:
             raise ValueError(f"over must be one of {FIT_OVER}, got {over!r}")
         cr, cc = (self.cr, self.cc) if over == "head" else (self.cr.sum(), self.cc.sum())
         tiny = torch.finfo(cc.dtype).tiny
-        return torch.where(cc > tiny, cr / cc.clamp_min(tiny), torch.full_like(cc, float(default)))
+        w = torch.where(cc > tiny, cr / cc.clamp_min(tiny), torch.full_like(cc, float(default)))
+        return w if bounds is None else w.clamp(*bounds)
 
     def residual(self, alpha) -> Tensor:
         """``Σ‖r − alpha·c‖²`` per head for a scalar or per-head ``alpha`` (0 is zeroth, 1 the paper)."""
@@ -228,3 +233,163 @@ def _weighted_median(c: Tensor, r: Tensor, default: float) -> Tensor:
     ratio, cw = ratio[order], w[order].cumsum(0)
     i = int(torch.searchsorted(cw, 0.5 * cw[-1]))
     return ratio[min(i, ratio.numel() - 1)]
+
+
+# --- fits on sampled query rows (what calibrating a running model or a capture file does) ----------
+@dataclass
+class RowFit:
+    """What :func:`fit_rows` measured on some query rows, per query head: the least-squares
+    statistics, the dense softmax mass on the tail summed over the rows, and the row count (batch
+    rows included). Add two to pool calls, steps or inputs."""
+
+    stats: AlphaStats
+    tail_mass: Tensor  # [H] float64
+    rows: int
+
+    def __add__(self, other: RowFit) -> RowFit:
+        if not isinstance(other, RowFit):
+            return NotImplemented
+        return RowFit(self.stats + other.stats, self.tail_mass + other.tail_mass, self.rows + other.rows)
+
+    def mean_tail_mass(self) -> Tensor:
+        """``[H]``: the mean over the fitted rows of the dense softmax mass PISA approximates."""
+        return self.tail_mass / max(self.rows, 1)
+
+
+# Score elements [B, h, rows, Lk] one pass of fit_rows holds at once (~256 MB in float32): heads
+# are processed in groups of kv heads below it.
+_FIT_SLAB = 1 << 26
+
+
+def fit_rows(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    density: float,
+    rows=None,
+    measured: tuple[int, int] | None = None,
+    block_size: int = 64,
+    mode: str = "hybrid",
+    covariance_aware: bool = False,
+    scale: float | None = None,
+    keep_blocks: Tensor | None = None,
+) -> RowFit:
+    """Fit statistics of query ``rows`` of ``q`` against dense attention, in float32 (float64 for
+    float64 inputs) whatever the inputs' dtype.
+
+    ``q`` ``[B, H, Lq, D]`` are the query rows as PISA runs them (query block ``i`` is rows
+    ``[i·block_size, (i+1)·block_size)``, its selection made from all of them), ``k``/``v``
+    ``[B, Hk, Lk, D]``; ``rows``: row positions to fit on (ints or a tensor; None: all);
+    ``measured``: the range ``[lo, hi)`` rows must lie in (others, e.g. text rows sharing the
+    first image block, are left out). The exact sets are the reference's selection (``density``,
+    ``covariance_aware``, ``keep_blocks``); the zeroth-order output, the first-order correction and
+    the dense output of the rows come from one score matrix ``rows x Lk`` (the arithmetic of
+    :func:`pisa_attn.ops.reference.pisa_forward` and :func:`tail_terms`, which tests compare):
+    about ``rows / Lq`` of the call's attention, plus the key statistics.
+    """
+    _check_mode(mode)
+    bs = block_size
+    b, h, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    g = h // hk
+    lo, hi = (0, lq) if measured is None else measured
+    pool = range(lo, hi) if rows is None else torch.as_tensor(rows).reshape(-1).tolist()
+    pos = sorted({int(r) for r in pool if lo <= int(r) < hi and 0 <= int(r) < lq})
+    if not pos:
+        raise ValueError(f"rows {rows!r} hold no query row of [0, {lq}) inside measured={measured!r}")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = d**-0.5 if scale is None else scale
+    dev = q.device
+    k, v = k.to(dtype), v.to(dtype)
+    stats = ref.block_stats(k, v, bs, with_hdev=covariance_aware)
+    nk = stats.kmean.shape[2]
+
+    # Selection of the query blocks the rows belong to (whole blocks in ascending order: a ragged
+    # last block comes last, so the concatenation is blocks of its own).
+    blocks = sorted({p // bs for p in pos})
+    qblocks = torch.cat([q[:, :, i * bs : min(lq, (i + 1) * bs)] for i in blocks], dim=2)
+    qmean = ref.block_means(qblocks, bs, dtype)
+    scores = ref.selection_scores(qmean, stats.kmean, scale, stats.hdev if covariance_aware else None)
+    keep = None if keep_blocks is None else keep_blocks.to(dev, non_blocking=True)
+    sel = ref.select_blocks(scores, spec.num_selected(density, nk), keep)  # [B, H, blocks, Nk]
+    # The rows as runs of consecutive rows inside one block: views and fills, no index tensor to
+    # copy to the device (no host synchronisation).
+    runs = _runs(pos, bs)
+    qr = torch.cat([q[:, :, a:e] for a, e in runs], dim=2).to(dtype)  # [B, H, R, D]
+    which = torch.cat([torch.full((e - a,), blocks.index(a // bs), device=dev, dtype=torch.long) for a, e in runs])
+    exact = sel.index_select(2, which)  # [B, H, R, Nk]
+
+    r = len(pos)
+    step = max(1, _FIT_SLAB // max(1, b * g * r * nk * bs))  # kv heads per pass
+    parts = []
+    for j0 in range(0, hk, step):
+        j1 = min(hk, j0 + step)
+        hs = slice(j0 * g, j1 * g)
+        parts.append(_row_terms(qr[:, hs], k[:, j0:j1], v[:, j0:j1], exact[:, hs], stats, j0, j1, scale, bs, mode))
+    o0, corr, dense, tail = (torch.cat(x, dim=1) for x in zip(*parts))
+    res = dense.double() - o0.double()
+    c = corr.double()
+    dims = (0, 2, 3)
+    n = torch.full((h,), float(b * r * d), dtype=torch.float64, device=dev)
+    st = AlphaStats((c * res).sum(dims), (c * c).sum(dims), (res * res).sum(dims), n)
+    return RowFit(st, tail.double().sum(dim=(0, 2)), b * r)
+
+
+def _runs(pos: list[int], bs: int) -> list[tuple[int, int]]:
+    """Sorted positions as ``[a, e)`` runs of consecutive positions that stay inside one block."""
+    runs: list[list[int]] = []
+    for p in pos:
+        if runs and runs[-1][1] == p and p % bs:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return [(a, e) for a, e in runs]
+
+
+def _row_terms(qr, k, v, exact, stats: ref.BlockStats, j0: int, j1: int, scale: float, bs: int, mode: str):
+    """(o⁰, c, dense output, tail mass) of the rows ``qr`` [B, h, R, D] against kv heads ``[j0, j1)``
+    (``k``/``v`` those heads), ``exact`` [B, h, R, Nk] their exact sets."""
+    b, h, r, d = qr.shape
+    hk, lk = k.shape[1], k.shape[2]
+    g = h // hk
+    nk = stats.kmean.shape[2]
+    pad = nk * bs - lk
+
+    def per_kv(x: Tensor, y: Tensor) -> Tensor:  # [B, h, R, D] x [B, hk, D, N] -> [B, h, R, N] (GQA)
+        return (x.reshape(b, hk, g * r, x.shape[-1]) @ y).reshape(b, h, r, y.shape[-1])
+
+    def times_v(p: Tensor, y: Tensor) -> Tensor:  # [B, h, R, N] x [B, hk, N, D] -> [B, h, R, D]
+        return (p.reshape(b, hk, g * r, p.shape[-1]) @ y).reshape(b, h, r, y.shape[-1])
+
+    s = per_kv(qr, k.transpose(-1, -2)) * scale  # [B, h, R, Lk]
+    if pad:  # the ragged last block: its missing tokens score -inf (weight 0 everywhere)
+        s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
+    sb = s.view(b, h, r, nk, bs)
+    # Dense attention of the rows and the softmax mass on the tail blocks.
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    z = p.sum(-1)
+    dense = times_v(p[..., :lk], v) / z[..., None]
+    tail = p.view(b, h, r, nk, bs).sum(-1).masked_fill(exact, 0.0).sum(-1) / z
+    del p
+    # PISA with the row's exact set, every term shifted by the max over exact scores and tail
+    # centroid scores (the reference's one softmax).
+    kmean = stats.kmean[:, j0:j1]
+    c = per_kv(qr, kmean.transpose(-1, -2)) * scale  # [B, h, R, Nk] centroid scores
+    c_tail = c.masked_fill(exact, float("-inf"))
+    m0 = torch.maximum(sb.amax(-1).masked_fill(~exact, float("-inf")).amax(-1), c_tail.amax(-1))
+    m0 = torch.where(torch.isfinite(m0), m0, torch.zeros_like(m0))[..., None]
+    p_exact = torch.where(exact[..., None], sb - m0[..., None], float("-inf")).exp_()  # [B, h, R, Nk, bs]
+    a = torch.exp(c_tail - m0)  # α_tj shifted, 0 on exact blocks
+    counts = stats.counts.to(a.dtype)
+    den = p_exact.sum(dim=(-1, -2)) + a @ counts
+    num = times_v(p_exact.view(b, h, r, nk * bs)[..., :lk], v) + times_v(a, stats.vsum[:, j0:j1])
+    o0 = num / den[..., None]
+    if mode == "hybrid":
+        qh = per_kv(qr, stats.hbar[:, j0:j1]) * scale
+        corr = a.sum(-1, keepdim=True) * qh / den[..., None]
+    else:  # Σ_j α_tj s q H_j = Σ_{tail tokens n} α_t,j(n) (s_n − c_j(n)) v_n
+        w = torch.where(torch.isfinite(sb), a[..., None] * (sb - c[..., None]), 0.0)
+        corr = times_v(w.view(b, h, r, nk * bs)[..., :lk], v) / den[..., None]
+    return o0, corr, dense, tail

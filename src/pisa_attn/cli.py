@@ -1,4 +1,4 @@
-"""``pisa-attn`` command line: ``demo``, ``bench``, ``study``, ``generate``.
+"""``pisa-attn`` command line: ``demo``, ``bench``, ``study``, ``calibrate``, ``generate``.
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``. Only the module of the
 command being run is imported (``generate`` pulls in diffusers, ``bench`` needs CUDA + Triton), and
@@ -31,6 +31,9 @@ COMMANDS = (
             "a CUDA GPU with triton"),
     Command("study", "pisa_attn.bench.study", "accuracy study: error vs density/length, tail mass, tiling",
             "matplotlib (pip install 'pisa-attn[plot]')"),
+    Command("calibrate", "pisa_attn.bench.calibrate",
+            "fit the first-order tail weight per layer/head from a q/k/v capture (for apply_pisa)",
+            "safetensors (pip install safetensors) and rich"),
     Command("generate", "pisa_attn.bench.generate", "generate images/videos with a diffusers pipeline + PISA",
             "diffusers, transformers, safetensors (pip install 'pisa-attn[diffusers]')"),
 )

@@ -25,6 +25,15 @@ MODES = ("hybrid", "zeroth", "first", "drop")
 ``zeroth``: no 1st-order term; ``first``: exact block-wise 1st order (the accuracy bound);
 ``drop``: keep-or-drop block sparse (no tail)."""
 
+FIRST_ORDER_MODES = ("hybrid", "first")
+"""The modes with a first-order tail term, the term the weight ``alpha`` multiplies."""
+
+DEFAULT_ALPHA = 0.75
+"""Weight of the first-order tail term when none is given (``1.0`` is the paper). On real
+attention (pretrained DINOv2, 9 inputs x 12 layers) the full Taylor step overshoots; 0.75 beats 1.0
+on every input at 5%, 12.5% and 25% density, and on DiT-like synthetic heads it stays within 0.2%
+of 1.0."""
+
 COV_EPS = 1e-6
 """Covariance-aware selection adds ``log(||H_j − H̄||_F + COV_EPS)`` to the pooled scores (eq. 9)."""
 

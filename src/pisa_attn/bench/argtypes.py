@@ -69,6 +69,12 @@ def one_of(choices: tuple[str, ...]):
     return parse
 
 
+def existing_file(text: str) -> str:
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"expected an existing file, got {text!r} (no such file)")
+    return text
+
+
 def existing_file_or(word: str):
     """``word`` itself, or the path of a file that exists."""
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
-MODE_COLORS = {"drop": "tab:red", "zeroth": "tab:orange", "hybrid": "tab:blue", "first": "tab:green"}
-LABELS = {"drop": "sparse (drop)", "zeroth": "sparse + block 0th", "hybrid": "sparse + hybrid (PISA)",
-          "first": "sparse + block 1st"}
+MODE_COLORS = {"drop": "tab:red", "zeroth": "tab:orange", "hybrid": "tab:blue", "first": "tab:green",
+               "hybrid-default": "tab:purple", "hybrid-calibrated": "tab:brown"}
+LABELS = {"drop": "sparse (drop)", "zeroth": "sparse + block 0th", "hybrid": "sparse + hybrid (PISA, α = 1)",
+          "first": "sparse + block 1st", "hybrid-default": "hybrid, default α",
+          "hybrid-calibrated": "hybrid, α fitted on another input"}
 
 
 def _plt():

@@ -5,6 +5,12 @@ hybrid / first, with and without covariance-aware selection), the Figure-3 distr
 pre-softmax scores of selected vs tail blocks, the tail mass ρ_t per head, and the effect of token
 tiling. ``--out DIR`` receives ``study.json`` and PNG plots.
 
+``hybrid`` and ``first`` are the paper's terms (first-order weight α = 1). Two weighted hybrid
+variants sit beside them: ``hybrid-default`` (α = :data:`pisa_attn.spec.DEFAULT_ALPHA`, what
+``pisa_attention`` does without calibration) and ``hybrid-calibrated`` (α per head fitted by least
+squares on ANOTHER input -- the synthetic generator's next seed, the same layer at another
+captured step, or ``--calib-source`` -- and evaluated on this one: an honest split).
+
 Run as ``pisa-attn study ...`` or ``python -m pisa_attn.bench.study ...``.
 """
 
@@ -22,13 +28,15 @@ import torch
 from torch import Tensor
 
 from .. import __version__
+from .. import calibration as cal
+from .. import metrics, spec
 from ..attention import make_plan, pisa_attention
 from ..ops import reference as ref
-from .. import metrics
 from . import argtypes as at
 from .study_sources import CapturedSource, Sample, SyntheticSource
 
 MODES = ("drop", "zeroth", "hybrid", "first")
+WEIGHTS = ("default", "calibrated")  # weighted hybrid variants (see the module docstring)
 SIZES = ("tiny", "default", "paper")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # Preset sizes. "default" is the CPU size (a few minutes on two cores); "paper" is the paper's
@@ -56,6 +64,8 @@ class StudyConfig:
     density: float = 0.2  # length sweep, score distributions and per-head tail mass
     modes: tuple[str, ...] = MODES
     covariance: bool = True  # also run covariance-aware selection
+    weights: tuple[str, ...] = WEIGHTS  # weighted hybrid variants (with "hybrid" in modes)
+    calib_source: str | None = None  # capture file the calibrated variant fits on (captured sources)
     tiling_modes: tuple[str, ...] = ("drop", "zeroth", "hybrid")
     heads: int | None = None
     head_dim: int = 64
@@ -89,6 +99,7 @@ class StudyConfig:
             heads=self.heads if self.heads is not None else p["heads"],
             token_rows=self.token_rows if self.token_rows is not None else p["token_rows"],
             modes=tuple(self.modes),
+            weights=tuple(self.weights),
             tiling_modes=tuple(self.tiling_modes),
             entries=tuple(self.entries) if self.entries else None,
         )
@@ -122,6 +133,11 @@ class StudyConfig:
                 raise ValueError(f"{name} must be a non-empty subset of {MODES}, got {getattr(self, name)!r}")
         if self.source != "synthetic" and not os.path.isfile(self.source):
             raise ValueError(f"source must be 'synthetic' or an existing .safetensors file, got {self.source!r}")
+        if any(w not in WEIGHTS for w in self.weights):
+            raise ValueError(f"weights must be a subset of {WEIGHTS}, got {self.weights!r}")
+        if self.calib_source is not None and (self.source == "synthetic" or not os.path.isfile(self.calib_source)):
+            raise ValueError(f"calib_source must be an existing capture file, for a captured source, got "
+                             f"{self.calib_source!r} (source {self.source!r})")
 
 
 def _is_density(d) -> bool:
@@ -130,6 +146,11 @@ def _is_density(d) -> bool:
 
 def variant(mode: str, cov: bool) -> str:
     return f"{mode}+cov" if cov else mode
+
+
+def _paper(mode: str) -> dict:
+    """The paper's term for the ``modes`` variants: first-order weight 1 where there is one."""
+    return {"alpha": 1.0} if mode in spec.FIRST_ORDER_MODES else {}
 
 
 def _selection_name(cov: bool) -> str:
@@ -143,11 +164,34 @@ class _Study:
         self.backend = "auto" if str(cfg.device).startswith("cuda") else "reference"
         self.progress = progress
         self.bar = None
+        self.partners = None  # where the calibrated variant fits its weights (set by run)
+        self._alphas: dict = {}
 
     # --- one sample ---------------------------------------------------------------------------
-    def evaluate(self, s: Sample, densities, modes, covs, tail_densities=()) -> dict:
+    def weighted(self, modes) -> tuple[str, ...]:
+        """The weighted hybrid variants this study runs."""
+        if "hybrid" not in modes:
+            return ()
+        return tuple(w for w in self.cfg.weights if w != "calibrated" or self.partners is not None)
+
+    def calibrated_alpha(self, partner: Sample, density: float, cov: bool):
+        """Per-head least-squares weight fitted on ``partner`` (every query row PISA runs, its text
+        blocks kept exact), clamped to [0, 1]: what the calibrated variant uses."""
+        key = (id(partner), density, cov)
+        if key not in self._alphas:
+            bs = self.cfg.block_size
+            run, cut = partner.query_rows(bs)
+            fit = cal.fit_rows(partner.q[:, :, run], partner.k, partner.v, density=density, block_size=bs,
+                               measured=(cut.start, cut.stop), covariance_aware=cov,
+                               keep_blocks=partner.keep_blocks(bs))
+            self._alphas[key] = (partner, fit.stats.alpha(default=spec.DEFAULT_ALPHA, bounds=cal.FIT_BOUNDS).float())
+        return self._alphas[key][1]
+
+    def evaluate(self, s: Sample, densities, modes, covs, tail_densities=(), weighted: bool = True) -> dict:
         """rel-L1 of every (mode, selection, density) and the per-head tail mass of every
-        (selection, density in densities ∪ tail_densities) on one sample."""
+        (selection, density in densities ∪ tail_densities) on one sample; with ``hybrid`` in
+        ``modes`` and ``weighted`` also its weighted variants (``hybrid-calibrated`` only when the
+        sample has a calibration partner)."""
         bs = self.cfg.block_size
         keep = s.keep_blocks(bs)
         run, cut = s.query_rows(bs)
@@ -169,11 +213,29 @@ class _Study:
                 rel[name], rel_head[name] = [], []
                 for d in densities:
                     out = pisa_attention(q, s.k, s.v, density=d, block_size=bs, mode=m, covariance_aware=c,
-                                         keep_blocks=keep, backend=self.backend)[:, :, cut]
+                                         keep_blocks=keep, backend=self.backend, **_paper(m))[:, :, cut]
                     rel[name].append(metrics.rel_l1(out, exact))
                     rel_head[name].append(metrics.rel_l1_per_head(out, exact).tolist())
                     self._tick(f"{name} d={d:g} L={s.length}")
-        return {"rel_l1": rel, "rel_l1_per_head": rel_head, "tail": tail, "estimate": estimate, "sels": sels}
+        partner = self.partners.partner(s) if self.partners is not None and weighted else None
+        alphas = {}
+        for c in covs:
+            for w in self.weighted(modes) if weighted else ():
+                if w == "calibrated" and partner is None:
+                    continue
+                name = variant(f"hybrid-{w}", c)
+                rel[name], rel_head[name] = [], []
+                for d in densities:
+                    alpha = None if w == "default" else self.calibrated_alpha(partner, d, c)
+                    if alpha is not None:
+                        alphas.setdefault(_selection_name(c), []).append(alpha.tolist())
+                    out = pisa_attention(q, s.k, s.v, density=d, block_size=bs, mode="hybrid", covariance_aware=c,
+                                         keep_blocks=keep, backend=self.backend, alpha=alpha)[:, :, cut]
+                    rel[name].append(metrics.rel_l1(out, exact))
+                    rel_head[name].append(metrics.rel_l1_per_head(out, exact).tolist())
+                    self._tick(f"{name} d={d:g} L={s.length}")
+        return {"rel_l1": rel, "rel_l1_per_head": rel_head, "tail": tail, "estimate": estimate, "sels": sels,
+                "alpha": alphas, "partner": None if partner is None else partner.name}
 
     def _tick(self, what: str) -> None:
         if self.bar is not None:
@@ -188,7 +250,9 @@ class _Study:
         tiled = [s for s in fixed if s.layout is not None and not s.layout.is_identity]
         # The density sweep's tiled results serve the tiling comparison when they cover it.
         reuse = len(tiled) == len(fixed) and set(cfg.tiling_modes) <= set(cfg.modes)
-        n_var = len(cfg.modes) * len(self.covs)
+        if "calibrated" in cfg.weights and "hybrid" in cfg.modes:
+            self.partners = source.calibration(cfg.calib_source) if cfg.calib_source else source.calibration()
+        n_var = (len(cfg.modes) + len(self.weighted(cfg.modes))) * len(self.covs)
         total = len(fixed) * (1 + n_var * len(cfg.densities))
         total += sum(len(ss) for _, ss in sweep if not self._reuses(ss, fixed)) * (1 + n_var)
         total += len(tiled) * (1 + len(cfg.tiling_modes) * len(cfg.densities)) * (1 if reuse else 2)
@@ -208,6 +272,8 @@ class _Study:
         self.bar = None
         result = {
             "backends": self._backends(fixed[0]),
+            "alpha_default": spec.DEFAULT_ALPHA,
+            "calibration": self._calibration_section(fixed, fixed_evals),
             "density_sweep": self._density_section(fixed, fixed_evals),
             "length_sweep": self._length_section(sweep_evals),
             "scores": scores,
@@ -220,8 +286,26 @@ class _Study:
     def _backends(self, s: Sample) -> dict:
         """What actually ran per mode ("triton" or "reference": auto falls back per mode)."""
         c = self.cfg
-        return {variant(m, cov): make_plan(s.q, s.k, c.density, c.block_size, m, cov, None, self.backend).backend
-                for cov in self.covs for m in c.modes}
+        out = {variant(m, cov): make_plan(s.q, s.k, c.density, c.block_size, m, cov, None, self.backend).backend
+               for cov in self.covs for m in c.modes}
+        for cov in self.covs:
+            for w in self.weighted(c.modes):
+                out[variant(f"hybrid-{w}", cov)] = out[variant("hybrid", cov)]
+        return out
+
+    def _calibration_section(self, fixed, evals) -> dict | None:
+        """Where the calibrated variant fitted its weights, and the weights (per sample, selection,
+        density: one per head)."""
+        if "calibrated" not in self.cfg.weights or "hybrid" not in self.cfg.modes:
+            return None
+        if self.partners is None or any(e["partner"] is None for e in evals):
+            missing = [s.name for s, e in zip(fixed, evals) if e["partner"] is None]
+            return {"skipped": f"no calibration input for {missing}: pass calib_source (another capture of "
+                               f"the same model) or capture several steps"}
+        return {"on": self.partners.note, "fit": "least squares per head, clamped to [0, 1]",
+                "densities": list(self.cfg.densities),
+                "partners": {s.name: e["partner"] for s, e in zip(fixed, evals)},
+                "alpha": {s.name: e["alpha"] for s, e in zip(fixed, evals)}}
 
     def _reuses(self, samples, fixed) -> bool:
         return (self.cfg.density in self.cfg.densities and len(samples) == len(fixed)
@@ -255,7 +339,8 @@ class _Study:
 
     def _length_section(self, sweep_evals) -> dict:
         cfg = self.cfg
-        names = [variant(m, c) for c in self.covs for m in cfg.modes]
+        names = [n for n in sweep_evals[0][1][0]["rel_l1"] if all(n in e["rel_l1"] for _, evs in sweep_evals
+                                                                    for e in evs)] if sweep_evals else []
         rel = {n: [_mean([e["rel_l1"][n][0] for e in evs]) for _, evs in sweep_evals] for n in names}
         tail = {_selection_name(c): [self._per_density(evs, "tail", (cfg.density,))[_selection_name(c)][0]
                                      for _, evs in sweep_evals] for c in self.covs}
@@ -277,9 +362,9 @@ class _Study:
         if not tiled:
             return None
         if tiled_evals is None:
-            tiled_evals = [self.evaluate(s, cfg.densities, cfg.tiling_modes, (False,)) for s in tiled]
+            tiled_evals = [self.evaluate(s, cfg.densities, cfg.tiling_modes, (False,), weighted=False) for s in tiled]
         raster = [s.raster() for s in tiled]
-        raster_evals = [self.evaluate(s, cfg.densities, cfg.tiling_modes, (False,)) for s in raster]
+        raster_evals = [self.evaluate(s, cfg.densities, cfg.tiling_modes, (False,), weighted=False) for s in raster]
 
         def summary(evals):
             return {"rel_l1": {m: _mean_lists([e["rel_l1"][m] for e in evals]) for m in cfg.tiling_modes},
@@ -358,7 +443,8 @@ def _mean_lists(lists):
 
 
 def _mean_dicts(dicts):
-    return {k: _mean_lists([d[k] for d in dicts]) for k in dicts[0]}
+    """Element-wise means of the keys every dict has (a variant a sample could not run is left out)."""
+    return {k: _mean_lists([d[k] for d in dicts]) for k in dicts[0] if all(k in d for d in dicts)}
 
 
 def build_source(cfg: StudyConfig):
@@ -384,7 +470,7 @@ def run_study(config: StudyConfig | None = None, out: str | None = None, progres
         "environment": {"pisa_attn": __version__, "torch": torch.__version__, "python": platform.python_version(),
                         "device": _device_name(cfg.device)},
         "modes": list(cfg.modes),
-        "variants": [variant(m, c) for c in ((False, True) if cfg.covariance else (False,)) for m in cfg.modes],
+        "variants": list(body["density_sweep"]["rel_l1"]),
         **body,
     }
     result["summary"] = summarize(result)
@@ -467,6 +553,13 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", type=at.comma_list(at.one_of(MODES)), default=d.modes,
                    help="comma-separated subset of drop,zeroth,hybrid,first")
     p.add_argument("--no-covariance", dest="covariance", action="store_false", help="skip covariance-aware selection")
+    p.add_argument("--weights", type=at.comma_list(at.one_of(WEIGHTS)), default=d.weights,
+                   help="weighted hybrid variants: default (alpha = spec.DEFAULT_ALPHA), calibrated (alpha per head "
+                        "fitted on another input)")
+    p.add_argument("--no-weights", dest="weights", action="store_const", const=(), help="no weighted variants")
+    p.add_argument("--calib-source", type=at.existing_file_or("synthetic"), default=None,
+                   help="capture file (another input of the same model) the calibrated variant fits on; default: "
+                        "the same layer at another captured step")
     p.add_argument("--heads", type=at.int_at_least(1), default=None)
     p.add_argument("--head-dim", type=at.head_dim, default=d.head_dim, help="even, 16-256")
     p.add_argument("--text-tokens", type=at.int_at_least(0), default=d.text_tokens,

@@ -23,6 +23,7 @@ class Sample:
     k: Tensor
     v: Tensor
     layout: lay.TokenLayout | None  # the order q/k/v are in (tiled, unless it is a raster layout)
+    origin: str | None = None  # the captured entry (or synthetic draw) a crop was cut from
 
     @property
     def length(self) -> int:
@@ -56,7 +57,7 @@ class Sample:
         if self.layout is None:
             raise ValueError(f"sample {self.name!r} has no token layout: cannot undo its tiling")
         undo = [self.layout.from_tiled(x, dim=2) for x in (self.q, self.k, self.v)]
-        return Sample(self.name + " (raster)", *undo, self.layout.raster())
+        return Sample(self.name + " (raster)", *undo, self.layout.raster(), self.origin)
 
     def crop(self, grid: tuple[int, ...]) -> Sample:
         """Keep the text and the grid tokens inside ``grid`` (a leading corner of the token grid),
@@ -76,7 +77,7 @@ class Sample:
         out = [new.to_tiled(self.layout.from_tiled(x, dim=2).index_select(2, idx), dim=2)
                for x in (self.q, self.k, self.v)]
         name = f"{self.name} crop {'x'.join(map(str, grid))} of {'x'.join(map(str, full))}"
-        return Sample(name, *out, new)
+        return Sample(name, *out, new, self.origin or self.name)
 
 
 def _text_in_place(layout: lay.TokenLayout) -> bool:
@@ -126,6 +127,25 @@ class SyntheticSource:
         same = self._fixed is not None
         return [(n, [self._fixed] if same and n == self._fixed.length else [self._make(n)]) for n in lengths]
 
+    def calibration(self):
+        """Where a calibrated variant fits its weights: another draw of the generator (seed + 1)."""
+        return _SyntheticPartners(SyntheticSource(heads=self.heads, head_dim=self.head_dim, seed=self.seed + 1,
+                                                  text_tokens=self.text_tokens, dtype=self.dtype, device=self.device))
+
+
+class _SyntheticPartners:
+    """The calibration sample of a synthetic sample: the other draw at the same length."""
+
+    def __init__(self, other: SyntheticSource):
+        self.other = other
+        self.note = f"synthetic draw with seed {other.seed}"
+        self._cache: dict[int, Sample] = {}
+
+    def partner(self, sample: Sample) -> Sample | None:
+        if sample.length not in self._cache:
+            self._cache[sample.length] = self.other._make(sample.length)
+        return self._cache[sample.length]
+
 
 class CapturedSource:
     """q/k/v captured from a real pipeline by :func:`pisa_attn.diffusers.capture_qkv`."""
@@ -164,6 +184,12 @@ class CapturedSource:
     def fixed(self, length: int | None = None) -> list[Sample]:
         return [self._sample(e) for e in self.entries]  # the source decides the length
 
+    def calibration(self, calib_path: str | None = None):
+        """Where a calibrated variant fits the weights of each studied entry: the same layer in
+        the capture ``calib_path`` (another input), else the same layer at another captured step
+        of this file. Entries without one get no calibrated result."""
+        return _CapturedPartners(self, calib_path)
+
     def sweep(self, lengths, min_tokens: int = 256) -> list[tuple[int, list[Sample]]]:
         """Crops of every entry, halving the grid (frames first) down to ``len(lengths)`` sizes
         of at least ``min_tokens`` grid tokens."""
@@ -175,6 +201,48 @@ class CapturedSource:
             crops = [s if grid == s.layout.grid_shape else s.crop(grid) for s in full]
             out.append((crops[0].length, crops))
         return sorted(out, key=lambda t: t[0])
+
+
+class _CapturedPartners:
+    def __init__(self, source: CapturedSource, calib_path: str | None):
+        from ..qkv_file import read_qkv_file
+
+        self.source = source
+        other = read_qkv_file(calib_path) if calib_path else source.file
+        self.note = (f"the same layer in {calib_path}" if calib_path
+                     else "the same layer at another captured step of the same file")
+        self._entries = {}
+        for e in source.entries:
+            match = [c for c in other.entries if c.layer == e.layer and _prefix(c.name) == _prefix(e.name)
+                     and (calib_path or c.step != e.step)]
+            if match:
+                self._entries[e.name] = match[0]
+        self._full: dict[str, Sample] = {}
+
+    def partner(self, sample: Sample) -> Sample | None:
+        name = sample.origin or sample.name
+        entry = self._entries.get(name)
+        if entry is None:
+            return None
+        if name not in self._full:
+            self._full[name] = self.source._sample(entry)
+        full = self._full[name]
+        if full.q.shape[1] != sample.q.shape[1]:  # another model: no weight per head to transfer
+            return None
+        if sample.origin is None:  # an entry itself
+            return full
+        grid = sample.layout.grid_shape  # a crop of an entry: the same crop of the partner
+        if full.layout is None or len(full.layout.grids) != 1:
+            return None
+        if grid == full.layout.grid_shape:
+            return full
+        if any(a > b for a, b in zip(grid, full.layout.grid_shape)):
+            return None
+        return full.crop(grid)
+
+
+def _prefix(name: str) -> str:
+    return name[: name.rfind("step")]
 
 
 def halving_grids(grid: tuple[int, ...], count: int, min_tokens: int = 256) -> list[tuple[int, ...]]:

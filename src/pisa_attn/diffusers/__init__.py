@@ -11,8 +11,9 @@ import importlib.util
 import warnings
 
 from . import hooks
-from .apply import apply_pisa, pisa_state, remove_pisa, stats
+from .apply import alpha_table, apply_pisa, pisa_state, remove_pisa, stats
 from .backend import BACKEND_NAME, check_diffusers, register
+from .calibrate import CalibrationConfig
 from .calls import configure
 from .capture import capture_qkv
 from .models import ADAPTERS, ModelAdapter, adapter_for
@@ -23,6 +24,8 @@ from .tiling import build_layouts, default_tile
 
 __all__ = [
     "apply_pisa",
+    "alpha_table",
+    "CalibrationConfig",
     "capture_qkv",
     "report",
     "remove_pisa",

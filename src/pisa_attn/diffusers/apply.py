@@ -4,14 +4,20 @@ it off again (processor routing, boundary hooks, warm-up schedule, telemetry, pi
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .. import spec
+import torch
+
+from .. import alpha_table as at
+from .. import spec, tail_weight
 from ..attention import MAX_HEAD_DIM, MIN_HEAD_DIM
 from . import hooks
 from . import telemetry as tm
 from .backend import register
+from .calibrate import CalibrationConfig, Calibrator
+from .calibrate import as_config as calibration_config
 from .models import ModelAdapter, adapter_for, transformers_of
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
 from .state import PisaConfig, PisaState
@@ -42,6 +48,31 @@ def _transformers(obj) -> tuple[list, object | None]:
     return [t for _, t in found], pipe
 
 
+def alpha_table(pipe_or_transformer) -> at.AlphaTable:
+    """The per-layer first-order weights of the managed transformer(s), with their fit information:
+    the calibrated ones (the fits of this generation's warm-up so far), else the loaded ones.
+    ``.save(path)`` writes the file ``apply_pisa(..., alpha_table=path)`` loads."""
+    found, _ = transformers_of(pipe_or_transformer)
+    out, settings = {}, {}
+    for name, tr in found:
+        state = pisa_state(tr)
+        if state is None:
+            raise ValueError("transformer is not managed by apply_pisa")
+        cfg = state.config
+        settings = {"density": cfg.density, "mode": cfg.mode, "covariance_aware": cfg.covariance_aware,
+                    "block_size": cfg.block_size}
+        layers = {}
+        if state.calibrator is not None and state.calibrator.fits:
+            layers = dict(state.calibrator.table(name).layers(name))
+        for i, a in state.alphas.items():
+            layers.setdefault(i, at.LayerAlpha(tuple(float(x) for x in a.tolist())))
+        out[name] = layers
+    if not any(out.values()):
+        raise ValueError("no calibrated or loaded first-order weights: use apply_pisa(..., calibrate=True) and run "
+                         "past the warm-up, or apply_pisa(..., alpha_table=...)")
+    return at.AlphaTable(out, settings, model=None, source="apply_pisa")
+
+
 def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
     if tile is None:
         return default_tile(ndim, block_size)
@@ -52,7 +83,20 @@ def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
     return tuple(tile)
 
 
-def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_steps, tile, mode, cov, block_size, min_kv_len):
+def _check_alpha(alpha, mode: str):
+    """``apply_pisa``'s ``alpha``: a float or one value per head (CPU), as host floats."""
+    if alpha is None:
+        return None
+    tail_weight.check(alpha, mode, alpha.numel() if isinstance(alpha, torch.Tensor) and alpha.dim() == 1 else 1)
+    if isinstance(alpha, torch.Tensor):
+        if alpha.device.type != "cpu":
+            raise ValueError(f"apply_pisa's alpha must be a float or a CPU tensor, got a tensor on {alpha.device}")
+        return tuple(float(x) for x in alpha.reshape(-1).tolist()) if alpha.dim() == 1 else float(alpha)
+    return float(alpha)
+
+
+def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_steps, tile, mode, cov, block_size,
+            min_kv_len, alpha=None):
     spec.check_settings(density=density, block_size=block_size, mode=mode)
     d = adapter.defaults(transformer.config)
     if cov is not None and not isinstance(cov, bool):
@@ -69,6 +113,7 @@ def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_ste
         block_size=block_size,
         tile=_check_tile(tile, adapter.ndim, block_size),
         schedule=schedule,
+        alpha=_check_alpha(alpha, mode),
     )
 
 
@@ -80,6 +125,8 @@ class _Plan:
     adapter: ModelAdapter
     config: PisaConfig
     modules: list[tuple[str, Any]]  # the managed self-attention modules (name, module)
+    alphas: dict  # layer -> CPU float64 [H] weights from an alpha table
+    calibration: CalibrationConfig | None
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -122,11 +169,49 @@ def _managed_modules(transformer, adapter: ModelAdapter) -> list[tuple[str, Any]
     return found
 
 
-def _plan(transformer, settings: dict) -> _Plan:
+def _heads(module) -> int:
+    return int(module.heads)
+
+
+def _plan(name: str, transformer, settings: dict, table: at.AlphaTable | None, calibration) -> _Plan:
     adapter = adapter_for(transformer)
     adapter.check(transformer)
     config = _config(adapter, transformer, **settings)
-    return _Plan(transformer, adapter, config, _managed_modules(transformer, adapter))
+    modules = _managed_modules(transformer, adapter)
+    if isinstance(config.alpha, tuple):
+        bad = sorted({_heads(m) for _, m in modules} - {len(config.alpha)})
+        if bad:
+            raise ValueError(f"alpha has {len(config.alpha)} values but {type(transformer).__name__} has attention "
+                             f"layers with {bad} heads: give one value per head of every layer, or a float")
+    if calibration is not None and config.schedule.dense_steps < 1:
+        raise ValueError("calibrate fits the first-order weight on the dense warm-up steps, but this run has "
+                         "dense_steps=0: pass dense_steps >= 1 (or load weights with alpha_table=...)")
+    alphas = {}
+    if table is not None:
+        _check_table_settings(table, config)
+        for layer, entry in table.layers(name).items():
+            if layer >= len(modules):
+                raise ValueError(f"alpha_table has layer {layer}, but {type(transformer).__name__} has "
+                                 f"{len(modules)} managed attention layers (0..{len(modules) - 1})")
+            heads = _heads(modules[layer][1])
+            if len(entry.alpha) != heads:
+                raise ValueError(f"alpha_table layer {layer} has {len(entry.alpha)} weights; the layer "
+                                 f"({modules[layer][0]}) has {heads} heads")
+            alphas[layer] = torch.tensor(entry.alpha, dtype=torch.float64)
+    return _Plan(transformer, adapter, config, modules, alphas, calibration)
+
+
+def _check_table_settings(table: at.AlphaTable, config: PisaConfig) -> None:
+    if config.mode not in spec.FIRST_ORDER_MODES:
+        raise ValueError(f"alpha_table holds first-order weights, which mode {config.mode!r} does not have")
+    fitted = table.settings
+    ours = {"density": config.density, "mode": config.mode, "covariance_aware": config.covariance_aware,
+            "block_size": config.block_size}
+    differ = {k: (fitted[k], v) for k, v in ours.items() if k in fitted and fitted[k] != v}
+    if differ:
+        warnings.warn("alpha_table was fitted under other settings (table vs this run: "
+                      + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items())
+                      + "); a weight depends on the density and the selection", RuntimeWarning, stacklevel=3)
 
 
 def _route_attention(state: PisaState, modules, member) -> None:
@@ -148,6 +233,8 @@ def _install(state: PisaState, member) -> None:
     try:
         _route_attention(state, _managed_modules(state.transformer, state.adapter), member)
         install(state)
+        if state.calibrator is not None:
+            state.calibrator.attach(state.transformer)
     except BaseException:
         _undo(state)
         raise
@@ -204,6 +291,9 @@ def apply_pisa(
     block_size: int = 64,
     min_kv_len: int = DEFAULT_MIN_KV_LEN,
     telemetry=None,
+    alpha=None,
+    calibrate=False,
+    alpha_table=None,
 ):
     """Run the self-attention of a diffusers pipeline's transformer(s) (or of one transformer) on PISA.
 
@@ -219,6 +309,15 @@ def apply_pisa(
         block_size: tokens per query/key block.
         min_kv_len: calls with fewer keys run dense (too few tokens for sparsity to pay).
         telemetry: passed to ``pisa_attn.diffusers.telemetry.attach`` when not None.
+        alpha: weight of the first-order tail term (``pisa_attention``'s ``alpha``): a float or a
+            CPU tensor of one value per head; None: :data:`pisa_attn.spec.DEFAULT_ALPHA`. The
+            weight of layers that ``calibrate`` / ``alpha_table`` give none.
+        calibrate: fit the weight per layer and head on each generation's dense warm-up steps
+            (needs ``dense_steps >= 1``) and use it from the first sparse step on: ``True``, or a
+            :class:`~pisa_attn.diffusers.calibrate.CalibrationConfig` (rows sampled per call, per
+            head or per layer). :func:`alpha_table` returns the fitted weights (to save and reuse).
+        alpha_table: weights per layer and head to use (a JSON path from ``pisa-attn calibrate``
+            or :meth:`AlphaTable.save`, its dict, or an :class:`~pisa_attn.alpha_table.AlphaTable`).
 
     ``None`` means the model's default from the paper's appendix D (Wan2.1-1.3B: 1 block / 15 steps,
     Wan2.1-14B and HunyuanVideo: 1 / 10, FLUX.1 and SD3.5: 4 / 0; covariance-aware selection for the
@@ -228,11 +327,20 @@ def apply_pisa(
     the pipeline and its transformers are left exactly as they were (an earlier apply_pisa included).
     """
     member = register()
-    transformers, pipe = _transformers(pipe_or_transformer)
+    found, pipe = transformers_of(pipe_or_transformer)
+    transformers = [t for _, t in found]
     tel = None if telemetry is None else tm.as_config(telemetry)
+    calibration = calibration_config(calibrate)
+    table = None if alpha_table is None else at.load(alpha_table)
+    if calibration is not None and table is not None:
+        raise ValueError("give calibrate or alpha_table, not both (calibrate fits the weights alpha_table would set)")
+    if (calibration is not None or table is not None) and mode not in spec.FIRST_ORDER_MODES:
+        what = "calibrate" if calibration is not None else "alpha_table"
+        raise ValueError(f"{what} sets the first-order weight, which mode {mode!r} does not have "
+                         f"(modes with one: {spec.FIRST_ORDER_MODES})")
     settings = dict(density=density, dense_layers=dense_layers, dense_steps=dense_steps, tile=tile, mode=mode,
-                    cov=covariance_aware, block_size=block_size, min_kv_len=min_kv_len)  # fmt: skip
-    plans = [_plan(tr, settings) for tr in transformers]
+                    cov=covariance_aware, block_size=block_size, min_kv_len=min_kv_len, alpha=alpha)  # fmt: skip
+    plans = [_plan(name, tr, settings, table, calibration) for name, tr in found]
 
     saved = [_Saved(tr, _TRANSFORMER_KEYS) for tr in transformers]
     saved += [_Saved(pipe, _PIPE_KEYS)] if pipe is not None else []
@@ -244,7 +352,10 @@ def apply_pisa(
         for plan in plans:
             tr = plan.transformer
             remove_pisa(tr)
-            state = PisaState(tr, plan.adapter, plan.config, tracker, blocks=plan.blocks)
+            state = PisaState(tr, plan.adapter, plan.config, tracker, blocks=plan.blocks, alphas=plan.alphas)
+            if plan.calibration is not None:
+                default = plan.config.alpha if isinstance(plan.config.alpha, float) else spec.DEFAULT_ALPHA
+                state.calibrator = Calibrator(plan.calibration, plan.config.schedule, default)
             new.append(state)
             _install(state, member)
             if tel is not None:
@@ -267,6 +378,8 @@ def apply_pisa(
 
 
 def _undo(state: PisaState) -> None:
+    if state.calibrator is not None:
+        state.calibrator.detach()
     for h in state.handles:
         h.remove()
     for fn in reversed(state.restore):

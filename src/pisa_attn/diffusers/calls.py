@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import spec
+from .. import spec, tail_weight
 from ..attention import pisa_attention
 from ..layout import block_floor
 from . import hooks
@@ -46,6 +46,7 @@ class BackendDefaults:
     covariance_aware: bool = False
     block_size: int = 64
     min_kv_len: int = DEFAULT_MIN_KV_LEN
+    alpha: float | None = None
 
 
 _defaults = BackendDefaults()
@@ -53,7 +54,8 @@ _defaults = BackendDefaults()
 
 def configure(**settings) -> BackendDefaults:
     """Set the settings used when the backend runs on a transformer without :func:`apply_pisa`
-    (``density``, ``mode``, ``covariance_aware``, ``block_size``, ``min_kv_len``); returns them."""
+    (``density``, ``mode``, ``covariance_aware``, ``block_size``, ``min_kv_len``, ``alpha``: a
+    float or None, as :func:`pisa_attention`'s); returns them."""
     global _defaults
     unknown = set(settings) - set(BackendDefaults.__dataclass_fields__)
     if unknown:
@@ -63,6 +65,9 @@ def configure(**settings) -> BackendDefaults:
                         covariance_aware=new.covariance_aware)
     if isinstance(new.min_kv_len, bool) or not isinstance(new.min_kv_len, int) or new.min_kv_len < 0:
         raise ValueError(f"min_kv_len must be an int >= 0, got {new.min_kv_len!r}")
+    if isinstance(new.alpha, Tensor):
+        raise TypeError("configure(alpha=...) takes a float or None (per-head weights need apply_pisa)")
+    tail_weight.check(new.alpha, new.mode, 1)
     _defaults = new
     return new
 
@@ -78,7 +83,7 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale,
     return out.transpose(1, 2)
 
 
-def pisa_kwargs(density: float, mode: str, covariance_aware: bool, block_size: int, scale, keep) -> dict:
+def pisa_kwargs(density: float, mode: str, covariance_aware: bool, block_size: int, scale, keep, alpha=None) -> dict:
     """The one place a dispatcher call becomes :func:`pisa_attention` keyword arguments."""
     return dict(
         density=density,
@@ -88,6 +93,7 @@ def pisa_kwargs(density: float, mode: str, covariance_aware: bool, block_size: i
         scale=scale,
         layout="bshd",
         keep_blocks=keep,
+        alpha=alpha,
     )
 
 
@@ -103,14 +109,15 @@ def _row_groups(lens: list[int] | None, batch: int, kv_len: int) -> list[tuple[o
     return [(torch.tensor(rows), n) for n, rows in groups.items()]
 
 
-def sparse_attention(q, k, v, seq: Sequence | None, lens, scale, settings) -> Tensor:
+def sparse_attention(q, k, v, seq: Sequence | None, lens, scale, settings, alpha=None) -> Tensor:
     """PISA on the image queries (text key blocks kept exact), dense attention for text queries.
 
     The image queries run from the block boundary at or before the first of them, so their query
     blocks are the tiles the key blocks are (the text rows computed on the way are dropped).
 
     ``lens``: valid (unmasked, leading) keys per batch row, or None. ``settings``: density, mode,
-    covariance_aware, block_size. Returns [B, Lq, H, D].
+    covariance_aware, block_size. ``alpha``: the first-order weight (:func:`pisa_attention`'s).
+    Returns [B, Lq, H, D].
     """
     density, mode, cov, bs = settings
     lo, hi = (0, q.shape[1]) if seq is None else (seq.image_lo, seq.image_hi)
@@ -119,13 +126,13 @@ def sparse_attention(q, k, v, seq: Sequence | None, lens, scale, settings) -> Te
     if not texts and len(groups) == 1:  # image-only sequence (Wan): one call, no output copy
         n = groups[0][1]
         keep = None if seq is None else seq.keep_for(n, bs)
-        return pisa_attention(q, k[:, :n], v[:, :n], **pisa_kwargs(density, mode, cov, bs, scale, keep))
+        return pisa_attention(q, k[:, :n], v[:, :n], **pisa_kwargs(density, mode, cov, bs, scale, keep, alpha))
     out = _empty_bshd(q, v)
     start = block_floor(lo, bs)  # query blocks on the key blocks' grid (see layout.block_floor)
     for rows, n in groups:
         kk, vv = k[rows, :n], v[rows, :n]
         keep = None if seq is None else seq.keep_for(n, bs)
-        kw = pisa_kwargs(density, mode, cov, bs, scale, keep)
+        kw = pisa_kwargs(density, mode, cov, bs, scale, keep, alpha)
         out[rows, lo:hi] = pisa_attention(q[rows, start:hi], kk, vv, **kw)[:, lo - start :]
         for a, b in texts:
             out[rows, a:b] = dense_attention(q[rows, a:b], kk, vv, None, scale, q.shape[2] != k.shape[2])
@@ -155,7 +162,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale, enable_g
         out = dense_attention(q, k, v, mask, scale, enable_gqa)
     else:
         settings = (cfg.density, cfg.mode, cfg.covariance_aware, cfg.block_size)
-        out = sparse_attention(q, k, v, seq, lens, scale, settings)
+        out = sparse_attention(q, k, v, seq, lens, scale, settings, alpha=state.alpha_for(layer))
     state.stats["sparse" if reason is None else "dense"] += 1
     if reason is not None:
         state.stats[reason] += 1
@@ -178,7 +185,8 @@ def _attend_unmanaged(q, k, v, mask, scale, enable_gqa):
     if q.shape[1] != k.shape[1] or k.shape[1] < d.min_kv_len:
         return dense_attention(q, k, v, mask, scale, enable_gqa)
     lens = None if mask is None else key_lengths(mask, q.shape[0], k.shape[1])
-    return sparse_attention(q, k, v, None, lens, scale, (d.density, d.mode, d.covariance_aware, d.block_size))
+    return sparse_attention(q, k, v, None, lens, scale, (d.density, d.mode, d.covariance_aware, d.block_size),
+                            alpha=d.alpha)
 
 
 def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, out) -> None:
@@ -198,6 +206,7 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, o
         block_size=cfg.block_size,
         keep_blocks=seq.keep,
         scale=scale,  # None (the dispatcher's default) becomes 1/sqrt(D), what SDPA and PISA used
+        alpha=state.alpha_values(layer, q.shape[2]),
         meta={
             "token_layout": seq.layout,
             "text_len": seq.text_len,

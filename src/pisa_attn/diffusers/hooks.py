@@ -22,7 +22,8 @@ class AttentionCall:
     ``scale`` is the softmax scale the call used (``None`` when constructing: ``1 / sqrt(D)``, the
     default of SDPA and :func:`pisa_attn.pisa_attention`); observers recomputing attention must use it.
     ``meta["key_lens"]``: valid (leading, unmasked) keys per batch row, or None when all are valid;
-    set on dense and sparse calls alike.
+    set on dense and sparse calls alike. ``alpha``: the first-order weight per query head the call
+    used (sparse) or its layer uses now (dense), None in modes without that term.
     """
 
     model: str  # adapter name: "flux", "sd3", "wan", "hunyuan", ...
@@ -40,6 +41,7 @@ class AttentionCall:
     keep_blocks: Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)  # grid, text segments, tile, key_lens, ...
     scale: float | None = None  # a float after construction (see the class docstring)
+    alpha: tuple[float, ...] | None = None
 
     def __post_init__(self):
         self.scale = float(self.q.shape[-1] ** -0.5 if self.scale is None else self.scale)

@@ -36,6 +36,7 @@ from ..layout import block_floor
 from ..parallel import ring_pisa_attention, ulysses_attention, unified_pisa_attention
 from ..parallel.comm import all_gather_var, gather_ints
 from ..parallel.phases import phase
+from ..parallel.ulysses import local_heads
 from . import hooks
 from .calls import dense_attention, sparse_attention
 from .state import Sequence, current_run
@@ -116,22 +117,26 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa:
     total = seq.length
     state, cfg = run.state, run.state.config
     if hooks.observers(state.transformer):
-        raise ValueError("attention observers (capture, telemetry) are not supported under context parallelism")
+        raise ValueError("attention observers (capture, telemetry, calibrate=True) are not supported under context "
+                         "parallelism: calibrate offline (pisa-attn calibrate) and pass alpha_table=")
     layer = run.next_layer()
     reason = run.dense_reason(layer, total)
     if reason is not None:
         out = _dense(q, k, v, scale, enable_gqa, groups, list(lens))
     else:
         settings = (cfg.density, cfg.mode, cfg.covariance_aware, cfg.block_size)
+        alpha = state.alpha_for(layer)
         if groups.ring is not None:
-            out = _ring_sparse(q, k, v, seq, scale, settings, groups, list(lens))
+            out = _ring_sparse(q, k, v, seq, scale, settings, groups, list(lens), alpha)
         else:
             perm = pisa_order(seq, lens)
+            u_rank, u = dist.get_rank(groups.ulysses), dist.get_world_size(groups.ulysses)
+            alpha = local_heads(alpha, slice(u_rank * q.shape[2] // u, (u_rank + 1) * q.shape[2] // u))
 
             def single_process(qf, kf, vf):  # [B, h, L, D] in PISA order
                 qs, ks, vs = (x.transpose(1, 2) for x in (qf, kf, vf))
                 with phase("attend", qf.device):
-                    return sparse_attention(qs, ks, vs, seq, None, scale, settings).transpose(1, 2)
+                    return sparse_attention(qs, ks, vs, seq, None, scale, settings, alpha=alpha).transpose(1, 2)
 
             out = ulysses_attention(
                 q, k, v, single_process, group=groups.ulysses, layout="bshd", perm=perm, seq_lens=list(lens)
@@ -176,7 +181,7 @@ def _dense(q, k, v, scale, enable_gqa, groups: _Groups, lens: list[int]) -> Tens
     return ulysses_attention(q, k, v, single_process, group=groups.ulysses, layout="bshd", seq_lens=lens)
 
 
-def _ring_sparse(q, k, v, seq: Sequence, scale, settings, groups: _Groups, lens: list[int]) -> Tensor:
+def _ring_sparse(q, k, v, seq: Sequence, scale, settings, groups: _Groups, lens: list[int], alpha=None) -> Tensor:
     """As :func:`.calls.sparse_attention`: PISA for the image queries (from the block boundary at or
     before the first, so their query blocks are the key blocks' tiles; text key blocks kept exact),
     exact attention for the text queries, in one pass round the ring."""
@@ -185,6 +190,7 @@ def _ring_sparse(q, k, v, seq: Sequence, scale, settings, groups: _Groups, lens:
     kw = dict(
         density=density, block_size=bs, mode=mode, covariance_aware=cov, scale=scale, layout="bshd",
         keep_blocks=seq.keep_for(seq.length, bs), perm=perm, q_perm=q_perm, exact_queries=exact, seq_lens=lens,
+        alpha=alpha,
     )  # fmt: skip
     if groups.ulysses is None:
         return ring_pisa_attention(q, k, v, group=groups.ring, **kw)

@@ -27,7 +27,11 @@ from .schedule import Schedule, StepTracker
 
 @dataclass(frozen=True)
 class PisaConfig:
-    """Sparse-attention settings of one managed transformer (validated by :func:`apply_pisa`)."""
+    """Sparse-attention settings of one managed transformer (validated by :func:`apply_pisa`).
+
+    ``alpha``: the first-order weight of layers without a calibrated or loaded one (a float, or
+    one per head; None: :data:`pisa_attn.spec.DEFAULT_ALPHA`, or no weight in modes without the
+    term)."""
 
     density: float
     mode: str
@@ -35,6 +39,7 @@ class PisaConfig:
     block_size: int
     tile: tuple[int, ...]
     schedule: Schedule
+    alpha: float | tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,8 @@ class PisaState:
     stats: Counter = field(default_factory=Counter)  # calls per outcome since the last generation start
     runs: list = field(default_factory=list)  # (context token, run) of forwards in progress
     blocks: tuple[int, ...] = ()  # transformer block of each managed attention module, forward order
+    alphas: dict = field(default_factory=dict)  # layer -> CPU [H] first-order weights (a loaded table)
+    calibrator: Any = None  # a .calibrate.Calibrator when apply_pisa(calibrate=...)
     handle: int = field(init=False)  # how the opaque ops (ints in a graph) find this state
     tiling: tuple | None = None  # (perm, inv_perm) of the forward being run or traced
 
@@ -168,6 +175,37 @@ class PisaState:
     def new_generation(self) -> None:
         self.tracker.reset()
         self.stats.clear()
+        if self.calibrator is not None:
+            self.calibrator.reset()
+
+    def alpha_for(self, layer: int, freeze: bool = True):
+        """The first-order weight of managed layer ``layer``: its calibrated weights (``freeze``:
+        fitting them now if this generation has not yet; a sparse call needs them), else its
+        loaded ones, else the configured ``alpha``. A CPU tensor, a float, or None (the default /
+        no first-order term). Never a device read."""
+        if self.config.mode not in spec.FIRST_ORDER_MODES:
+            return None
+        cal = self.calibrator
+        if cal is not None:
+            fitted = cal.freeze() if freeze else cal.frozen
+            if fitted is not None and layer in fitted:
+                return fitted[layer]
+        if layer in self.alphas:
+            return self.alphas[layer]
+        a = self.config.alpha
+        return torch.tensor(a, dtype=torch.float64) if isinstance(a, tuple) else a
+
+    def alpha_values(self, layer: int, heads: int) -> tuple[float, ...] | None:
+        """:meth:`alpha_for` (without freezing) as ``heads`` floats; None without a first-order term."""
+        if self.config.mode not in spec.FIRST_ORDER_MODES:
+            return None
+        a = self.alpha_for(layer, freeze=False)
+        if a is None:
+            a = spec.DEFAULT_ALPHA
+        if isinstance(a, Tensor):
+            values = tuple(float(x) for x in a.reshape(-1).tolist())
+            return values * heads if len(values) == 1 else values
+        return (float(a),) * heads
 
 
 _HANDLES = itertools.count(1)

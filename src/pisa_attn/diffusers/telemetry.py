@@ -2,6 +2,7 @@
 
 For a sampled subset of managed self-attention calls it also computes exact attention and logs,
 per (layer, step): the tail mass ρ (dense softmax mass on the blocks PISA approximates), the
+weight α of the first-order tail term the layer uses (calibrated, loaded or the default), the
 relative L1 error of PISA vs dense and of keep-or-drop sparse attention vs dense at the same
 density. Dense calls (warm-up layers/steps, short sequences) are measured too, as "what PISA
 would cost here". :func:`report` prints a per-layer table and can save a layer x step heat-map;
@@ -153,8 +154,9 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
                   scale=call.scale)
         sel = metrics.select(q, k, v, **kw)
         dense = metrics.dense_pass(q, k, v, block_size=bs, masks=(sel.selected,), scale=call.scale)
-        if call.dense:  # what PISA would have given here
-            pisa = pisa_attention(q, k, v, mode=call.mode, **kw)[:, :, cut:]
+        if call.dense:  # what PISA would have given here (with the weight the layer has now)
+            alpha = None if call.alpha is None else torch.tensor(call.alpha, dtype=torch.float64)
+            pisa = pisa_attention(q, k, v, mode=call.mode, alpha=alpha, **kw)[:, :, cut:]
         else:
             pisa = call.out.index_select(0, idx)[:, :, lo:hi]
         outs = {"pisa": pisa}
@@ -171,6 +173,8 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
         "layer": call.layer, "step": call.step, "dense": call.dense, "dense_reason": call.meta.get("dense_reason"),
         "density": call.density, "mode": call.mode, "tokens": call.k.shape[2],
         "tail_mass": sum(per_head) / len(per_head), "tail_mass_per_head": per_head,
+        "alpha": None if call.alpha is None else sum(call.alpha) / len(call.alpha),
+        "alpha_per_head": None if call.alpha is None else list(call.alpha),
         "rel_l1_pisa": err["pisa"][0] / max(err["pisa"][1], 1e-300),
         "rel_l1_drop": err["drop"][0] / max(err["drop"][1], 1e-300) if drop else None,
     }
@@ -195,7 +199,8 @@ def summarize(tel: Telemetry) -> dict:
         rs = by_layer[layer]
         rows.append({
             "layer": layer, "samples": len(rs), "dense_fraction": _mean([float(r["dense"]) for r in rs]),
-            "tail_mass": _mean([r["tail_mass"] for r in rs]), "rel_l1_pisa": _mean([r["rel_l1_pisa"] for r in rs]),
+            "tail_mass": _mean([r["tail_mass"] for r in rs]), "alpha": _mean([r.get("alpha") for r in rs]),
+            "rel_l1_pisa": _mean([r["rel_l1_pisa"] for r in rs]),
             "rel_l1_pisa_max": max(r["rel_l1_pisa"] for r in rs), "rel_l1_drop": _mean([r["rel_l1_drop"] for r in rs]),
         })
 
@@ -228,12 +233,14 @@ def report(pipe_or_transformer, heatmap: str | None = None, *, console=None) -> 
     for name, s in out.items():
         t = Table(title=f"PISA telemetry, {name}: {s['records']} measured of {s['calls']} calls "
                         f"(density {_densities(found, name)})")
-        for col in ("layer", "samples", "dense", "tail mass ρ", "rel-L1 PISA", "max", "rel-L1 drop", "PISA/drop"):
+        for col in ("layer", "samples", "dense", "tail mass ρ", "α (mean)", "rel-L1 PISA", "max", "rel-L1 drop",
+                    "PISA/drop"):
             t.add_column(col, justify="right")
         for r in s["layers"]:
             ratio = r["rel_l1_pisa"] / r["rel_l1_drop"] if r["rel_l1_drop"] and r["rel_l1_drop"] > 0 else math.nan
             t.add_row(str(r["layer"]), str(r["samples"]), f"{r['dense_fraction']:.0%}", f"{r['tail_mass']:.4f}",
-                      f"{r['rel_l1_pisa']:.4f}", f"{r['rel_l1_pisa_max']:.4f}", _fmt(r["rel_l1_drop"]), _fmt(ratio, 2))
+                      _fmt(r.get("alpha"), 3), f"{r['rel_l1_pisa']:.4f}", f"{r['rel_l1_pisa_max']:.4f}",
+                      _fmt(r["rel_l1_drop"]), _fmt(ratio, 2))
         console.print(t)
     if heatmap is not None:
         save_heatmap(out, str(heatmap))

@@ -3,6 +3,8 @@
 ``torch.ops.pisa_attn.pisa_fwd`` is a ``torch.library.custom_op`` with a fake implementation, so
 ``torch.compile(fullgraph=True)`` treats a call as one opaque node, and a CUDA graph can capture it:
 the implementation issues no host synchronisation and every shape is known from the arguments.
+The weight of the first-order term is a ``[H]`` tensor argument (``alpha``), so another value
+changes no compiled graph and no captured launch.
 Outside tracing, :func:`forward` runs the stages directly: the op's dispatch costs more host time
 than every launch of a short call together.
 """
@@ -26,10 +28,10 @@ def register(be: Backend) -> Backend:
     return be
 
 
-def _run(be: Backend, q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware, query_block):
+def _run(be: Backend, q, k, v, keep, alpha, n_select, width, mode, scale, block_size, covariance_aware, query_block):
     _, _, res = run_stages(be, q, k, v, block_size=block_size, n_select=n_select, width=width, mode=mode,
                            scale=scale, covariance_aware=covariance_aware, keep=keep, lean=True,
-                           query_block=query_block)
+                           query_block=query_block, alpha=alpha)
     return res
 
 
@@ -39,6 +41,7 @@ def pisa_fwd(
     k: Tensor,
     v: Tensor,
     keep: Optional[Tensor],
+    alpha: Optional[Tensor],
     n_select: int,
     width: int,
     mode: str,
@@ -48,12 +51,13 @@ def pisa_fwd(
     query_block: int,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    return _run(_REGISTRY[backend], q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware,
+    return _run(_REGISTRY[backend], q, k, v, keep, alpha, n_select, width, mode, scale, block_size, covariance_aware,
                 query_block)
 
 
 @pisa_fwd.register_fake
-def _pisa_fwd_fake(q, k, v, keep, n_select, width, mode, scale, block_size, covariance_aware, query_block, backend):
+def _pisa_fwd_fake(q, k, v, keep, alpha, n_select, width, mode, scale, block_size, covariance_aware, query_block,
+                   backend):
     b, h, lq, d = q.shape
     if q.stride(1) < q.stride(2):  # the kernels write the output in q's physical layout
         out = q.new_empty(b, lq, h, d).transpose(1, 2)
@@ -62,11 +66,13 @@ def _pisa_fwd_fake(q, k, v, keep, n_select, width, mode, scale, block_size, cova
     return out, q.new_empty(b, h, lq, dtype=torch.float32)
 
 
-def forward(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0):
-    """One call of backend ``be`` on one device: ``[B, H, L, D]`` views in, (out, lse) out."""
+def forward(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+            alpha: Tensor | None = None):
+    """One call of backend ``be`` on one device: ``[B, H, L, D]`` views in, (out, lse) out
+    (``alpha``: ``[H]`` weights of the first-order term, None for weight 1)."""
     width = forward_width(plan, keep, n_keep_max)
     if torch.compiler.is_compiling():
-        return torch.ops.pisa_attn.pisa_fwd(q, k, v, keep, plan.n_select, width, plan.mode, plan.scale,
+        return torch.ops.pisa_attn.pisa_fwd(q, k, v, keep, alpha, plan.n_select, width, plan.mode, plan.scale,
                                             plan.block_size, plan.covariance_aware, plan.query_block, be.name)
-    return _run(be, q, k, v, keep, plan.n_select, width, plan.mode, plan.scale, plan.block_size,
+    return _run(be, q, k, v, keep, alpha, plan.n_select, width, plan.mode, plan.scale, plan.block_size,
                 plan.covariance_aware, plan.query_block)

@@ -19,7 +19,9 @@ For query block ``i`` with exact set ``S_i`` and tail ``U_i``::
                        "first" :  Σ_{j∈U} α_tj · s q_t H_j        (exact block-wise, eq. 5)
                        "zeroth", "drop": none                     ("drop" also has no 0th-order tail)
 
-The first-order factor carries ``s`` because it is the derivative of ``exp(s q·k)`` in ``k``.
+The first-order factor carries ``s`` because it is the derivative of ``exp(s q·k)`` in ``k``; it
+is multiplied by a weight ``alpha_h`` per query head when one is given (``1``: the paper; the
+public API's default is :data:`pisa_attn.spec.DEFAULT_ALPHA`).
 Everything lives in one softmax with one running maximum: exact scores and centroid scores are
 shifted by the same ``m_t``, so a tail block that holds the row maximum is handled like any other.
 """
@@ -174,9 +176,13 @@ def pisa_forward(
     scale: float,
     block_size: int,
     out_dtype: torch.dtype | None = None,
+    alpha: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PISA attention for a given exact-set mask. Returns (out [B,H,Lq,D] in ``out_dtype``,
     default q's dtype, lse [B,H,Lq] fp32).
+
+    ``alpha``: ``[H]`` weight of the first-order term per query head (None: weight 1, the paper;
+    ignored by the modes without that term).
 
     Processes query blocks in chunks so no [Lq, Lk] matrix is ever materialised. Works on any
     key range: with ``stats``/``selected`` restricted to local key blocks and a global ``H̄`` it
@@ -196,6 +202,10 @@ def pisa_forward(
     hbar = expand_kv_heads(stats.hbar, h).to(dtype)
     counts = stats.counts.to(dtype)
     tok_block = torch.arange(lk, device=q.device) // block_size  # key token -> key block
+    if alpha is not None:
+        if alpha.numel() != h:
+            raise ValueError(f"alpha must hold one weight per query head ({h}), got shape {tuple(alpha.shape)}")
+        alpha = alpha.to(device=q.device, dtype=dtype).reshape(1, h, 1, 1)
 
     out = torch.empty(b, h, lq, d, dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=q.device)
@@ -207,14 +217,15 @@ def pisa_forward(
         qc = q[:, :, r0:r1].to(dtype)
         row_block = torch.arange(r0, r1, device=q.device) // block_size - i0
         sel = selected[:, :, i0:i1].index_select(2, row_block)  # [B, H, rows, Nk]
-        o, l = _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale)
+        o, l = _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha)
         out[:, :, r0:r1] = o.to(out.dtype)
         lse[:, :, r0:r1] = l.float()
     return out, lse
 
 
-def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale):
-    """One query chunk: exact + tail terms under a shared running maximum (the softmax merge)."""
+def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha=None):
+    """One query chunk: exact + tail terms under a shared running maximum (the softmax merge);
+    ``alpha`` ([1, H, 1, 1] or None) weights the first-order term."""
     dtype = qc.dtype
     exact_tok = sel.index_select(-1, tok_block)  # [B, H, rows, Lk]
     s = torch.einsum("bhrd,bhld->bhrl", qc, kx.to(dtype)) * scale
@@ -237,12 +248,17 @@ def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale):
         num = num + torch.einsum("bhrj,bhjd->bhrd", a, vsum)
         if mode == "hybrid":
             qh = torch.einsum("bhrd,bhde->bhre", qc, hbar) * scale
-            num = num + a.sum(-1, keepdim=True) * qh
+            weight = a.sum(-1, keepdim=True)
+            if alpha is not None:
+                weight = weight * alpha
+            num = num + weight * qh
         elif mode == "first":
             # Σ_j α_tj s q_t H_j = Σ_{j,n} α_t,j(n) · s (q_t·(k_n − k̄_j(n))) v_n, no D×D per block.
             kc = kx.to(dtype) - kmean.index_select(2, tok_block)
             w = torch.einsum("bhrd,bhld->bhrl", qc, kc) * scale
             w = w * a.index_select(-1, tok_block)
+            if alpha is not None:
+                w = w * alpha
             num = num + torch.einsum("bhrl,bhld->bhrd", w, vx.to(dtype))
     out = num / denom.clamp_min(torch.finfo(dtype).tiny)[..., None]
     lse = m + torch.log(denom)
@@ -308,15 +324,18 @@ def attend(
     block_size: int,
     n_select: int | None = None,
     out_dtype: torch.dtype | None = None,
+    alpha: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`pisa_forward` under a :class:`Selection` (``n_select`` is unused here)."""
     mask = selection.to_mask(stats.kmean.shape[2])
-    return pisa_forward(q, k, v, stats, mask, mode=mode, scale=scale, block_size=block_size, out_dtype=out_dtype)
+    return pisa_forward(q, k, v, stats, mask, mode=mode, scale=scale, block_size=block_size, out_dtype=out_dtype,
+                        alpha=alpha)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0):
+def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+            alpha: Tensor | None = None):
     """One call on one device (``plan``: a :class:`pisa_attn.PisaPlan`): (out, lse)."""
-    return run_plan(BACKEND, q, k, v, plan, keep, n_keep_max, lean=True)[2]
+    return run_plan(BACKEND, q, k, v, plan, keep, n_keep_max, lean=True, alpha=alpha)[2]
 
 
 def unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
@@ -341,15 +360,17 @@ def pisa_reference(
     covariance_aware: bool = False,
     scale: float | None = None,
     keep_blocks: Tensor | None = None,
+    alpha: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Whole reference pipeline on ``[B, H, L, D]`` tensors: stats, selection, attention.
 
     Returns (out, lse, selected). No input validation: :func:`pisa_attn.pisa_attention` does it.
+    ``alpha``: ``[H]`` weights of the first-order term (None: 1, the paper's output).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     nk = num_blocks(k.shape[2], block_size)
     _, sel, (out, lse) = run_stages(
         BACKEND, q, k, v, block_size=block_size, n_select=spec.num_selected(density, nk), width=nk, mode=mode,
-        scale=scale, covariance_aware=covariance_aware, keep=keep_blocks,
+        scale=scale, covariance_aware=covariance_aware, keep=keep_blocks, alpha=alpha,
     )  # fmt: skip
     return out, lse, sel.to_mask(nk)

@@ -7,13 +7,20 @@ A backend is four functions over ``[B, H, L, D]`` views (K/V may have ``Hk`` hea
     select(qmean, kmean, *, n_select, width, scale, hdev=None, keep=None,
            scratch_elems=None, repeat=1, n_q_blocks=None)                   -> Selection
     attend(q, k, v, stats, selection, *, mode, scale, block_size,
-           n_select=None, out_dtype=None)                                   -> (out, lse)
+           n_select=None, out_dtype=None, alpha=None)                       -> (out, lse)
     deviation(k, v, stats, hbar, block_size)                                -> ||H_j − H̄||_F
 
-plus ``forward(q, k, v, plan, keep, n_keep_max) -> (out, lse)``, the whole call on one device (the
+plus ``forward(q, k, v, plan, keep, n_keep_max, alpha=None) -> (out, lse)``, the whole call on one device (the
 Triton backend wraps :func:`run_stages` in one registered op for ``torch.compile``),
 ``unsupported_reason(q, mode, block_size) -> str | None`` and ``score_scratch(q, k) -> int | None``
 (the score buffer the backend budgets for selecting on one call; None: its default).
+
+**alpha** is a ``[H]`` tensor on q's device (float32; float64 for float64 inputs): the weight of
+the first-order tail term per query head, read by the kernels (one value per program), so it is
+data, like the selection: another value neither recompiles nor breaks CUDA-graph capture. None
+means weight 1 (the paper's term); modes without a first-order term ignore it. The public entry
+points resolve the user's ``alpha`` (default :data:`pisa_attn.spec.DEFAULT_ALPHA`) with
+:func:`pisa_attn.tail_weight.resolve`.
 
 **Statistics** are a dataclass per backend with at least these fields:
 
@@ -89,6 +96,7 @@ def run_stages(
     keep: Tensor | None = None,
     lean: bool = False,
     query_block: int | None = None,
+    alpha: Tensor | None = None,
 ):
     """prepare -> select -> attend on one device: returns ``(stats, selection, (out, lse))``.
 
@@ -106,18 +114,20 @@ def run_stages(
                     n_q_blocks=spec.num_blocks(q.shape[2], block_size))
     if lean:
         stats = stats.for_attend()  # query means and selection-only terms die before attend allocates
-    res = be.attend(q, k, v, stats, sel, mode=mode, scale=scale, block_size=block_size, n_select=n_select)
+    res = be.attend(q, k, v, stats, sel, mode=mode, scale=scale, block_size=block_size, n_select=n_select,
+                    alpha=alpha)
     return stats, sel, res
 
 
 def run_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
-             *, lean: bool = False):
+             *, lean: bool = False, alpha: Tensor | None = None):
     """:func:`run_stages` with the settings of a :class:`pisa_attn.PisaPlan` (``keep`` and
-    ``n_keep_max`` as :func:`pisa_attn.attention.normalize_keep_blocks` returns them)."""
+    ``n_keep_max`` as :func:`pisa_attn.attention.normalize_keep_blocks` returns them; ``alpha`` as
+    :func:`pisa_attn.tail_weight.resolve` does)."""
     return run_stages(
         be, q, k, v, block_size=plan.block_size, n_select=plan.n_select, width=forward_width(plan, keep, n_keep_max),
         mode=plan.mode, scale=plan.scale, covariance_aware=plan.covariance_aware, keep=keep, lean=lean,
-        query_block=plan.query_block,
+        query_block=plan.query_block, alpha=alpha,
     )  # fmt: skip
 
 

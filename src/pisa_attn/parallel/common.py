@@ -24,14 +24,14 @@ class Shards:
 
 
 def check_inputs(q, k, v, *, group, density, block_size, mode, scale, layout, backend, what: str,
-                 covariance_aware=False, return_lse=False, seq_lens=None):  # fmt: skip
+                 covariance_aware=False, return_lse=False, seq_lens=None, alpha=None):  # fmt: skip
     """Validate one rank's local q/k/v; return ``[B, H, L, D]`` views and the gathered shard facts.
 
     ``seq_lens``: per-rank local lengths (q and k/v alike) when the caller knows them; skips the
     all-gather (and its host sync), and with it the check that all ranks agree on B/H/Hk/D.
     """
     qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
-                          backend=backend, covariance_aware=covariance_aware, return_lse=return_lse)
+                          backend=backend, covariance_aware=covariance_aware, return_lse=return_lse, alpha=alpha)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         # The collectives here are not autograd-aware; a silently missing gradient is worse than an error.
         raise ValueError(f"{what} is inference-only: call it under torch.no_grad() (q/k/v require grad)")

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import spec
+from .. import spec, tail_weight
 from ..attention import get_backend, make_plan, normalize_keep_blocks
 from ..ops.merge import merge
 from ..ops.selection import Selection
@@ -74,6 +74,7 @@ def ring_pisa_attention(
     return_lse: bool = False,
     backend: str = "auto",
     seq_lens: list[int] | None = None,
+    alpha=None,
 ):
     """Ring-parallel PISA: this rank's slice of ``pisa_attention`` over the global sequence.
 
@@ -94,7 +95,7 @@ def ring_pisa_attention(
             round the ring; where ``q_perm`` names them too (rows computed only to keep its query
             blocks on the key blocks' grid), the exact result is returned.
         keep_blocks: as in ``pisa_attention``, indexed by global key block (of the permuted order).
-        density, block_size, mode, covariance_aware, scale, layout, return_lse, backend: as in
+        density, block_size, mode, covariance_aware, scale, layout, return_lse, backend, alpha: as in
             :func:`pisa_attn.pisa_attention` (the backend runs every ring step).
         seq_lens: per-rank local lengths (q and k/v alike), when known to every rank: saves the
             all-gather of the shard shapes (a host sync). Default: gathered and checked.
@@ -109,8 +110,10 @@ def ring_pisa_attention(
     qh, kh, vh, sh = check_inputs(
         q, k, v, group=group, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
         backend=backend, what="ring_pisa_attention", covariance_aware=covariance_aware, return_lse=return_lse,
-        seq_lens=seq_lens,
+        seq_lens=seq_lens, alpha=alpha,
     )  # fmt: skip
+    weights = tail_weight.resolve(alpha, mode=mode, heads=sh.heads, device=q.device,
+                                  dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     be = get_backend(make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend).backend)
     scale = float(sh.head_dim**-0.5 if scale is None else scale)
     plan = _ring_plan(perm, q_perm, exact_queries, sh, block_size)
@@ -127,6 +130,7 @@ def ring_pisa_attention(
     (out, lse), rest_res = _ring_aligned(
         qa, ka, va, plan.k_dst, group, be, density=density, block_size=block_size, mode=mode,
         covariance_aware=covariance_aware, scale=scale, keep=keep, n_keep_max=n_keep_max, q_exact=q_rest,
+        alpha=weights,
     )  # fmt: skip
 
     with phase("redist", dev):
@@ -213,11 +217,12 @@ def _aligned_bounds(src: list[int], total: int, block_size: int, world: int, per
 
 
 def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size, mode, covariance_aware, scale,
-                  keep, n_keep_max, q_exact=None):  # fmt: skip
+                  keep, n_keep_max, q_exact=None, alpha=None):  # fmt: skip
     """Ring PISA on block-aligned K/V shards ([B, H, L, D] views, any strides) with backend ``be``'s
     stages. ``q``: this rank's query blocks (whole blocks of the global query sequence, which may
     differ from the key sequence). ``q_exact``: optional further queries (any count) that attend
-    every key exactly, in the same pass. Returns ``((out, lse), (out_exact, lse_exact) | None)``,
+    every key exactly, in the same pass. ``alpha``: ``[H]`` first-order weights of ``q``'s attend
+    (``attend``'s). Returns ``((out, lse), (out_exact, lse_exact) | None)``,
     outputs in q's dtype, LSEs float32."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dev = q.device
@@ -264,7 +269,8 @@ def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size,
                         # The kernel picks its config by density: a shard holds its share of the top-k.
                         n_sel = max(1, round(n_sel * blocks[src] / n_kv))
                     acc.append(be.attend(qg, ks, vs, shards[src], s_shard, mode=mode_g, scale=scale,
-                                         block_size=block_size, n_select=n_sel, out_dtype=part_dtype))
+                                         block_size=block_size, n_select=n_sel, out_dtype=part_dtype,
+                                         alpha=alpha if selg is not None else None))
         if nxt is not None:
             with phase("wait", dev):
                 exchange.wait()

@@ -44,20 +44,22 @@ def ulysses_pisa_attention(
     return_lse: bool = False,
     backend: str = "auto",
     seq_lens: list[int] | None = None,
+    alpha=None,
 ):
     """Ulysses-parallel PISA: this rank's slice of ``pisa_attention`` over the global sequence.
 
     Arguments as :func:`pisa_attn.parallel.ring_pisa_attention` (no ``q_perm``), plus ``backend``
     (passed on to :func:`pisa_attn.pisa_attention`, which runs on the gathered sequence). The query
     heads must be divisible by the group size; kv heads that are not are repeated to the query
-    heads first. A per-head ``keep_blocks`` [B, H, Nk] follows its heads to their rank.
+    heads first. A per-head ``keep_blocks`` [B, H, Nk] or ``alpha`` [H] follows its heads to their rank.
     """
     qh, kh, vh, sh = check_inputs(
         q, k, v, group=group, density=density, block_size=block_size, mode=mode, scale=scale,
         layout=layout, backend=backend, what="ulysses_pisa_attention", covariance_aware=covariance_aware,
-        return_lse=return_lse, seq_lens=seq_lens,
+        return_lse=return_lse, seq_lens=seq_lens, alpha=alpha,
     )  # fmt: skip
     heads_here = slice(sh.rank * sh.heads // sh.world, (sh.rank + 1) * sh.heads // sh.world)
+    alpha = local_heads(alpha, heads_here)
     keep = keep_blocks
     if isinstance(keep, Tensor) and keep.dim() == 3 and keep.shape[1] != 1:
         keep = keep[:, heads_here]
@@ -66,12 +68,17 @@ def ulysses_pisa_attention(
         with phase("attend", qf.device):
             return pisa_attention(
                 qf, kf, vf, density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
-                scale=scale, keep_blocks=keep, return_lse=True, backend=backend,
+                scale=scale, keep_blocks=keep, return_lse=True, backend=backend, alpha=alpha,
             )  # fmt: skip
 
     out, lse = _ulysses(qh, kh, vh, fn, sh, group, perm)
     out = to_layout(out, layout)
     return (out, lse) if return_lse else out
+
+
+def local_heads(alpha, heads: slice):
+    """A per-head ``alpha`` ([H] tensor) cut to one rank's heads; a number or None as it is."""
+    return alpha[heads] if isinstance(alpha, Tensor) and alpha.dim() == 1 else alpha
 
 
 def ulysses_attention(

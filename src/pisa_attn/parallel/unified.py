@@ -14,7 +14,7 @@ from torch import Tensor
 from ..attention import validate
 from .comm import group_info
 from .ring import ring_pisa_attention
-from .ulysses import ulysses_attention
+from .ulysses import local_heads, ulysses_attention
 
 
 def unified_pisa_attention(
@@ -37,6 +37,7 @@ def unified_pisa_attention(
     return_lse: bool = False,
     backend: str = "auto",
     seq_lens: list[int] | None = None,
+    alpha=None,
 ):
     """Ulysses x ring PISA: this rank's slice of ``pisa_attention`` over the global sequence.
 
@@ -52,7 +53,7 @@ def unified_pisa_attention(
             rank knows them; default: gathered.
         Everything else as in :func:`pisa_attn.parallel.ring_pisa_attention` (``perm``, ``q_perm``,
         ``exact_queries`` and ``keep_blocks`` index the global sequence; a per-head ``keep_blocks``
-        follows its heads).
+        or ``alpha`` follows its heads).
 
     Returns:
         ``out`` for this rank's queries (shape/layout of ``q``), plus ``lse`` [B, H, Lq] when
@@ -60,7 +61,7 @@ def unified_pisa_attention(
     """
     # The settings are checked here, before any collective (the ring checks them again per group).
     validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout, backend=backend,
-             covariance_aware=covariance_aware, return_lse=return_lse)
+             covariance_aware=covariance_aware, return_lse=return_lse, alpha=alpha)
     u_rank, u = group_info(ulysses_group)
     r_rank, r = group_info(ring_group)
     u_lens = ring_lens = None
@@ -74,12 +75,13 @@ def unified_pisa_attention(
     heads = q.shape[1 if layout == "bhsd" else 2]
     if isinstance(keep, Tensor) and keep.dim() == 3 and keep.shape[1] != 1:
         keep = keep[:, u_rank * heads // u : (u_rank + 1) * heads // u]
+    alpha = local_heads(alpha, slice(u_rank * heads // u, (u_rank + 1) * heads // u))
 
     def ring(qf, kf, vf):  # [B, H/u, L_group, D]: this Ulysses group's sequence, my heads
         return ring_pisa_attention(
             qf, kf, vf, group=ring_group, density=density, block_size=block_size, mode=mode,
             covariance_aware=covariance_aware, scale=scale, keep_blocks=keep, perm=perm, q_perm=q_perm,
-            exact_queries=exact_queries, return_lse=True, backend=backend, seq_lens=ring_lens,
+            exact_queries=exact_queries, return_lse=True, backend=backend, seq_lens=ring_lens, alpha=alpha,
         )  # fmt: skip
 
     out, lse = ulysses_attention(q, k, v, ring, group=ulysses_group, layout=layout, seq_lens=u_lens)

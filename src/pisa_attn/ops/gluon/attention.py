@@ -9,7 +9,8 @@ One CTA owns a *pair* of adjacent 64-row query blocks of one head and runs three
 * two consumer warpgroups (worker partitions), one per query block, walk the same stream: each
   computes only the exact blocks its own selection holds (the union code's owner bits), then
   every centroid group under its own tail bitmask, all in one online softmax (base 2), then the
-  first-order term ``ℓ_tail · s (q H̄)``. A slot is released when both consumers arrived.
+  first-order term ``ℓ_tail · α_h s (q H̄)`` (``α_h`` from ``alpha_ptr``, one float per query
+  head). A slot is released when both consumers arrived.
 
 The selection is the paper's, per 64-row query block; only the loads are shared. The arithmetic
 is the Triton kernel's (``ops/triton/attention.py``): same scaled float16 centroid scores with
@@ -36,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..launch import Desc, Launcher
-from ..triton.attention import _alloc_like_layout
+from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.pairs import pair_union
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -124,7 +125,7 @@ def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr,
+def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
               q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
               uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, NQ, NK,
               qk_scale, scale,
@@ -237,7 +238,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr,
             o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
             qh = warpgroup_mma(q_s, hb_smem, o_zero, use_acc=False, is_async=True)
             qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh,))
-            acc += gl.convert_layout(l_tail * (scale / BS), row_o)[:, None] * qh
+            a_h = gl.load(alpha_ptr + h)  # the first-order weight of this query head
+            acc += gl.convert_layout(l_tail * (scale * a_h / BS), row_o)[:, None] * qh
         out = acc / gl.convert_layout(l_i, row_o)[:, None]
         lse = (m_i + gl.log2(l_i)) * LN2
         rows = qi * BS + gl.arange(0, BS, layout=row_s)
@@ -253,7 +255,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr,
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
 def _pair_attn_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc,
-    kscale_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr,
+    kscale_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr, alpha_ptr,
     H, HK, LQ, LK, NQ, NK, W2, NW,
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
@@ -293,11 +295,11 @@ def _pair_attn_kernel(
                    q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                    uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
                    BS, C, STAGES, MODE)),
-        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr,
+        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                      q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                      uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, NQ, NK,
                      qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG)),
-        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr,
+        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                      q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                      uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, NQ, NK,
                      qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG)),
@@ -345,11 +347,12 @@ def attention(
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, n_select: int,
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
+    alpha: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
     The stream is built from ``bits`` (``idx`` only gives the list width); both kernels take one
-    selection."""
+    selection. ``alpha``: ``[H]`` float32 weights of the first-order term (None: 1)."""
     del cnt, n_select
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -360,14 +363,15 @@ def attention(
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
     uidx, ucnt = pair_union(bits, nk, idx.shape[-1])
+    alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
     st = stages or STAGES[d]
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d))
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d])
-    scalars = (kscale, uidx, ucnt, bits, lse, h, hk, lq, lk, nq, nk, uidx.shape[-1], bits.shape[-1],
+    scalars = (kscale, uidx, ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk, uidx.shape[-1], bits.shape[-1],
                scale * 1.4426950408889634, scale)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, tuple(x.data_ptr() % 16 == 0 for x in scalars[:5]))
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, tuple(x.data_ptr() % 16 == 0 for x in scalars[:6]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if key in _launch else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
@@ -394,7 +398,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or STAGES[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), Q_REG=q_reg)
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
-                 qk_scale="fp32", scale="fp32")
+                 alpha_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}
     for name in _pair_attn_kernel.arg_names:
         sig[name] = ("constexpr" if name in constexprs else mangle_type(descs[name]) if name in descs

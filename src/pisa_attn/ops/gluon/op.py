@@ -57,6 +57,7 @@ def attend(
     block_size: int,
     n_select: int | None = None,
     out_dtype: torch.dtype | None = None,
+    alpha: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel under ``selection``: (out in ``out_dtype``, default q's, lse fp32).
 
@@ -66,15 +67,16 @@ def attend(
     """
     if (out_dtype not in (None, q.dtype)) or _gattn.tma_unsupported_reason(q, k, v) is not None:
         return _top.attend(q, k, v, stats, selection, mode=mode, scale=scale, block_size=block_size,
-                           n_select=n_select, out_dtype=out_dtype)
+                           n_select=n_select, out_dtype=out_dtype, alpha=alpha)
     out = _tattn._alloc_like_layout(q)
     return _gattn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
-                            n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out)
+                            n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, alpha=alpha)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0):
+def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+            alpha: Tensor | None = None):
     """One call on one device (through the registered op when traced): (out, lse)."""
-    return _fused.forward(BACKEND, q, k, v, plan, keep, n_keep_max)
+    return _fused.forward(BACKEND, q, k, v, plan, keep, n_keep_max, alpha)
 
 
 BACKEND = _fused.register(

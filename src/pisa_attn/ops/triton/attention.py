@@ -10,7 +10,8 @@ once share one head's keys and values in L2.
   exact tile's and multiplies the value means ``V̂_j/n_j`` (the same arithmetic as an exact
   tile, through the same ``_step``). The score is one float16 product of q and the power-of-two-scaled k̄ (see
   ``prepare``), both scales folded back afterwards.
-* Phase 3 (``hybrid``): ``ℓ_tail · s (q H̄)`` once (``H̄`` in the input dtype).
+* Phase 3 (``hybrid``): ``ℓ_tail · α_h s (q H̄)`` once (``H̄`` in the input dtype; ``α_h`` the
+  weight of the first-order term for the program's query head, one float from ``alpha_ptr``).
 
 Exact and tail scores share the running maximum ``m``; whenever it rises, the accumulator, the
 denominator and the tail normaliser ``ℓ_tail`` are all rescaled by the same factor (a tail block
@@ -28,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ... import tail_weight
 from ._common import LN2, LOG2E, interpreting
 
 MODE_IDS = {"drop": 0, "zeroth": 1, "hybrid": 2}
@@ -119,7 +121,7 @@ def _tail_phase(q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_p
 # Shape scalars are not specialised (no recompiles across lengths/densities); strides still are.
 @triton.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W", "NW", "L_BUCKET", "DENS_BUCKET"])
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, kbar_ptr, kscale_ptr, vbar_ptr, hbar_ptr,
+    q_ptr, k_ptr, v_ptr, kbar_ptr, kscale_ptr, vbar_ptr, hbar_ptr, alpha_ptr,
     idx_ptr, cnt_ptr, bits_ptr, o_ptr, lse_ptr,
     sqb, sqh, sql, sqd,
     skb, skh, skl, skd,
@@ -183,7 +185,8 @@ def _attn_kernel(
         if F32:
             hbv = hbv.to(tl.float32)
         qh = tl.dot(q, hbv)
-        acc += (l_tail * (scale / BS))[:, None] * qh
+        a_h = tl.load(alpha_ptr + h)  # the first-order weight of this query head
+        acc += (l_tail * (scale * a_h / BS))[:, None] * qh
 
     out = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * LN2_C
@@ -232,6 +235,16 @@ def _alloc_like_layout(q: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return torch.empty(b, h, lq, d, device=q.device, dtype=dtype)
 
 
+def alpha_arg(alpha: Tensor | None, heads: int, device) -> Tensor:
+    """The ``[H]`` float32 weight tensor a kernel reads (weight 1 when None)."""
+    if alpha is None:
+        return tail_weight.ones(heads, device)
+    if alpha.dtype != torch.float32 or alpha.numel() != heads or alpha.device != device:
+        raise ValueError(f"alpha must be a float32 tensor of {heads} weights on {device}, got {alpha.dtype} "
+                         f"{tuple(alpha.shape)} on {alpha.device}")
+    return alpha.contiguous()
+
+
 def autotune_key(lk: int, density: float) -> tuple[int, int]:
     """Shape classes that change the best config: length (<=8K, <=32K, longer) and density (<20%)."""
     return (0 if lk <= 8192 else 1 if lk <= 32768 else 2), (0 if density < 0.2 else 1)
@@ -242,12 +255,13 @@ def attention(
     kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor,
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, n_select: int,
-    out: Tensor | None = None, lse: Tensor | None = None, config: dict | None = None,
+    out: Tensor | None = None, lse: Tensor | None = None, config: dict | None = None, alpha: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Run the fused kernel for a given selection; returns (out [B,H,Lq,D], lse [B,H,Lq] fp32).
 
     ``out``/``lse`` may be passed in (tests poison them); ``config`` ({C, num_warps, num_stages})
-    bypasses autotuning, as does ``PISA_ATTN_AUTOTUNE=0``.
+    bypasses autotuning, as does ``PISA_ATTN_AUTOTUNE=0``. ``alpha``: ``[H]`` float32 weights of
+    the first-order term per query head (None: 1, the paper's term).
     """
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -256,8 +270,9 @@ def attention(
         out = _alloc_like_layout(q)
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
+    alpha = alpha_arg(alpha, h, q.device)
     args = (
-        q, k, v, kbar, kscale, vbar, hbar, idx, cnt, bits, out, lse,
+        q, k, v, kbar, kscale, vbar, hbar, alpha, idx, cnt, bits, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         h, hk, lq, lk, nq, nk, idx.shape[-1], bits.shape[-1],
         scale * LOG2E, scale,

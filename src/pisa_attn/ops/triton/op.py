@@ -61,20 +61,23 @@ def attend(
     block_size: int,
     n_select: int | None = None,
     out_dtype: torch.dtype | None = None,
+    alpha: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The fused attention kernel under ``selection``: (out in ``out_dtype``, default q's, lse fp32).
 
     ``n_select`` (the top-k count; default the selection's width) only picks the tuned config.
-    A float32 ``out_dtype`` keeps a shard's partial unrounded for the merge.
+    A float32 ``out_dtype`` keeps a shard's partial unrounded for the merge. ``alpha``: ``[H]``
+    float32 weights of the first-order term (None: 1).
     """
     out = _attn._alloc_like_layout(q, out_dtype)
     return _attn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
-                           n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out)
+                           n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, alpha=alpha)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0):
+def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+            alpha: Tensor | None = None):
     """One call on one device (through the registered op when traced): (out, lse)."""
-    return _fused.forward(BACKEND, q, k, v, plan, keep, n_keep_max)
+    return _fused.forward(BACKEND, q, k, v, plan, keep, n_keep_max, alpha)
 
 
 BACKEND = _fused.register(

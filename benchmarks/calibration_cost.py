@@ -1,0 +1,166 @@
+"""What ``apply_pisa(..., calibrate=True)`` adds to a dense warm-up step.
+
+One warm-up step is one transformer forward with every managed attention layer dense (the schedule's
+``warmup_step``). It is timed with and without the calibration observer (which samples ``--rows``
+query rows per call and fits the first-order weight on them in float32, see
+``pisa_attn.diffusers.calibrate``); the difference is the calibration's cost.
+
+    python benchmarks/calibration_cost.py --tiny                 # CPU: a small Wan-like model, several lengths
+    python benchmarks/calibration_cost.py                        # GPU: Wan2.1-1.3B (32,760 tokens), FLUX.1 (4,608)
+
+Random weights from the real configs (``pisa_attn.bench.model_configs``), bf16 on the GPU, float32
+on the CPU. Writes ``calibration_cost.json`` to ``--out`` (default ``$OUT`` or ``./out``) and
+prints a table last. Target: overhead <= 5% of a warm-up step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from pisa_attn.bench.model_configs import FLUX_DEV, WAN_1_3B
+
+# CPU model: Wan-shaped, small enough for a few forwards per length on one core.
+WAN_CPU = dict(
+    patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=16, out_channels=16,
+    text_dim=64, freq_dim=64, ffn_dim=1024, num_layers=2, rope_max_seq_len=256,
+)  # fmt: skip
+# latent grids (frames, height, width) -> tokens after the (1, 2, 2) patch
+CPU_GRIDS = {1024: (1, 64, 64), 2048: (2, 64, 64), 4096: (4, 64, 64), 8192: (8, 64, 64)}
+
+
+def build(kind: str, cfg: dict, device, dtype):
+    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+
+    cls = WanTransformer3DModel if kind == "wan" else FluxTransformer2DModel
+    previous = torch.get_default_dtype()
+    torch.manual_seed(0)
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(**cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def inputs(kind: str, cfg: dict, grid, text: int, device, dtype) -> dict:
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    if kind == "wan":
+        return dict(hidden_states=r(1, cfg["in_channels"], *grid), timestep=torch.tensor([500.0], device=device),
+                    encoder_hidden_states=r(1, text, cfg["text_dim"]))
+    h, w = grid
+    ids = torch.zeros(h, w, 3)
+    ids[..., 1] = torch.arange(h)[:, None]
+    ids[..., 2] = torch.arange(w)[None, :]
+    out = dict(hidden_states=r(1, h * w, cfg["in_channels"]), encoder_hidden_states=r(1, text, cfg["joint_attention_dim"]),
+               pooled_projections=r(1, cfg["pooled_projection_dim"]),
+               timestep=torch.tensor([0.5], device=device, dtype=dtype),
+               img_ids=ids.reshape(h * w, 3).to(device), txt_ids=torch.zeros(text, 3, device=device))
+    if cfg.get("guidance_embeds"):
+        out["guidance"] = torch.tensor([3.5], device=device, dtype=dtype)
+    return out
+
+
+def forward_ms(model, x, device) -> float:
+    """ms of one forward (the same timestep every time: every call is warm-up step 0)."""
+    with torch.inference_mode():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(**x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
+    """Without and with calibration (each ``--rows`` setting), interleaved round by round so that
+    drift and other load hit every setting alike; the minimum over rounds is reported."""
+    import pisa_attn.diffusers as pd
+
+    model = build(kind, cfg, device, dtype)
+    x = inputs(kind, cfg, grid, text, device, dtype)
+    common = dict(density=args.density, dense_steps=1 << 30, dense_layers=0, min_kv_len=0)
+    settings = {"base": None, **{f"r{n}": pd.CalibrationConfig(rows=n) for n in args.rows}}
+    times = {name: [] for name in settings}
+    layers = 0
+    for i in range(args.warmup + args.iters):
+        for name, calibration in settings.items():
+            pd.apply_pisa(model, calibrate=calibration or False, **common)
+            ms = forward_ms(model, x, device)
+            if i >= args.warmup:
+                times[name].append(ms)
+            if calibration is not None:
+                layers = len(pd.pisa_state(model).calibrator.fits)
+    pd.remove_pisa(model)
+    base = min(times["base"])
+    row = {"model": kind, "grid": list(grid), "text": text, "step_ms": base, "layers": layers,
+           "times_ms": times}
+    for n in args.rows:
+        row[f"calibrated_ms_r{n}"] = min(times[f"r{n}"])
+        row[f"overhead_r{n}"] = row[f"calibrated_ms_r{n}"] / base - 1
+    row["tokens"] = int(torch.tensor(grid).prod()) // (4 if kind == "wan" else 1) + (text if kind == "flux" else 0)
+    row["heads"], row["head_dim"] = model.config.num_attention_heads, model.config.attention_head_dim
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="CPU: a small Wan-like model at --lengths")
+    p.add_argument("--lengths", default="1024,2048,4096", help="CPU token counts (of 1024, 2048, 4096, 8192)")
+    p.add_argument("--models", default="wan,flux", help="GPU models: wan (1.3B, 32,760 tokens), flux (dev, 4,608)")
+    p.add_argument("--flux-blocks", default="19,38", help="double,single blocks of the FLUX model")
+    p.add_argument("--rows", default="16,32,64", help="query rows sampled per call (comma list)")
+    p.add_argument("--density", type=float, default=0.15)
+    p.add_argument("--iters", type=int, default=5, help="timed rounds (minimum reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads")
+    p.add_argument("--out", default=os.environ.get("OUT", "./out"))
+    args = p.parse_args(argv)
+    args.rows = [int(x) for x in args.rows.split(",")]
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.set_num_threads(args.threads)
+    rows = []
+    if cuda:
+        for kind in args.models.split(","):
+            if kind == "wan":
+                rows.append(measure("wan", WAN_1_3B, (21, 60, 104), 512, device, dtype, args))
+            else:
+                d, s = (int(x) for x in args.flux_blocks.split(","))
+                rows.append(measure("flux", {**FLUX_DEV, "num_layers": d, "num_single_layers": s}, (64, 64), 512,
+                                    device, dtype, args))
+            print(json.dumps(rows[-1]), flush=True)
+    else:
+        for n in (int(x) for x in args.lengths.split(",")):
+            rows.append(measure("wan", WAN_CPU, CPU_GRIDS[n], 16, device, dtype, args))
+            print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+           "torch": torch.__version__, "threads": torch.get_num_threads()}
+    with open(os.path.join(args.out, "calibration_cost.json"), "w") as f:
+        json.dump({"environment": env, "density": args.density, "rows": rows}, f, indent=1)
+    print(f"\n=== calibration cost per dense warm-up step ({env['device']}) ===")
+    head = f"{'model':6s} {'tokens':>7s} {'H x D':>8s} {'step ms':>9s} " + " ".join(
+        f"{'r' + str(n) + ' ms':>9s} {'+%':>6s}" for n in args.rows)
+    print(head)
+    for r in rows:
+        cells = " ".join(f"{r[f'calibrated_ms_r{n}']:9.1f} {100 * r[f'overhead_r{n}']:5.1f}%" for n in args.rows)
+        print(f"{r['model']:6s} {r['tokens']:7d} {r['heads']:>3d}x{r['head_dim']:<4d} {r['step_ms']:9.1f} {cells}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""A table of first-order weights per attention layer and head (JSON), and how it is built.
+
+``pisa-attn calibrate FILE`` writes one from a q/k/v capture; ``apply_pisa(..., calibrate=True)``
+fits one during a run's dense warm-up; ``apply_pisa(..., alpha_table=PATH_OR_DICT)`` loads one.
+Layers are the managed self-attention calls of one transformer forward in order (the ``layer``
+of :func:`pisa_attn.diffusers.capture_qkv`), per transformer of a pipeline::
+
+    {"format": "pisa-attn-alpha", "version": 1, "model": "wan",
+     "settings": {"density": 0.15, "mode": "hybrid", "covariance_aware": false, "block_size": 64},
+     "fit": "head", "source": "qkv.safetensors",
+     "transformers": {"transformer": {"3": {"alpha": [0.41, 0.66, ...], "tail_mass": 0.38,
+                                            "rows": 2048, "residual_vs_paper": 0.81}, ...}}}
+
+``settings`` are those the weights were fitted under (a weight depends on the density and the
+selection); ``tail_mass`` (mean dense softmax mass on the approximated blocks), ``rows`` (query
+rows fitted on) and ``residual_vs_paper`` (squared error at the fitted weight over that at weight
+1, on the fitted rows) are information only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from . import calibration as cal
+
+FORMAT = "pisa-attn-alpha"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class LayerAlpha:
+    alpha: tuple[float, ...]  # one weight per query head
+    tail_mass: float | None = None
+    rows: int | None = None
+    residual_vs_paper: float | None = None
+
+
+@dataclass
+class AlphaTable:
+    """Weights per transformer (``"transformer"``, ``"transformer_2"``) and layer."""
+
+    transformers: dict[str, dict[int, LayerAlpha]]
+    settings: dict = field(default_factory=dict)
+    fit: str = "head"
+    model: str | None = None
+    source: str | None = None
+
+    def layers(self, name: str = "transformer") -> dict[int, LayerAlpha]:
+        """The layers of transformer ``name``; a table of one transformer serves any name."""
+        if name in self.transformers:
+            return self.transformers[name]
+        if len(self.transformers) == 1:
+            return next(iter(self.transformers.values()))
+        raise ValueError(f"alpha_table has no weights for {name!r} (it has {sorted(self.transformers)})")
+
+    def to_json(self) -> dict:
+        def layer(x: LayerAlpha) -> dict:
+            d = {"alpha": list(x.alpha)}
+            for key in ("tail_mass", "rows", "residual_vs_paper"):
+                if getattr(x, key) is not None:
+                    d[key] = getattr(x, key)
+            return d
+
+        return {"format": FORMAT, "version": VERSION, "model": self.model, "settings": dict(self.settings),
+                "fit": self.fit, "source": self.source,
+                "transformers": {t: {str(i): layer(x) for i, x in sorted(ls.items())}
+                                 for t, ls in self.transformers.items()}}
+
+    def save(self, path) -> str:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        return str(path)
+
+
+def _bad(why: str) -> ValueError:
+    return ValueError(f"alpha_table {why}")
+
+
+def from_json(d) -> AlphaTable:
+    """Parse and check a table's JSON object (ValueError naming ``alpha_table`` on a bad one)."""
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise _bad(f"must be a {FORMAT!r} JSON object (as pisa-attn calibrate writes), got "
+                   f"{type(d).__name__ if not isinstance(d, dict) else 'format=' + repr(d.get('format'))}")
+    if d.get("version") != VERSION:
+        raise _bad(f"has version {d.get('version')!r}; this reader needs {VERSION}")
+    ts = d.get("transformers")
+    if not isinstance(ts, dict) or not ts:
+        raise _bad("has no 'transformers' with weights")
+    out: dict[str, dict[int, LayerAlpha]] = {}
+    for name, layers in ts.items():
+        if not isinstance(layers, dict):
+            raise _bad(f"entry {name!r} must map layer indices to weights")
+        parsed = {}
+        for key, entry in layers.items():
+            try:
+                index = int(key)
+            except (TypeError, ValueError):
+                index = -1
+            if index < 0 or str(index) != str(key).strip():
+                raise _bad(f"layer keys must be non-negative integers, got {key!r} in {name!r}")
+            values = entry.get("alpha") if isinstance(entry, dict) else None
+            if (not isinstance(values, list) or not values
+                    or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+                           for x in values)):
+                raise _bad(f"layer {key} of {name!r} needs 'alpha': a non-empty list of finite numbers, got {values!r}")
+            parsed[index] = LayerAlpha(tuple(float(x) for x in values), entry.get("tail_mass"), entry.get("rows"),
+                                       entry.get("residual_vs_paper"))
+        out[str(name)] = parsed
+    settings = d.get("settings") or {}
+    if not isinstance(settings, dict):
+        raise _bad("'settings' must be an object")
+    return AlphaTable(out, settings, d.get("fit", "head"), d.get("model"), d.get("source"))
+
+
+def load(table) -> AlphaTable:
+    """An :class:`AlphaTable` from a path to a JSON file, its parsed dict, or a table."""
+    if isinstance(table, AlphaTable):
+        return table
+    if isinstance(table, dict):
+        return from_json(table)
+    if isinstance(table, (str, os.PathLike)):
+        try:
+            with open(table) as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise _bad(f"path {str(table)!r} is not a readable JSON file: {e}") from None
+        return from_json(d)
+    raise TypeError(f"alpha_table must be a path, a dict or an AlphaTable, got {type(table).__name__}")
+
+
+def from_fits(fits: dict[str, dict[int, cal.RowFit]], *, settings: dict, over: str = "head",
+              default: float = 1.0, bounds=cal.FIT_BOUNDS, model: str | None = None,
+              source: str | None = None) -> AlphaTable:
+    """The table of least-squares weights of pooled fits (per transformer and layer); a head with
+    no tail on the fitted rows gets ``default``."""
+    out: dict[str, dict[int, LayerAlpha]] = {}
+    for name, layers in fits.items():
+        out[name] = {}
+        for layer, fit in sorted(layers.items()):
+            heads = fit.stats.cr.numel()
+            w = fit.stats.alpha(over, default=default, bounds=bounds).double().reshape(-1).expand(heads)
+            paper = float(fit.stats.residual(1.0).sum())
+            ratio = float(fit.stats.residual(w).sum()) / paper if paper > 0 else None
+            out[name][layer] = LayerAlpha(tuple(float(x) for x in w.tolist()),
+                                          float(fit.mean_tail_mass().mean()), int(fit.rows), ratio)
+    return AlphaTable(out, dict(settings), over, model, source)

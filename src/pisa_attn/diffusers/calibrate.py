@@ -1,0 +1,159 @@
+"""Fitting the first-order weight during a run's dense warm-up (``apply_pisa(..., calibrate=True)``).
+
+Warm-up steps run dense attention in every layer, so the answer the weight is fitted against is
+there. On each warm-up call of a layer that will later run sparse, :class:`Calibrator` (an
+observer of the managed calls) samples a few query rows of one batch row and computes on those
+rows only, in float32 with the reference's arithmetic, the zeroth-order output, the first-order
+correction and the dense output (:func:`pisa_attn.calibration.fit_rows`); it adds their
+least-squares statistics per layer and head. The first sparse call of a generation freezes the weights: per layer and head
+the pooled least-squares fit, clamped to :data:`pisa_attn.calibration.FIT_BOUNDS`; a layer without
+samples keeps the weight it has without calibration. Each generation fits anew, on its own
+warm-up (the input being generated is the best calibration input there is).
+
+Cost per calibrated call: the key statistics (``O(Lk·D²)`` per head, as PISA's prepare) and about
+ten passes over one ``rows x Lk`` score matrix, against the call's ``O(Lq·Lk·D)`` dense attention:
+measured on CPU, one sampled row costs about five rows of fused dense attention, so a call adds
+about ``5·rows/Lq`` of its attention plus a fixed ~40 small operations (1% at 32K tokens with
+the default 32 rows; ``benchmarks/calibration_cost.py`` times it per warm-up step).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import calibration as cal
+from .. import spec
+from ..alpha_table import AlphaTable, from_fits
+from ..layout import block_floor
+from . import hooks
+from .schedule import Schedule
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """rows: query rows sampled per warm-up call and layer (runs of up to :data:`CHUNK`
+    consecutive rows in distinct random query blocks: a block's rows share its exact set).
+    fit: ``"head"`` (a weight per head) or ``"layer"`` (one per layer).
+    seed: the sampling's seed."""
+
+    rows: int = 32
+    fit: str = "head"
+    seed: int = 0
+
+    def __post_init__(self):
+        n = self.rows
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"rows must be a positive int, got {n!r}")
+        if self.fit not in cal.FIT_OVER:
+            raise ValueError(f"fit must be one of {cal.FIT_OVER}, got {self.fit!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+
+
+CHUNK = 16
+
+
+def sample_rows(rng: random.Random, lo: int, hi: int, block_size: int, rows: int) -> list[int]:
+    """About ``rows`` positions in ``[lo, hi)``: runs of up to :data:`CHUNK` consecutive rows, each
+    in its own query block (blocks of ``block_size`` rows counted from 0), blocks drawn at random."""
+    chunk = min(CHUNK, block_size)
+    first, last = lo // block_size, (hi - 1) // block_size
+    blocks = rng.sample(range(first, last + 1), min(last - first + 1, -(-rows // chunk)))
+    out = []
+    for i in sorted(blocks):
+        a, e = max(lo, i * block_size), min(hi, (i + 1) * block_size)
+        start = a + rng.randrange(max(1, e - a - chunk + 1))
+        out.extend(range(start, min(e, start + chunk)))
+    return out
+
+
+def as_config(value) -> CalibrationConfig | None:
+    """``calibrate=``: ``True`` (the defaults), ``False`` (off) or a :class:`CalibrationConfig`."""
+    if isinstance(value, CalibrationConfig):
+        return value
+    if value is True:
+        return CalibrationConfig()
+    if value is False or value is None:
+        return None
+    raise TypeError(f"calibrate must be True, False or a CalibrationConfig, got {value!r}")
+
+
+class Calibrator:
+    """Per-layer fits of one transformer's warm-up calls (see the module docstring)."""
+
+    def __init__(self, config: CalibrationConfig, schedule: Schedule, default: float = spec.DEFAULT_ALPHA):
+        self.config = config
+        self.schedule = schedule
+        self.default = float(default)
+        self.rng = random.Random(config.seed)
+        self.fits: dict[int, cal.RowFit] = {}
+        self.settings: dict = {}
+        self.frozen: dict[int, Tensor] | None = None
+        self.calls = 0  # calibrated calls this generation
+        self._last_step = -1
+        self._remove = None
+
+    def attach(self, transformer) -> None:
+        self._remove = hooks.add_observer(transformer, self.observe)
+
+    def detach(self) -> None:
+        if self._remove is not None:
+            self._remove()
+            self._remove = None
+
+    def reset(self) -> None:
+        """A new generation: forget the fits and the frozen weights."""
+        self.fits.clear()
+        self.frozen = None
+        self.calls = 0
+        self._last_step = -1
+
+    @torch.no_grad()
+    def observe(self, call: hooks.AttentionCall) -> None:
+        if call.step < self._last_step:  # a generation the pipeline hook did not announce
+            self.reset()
+        self._last_step = call.step
+        if self.frozen is not None or not call.dense or call.meta.get("dense_reason") != "warmup_step":
+            return
+        if call.mode not in spec.FIRST_ORDER_MODES:
+            return
+        lens = call.meta.get("key_lens")
+        b = self.calls % call.q.shape[0]  # one batch row per call, in turn
+        n = call.k.shape[2] if not lens else int(lens[b])
+        # A layer that never runs sparse (a dense layer, too few keys) needs no weight.
+        if self.schedule.dense_reason(call.meta.get("block", call.layer), 1 << 62, n) is not None:
+            return
+        bs = call.block_size
+        lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
+        start = block_floor(lo, bs)  # the query blocks the backend runs (see layout.block_floor)
+        rows = sample_rows(self.rng, lo - start, hi - start, bs, self.config.rows)
+        keep = None
+        if call.keep_blocks is not None:
+            keep = call.keep_blocks[: spec.num_blocks(n, bs)]
+            keep = keep if bool(keep.any()) else None
+        fit = cal.fit_rows(call.q[b : b + 1, :, start:hi], call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n],
+                           density=call.density, rows=rows, measured=(lo - start, hi - start), block_size=bs,
+                           mode=call.mode, covariance_aware=call.covariance_aware, scale=call.scale,
+                           keep_blocks=keep)
+        self.calls += 1
+        self.settings = {"density": call.density, "mode": call.mode, "covariance_aware": call.covariance_aware,
+                         "block_size": bs}
+        prev = self.fits.get(call.layer)
+        self.fits[call.layer] = fit if prev is None else prev + fit
+
+    def freeze(self) -> dict[int, Tensor]:
+        """The weights of this generation (fitted now on the first call, then kept): ``{layer:
+        CPU float64 [H]}`` for the layers that were sampled."""
+        if self.frozen is None:
+            table = self.table()
+            self.frozen = {i: torch.tensor(x.alpha, dtype=torch.float64) for i, x in table.layers().items()}
+        return self.frozen
+
+    def table(self, name: str = "transformer") -> AlphaTable:
+        """The current fits as a table (the weights, tail mass and rows per layer)."""
+        return from_fits({name: self.fits}, settings=self.settings, over=self.config.fit, default=self.default,
+                         source="calibrate=True (dense warm-up)")

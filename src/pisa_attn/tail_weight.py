@@ -1,0 +1,129 @@
+"""The weight ``alpha`` of PISA's first-order tail term: checks, and the ``[H]`` tensor kernels read.
+
+PISA's output is ``exact + zeroth-order tail + alpha · first-order term`` per query head (the
+term only enters the numerator, so the output is affine in ``alpha``; see
+:mod:`pisa_attn.calibration`). ``alpha = 1`` is the paper, ``0`` is zeroth order.
+
+A kernel reads one float per query head from a ``[H]`` tensor, so a new value never recompiles
+anything and a call stays capturable in a CUDA graph. Values given on the host (a number, or a CPU
+tensor) are checked there for free and live on the device once per (device, dtype, values): no
+copy and no host synchronisation after the first call with them. A tensor on the device is used as
+it is; checking its values costs one host read (skipped while compiling or capturing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import spec
+
+_CACHE: dict[tuple, Tensor] = {}
+_CACHE_LIMIT = 1024
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def host_values(alpha, heads: int) -> tuple[float, ...] | None:
+    """``alpha`` (a number or a CPU tensor of one value per head) as ``heads`` checked floats;
+    None for a tensor on another device (its values are not read here). ValueError/TypeError
+    naming ``alpha``."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, Tensor)):
+        raise TypeError(f"alpha must be None, a float or a tensor of one value per query head, got "
+                        f"{type(alpha).__name__}")
+    if isinstance(alpha, Tensor):
+        check_tensor_shape(alpha, heads)
+        if alpha.device.type != "cpu":
+            return None
+        values = tuple(float(x) for x in alpha.reshape(-1).tolist())
+        values = values * heads if len(values) == 1 else values
+    else:
+        values = (float(alpha),) * heads
+    if not all(math.isfinite(x) for x in values):
+        raise ValueError(f"alpha must be finite, got {alpha!r}")
+    return values
+
+
+def check_tensor_shape(alpha: Tensor, heads: int) -> None:
+    if not alpha.is_floating_point():
+        raise TypeError(f"alpha must be a floating tensor, got dtype {alpha.dtype}")
+    if not (alpha.dim() == 0 or (alpha.dim() == 1 and alpha.numel() == heads)):
+        raise ValueError(f"alpha must be a float or have shape [{heads}] (one value per query head), got shape "
+                         f"{tuple(alpha.shape)}")
+
+
+def check(alpha, mode: str, heads: int) -> None:
+    """The host-side checks of :func:`resolve` alone (no tensor is made)."""
+    if alpha is None:
+        return
+    if mode not in spec.FIRST_ORDER_MODES:
+        raise ValueError(f"alpha weights the first-order tail term, which mode {mode!r} does not have "
+                         f"(modes with one: {spec.FIRST_ORDER_MODES}); pass alpha=None")
+    if isinstance(alpha, Tensor) and torch.compiler.is_compiling():
+        check_tensor_shape(alpha, heads)  # no host read of its values inside a graph
+    else:
+        host_values(alpha, heads)
+
+
+def resolve(alpha, *, mode: str, heads: int, device, dtype: torch.dtype = torch.float32) -> Tensor | None:
+    """The ``[heads]`` weight tensor on ``device`` a call of ``mode`` passes to the kernels, or None
+    for a mode without a first-order term. ``alpha=None`` means :data:`pisa_attn.spec.DEFAULT_ALPHA`.
+
+    ValueError/TypeError naming ``alpha`` for a non-finite value, a shape other than a scalar or
+    ``[heads]``, a device other than the CPU or ``device``, or any ``alpha`` in a mode without a
+    first-order term (``"zeroth"``, ``"drop"``).
+    """
+    device = torch.device(device)
+    if mode not in spec.FIRST_ORDER_MODES:
+        check(alpha, mode, heads)
+        return None
+    if alpha is None:
+        alpha = spec.DEFAULT_ALPHA
+    if torch.compiler.is_compiling():  # traced: build it in the graph (shapes checked, values not read)
+        if isinstance(alpha, Tensor):
+            check_tensor_shape(alpha, heads)
+            return alpha.to(device=device, dtype=dtype).reshape(-1).expand(heads).contiguous()
+        host_values(alpha, heads)
+        return torch.full((heads,), float(alpha), dtype=dtype, device=device)
+    values = host_values(alpha, heads)
+    if values is None:  # a tensor on a device
+        if alpha.device != device:
+            raise ValueError(f"alpha must be on the CPU or on q's device ({device}), got {alpha.device}")
+        if not _capturing(device) and not bool(torch.isfinite(alpha).all()):
+            raise ValueError("alpha must be finite, got a tensor with non-finite values")
+        return alpha.to(dtype).reshape(-1).expand(heads).contiguous()
+    return weights(values, device, dtype)
+
+
+def weights(values: tuple[float, ...], device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The ``[len(values)]`` tensor of ``values`` on ``device``, made once and cached (not cached
+    when first asked for during CUDA-graph capture: its contents exist only in the graph)."""
+    device = torch.device(device)
+    key = (device, dtype, values)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    capturing = _capturing(device)
+    if len(set(values)) <= 1:
+        out = torch.full((len(values),), values[0] if values else 0.0, dtype=dtype, device=device)
+    elif capturing:  # no host-to-device copy inside a capture: one fill per head
+        out = torch.empty(len(values), dtype=dtype, device=device)
+        for i, x in enumerate(values):
+            out[i].fill_(x)
+    else:
+        out = torch.tensor(values, dtype=dtype).to(device)
+    if not capturing:
+        if len(_CACHE) >= _CACHE_LIMIT:
+            _CACHE.clear()
+        _CACHE[key] = out
+    return out
+
+
+def ones(heads: int, device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Weight 1 for every head: the term as the paper writes it (what a stage called without
+    ``alpha`` computes)."""
+    return weights((1.0,) * heads, device, dtype)

@@ -1,0 +1,245 @@
+"""The first-order weight in the diffusers integration: ``apply_pisa(alpha=, calibrate=, alpha_table=)``
+on tiny random-weight models (CPU)."""
+
+import io
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import pisa_attn.diffusers as pd  # noqa: E402
+from diffusers_tiny import TILE_BLOCK, forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
+from pisa_attn import alpha_table as at  # noqa: E402
+from pisa_attn import calibration as cal  # noqa: E402
+from pisa_attn import spec  # noqa: E402
+from pisa_attn.layout import block_floor  # noqa: E402
+
+RUN = dict(density=0.25, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=1)
+
+
+def _generate(pipe, family, seed=0):
+    with torch.no_grad():
+        return pipe(**prompt_kwargs(family, seed=seed), num_inference_steps=3)[0]
+
+
+class _Calls:
+    """Records every managed call's (layer, step, dense, alpha) and the first warm-up call per layer."""
+
+    def __init__(self, tr):
+        self.seen, self.warmup = [], {}
+        self.remove = pd.hooks.add_observer(tr, self)
+
+    def __call__(self, call):
+        self.seen.append((call.layer, call.step, call.dense, call.alpha))
+        if call.dense and call.layer not in self.warmup:
+            self.warmup[call.layer] = call
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_calibrated_run_equals_a_run_with_its_table(family):
+    """The weights frozen at the first sparse step are used by every sparse call and saved by
+    alpha_table(); loading that table reproduces the run exactly; they differ from the default."""
+    pipe = tiny_pipeline(family)
+    pd.apply_pisa(pipe, calibrate=True, **RUN)
+    calls = _Calls(pipe.transformer)
+    out = _generate(pipe, family)
+    table = pd.alpha_table(pipe)
+    layers = table.layers()
+    state = pd.pisa_state(pipe.transformer)
+    assert sorted(layers) == list(range(len(state.blocks)))
+    for i, entry in layers.items():
+        assert len(entry.alpha) == 2 and all(0.0 <= a <= 1.0 for a in entry.alpha)
+        assert 0.0 < entry.tail_mass < 1.0 and entry.rows > 0
+        assert entry.residual_vs_paper <= 1.0 + 1e-12  # the fit never does worse than weight 1 on its rows
+    sparse = [(layer, a) for layer, step, dense, a in calls.seen if not dense]
+    assert sparse and all(a == layers[layer].alpha for layer, a in sparse)
+    warm = [a for _, _, dense, a in calls.seen if dense]
+    assert all(a == (spec.DEFAULT_ALPHA,) * 2 for a in warm)  # before the freeze: what the layer had
+    calls.remove()
+    pd.remove_pisa(pipe)
+
+    pd.apply_pisa(pipe, alpha_table=table.to_json(), **RUN)
+    torch.testing.assert_close(_generate(pipe, family), out, rtol=0, atol=0)
+    pd.remove_pisa(pipe)
+    pd.apply_pisa(pipe, **RUN)
+    assert not torch.equal(_generate(pipe, family), out)
+    pd.remove_pisa(pipe)
+
+
+def test_calibration_is_the_fit_of_the_warmup_rows():
+    """With every query row sampled (16-row blocks: one run each), a layer's weight is the least-squares fit of its warm-up
+    call (image queries, text key blocks kept exact, the call's scale and selection: FLUX's default
+    is covariance-aware)."""
+    pipe = tiny_pipeline("flux")
+    pd.apply_pisa(pipe, calibrate=pd.CalibrationConfig(rows=10**6), **RUN)
+    calls = _Calls(pipe.transformer)
+    _generate(pipe, "flux")
+    frozen = pd.pisa_state(pipe.transformer).calibrator.frozen
+    for layer, call in calls.warmup.items():
+        lo, hi = call.meta["image_range"]
+        start = block_floor(lo, TILE_BLOCK)
+        fit = cal.fit_rows(call.q[:, :, start:hi], call.k, call.v, density=call.density, block_size=TILE_BLOCK,
+                           measured=(lo - start, hi - start), keep_blocks=call.keep_blocks, scale=call.scale,
+                           covariance_aware=call.covariance_aware)
+        want = fit.stats.alpha(default=spec.DEFAULT_ALPHA, bounds=cal.FIT_BOUNDS)
+        assert call.covariance_aware
+        torch.testing.assert_close(frozen[layer], want, rtol=1e-6, atol=1e-6)
+    pd.remove_pisa(pipe)
+
+
+def test_each_generation_fits_anew_and_dense_layers_are_skipped():
+    pipe = tiny_pipeline("flux")
+    pd.apply_pisa(pipe, calibrate=True, **{**RUN, "dense_layers": 1})
+    cal_ = pd.pisa_state(pipe.transformer).calibrator
+    _generate(pipe, "flux", seed=0)
+    first = {i: a.clone() for i, a in cal_.frozen.items()}
+    assert 0 not in first and sorted(first) == [1, 2, 3]  # block 0 always runs dense: no weight needed
+    n_calls = cal_.calls
+    _generate(pipe, "flux", seed=5)
+    assert cal_.calls == n_calls  # counted per generation, not accumulated
+    assert any(not torch.equal(first[i], cal_.frozen[i]) for i in first)
+    # A transformer called directly (no pipeline hook): a rising timestep starts a generation too.
+    pd.remove_pisa(pipe)
+    tr = pipe.transformer
+    pd.apply_pisa(tr, calibrate=True, **RUN)
+    c = pd.pisa_state(tr).calibrator
+    inputs = forward_inputs("flux")
+    with torch.no_grad():
+        for t in (0.9, 0.5, 0.9, 0.5):  # steps 0, 1, then a new generation
+            tr(**{**inputs, "timestep": torch.full((1,), t)})
+    assert c.frozen is not None and c.calls == 4  # the second generation's warm-up step, 4 layers
+    pd.remove_pisa(tr)
+    assert pd.hooks.observers(tr) == []
+
+
+def test_fixed_alpha_and_per_head_alpha_reach_the_calls():
+    tr = tiny_transformer("wan")
+    for alpha, want in ((0.5, (0.5, 0.5)), (torch.tensor([0.25, 1.0]), (0.25, 1.0)), (None, (spec.DEFAULT_ALPHA,) * 2)):
+        pd.apply_pisa(tr, alpha=alpha, **{**RUN, "dense_steps": 0})
+        calls = _Calls(tr)
+        with torch.no_grad():
+            tr(**forward_inputs("wan"))
+        assert [a for *_, a in calls.seen] == [want, want]
+        calls.remove()
+        pd.remove_pisa(tr)
+    pd.apply_pisa(tr, mode="zeroth", **{**RUN, "dense_steps": 0})
+    calls = _Calls(tr)
+    with torch.no_grad():
+        tr(**forward_inputs("wan"))
+    assert [a for *_, a in calls.seen] == [None, None]
+    pd.remove_pisa(tr)
+
+
+def test_alpha_table_checks_and_file_roundtrip(tmp_path):
+    tr = tiny_transformer("wan")
+    good = at.AlphaTable({"transformer": {1: at.LayerAlpha((0.2, 0.7))}}, dict(RUN_SETTINGS))
+    path = good.save(tmp_path / "alpha.json")
+    assert at.load(path).to_json() == good.to_json()
+    pd.apply_pisa(tr, alpha_table=path, **{**RUN, "dense_steps": 0})
+    calls = _Calls(tr)
+    with torch.no_grad():
+        tr(**forward_inputs("wan"))
+    assert [a for *_, a in calls.seen] == [(spec.DEFAULT_ALPHA,) * 2, (0.2, 0.7)]  # layer 0 not in the table
+    assert pd.alpha_table(tr).layers()[1].alpha == (0.2, 0.7)
+    calls.remove()
+    pd.remove_pisa(tr)
+    bad = [
+        ({"format": "other"}, ValueError, "alpha_table"),
+        ({**good.to_json(), "version": 7}, ValueError, "version"),
+        ({**good.to_json(), "transformers": {"transformer": {"x": {"alpha": [1.0, 1.0]}}}}, ValueError, "layer keys"),
+        ({**good.to_json(), "transformers": {"transformer": {"0": {"alpha": [1.0, float("nan")]}}}}, ValueError,
+         "finite"),
+        ({**good.to_json(), "transformers": {"transformer": {"0": {"alpha": [1.0, 1.0, 1.0]}}}}, ValueError, "heads"),
+        ({**good.to_json(), "transformers": {"transformer": {"9": {"alpha": [1.0, 1.0]}}}}, ValueError, "layer 9"),
+        (str(tmp_path / "missing.json"), ValueError, "alpha_table"),
+        (3, TypeError, "alpha_table"),
+    ]
+    for table, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            pd.apply_pisa(tr, alpha_table=table, **RUN)
+        assert pd.pisa_state(tr) is None
+    with pytest.warns(RuntimeWarning, match="density"):
+        pd.apply_pisa(tr, alpha_table={**good.to_json(), "settings": {**RUN_SETTINGS, "density": 0.5}}, **RUN)
+    pd.remove_pisa(tr)
+
+
+RUN_SETTINGS = {"density": 0.25, "mode": "hybrid", "covariance_aware": False, "block_size": TILE_BLOCK}
+
+
+def test_telemetry_reports_alpha_per_layer():
+    from rich.console import Console
+
+    pipe = tiny_pipeline("wan")
+    pd.apply_pisa(pipe, calibrate=True, telemetry=True, **RUN)
+    _generate(pipe, "wan")
+    tel = pd.telemetry.get(pipe.transformer)
+    frozen = pd.pisa_state(pipe.transformer).calibrator.frozen
+    sparse = [r for r in tel.records if not r["dense"]]
+    assert sparse and all(r["alpha_per_head"] == frozen[r["layer"]].tolist() for r in sparse)
+    buf = io.StringIO()
+    summary = pd.report(pipe, console=Console(file=buf, width=200))
+    assert "α (mean)" in buf.getvalue()
+    assert all(0.0 <= r["alpha"] <= 1.0 for r in summary["transformer"]["layers"])
+    pd.remove_pisa(pipe)
+
+
+# --- offline: pisa-attn calibrate FILE ----------------------------------------------------------
+def test_calibrate_command_fits_a_capture_and_apply_loads_it(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    from pisa_attn import cli
+    from pisa_attn.diffusers.capture import capture_qkv
+    from pisa_attn.qkv_file import read_qkv_file
+
+    pipe = tiny_pipeline("flux")
+    cap = tmp_path / "flux.safetensors"
+    with capture_qkv(pipe, steps=[0, 1], path=cap):
+        pipe(**prompt_kwargs("flux"), num_inference_steps=2)
+    out = tmp_path / "alpha.json"
+    args = ["calibrate", str(cap), "--out", str(out), "--density", "0.25", "--block-size", str(TILE_BLOCK),
+            "--rows", "0"]
+    assert cli.main(args) == 0
+    assert "first-order weight" in capsys.readouterr().err
+    table = at.load(str(out))
+    assert table.model == "flux" and sorted(table.layers()) == [0, 1, 2, 3]
+    assert table.settings == {"density": 0.25, "mode": "hybrid", "covariance_aware": True,  # FLUX's default
+                              "block_size": TILE_BLOCK}
+    # Every block of both steps: the pooled least-squares fit of each layer's two calls.
+    f = read_qkv_file(str(cap))
+    for layer in range(4):
+        fits = []
+        for e in (x for x in f.entries if x.layer == layer):
+            lo, hi = e.info["image_range"]
+            start = block_floor(lo, TILE_BLOCK)
+            fits.append(cal.fit_rows(e.q[:, :, start:hi], e.k, e.v, density=0.25, block_size=TILE_BLOCK,
+                                     measured=(lo - start, hi - start), covariance_aware=True, scale=e.info["scale"],
+                                     keep_blocks=e.layout.keep_blocks(TILE_BLOCK)))
+        want = (fits[0] + fits[1]).stats.alpha(default=spec.DEFAULT_ALPHA, bounds=cal.FIT_BOUNDS)
+        torch.testing.assert_close(torch.tensor(table.layers()[layer].alpha, dtype=torch.float64), want,
+                                   rtol=1e-9, atol=1e-12)
+    pd.apply_pisa(pipe, alpha_table=str(out), **RUN)  # the settings match: no warning
+    assert set(pd.pisa_state(pipe.transformer).alphas) == {0, 1, 2, 3}
+    pd.remove_pisa(pipe)
+    # sampled blocks, one weight per layer, one step
+    assert cli.main([*args[:-1], "2", "--fit", "layer", "--steps", "1", "--out", str(tmp_path / "b.json")]) == 0
+    b = at.load(str(tmp_path / "b.json"))
+    assert all(len(set(x.alpha)) == 1 for x in b.layers().values())
+    assert cli.main(["calibrate", str(cap), "--steps", "7", "--out", str(tmp_path / "c.json")]) == 2
+    assert "no captured call" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["calibrate", str(tmp_path / "missing.safetensors")])
+
+
+def test_configure_alpha_for_unmanaged_calls():
+    old = pd.configure()
+    try:
+        assert old.alpha is None
+        assert pd.configure(alpha=0.5).alpha == 0.5
+        for bad, exc in ((float("nan"), ValueError), ("x", TypeError), (torch.ones(2), TypeError)):
+            with pytest.raises(exc, match="alpha"):
+                pd.configure(alpha=bad)
+        with pytest.raises(ValueError, match="alpha"):
+            pd.configure(mode="zeroth")  # alpha 0.5 is still set: zeroth has no first-order term
+        assert pd.configure().alpha == 0.5  # a refused change changes nothing
+    finally:
+        pd.configure(**old.__dict__)
