@@ -7,7 +7,8 @@
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh  # PYTHONPATH (src, and the diffusers wheel from .whl/ if carried)
+export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 if [[ -z "$SKIP_TESTS" ]]; then
   PISA_ATTN_AUTOTUNE=0 timeout "${T_TESTS:-150}" python3 -m pytest tests/gpu/test_gpu_kernels.py -q -s -p no:cacheprovider \
@@ -26,6 +27,8 @@ if [[ -n "$CALIB_COST" ]]; then  # what apply_pisa(calibrate=True) adds to a den
 fi
 echo "=== summary ==="
 grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" 2>/dev/null | tail -5
-head -5 "$OUT/host.log"
+sed -n '1,5p;/Ordered by/,/^$/p' "$OUT/host.log" | head -34 | cut -c1-150
 for f in bench_hopper bench_triton bench_dit; do grep -E "L= *[0-9]+ d=" "$OUT/$f.log" | cut -c1-330; done
-if [[ -n "$CALIB_COST" ]]; then tail -4 "$OUT/calibration_cost.log"; fi
+if [[ -n "$CALIB_COST" ]]; then tail -8 "$OUT/calibration_cost.log"; fi
+# Everything in one archive (a device call returns at most 8 files).
+(cd "$OUT" && tar czf kernel_session.tgz --exclude kernel_session.tgz . && find . -type f ! -name kernel_session.tgz -delete)
