@@ -73,10 +73,11 @@ def main():
         types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "vbar_ptr")}
         types.update(kbar_ptr="*fp16", kscale_ptr="*fp32", qmean_ptr="*fp32", kmean_ptr="*fp32", hbar_ptr="*fp32", inv_nk="fp32")
         for d in (64, 128):
-            t3 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", vbar_ptr="*bf16", vsum_ptr="*fp32",
-                      kbar_ptr="*fp16", kscale_ptr="*fp32")
+            t3 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", kmax_ptr="*fp32", vbar_ptr="*bf16",
+                      vsum_ptr="*fp32")
             _report(f"kv_means D={d}", P._kv_means_kernel, t3, dict(BS=64, D=d), 4, 3)
-            t4 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", vsum_ptr="*fp32", hbar_ptr="*fp32", inv_nk="fp32")
+            t4 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", vsum_ptr="*fp32", hbar_ptr="*fp32", inv_nk="fp32",
+                      kmax_ptr="*fp32", kbar_ptr="*fp16", kscale_ptr="*fp32")
             _report(f"hbar D={d}", P._hbar_kernel, t4, dict(BS=64, D=d, F32=False), 8 if d >= 128 else 4, 3)
             _report(f"q_mean D={d}", P._q_mean_kernel, dict(q_ptr="*bf16", qmean_ptr="*fp32"), dict(BS=64, D=d), 4, 3)
             t2 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", vsum_ptr="*fp32", hbar_ptr="*fp32", hdev_ptr="*fp32")

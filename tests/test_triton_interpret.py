@@ -96,10 +96,10 @@ def test_prepare_matches_reference_ragged_gqa():
     torch.testing.assert_close(stats.vbar.double() * counts, rs.vsum, rtol=1e-2, atol=2e-2)
     assert rel_l1(stats.hbar, rs.hbar) < 2e-3  # tf32 on GPU; exact fp32 under the interpreter
     assert rel_l1(stats.hdev, rs.hdev) < 2e-3
-    # Tail-scan centroids: float16 times one power of two per block, 11 significant bits.
+    # Tail-scan centroids: float16 times one power of two per head, 11 significant bits.
     ks = stats.kscale.double()
-    assert ks.shape == rs.kmean.shape[:3] and torch.equal(torch.exp2(torch.log2(ks).round()), ks)
-    torch.testing.assert_close(stats.kbar.double() * ks[..., None], rs.kmean, rtol=1e-3, atol=1e-6)
+    assert ks.shape == rs.kmean.shape[:2] and torch.equal(torch.exp2(torch.log2(ks).round()), ks)
+    torch.testing.assert_close(stats.kbar.double() * ks[..., None, None], rs.kmean, rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("q_mag,k_mag", [(1e-6, 1e6), (1e5, 1e-5)], ids=["tiny-q-huge-k", "huge-q-tiny-k"])

@@ -188,8 +188,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
         qmax = gl.max(gl.max(gl.abs(qf), axis=1), axis=0)
         q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
         q16 = (qf / q_sc).to(gl.float16)
-        sc_scale = qk_scale * q_sc  # q's scale; each centroid block has its own (powers of 2)
-        kscale_row = kscale_ptr + bhk * NK
+        sc_scale = qk_scale * q_sc * gl.load(kscale_ptr + bhk)  # all scales: powers of 2
         brow = bits_ptr + row * NW
         # The group's exact-set bits, one (C = 32) or two (C = 64) words, read one group ahead.
         lo_next = gl.load(brow, mask=active, other=0)
@@ -212,8 +211,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                     word = lo
                 tail = (((word >> (cols % 32)) & 1) == 0) & (cj < NK)
                 sc = warpgroup_mma(q16, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                ks = gl.load(kscale_row + cj, mask=cj < NK, other=1.0)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * (sc_scale * ks)[None, :]
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * sc_scale
                 if EVEN_K:
                     sc = sc + LOG2_BS
                 else:

@@ -78,7 +78,7 @@ def _tail_phase(q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_p
         if F32:
             q16 = q16.to(tl.float32)
         offs_c = tl.arange(0, C)
-        sc_scale = qk_scale * q_s  # q's scale; each centroid block has its own (powers of 2)
+        sc_scale = qk_scale * q_s * tl.load(kscale_ptr + stat_base // NK)  # all scales: powers of 2
         for g0 in tl.range(0, NK, C, num_stages=S_TAIL):
             cj = g0 + offs_c
             cvalid = cj < NK
@@ -94,12 +94,11 @@ def _tail_phase(q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_p
             tail = (((word >> (pos % 32)) & 1) == 0) & cvalid
             kb = tl.load(kbar_ptr + (stat_base + cj)[:, None] * D + offs_d[None, :], mask=cvalid[:, None], other=0.0)
             vb = tl.load(vbar_ptr + (stat_base + cj)[:, None] * D + offs_d[None, :], mask=cvalid[:, None], other=0.0)
-            ks = tl.load(kscale_ptr + stat_base + cj, mask=cvalid, other=1.0)
             if F32:
                 kb = kb.to(tl.float32)
                 vb = vb.to(tl.float32)
             # s·q·k̄_j + log2 n_j (base 2): the weight is n_j α straight from the softmax step.
-            sc = tl.dot(q16, tl.trans(kb)) * (sc_scale * ks)[None, :]
+            sc = tl.dot(q16, tl.trans(kb)) * sc_scale
             if EVEN_K:
                 sc = sc + LOG2_BS
             else:

@@ -1,14 +1,14 @@
 """Prepare phase: the block statistics PISA needs, in three launches over q, k, v.
 
 1. ``_kv_means_kernel`` (streaming, one key block per program; true counts for the ragged last
-   block): centroid ``k̄_j`` in float32 (selection); the tail scan's float16 centroid ``k̄_j / s_j``
-   with ``s_j`` a power of two per block (11 mantissa bits instead of bfloat16's 8, one tensor-core
-   product per tail score, no overflow whatever the magnitude); value mean ``V̂_j / n_j`` in the
-   input dtype; ``V̂_j`` in float32 (scratch).
+   block): centroid ``k̄_j`` in float32 (selection) and the head's largest centroid entry; value
+   mean ``V̂_j / n_j`` in the input dtype; ``V̂_j`` in float32 (scratch).
 2. ``_hbar_kernel``: ``H̄ = (1/N) Σ_j H_j`` with ``H_j = K_jᵀV_j − k̄_jᵀV̂_j``, a GEMM-like loop
    (tensor-core product, rank-1 correction from the stored means) reduced on-chip per run of
    blocks and added atomically into one ``[D, D]`` float32 matrix per kv head (never a per-block
-   ``D×D`` buffer).
+   ``D×D`` buffer); on the way it writes the tail scan's centroids as float16 divided by one power
+   of two per head (11 mantissa bits instead of bfloat16's 8, one tensor-core product per tail
+   score, no overflow whatever the magnitude).
 3. ``_q_mean_kernel`` (streaming): the query means selection reads.
 
 The kv work is split in two so that no loop holds a block-wide reduction (a barrier): fused into
@@ -38,7 +38,7 @@ from ._common import chunking, interpreting
 @triton.jit(do_not_specialize=["HK", "LK", "NK"])
 def _kv_means_kernel(
     k_ptr, v_ptr,
-    kmean_ptr, vbar_ptr, vsum_ptr, kbar_ptr, kscale_ptr,
+    kmean_ptr, kmax_ptr, vbar_ptr, vsum_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK,
@@ -60,14 +60,10 @@ def _kv_means_kernel(
     out_off = (bh.to(tl.int64) * NK + j) * D + offs_d
     # k̄ in float32 is stored transposed ([D, Nk] per head): the selection GEMM's right operand.
     tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
+    # The head's largest |k̄| picks the float16 scale of its centroids (written by _hbar_kernel).
+    tl.atomic_max(kmax_ptr + bh, tl.max(tl.abs(km), axis=0))
     tl.store(vbar_ptr + out_off, (v_sum * inv_n).to(vt.dtype))
     tl.store(vsum_ptr + out_off, v_sum)
-    # Power-of-two scale per block: its largest |k̄| lands in [2^13, 2^14), far from fp16's
-    # overflow, and the scaling is exact (the attention kernel folds it back per column).
-    kmax = tl.max(tl.abs(km), axis=0)
-    ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
-    tl.store(kbar_ptr + out_off, (km / ks).to(tl.float16))
-    tl.store(kscale_ptr + bh.to(tl.int64) * NK + j, ks)
 
 
 @triton.jit
@@ -92,7 +88,7 @@ def _add_block_h(acc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, s
 
 @triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
 def _hbar_kernel(
-    k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr,
+    k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr, kmax_ptr, kbar_ptr, kscale_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK, KV_PER, KV_CHUNKS,
@@ -110,10 +106,18 @@ def _hbar_kernel(
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
     hacc = tl.zeros([D, D], dtype=tl.float32)
+    # Power-of-two scale per head: its largest |k̄| lands in [2^13, 2^14), far from fp16's
+    # overflow, and the scaling itself is exact (one scalar for the attention kernel to fold back;
+    # a scale per block costs the Triton tail scan a per-column vector in the score tile's layout).
+    kmax = tl.load(kmax_ptr + bh)
+    ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
+    if c == 0:
+        tl.store(kscale_ptr + bh, ks)
     j0 = c * KV_PER
     for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
-        hacc, _ = _add_block_h(hacc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, skd, svl, svd,
-                               BS, D, F32)
+        hacc, km = _add_block_h(hacc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, skd, svl, svd,
+                                BS, D, F32)
+        tl.store(kbar_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d, (km / ks).to(tl.float16))
     # Dividing before the atomic add leaves H̄ itself in the buffer (no epilogue launch).
     tl.atomic_add(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :], hacc * inv_nk)
 
@@ -166,15 +170,16 @@ class Stats:
 
     qmean: Tensor | None  # [B, H, Nq, D] float32
     kmean: Tensor | None  # [B, Hk, Nk, D] float32, a transposed view of [B, Hk, D, Nk] storage
-    kbar: Tensor  # [B, Hk, Nk, D] float16: k̄_j / kscale_j, the tail scan's operand
-    kscale: Tensor  # [B, Hk, Nk] float32: the power of two each block's ``kbar`` was divided by
+    kbar: Tensor  # [B, Hk, Nk, D] float16: k̄_j / kscale, the tail scan's operand
+    kscale: Tensor  # [B, Hk] float32: the power of two each head's ``kbar`` was divided by
     vbar: Tensor  # [B, Hk, Nk, D] input dtype: value block means (V̂_j / n_j)
     hbar: Tensor | None  # [B, Hk, D, D] float32 (None after a lean prepare)
     hbar_lp: Tensor  # [B, Hk, D, D] input dtype: the attention kernel's operand for q·H̄
     hdev: Tensor | None  # [B, Hk, Nk] float32, ||H_j − H̄||_F (covariance-aware only)
 
-    BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "kscale": 2, "vbar": 2, "hdev": 2}
-    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ()
+    BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "vbar": 2, "hdev": 2}
+    # kbar is only meaningful with the kscale it was divided by: a shard keeps its own.
+    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ("kscale",)
 
     def tail(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What the attention kernel reads besides q, k, v and the selection."""
@@ -211,7 +216,9 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     dev = q.device
     kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
     kbar = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float16)
-    kscale = torch.empty(b, hk, nk, device=dev, dtype=torch.float32)
+    kscale = torch.ones(b, hk, device=dev, dtype=torch.float32) if nk == 0 else \
+        torch.empty(b, hk, device=dev, dtype=torch.float32)
+    kmax = torch.zeros(b, hk, device=dev, dtype=torch.float32)
     vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
     hbar = torch.zeros(b, hk, d, d, device=dev, dtype=torch.float32)
     kv_per, kv_chunks = chunking(nk, b * hk, dev)
@@ -219,10 +226,11 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     strides = (*k.stride(), *v.stride())
     cls = spec_class(k, v, *strides)
     _launch_means((k.dtype, block_size, d, cls), (nk, b * hk),
-                  (k, v, kmean, vbar, vsum, kbar, kscale, *strides, hk, lk, nk), dict(BS=block_size, D=d), num_warps=4)
+                  (k, v, kmean, kmax, vbar, vsum, *strides, hk, lk, nk), dict(BS=block_size, D=d), num_warps=4)
     warps = 8 if d >= 128 else 4
     _launch_hbar((k.dtype, block_size, d, warps, cls), (b * hk * kv_chunks,),
-                 (k, v, kmean, vsum, hbar, *strides, hk, lk, nk, kv_per, kv_chunks, 1.0 / max(nk, 1)),
+                 (k, v, kmean, vsum, hbar, kmax, kbar, kscale, *strides, hk, lk, nk, kv_per, kv_chunks,
+                  1.0 / max(nk, 1)),
                  dict(BS=block_size, D=d, F32=interpreting()), num_warps=warps)
     hdev = _hdev(k, v, kmean, vsum, hbar, block_size) if with_hdev else None
     del vsum
@@ -261,12 +269,11 @@ def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int)
     nk = stats.kbar.shape[2]
     dev = k.device
     kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
+    kmax = torch.zeros(b, hk, device=dev, dtype=torch.float32)
     vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
     vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)
-    kbar = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float16)
-    kscale = torch.empty(b, hk, nk, device=dev, dtype=torch.float32)
     _kv_means_kernel[(nk, b * hk)](
-        k, v, kmean, vbar, vsum, kbar, kscale, *k.stride(), *v.stride(), hk, lk, nk,
+        k, v, kmean, kmax, vbar, vsum, *k.stride(), *v.stride(), hk, lk, nk,
         BS=block_size, D=d, num_warps=4,
     )
     return _hdev(k, v, kmean, vsum, hbar.float().contiguous(), block_size)
