@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pisa_attn.diffusers.schedule import Schedule, StepTracker
+from pisa_attn.diffusers.schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
 
 pytest.importorskip("diffusers")
 
@@ -23,7 +23,8 @@ def test_schedule_reasons():
     assert s.dense_reason(layer=1, step=3, kv_len=1000) == "warmup_layer"
     assert s.dense_reason(layer=2, step=3, kv_len=99) == "few_tokens"
     assert s.dense_reason(layer=2, step=3, kv_len=100) is None
-    assert Schedule().dense_reason(0, 0, 1024) is None and Schedule().dense_reason(0, 0, 1023) == "few_tokens"
+    n = DEFAULT_MIN_KV_LEN
+    assert Schedule().dense_reason(0, 0, n) is None and Schedule().dense_reason(0, 0, n - 1) == "few_tokens"
     with pytest.raises(ValueError, match="dense_layers"):
         Schedule(dense_layers=-1)
     with pytest.raises(TypeError, match="dense_steps"):

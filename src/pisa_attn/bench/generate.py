@@ -44,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dense-layers", type=int, default=None, help="first transformer blocks kept dense (default: per model)")
     p.add_argument("--dense-steps", type=int, default=None, help="first denoising steps kept dense (default: per model)")
     p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--min-kv-len", type=int, default=None, help="attention calls with fewer keys stay dense (default 1024)")
+    p.add_argument("--min-kv-len", type=int, default=None, help="attention calls with fewer keys stay dense (default 9216: below that PISA is slower than dense)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the pipeline's)")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Below this many keys a sparse call saves less than its selection overhead costs (16 blocks of 64;
-# FLUX/SD3 at 512² have 1024 image tokens plus text and still go sparse, Hunyuan's 256-token text
-# refiner and tiny test models stay dense).
-DEFAULT_MIN_KV_LEN = 1024
+# Below this many keys a sparse call costs more than dense attention: one FLUX.1 attention call
+# (24 heads, 512 text tokens) on an H100 with the Hopper kernel ran at 0.12x / 0.39x / 1.07x /
+# 1.64x of cuDNN at 1536 / 4608 / 9728 / 16896 keys (benchmarks/bench_e2e.py). So FLUX at 1024²
+# (4608 keys) stays dense and at 2048² (16896) goes sparse; video DiTs (30K+ tokens) go sparse.
+DEFAULT_MIN_KV_LEN = 9216
 
 
 def _check_count(name: str, value) -> int:
