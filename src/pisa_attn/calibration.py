@@ -184,15 +184,20 @@ class AlphaStats:
         return self.rr - 2 * a * self.cr + a * a * self.cc
 
 
-def alpha_stats(terms: TailTerms, dense: Tensor, rows=None) -> AlphaStats:
-    """Fit statistics of ``terms`` against the ``[B, H, Lq, D]`` dense output, over query ``rows``
-    (a slice or index tensor into ``Lq``; all rows when None), pooled over batch and channels."""
+def _corr_and_residual(terms: TailTerms, dense: Tensor, rows) -> tuple[Tensor, Tensor]:
+    """The correction ``c`` and the residual ``dense − o⁰`` in float64, over query ``rows``."""
     if dense.shape != terms.base.shape:
         raise ValueError(f"dense must have the shape of the PISA output {tuple(terms.base.shape)}, got {tuple(dense.shape)}")
     c, o0, d = terms.corr.double(), terms.base.double(), dense.double()
     if rows is not None:
         c, o0, d = (x[:, :, rows] for x in (c, o0, d))
-    r = d - o0
+    return c, d - o0
+
+
+def alpha_stats(terms: TailTerms, dense: Tensor, rows=None) -> AlphaStats:
+    """Fit statistics of ``terms`` against the ``[B, H, Lq, D]`` dense output, over query ``rows``
+    (a slice or index tensor into ``Lq``; all rows when None), pooled over batch and channels."""
+    c, r = _corr_and_residual(terms, dense, rows)
     dims = (0, 2, 3)
     n = torch.full((c.shape[1],), float(c.shape[0] * c.shape[2] * c.shape[3]), dtype=torch.float64, device=c.device)
     return AlphaStats((c * r).sum(dims), (c * c).sum(dims), (r * r).sum(dims), n)
@@ -210,12 +215,7 @@ def fit_alpha_l1(terms: TailTerms, dense: Tensor, *, over: str = "head", rows=No
     elements with ``c ≠ 0`` (exact, no iteration; not poolable by addition like the squares)."""
     if over not in FIT_OVER:
         raise ValueError(f"over must be one of {FIT_OVER}, got {over!r}")
-    if dense.shape != terms.base.shape:
-        raise ValueError(f"dense must have the shape of the PISA output {tuple(terms.base.shape)}, got {tuple(dense.shape)}")
-    c, o0, d = terms.corr.double(), terms.base.double(), dense.double()
-    if rows is not None:
-        c, o0, d = (x[:, :, rows] for x in (c, o0, d))
-    r = d - o0
+    c, r = _corr_and_residual(terms, dense, rows)
     heads = c.shape[1]
     c = c.transpose(0, 1).reshape(heads, -1)
     r = r.transpose(0, 1).reshape(heads, -1)
