@@ -10,6 +10,7 @@ import torch
 
 from pisa_attn.bench import dit_cases as dc
 from pisa_attn.bench import e2e_estimates as est
+from pisa_attn.diffusers.schedule import DEFAULT_MIN_KV_LEN
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -160,7 +161,7 @@ def test_tiny_run_covers_eager_compiled_and_sweep(tmp_path):
     assert 0 < drift["compiled_pisa_vs_compiled_dense"] < 0.05
     assert hun["pisa_calls"]["sparse"] > 0 and "dense" not in hun["pisa_calls"]
     sweep = next(s for s in res["stages"] if s["stage"] == "flux")["min_kv_len"]
-    assert [r["image_tokens"] for r in sweep["rows"]] == list(b.FLUX_SWEEP_TINY) and sweep["default"] == 1024
+    assert [r["image_tokens"] for r in sweep["rows"]] == list(b.FLUX_SWEEP_TINY) and sweep["default"] == DEFAULT_MIN_KV_LEN
 
 
 def test_a_failing_step_is_recorded_and_the_stage_goes_on(tmp_path, monkeypatch):
