@@ -360,7 +360,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     out.print(make_table(result))
     if torch.device(cfg.device).type == "cpu":
         out.print("CPU times are the PyTorch reference (all L² scores, the statement of the math), not PISA's "
-                  "speed; use --device cuda for the Triton kernels.", style="dim")
+                  "speed; use --device cuda for the kernels.", style="dim")
     if args.json:
         save_json(result, args.json)
         out.print(f"wrote {args.json}")
