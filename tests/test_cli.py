@@ -282,3 +282,182 @@ def test_readme_cpu_example_runs_as_written(capsys):
     printed = capsys.readouterr().out.strip()
     claimed = re.search(r"# (\d\.\d+)\s*$", code.strip()).group(1)  # the value its last line promises
     assert printed == f"rel-L1 vs dense: {claimed}"
+
+
+# ---------------------------------------------------------------- every misuse: one `error:` line, no traceback
+def run_cli(argv, capsys) -> tuple[int, str]:
+    """``pisa-attn ARGV`` as the console script runs it: the exit code and stderr. Any other
+    exception propagates, so a test that gets one fails (a user would have seen a traceback)."""
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:  # argparse (code 2) or a command's SystemExit("... error: ...")
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            rc = 1
+        else:
+            rc = e.code or 0
+    return rc, capsys.readouterr().err
+
+
+def assert_clear_error(rc: int, err: str, *words: str) -> None:
+    assert rc != 0, err
+    assert "Traceback" not in err and "error:" in err, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and all(w in lines[0] for w in words), err
+
+
+def write_capture(path, entries=("step0.layer0", "step1.layer0")):
+    """A two-entry capture file of random q/k/v (no layout), as capture_qkv writes them."""
+    from pisa_attn.qkv_file import write_qkv_file
+
+    tensors, info = {}, {}
+    for i, name in enumerate(entries):
+        g = torch.Generator().manual_seed(i)
+        for part in "qkv":
+            tensors[f"{name}.{part}"] = torch.randn(1, 2, 256, 32, generator=g)
+        info[name] = {"step": i, "layer": 0}
+    write_qkv_file(str(path), tensors, info, model="test", dtype="float32")
+    return path
+
+
+def test_demo_backend_the_device_cannot_run_is_one_error_line(capsys, monkeypatch):
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("the demo started"))
+    rc, err = run_cli(["demo", "--backend", "hopper", "--device", "cpu"], capsys)
+    assert_clear_error(rc, err, "backend='hopper'")
+    rc, err = run_cli(["demo", "--backend", "triton", "--device", "cpu"], capsys)  # float32: no Triton kernel
+    assert_clear_error(rc, err, "backend='triton'", "dtype")
+    # The suite runs Triton's interpreter (conftest); a user's CPU does not. Triton is imported
+    # already, so the setting changes only what pisa_attention decides.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rc, err = run_cli(["demo", "--backend", "triton", "--device", "cpu", "--dtype", "bfloat16"], capsys)
+    assert_clear_error(rc, err, "backend='triton'", "TRITON_INTERPRET")
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_demo_output_paths_are_checked_first(flag, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("the demo started"))
+    rc, err = run_cli(["demo", flag, str(tmp_path / "no" / "such" / "dir" / "x.out")], capsys)
+    assert_clear_error(rc, err, flag, "does not exist")
+    rc, err = run_cli(["demo", flag, str(tmp_path)], capsys)
+    assert_clear_error(rc, err, flag, "is a directory")
+
+
+def test_demo_plot_without_matplotlib_is_refused_before_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on the core install
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **k: pytest.fail("the demo started"))
+    rc, err = run_cli(["demo", "--plot", str(tmp_path / "x.png")], capsys)
+    assert_clear_error(rc, err, "--plot", "matplotlib", "pisa-attn[plot]")
+
+
+def test_generate_on_the_core_install_names_what_is_missing(tmp_path, capsys, monkeypatch):
+    for name in ("diffusers", "transformers"):
+        monkeypatch.setitem(sys.modules, name, None)
+    rc, err = run_cli(["generate", "--model", "m", "--prompt", "p", "--out", str(tmp_path / "x.png")], capsys)
+    assert_clear_error(rc, err, "diffusers", "transformers", "pisa-attn[diffusers]")
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--density", "2"], ["--density", "(0, 1]"]),
+        (["--block-size", "48"], ["--block-size", "power of two"]),
+        (["--seed", "-1"], ["--seed", ">= 0"]),
+        (["--device", "tpu"], ["--device", "'tpu'"]),
+        (["--out", "x.bmp"], ["--out must end"]),
+    ],
+    ids=lambda x: x[0].lstrip("-") if isinstance(x, list) else None,
+)
+def test_generate_bad_values_are_one_error_line(extra, words, capsys):
+    pytest.importorskip("diffusers")
+    argv = ["generate", "--model", "org/none", "--prompt", "p", "--out", "x.png", *extra]
+    rc, err = run_cli(argv, capsys)
+    assert_clear_error(rc, err, *words)
+
+
+@pytest.fixture
+def no_study(monkeypatch):
+    from pisa_attn.bench import study
+
+    monkeypatch.setattr(study, "run_study", lambda *a, **k: pytest.fail("the study started"))
+    monkeypatch.setattr(study._Study, "run", lambda *a, **k: pytest.fail("the study started"))
+    return study
+
+
+def test_study_source_that_is_no_capture(tmp_path, capsys, no_study):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a capture\n")
+    rc, err = run_cli(["study", "--source", str(notes), "--out", str(tmp_path / "o")], capsys)
+    assert_clear_error(rc, err, "notes.txt", "not a readable .safetensors file")
+
+
+@pytest.mark.parametrize("flag,value", [("--length", "7"), ("--lengths", "256,100")])
+def test_study_synthetic_lengths_are_checked_first(flag, value, tmp_path, capsys, no_study):
+    rc, err = run_cli(["study", "--size", "tiny", flag, value, "--out", str(tmp_path / "o")], capsys)
+    assert_clear_error(rc, err, flag.lstrip("-"), "multiples of 64")
+
+
+def test_study_out_that_is_a_file(tmp_path, capsys, no_study):
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    rc, err = run_cli(["study", "--size", "tiny", "--out", str(taken)], capsys)
+    assert_clear_error(rc, err, "--out", "not a directory")
+    rc, err = run_cli(["study", "--size", "tiny", "--out", str(taken / "below")], capsys)
+    assert_clear_error(rc, err, "--out", "is a file")
+
+
+def test_study_unknown_entries(tmp_path, capsys, no_study):
+    cap = write_capture(tmp_path / "cap.safetensors")
+    rc, err = run_cli(["study", "--source", str(cap), "--entries", "step9.layer9", "--out", str(tmp_path / "o")],
+                      capsys)
+    assert_clear_error(rc, err, "step9.layer9", "step0.layer0")
+    rc, err = run_cli(["study", "--size", "tiny", "--entries", "step0.layer0", "--out", str(tmp_path / "o")], capsys)
+    assert_clear_error(rc, err, "entries", "captured source")
+
+
+def test_study_capture_without_safetensors(tmp_path, capsys, no_study, monkeypatch):
+    cap = write_capture(tmp_path / "cap.safetensors")
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    rc, err = run_cli(["study", "--source", str(cap), "--out", str(tmp_path / "o")], capsys)
+    assert_clear_error(rc, err, "safetensors")
+
+
+def test_study_plots_asked_without_matplotlib(tmp_path, capsys, no_study, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc, err = run_cli(["study", "--size", "tiny", "--plots", "--out", str(tmp_path / "o")], capsys)
+    assert_clear_error(rc, err, "matplotlib", "--no-plots")
+    assert not (tmp_path / "o").exists()
+
+
+def test_study_on_the_core_install_writes_json_without_plots(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = tmp_path / "o"
+    rc, err = run_cli(["study", "--size", "tiny", "--out", str(out), "--modes", "hybrid", "--no-covariance",
+                       "--no-weights", "--densities", "0.25", "--length", "256", "--lengths", "256", "--heads", "1",
+                       "--no-progress"], capsys)
+    assert rc == 0 and "Traceback" not in err
+    assert "matplotlib is not installed: writing study.json without plots" in err
+    data = json.loads((out / "study.json").read_text())
+    assert data["plots"] == [] and data["config"]["plots"] is False
+    assert sorted(p.name for p in out.iterdir()) == ["study.json"]
+
+
+# ---------------------------------------------------------------- --help: plain text, accepted values listed
+@pytest.mark.parametrize(
+    "command,words",
+    [
+        ("demo", ["{hybrid,zeroth,first,drop}", "a power of two >= 16", "an integer >= 0", "(default 64)"]),
+        ("study", ["one of drop, zeroth, hybrid, first", "a power of two >= 16", "an integer >= 0", "default: 0.2"]),
+        ("calibrate", ["one of head, layer", "one of hybrid, first", "a power of two >= 16", "an integer >= 0"]),
+        ("generate", ["{hybrid,zeroth,first,drop}", "a power of two >= 16", "an integer >= 0"]),
+    ],
+)
+def test_help_is_plain_and_lists_accepted_values(command, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for markup in ("``", ":func:", ":class:", ":data:", ":mod:"):
+        assert markup not in text, (command, markup)
+    flat = " ".join(text.split())
+    for w in words:
+        assert w in flat, (command, w)

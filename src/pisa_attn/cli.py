@@ -74,6 +74,16 @@ def _register(subparsers, cmd: Command) -> None:
         p.set_defaults(func=_unavailable(cmd, error), _accepts_any=True)
         return
     add_parser(subparsers)
+    _plain_help(subparsers.choices[cmd.name])
+
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """One ``--help`` style for every command: the module docstring without reStructuredText
+    markup, and each option's accepted values and default."""
+    from .bench import argtypes  # no torch: cheap
+
+    parser.description = argtypes.plain(parser.description)
+    parser.formatter_class = argtypes.HelpFormatter
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
@@ -227,6 +228,18 @@ def run_demo(cfg: DemoConfig, on_step: Callable[[str], None] | None = None) -> D
     return DemoResult(replace(cfg, repeats=repeats), grid, q.shape[2], dtype_name, _device_name(device), rows)
 
 
+def check_backend(cfg: DemoConfig) -> None:
+    """ValueError when ``cfg.backend`` cannot run one of ``cfg.modes`` on ``cfg.device`` (for
+    example ``triton`` on a CPU): planned on a small input of the same heads, head dim and dtype,
+    before any data is made."""
+    if cfg.backend in ("auto", "reference"):
+        return
+    q = torch.zeros(cfg.batch, cfg.heads, 4 * cfg.block_size, cfg.head_dim, dtype=cfg.resolved_dtype(),
+                    device=cfg.device)
+    for mode in cfg.modes:
+        make_plan(q, q, cfg.densities[0], cfg.block_size, mode, False, None, cfg.backend)
+
+
 def _row(method, density, exact, out, truth, ms, backend) -> DemoRow:
     max_abs = float((out.float() - truth).abs().max())
     return DemoRow(method, density, exact, rel_l1(out, truth), max_abs, ms, backend)
@@ -324,8 +337,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="input dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--backend", choices=BACKENDS, default=d.backend, help="PISA backend (default auto)")
     p.add_argument("--threads", type=argtypes.int_at_least(1), help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--plot", metavar="PATH", help="save error vs density (e.g. out.png)")
-    p.add_argument("--json", metavar="PATH", help="save the config and every row as JSON")
+    p.add_argument("--plot", metavar="PATH", type=argtypes.output_file,
+                   help="save error vs density (e.g. out.png; needs matplotlib)")
+    p.add_argument("--json", metavar="PATH", type=argtypes.output_file, help="save the config and every row as JSON")
     p.set_defaults(func=main_from_args)
     return p
 
@@ -342,8 +356,11 @@ def main_from_args(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         cfg.validate()
+        check_backend(cfg)
+        if args.plot and argtypes.missing_modules("matplotlib"):
+            raise ValueError("--plot needs matplotlib, which is not installed: pip install 'pisa-attn[plot]'")
     except ValueError as e:
-        err.print(f"[red]pisa-attn demo: error:[/red] {e}")
+        print(f"pisa-attn demo: error: {e}", file=sys.stderr)  # one line: no console wrapping
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)

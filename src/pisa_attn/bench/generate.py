@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import argtypes as at
+
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_EXTS = (".mp4", ".gif")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -36,24 +38,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="render an image/video with a diffusers pipeline (FLUX.1, SD3.5, Wan2.1, HunyuanVideo) on PISA",
         description=__doc__.split("\n\n")[0],
     )
+    # Values are checked in _check_args (run), so that run() on a hand-built Namespace checks them too.
     p.add_argument("--model", required=True, help="hub id (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers) or local pipeline directory")
     p.add_argument("--prompt", required=True)
     p.add_argument("--out", required=True, help="output file: .png/.jpg/.webp (images) or .mp4/.gif (videos)")
-    p.add_argument("--density", type=float, default=0.15, help="fraction of key blocks computed exactly (default 0.15)")
+    p.add_argument("--density", type=float, default=0.15, help="fraction of key blocks computed exactly, in (0, 1]")
     p.add_argument("--mode", default="hybrid", choices=("hybrid", "zeroth", "first", "drop"))
-    p.add_argument("--dense-layers", type=int, default=None, help="first transformer blocks kept dense (default: per model)")
-    p.add_argument("--dense-steps", type=int, default=None, help="first denoising steps kept dense (default: per model)")
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--min-kv-len", type=int, default=None, help="attention calls with fewer keys stay dense (default 9216: below that PISA is slower than dense)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the pipeline's)")
-    p.add_argument("--height", type=int, default=None)
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--frames", type=int, default=None, help="video frames (video models only)")
+    p.add_argument("--dense-layers", type=int, default=None,
+                   help="first transformer blocks kept dense, >= 0 (default: per model)")
+    p.add_argument("--dense-steps", type=int, default=None,
+                   help="first denoising steps kept dense, >= 0 (default: per model)")
+    p.add_argument("--block-size", type=int, default=64, help="a power of two >= 16")
+    p.add_argument("--min-kv-len", type=int, default=None,
+                   help="attention calls with fewer keys stay dense (default 9216: below that PISA is slower than dense)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps, >= 1 (default: the pipeline's)")
+    p.add_argument("--height", type=int, default=None, help="pixels (default: the pipeline's)")
+    p.add_argument("--width", type=int, default=None, help="pixels (default: the pipeline's)")
+    p.add_argument("--frames", type=int, default=None, help="video frames, video models only (default: the pipeline's)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the pipeline's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fps", type=int, default=16, help="frame rate of saved videos")
+    p.add_argument("--seed", type=int, default=0, help="an integer >= 0")
+    p.add_argument("--fps", type=int, default=16, help="frame rate of saved videos, >= 1")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
     p.add_argument("--compare-dense", action="store_true", help="also render dense with the same seed and report PSNR/SSIM/LPIPS")
     p.set_defaults(func=run)
     return p
@@ -63,9 +69,20 @@ def _fail(msg: str):
     raise SystemExit(f"pisa-attn generate: error: {msg}")
 
 
+# What the command imports beyond the core install (top-level module names).
+NEEDS = ("diffusers", "transformers", "PIL")
+NEEDS_COMPARE = ("skimage",)
+NEEDS_VIDEO = ("imageio",)
+
+
 def _check_args(args) -> None:
+    """Everything that can be checked before the pipeline loads: values, paths, dependencies."""
     if not 0.0 < args.density <= 1.0:
         _fail(f"--density must be in (0, 1], got {args.density}")
+    if args.block_size < 16 or args.block_size & (args.block_size - 1):
+        _fail(f"--block-size must be a power of two >= 16, got {args.block_size}")
+    if args.seed < 0:
+        _fail(f"--seed must be >= 0, got {args.seed}")
     for name in ("steps", "height", "width", "frames", "fps"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -77,13 +94,28 @@ def _check_args(args) -> None:
     ext = Path(args.out).suffix.lower()
     if ext not in IMAGE_EXTS + VIDEO_EXTS:
         _fail(f"--out must end in one of {IMAGE_EXTS + VIDEO_EXTS}, got {args.out!r}")
-    if ext == ".mp4":
-        try:
-            import imageio_ffmpeg  # noqa: F401
-        except ImportError:
-            _fail("writing .mp4 needs imageio-ffmpeg (pip install imageio-ffmpeg), or use --out video.gif")
-    if not Path(args.out).resolve().parent.is_dir():
-        _fail(f"the directory of --out does not exist: {Path(args.out).parent}")
+    needs = NEEDS + (NEEDS_COMPARE if args.compare_dense else ()) + (NEEDS_VIDEO if ext in VIDEO_EXTS else ())
+    missing = at.missing_modules(*needs)
+    if missing:
+        _fail(f"needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "
+              "pip install 'pisa-attn[diffusers]'")
+    if ext == ".mp4" and at.missing_modules("imageio_ffmpeg"):
+        _fail("writing .mp4 needs imageio-ffmpeg (pip install imageio-ffmpeg), or use --out video.gif")
+    if Path(args.out).is_dir() or not Path(args.out).resolve().parent.is_dir():
+        _fail(f"the directory of --out does not exist or --out is a directory: {args.out}")
+    if args.device is not None:
+        _check_device(args.device)
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        _fail(f"--device {device!r} is not a torch device ({e})")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        _fail(f"--device {device!r}: CUDA is not available on this machine")
 
 
 # --- loading -----------------------------------------------------------------------------------

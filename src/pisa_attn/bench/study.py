@@ -33,7 +33,7 @@ from .. import metrics, spec
 from ..attention import make_plan, pisa_attention
 from ..ops import reference as ref
 from . import argtypes as at
-from .study_sources import CapturedSource, Sample, SyntheticSource
+from .study_sources import CapturedSource, Sample, SyntheticSource, synthetic_grid
 
 MODES = ("drop", "zeroth", "hybrid", "first")
 WEIGHTS = ("default", "calibrated")  # weighted hybrid variants (see the module docstring)
@@ -133,6 +133,17 @@ class StudyConfig:
                 raise ValueError(f"{name} must be a non-empty subset of {MODES}, got {getattr(self, name)!r}")
         if self.source != "synthetic" and not os.path.isfile(self.source):
             raise ValueError(f"source must be 'synthetic' or an existing .safetensors file, got {self.source!r}")
+        if self.source == "synthetic" and self.entries:
+            raise ValueError(f"entries pick entries of a capture file: they need a captured source, got "
+                             f"entries={self.entries!r} with source 'synthetic'")
+        if self.source == "synthetic":
+            for name, ns in (("length", (self.length,)), ("lengths", self.lengths)):
+                for n in ns:
+                    try:
+                        synthetic_grid(n)
+                    except ValueError:
+                        raise ValueError(f"{name} of the synthetic source must be multiples of 64 tokens "
+                                         f"(>= 64), got {n!r}") from None
         if any(w not in WEIGHTS for w in self.weights):
             raise ValueError(f"weights must be a subset of {WEIGHTS}, got {self.weights!r}")
         if self.calib_source is not None and (self.source == "synthetic" or not os.path.isfile(self.calib_source)):
@@ -455,13 +466,32 @@ def build_source(cfg: StudyConfig):
     return CapturedSource(cfg.source, entries=cfg.entries, max_entries=cfg.max_entries, dtype=dtype, device=cfg.device)
 
 
-def run_study(config: StudyConfig | None = None, out: str | None = None, progress: bool = True) -> dict:
-    """Run the study; with ``out`` write ``study.json`` and (``config.plots``) the PNG plots there."""
+def check_before_work(cfg: StudyConfig, out: str | None) -> None:
+    """ValueError, before any work, when a dependency is missing (safetensors for a capture,
+    matplotlib for plots) or ``out`` cannot receive study.json."""
+    if cfg.source != "synthetic" and at.missing_modules("safetensors"):
+        raise ValueError("reading a capture needs safetensors, which is not installed: pip install safetensors")
+    if out is None:
+        return
+    try:
+        at.output_dir(out)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"out: {e}") from None
+    if cfg.plots and at.missing_modules("matplotlib"):
+        raise ValueError("the plots need matplotlib, which is not installed: pip install 'pisa-attn[plot]', "
+                         "or run without plots (plots=False, --no-plots)")
+
+
+def run_study(config: StudyConfig | None = None, out: str | None = None, progress: bool = True,
+              source=None) -> dict:
+    """Run the study; with ``out`` write ``study.json`` and (``config.plots``) the PNG plots there.
+    ``source`` is :func:`build_source` of the config, when the caller has built it already."""
     if config is not None and not isinstance(config, StudyConfig):
         raise TypeError(f"config must be a StudyConfig or None, got {type(config).__name__}")
     cfg = (config or StudyConfig()).resolved()
+    check_before_work(cfg, out)
     t0 = time.perf_counter()
-    source = build_source(cfg)
+    source = build_source(cfg) if source is None else source
     body = _Study(cfg, progress).run(source)
     result = {
         "version": 1,
@@ -538,7 +568,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     d = StudyConfig()
     p.add_argument("--source", type=at.existing_file_or("synthetic"), default=d.source,
                    help="'synthetic' (DiT-like generator) or a capture .safetensors")
-    p.add_argument("--out", default="pisa-study", help="directory for study.json and the PNG plots")
+    p.add_argument("--out", type=at.output_dir, default="pisa-study", help="directory for study.json and the PNG plots")
     p.add_argument("--device", default=d.device, help="cpu (PyTorch reference) or cuda (Triton kernels)")
     p.add_argument("--size", choices=SIZES, default=None, help="preset: tiny (CI), default (CPU), paper (CUDA default)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="float32 on CPU, bfloat16 on CUDA by default")
@@ -570,7 +600,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="captured entries to study, e.g. step0.layer3")
     p.add_argument("--max-entries", type=at.int_at_least(1), default=d.max_entries,
                    help="captured entries used when --entries is not given")
-    p.add_argument("--no-plots", dest="plots", action="store_false")
+    p.add_argument("--plots", dest="plots", action="store_true", default=None,
+                   help="draw the PNG plots (needs matplotlib; default: when matplotlib is installed)")
+    p.add_argument("--no-plots", dest="plots", action="store_false", help="write study.json only")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=_cmd)
 
@@ -585,13 +617,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _cmd(args: argparse.Namespace) -> int:
     fields = StudyConfig.__dataclass_fields__
-    cfg = StudyConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    try:
-        cfg = cfg.resolved()  # the combined checks (device, presets), still before any work
+    kw = {k: v for k, v in vars(args).items() if k in fields}
+    skip_plots = args.plots is None and bool(at.missing_modules("matplotlib"))
+    kw["plots"] = not skip_plots if args.plots is None else args.plots
+    cfg = StudyConfig(**kw)
+    try:  # the combined checks (device, presets, output, capture file and entries), before any work
+        cfg = cfg.resolved()
+        check_before_work(cfg, args.out)
+        source = build_source(cfg)
     except ValueError as e:
         print(f"pisa-attn study: error: {e}", file=sys.stderr)
         return 2
-    result = run_study(cfg, out=args.out, progress=args.progress)
+    if skip_plots:
+        print("pisa-attn study: matplotlib is not installed: writing study.json without plots "
+              "(pip install 'pisa-attn[plot]' for them)", file=sys.stderr)
+    result = run_study(cfg, out=args.out, progress=args.progress, source=source)
     print_summary(result)
     print(f"wrote {os.path.join(args.out, 'study.json')} and {len(result['plots'])} plots "
           f"in {result['runtime_s']:.1f} s", file=sys.stderr)
