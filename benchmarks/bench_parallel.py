@@ -26,9 +26,12 @@ attends, and the merge: what splitting the keys costs the kernels, without commu
 ``--dense`` adds two yardsticks: dense attention on 1 GPU and with diffusers' own Ulysses (the
 difference any context parallelism shows in bf16, and the scale of PISA's own approximation).
 
-Every stage has its own time limit (``--stage-limit``; it cuts timed iterations, never a forward
-in flight) and the whole run a budget (``--total-limit``): a stage that would not fit is skipped
-and listed as such. Rank 0 rewrites ``bench_parallel.json`` in ``--out`` (default ``$OUT`` or ``.``)
+Every stage has its own time limit (``--stage-limit``, warm-up included) and the whole run a
+budget (``--total-limit``). A timed forward (or the phase forward) starts only when one more
+forward of the mean time fits both; a forward in flight is never cut. What the limits did is kept
+per row (``limits``: timed forwards asked and run, which limit cut them, whether the phase split
+was recorded) and printed as ``note:`` lines under the table; a stage that would not start at all
+is listed as skipped. Rank 0 rewrites ``bench_parallel.json`` in ``--out`` (default ``$OUT`` or ``.``)
 after every stage and prints a short table last.
 
     torchrun --nproc-per-node 2 benchmarks/bench_parallel.py                 # wan1.3b-480p
@@ -217,28 +220,49 @@ def _forward(model, inputs, device) -> tuple[torch.Tensor, float]:
     return out, (time.perf_counter() - t0) * 1e3
 
 
+def _left(args, clock: Clock, start: float) -> tuple[float, str]:
+    """Seconds this stage may still use, and the limit that sets them (the stage's or the run's)."""
+    stage = args.stage_limit - (time.monotonic() - start)
+    total = clock.left()
+    if stage <= total:
+        return stage, f"the stage limit (--stage-limit {args.stage_limit:g} s)"
+    return total, f"the run's budget (--total-limit {args.total_limit:g} s)"
+
+
 def _run_stage(model, inputs, args, clock: Clock, alone: bool, phases: bool):
-    """Warm-up, timed forwards (as many of ``--iters`` as fit the stage limit), then one forward
-    under the phase recorder. ``alone``: rank 0 only (no collective decisions)."""
+    """Warm-up, timed forwards (as many of ``--iters`` as fit the stage limit and the run's
+    budget), then one forward under the phase recorder (when it fits too). ``alone``: rank 0 only
+    (no collective decisions). Returns the output, the times (ms), the phase split (or None) and
+    what the limits did (``limits``: kept in the row and printed under the table)."""
     from pisa_attn.parallel import phases as ph
 
     start, times, out = time.monotonic(), [], None
     group = False if alone else None
+    limits = dict(iters_asked=args.iters, iters_run=0, iters_cut_by=None,
+                  phases="recorded" if phases else "not asked")
     for _ in range(args.warmup):
         out, _ = _forward(model, inputs, clock.device)
     for i in range(args.iters):
-        if i and not clock.agree(time.monotonic() - start + statistics.mean(times) < args.stage_limit, group):
-            break
+        if i:
+            left, which = _left(args, clock, start)
+            if not clock.agree(statistics.mean(times) / 1e3 < left, group):  # times in ms, limits in s
+                limits["iters_cut_by"] = which
+                break
         if not alone:
             dist.barrier()
         out, ms = _forward(model, inputs, clock.device)
         times.append(ms)
+    limits["iters_run"] = len(times)
     split = None
-    if phases and clock.agree(time.monotonic() - start + statistics.mean(times) < args.stage_limit, group):
-        with ph.record() as rec:
-            _, ms = _forward(model, inputs, clock.device)
-        split = dict(rec.totals(), forward=ms, calls=rec.counts().get("attend", 0))
-    return out, times, split
+    if phases:
+        left, which = _left(args, clock, start)
+        if clock.agree(statistics.mean(times) / 1e3 < left, group):
+            with ph.record() as rec:
+                _, ms = _forward(model, inputs, clock.device)
+            split = dict(rec.totals(), forward=ms, calls=rec.counts().get("attend", 0))
+        else:
+            limits["phases"] = f"cut by {which}"
+    return out, times, split, limits
 
 
 def kernel_split(shape, world: int, args, device, dtype, reps: int = 5) -> dict:
@@ -304,8 +328,8 @@ def _split_summary(splits: list[dict]) -> dict:
     return mean
 
 
-def _row(config: str, times: list[float], out=None, ref=None, base_ms=None, split=None) -> dict:
-    row = dict(config=config, ms=statistics.median(times), times_ms=times)
+def _row(config: str, times: list[float], out=None, ref=None, base_ms=None, split=None, limits=None) -> dict:
+    row = dict(config=config, ms=statistics.median(times), times_ms=times, limits=limits)
     if ref is not None:
         diff = (out.float() - ref.float()).abs()
         row.update(
@@ -357,9 +381,9 @@ def bench_shape(name: str, shape, rank: int, world: int, args, clock: Clock, dev
                 continue
             if rank == 0:
                 _pisa(model, args, pisa)
-                refs[pisa], times, _ = _run_stage(model, inputs, args, clock, alone=True, phases=False)
+                refs[pisa], times, _, limits = _run_stage(model, inputs, args, clock, alone=True, phases=False)
                 base[pisa] = statistics.median(times)
-                res["rows"].append(_row(label, times))
+                res["rows"].append(_row(label, times, limits=limits))
                 emit(res)
             dist.barrier()
         if not args.no_split and clock.agree(clock.left() > 0):
@@ -376,13 +400,14 @@ def bench_shape(name: str, shape, rank: int, world: int, args, clock: Clock, dev
                 continue
             _pisa(model, args, pisa)
             _parallel(model, kind, world)
-            out, times, split = _run_stage(model, inputs, args, clock, alone=False, phases=pisa and not args.no_phases)
+            out, times, split, limits = _run_stage(model, inputs, args, clock, alone=False,
+                                                   phases=pisa and not args.no_phases)
             _parallel(model, None, world)
             splits = [None] * world
             dist.all_gather_object(splits, split)
             if rank == 0:
                 summary = _split_summary(splits) if split is not None else None
-                res["rows"].append(_row(label, times, out, refs[pisa], base[pisa], summary))
+                res["rows"].append(_row(label, times, out, refs[pisa], base[pisa], summary, limits))
                 emit(res)
     if rank == 0 and True in refs and False in refs:
         res["pisa_vs_dense_1gpu_max_abs"] = float((refs[True].float() - refs[False].float()).abs().max())
@@ -446,7 +471,21 @@ def table(res: dict) -> str:
             parts = "".join(f"{ph[c]:>8.1f}" if c in ph else f"{'':>8}" for c in cols)
             calls = f"{int(ph['calls']):>6}" if "calls" in ph else ""
             lines.append(f"  {r['config']:<24}{r['ms']:>9.1f}{sp[0]:>8}{sp[1]:>9}{sp[2]:>9}  {parts}{calls}")
+        lines += [f"  note: {n}" for n in limit_notes(sh)]
     return "\n".join(lines)
+
+
+def limit_notes(shape_result: dict) -> list[str]:
+    """One line per row whose timed forwards or phase forward a time limit cut."""
+    notes = []
+    for r in shape_result["rows"]:
+        lim = r.get("limits") or {}
+        if lim.get("iters_cut_by"):
+            notes.append(f"{r['config']}: {lim['iters_run']} of {lim['iters_asked']} timed forwards, "
+                         f"{lim['iters_cut_by']} cut the rest")
+        if str(lim.get("phases", "")).startswith("cut"):
+            notes.append(f"{r['config']}: no per-phase split, {lim['phases']}")
+    return notes
 
 
 def _write(res: dict, args) -> None:
