@@ -1,7 +1,8 @@
-"""The paper-scale end-to-end benchmark (benchmarks/bench_e2e.py): its cases, its arithmetic, and
-one CPU run of every code path with tiny models of the same classes."""
+"""The paper-scale end-to-end benchmark (pisa_attn.bench.e2e, run by benchmarks/bench_e2e.py): its
+cases, its arithmetic, and one CPU run of every code path with tiny models of the same classes."""
 
 import json
+import runpy
 import sys
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import torch
 
 from pisa_attn.bench import dit_cases as dc
 from pisa_attn.bench import e2e_estimates as est
+from pisa_attn.bench.e2e import main as e2e_main
+from pisa_attn.bench.e2e import measure, report, stages
 from pisa_attn.diffusers.schedule import DEFAULT_MIN_KV_LEN
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
 
 
 @pytest.mark.parametrize(
@@ -75,8 +78,6 @@ def test_flop_estimate_of_wan14b_attention():
 
 
 def test_derive_extrapolates_reduced_models():
-    import bench_e2e as b
-
     full = dc.CASES["wan14b-720p"]
     case = dc.reduced(full, 0.1)  # 4 of 40 blocks: per-forward times x10
     rec = {
@@ -85,8 +86,8 @@ def test_derive_extrapolates_reduced_models():
         "attention_call": {"speedup": 7.0, "pisa_ms": 10.0, "pisa_dense_path_ms": 80.0, "dense_backend": "cudnn",
                            "dense_ms": {"cudnn": 70.0}},
     }  # fmt: skip
-    args = b.parse_args(["--tiny"])
-    d = b.derive(rec, case, full, args)
+    args = stages.parse_args(["--tiny"])
+    d = report.derive(rec, case, full, args)
     assert d["speedup"] == pytest.approx(2.0) and d["dense_forward_ms"] == pytest.approx(10_000.0)
     assert d["amdahl_bound"] == pytest.approx(1000 / (300 + 700 / 7))
     assert d["share_of_bound"] == pytest.approx(2.0 / d["amdahl_bound"])
@@ -97,23 +98,20 @@ def test_derive_extrapolates_reduced_models():
 
 
 def test_first_dense_falls_back_and_records_why():
-    import bench_e2e as b
-
     def run(name):
         if name == "a":
             raise RuntimeError("no kernel for this mask")
         return name.upper()
 
     rec = {}
-    assert b.first_dense(["a", "b"], run, rec, "dense") == ("b", "B")
+    assert measure.first_dense(["a", "b"], run, rec, "dense") == ("b", "B")
     assert "no kernel" in rec["dense_backend_errors"]["dense a"]
     with pytest.raises(RuntimeError, match="no dense backend"):
-        b.first_dense(["a"], run, {}, "dense")
+        measure.first_dense(["a"], run, {}, "dense")
 
 
 def test_arguments_per_stage():
-    import bench_e2e as b
-
+    b = stages
     a = b.parse_args(["--part", "compiled", "--fraction", "wan14b-compiled=0.5", "--budget-s", "flux=30"])
     assert a.stage_list == ("wan14b-compiled", "hunyuan-compiled", "wan1.3b-compiled", "flux-compiled")
     assert a.fractions == {"wan14b-compiled": 0.5} and a.budgets["flux"] == 30 and a.budgets["hunyuan"] == 150
@@ -124,21 +122,24 @@ def test_arguments_per_stage():
 
 
 def test_plan_names_every_stage(capsys):
-    import bench_e2e as b
-
-    assert b.main(["--plan", "--part", "all"]) == 0
+    assert e2e_main.main(["--plan", "--part", "all"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in b.STAGES) and "total" in out
+    assert all(name in out for name in stages.STAGES) and "total" in out
+
+
+def test_device_script_runs_the_package(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--plan", "--stages", "flux"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("flux ")
 
 
 @pytest.mark.slow
 def test_tiny_run_covers_eager_compiled_and_sweep(tmp_path):
     pytest.importorskip("diffusers")
-    import bench_e2e as b
-
     threads = torch.get_num_threads()
     try:
-        rc = b.main(["--tiny", "--stages", "wan1.3b,hunyuan-compiled,flux", "--compile-backend", "aot_eager",
+        rc = e2e_main.main(["--tiny", "--stages", "wan1.3b,hunyuan-compiled,flux", "--compile-backend", "aot_eager",
                      "--total-budget-s", "600", "--budget-s", "300", "--out", str(tmp_path)])  # fmt: skip
     finally:
         torch.set_num_threads(threads)
@@ -161,24 +162,22 @@ def test_tiny_run_covers_eager_compiled_and_sweep(tmp_path):
     assert 0 < drift["compiled_pisa_vs_compiled_dense"] < 0.05
     assert hun["pisa_calls"]["sparse"] > 0 and "dense" not in hun["pisa_calls"]
     sweep = next(s for s in res["stages"] if s["stage"] == "flux")["min_kv_len"]
-    assert [r["image_tokens"] for r in sweep["rows"]] == list(b.FLUX_SWEEP_TINY) and sweep["default"] == DEFAULT_MIN_KV_LEN
+    assert [r["image_tokens"] for r in sweep["rows"]] == list(stages.FLUX_SWEEP_TINY) and sweep["default"] == DEFAULT_MIN_KV_LEN
 
 
 def test_a_failing_step_is_recorded_and_the_stage_goes_on(tmp_path, monkeypatch):
     pytest.importorskip("diffusers")
     import contextlib
 
-    import bench_e2e as b
-
     @contextlib.contextmanager
     def broken(model, case, args):
         raise RuntimeError("kernel launch failed")
         yield
 
-    monkeypatch.setattr(b, "pisa_applied", broken)
+    monkeypatch.setattr(measure, "pisa_applied", broken)
     threads = torch.get_num_threads()
     try:
-        assert b.main(["--tiny", "--stages", "wan1.3b", "--out", str(tmp_path)]) == 0
+        assert e2e_main.main(["--tiny", "--stages", "wan1.3b", "--out", str(tmp_path)]) == 0
     finally:
         torch.set_num_threads(threads)
     stage = json.loads((tmp_path / "bench_e2e.json").read_text())["stages"][0]

@@ -1,0 +1,149 @@
+"""What the numbers say: per-case speed-up, Amdahl bound and its share, boundary cost, the
+paper's schedule estimate (:func:`derive`), and the table printed at the end of a run."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from .. import dit_cases as dc
+from .. import e2e_estimates as est
+from .stages import blocks_info
+
+
+def _ms(fw: dict, name: str) -> float | None:
+    m = fw.get(name)
+    return None if not m else m["ms"]
+
+
+def derive(rec: dict, case: dc.Case, full: dc.Case, args) -> dict:
+    """Speed-up, Amdahl bound and share, boundary cost and the schedule estimate of one case."""
+    fw, a = rec.get("forward_ms", {}), rec.get("attention_call")
+    dense, pisa, rest, hooks = (_ms(fw, n) for n in ("dense", "pisa", "no_attention", "no_attention_pisa_hooks"))
+    ext = full.blocks / case.blocks
+    out: dict = {"blocks": blocks_info(case, full)}
+    if a:
+        # The attention call's own speed-up, against the dense backend the forwards ran on.
+        used = rec.get("dense_backend", a["dense_backend"])
+        dense_call = a["dense_ms"].get(used)
+        dense_call = dense_call if isinstance(dense_call, float) else a["dense_ms"][a["dense_backend"]]
+        out["attention_ratio"] = dense_call / a["pisa_ms"]
+    if dense is not None:
+        out["dense_forward_ms"] = dense * ext
+    if pisa is not None:
+        out["pisa_forward_ms"] = pisa * ext
+    if dense and pisa:
+        out["speedup"] = dense / pisa
+    if dense and rest is not None:
+        out["no_attention_forward_ms"] = rest * ext
+        out["ideal_bound"] = dense / rest if rest > 0 else None
+        out["attention_share_of_dense"] = (dense - rest) / dense
+        if a:
+            out["amdahl_bound"] = est.amdahl_bound(dense, rest, out["attention_ratio"])
+            if pisa:
+                out["share_of_bound"] = out["speedup"] / out["amdahl_bound"]
+    if hooks is not None and rest is not None and pisa:
+        # The hooks run once per forward, whatever the block count: compare with the full forward.
+        out["boundary_ms"] = hooks - rest
+        out["boundary_pct_of_pisa_forward"] = 100 * (hooks - rest) / (pisa * ext)
+    g = rec.get("gathers")
+    if g and pisa:
+        out["gathers_pct_of_pisa_forward"] = 100 * g["total_ms"] / (pisa * ext)
+    if dense and pisa and a:
+        dense_path = a["pisa_dense_path_ms"]
+        out["schedule"] = est.schedule_speedup(
+            dense * ext, pisa * ext, steps=args.steps, dense_steps=full.dense_steps, dense_layers=full.dense_layers,
+            dense_layer_extra=dense_path - a["pisa_ms"],
+            dense_step_extra=full.blocks * (dense_path - dense_call),
+        )  # fmt: skip
+    return out
+
+
+def summary(rec: dict) -> str:
+    d = rec.get("derived", {})
+    parts = []
+    for k, fmt in (("speedup", "speed-up {:.2f}x"), ("amdahl_bound", "bound {:.2f}x"), ("share_of_bound", "share {:.0%}"),
+                   ("boundary_pct_of_pisa_forward", "boundary {:.2f}%")):  # fmt: skip
+        if d.get(k) is not None:
+            parts.append(fmt.format(d[k]))
+    if "schedule" in d:
+        parts.append(f"{d['schedule']['steps']}-step schedule {d['schedule']['speedup']:.2f}x")
+    for k, v in rec.get("rel_l1", {}).items():
+        parts.append(f"{k} {v:.4f}")
+    return ", ".join(parts) or "no result"
+
+
+def paper_numbers(case: dc.Case) -> dict | None:
+    p = case.paper
+    if p is None:
+        return None
+    return {"speedup": p.speedup, "speedup_no_warmup": p.speedup_no_warmup, "dense_s": p.dense_s, "pisa_s": p.pisa_s,
+            "setting": p.setting}  # fmt: skip
+
+
+def environment(device) -> dict:
+    import diffusers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
+           "device": str(device)}  # fmt: skip
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+    return env
+
+
+def _f(v, fmt: str, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:{width}{fmt}}"
+
+
+def table(results: dict) -> str:
+    head = (f"{'stage':<17} {'case':<13} {'tokens':>7} {'blocks':>6} {'dense':>7} {'dense ms':>9} {'PISA ms':>9} {'speedup':>7} "
+            f"{'attn r':>6} {'bound':>6} {'share':>6} {'sched.':>6} {'paper':>11} {'bound.%':>7} {'rel-L1':>7}")  # fmt: skip
+    lines = [f"PISA end to end, one transformer forward ({results['env'].get('gpu', results['env']['device'])}, "
+             f"torch {results['env']['torch']}); ms per full forward (* = extrapolated from the blocks built)", head,
+             "-" * len(head)]  # fmt: skip
+    notes = []
+    for s in results["stages"]:
+        if s["status"] != "done":
+            notes.append(f"{s['stage']}: {s['status']}")
+        for c in s["cases"]:
+            d = c.get("derived", {})
+            b = c["blocks"]
+            star = "*" if b["measured"] != b["total"] else " "
+            paper = c.get("paper") or {}
+            pw, pn = paper.get("speedup"), paper.get("speedup_no_warmup")
+            ptxt = "-" if pw is None else f"{pw:.2f}/{pn:.2f}" if pn else f"{pw:.2f}/-"
+            sched = d.get("schedule", {}).get("speedup")
+            tokens = c["image_tokens"] + c["joint_text_tokens"]
+            lines.append(
+                f"{s['stage']:<17} {c['case']:<13} {tokens:>7} {b['measured']:>3}/{b['total']:<2} "
+                f"{c.get('dense_backend', '-').removeprefix('_native_')[:7]:>7} "
+                f"{_f(d.get('dense_forward_ms'), '.1f', 8)}{star}{_f(d.get('pisa_forward_ms'), '.1f', 8)}{star}"
+                f"{_f(d.get('speedup'), '.2f', 6)}x {_f(d.get('attention_ratio'), '.2f', 5)}x {_f(d.get('amdahl_bound'), '.2f', 5)}x "
+                f"{_f(None if d.get('share_of_bound') is None else 100 * d['share_of_bound'], '.0f', 5)}% "
+                f"{_f(sched, '.2f', 5)}x {ptxt:>11} {_f(d.get('boundary_pct_of_pisa_forward'), '.2f', 7)} "
+                f"{_f(c.get('rel_l1', {}).get('pisa_vs_dense'), '.4f', 7)}"
+            )  # fmt: skip
+            if s["compiled"]:
+                cs = c.get("compile_s", {})
+                drift = c.get("rel_l1", {})
+                notes.append(f"{c['case']} compiled: compile s {cs}; rel-L1 " + ", ".join(f"{k} {v:.4f}" for k, v in drift.items()))
+            if c.get("skipped"):
+                notes.append(f"{c['case']} ({s['stage']}): skipped {'; '.join(c['skipped'])}")
+            for label, err in c.get("errors", {}).items():
+                notes.append(f"{c['case']} ({s['stage']}): {label} failed: {err}")
+        if s.get("min_kv_len", {}).get("rows"):
+            m = s["min_kv_len"]
+            notes.append("min_kv_len sweep (FLUX heads, 512 text tokens): " + ", ".join(
+                f"{r['keys']} keys {r['speedup']:.2f}x" for r in m["rows"]) +
+                f"; PISA faster from {m['pisa_faster_from_keys']} keys; default min_kv_len {m['default']}")  # fmt: skip
+    lines.append("attn r: one attention call dense/PISA at the model's shape; bound: Amdahl bound with r; share: speed-up / "
+                 "bound; sched.: the paper's warm-up schedule over the steps; paper: its speed-ups with / without warm-up; "
+                 "bound.%: boundary hooks as % of the PISA forward")  # fmt: skip
+    return "\n".join(lines + notes)
