@@ -248,7 +248,8 @@ def test_merge_is_exact_softmax_split():
 def test_selection_blocks_is_the_mask_restricted_to_the_shard(nk):
     """Selection.blocks (index-list and bit-shift arithmetic) names the same exact set as the
     bool mask cut to [lo, hi), with the same width; re-based indices stay inside the shard."""
-    from pisa_attn.ops.selection import Selection, idx_to_mask
+    from pisa_attn.ops.selection import Selection
+    from selection_masks import idx_to_mask
 
     g = torch.Generator().manual_seed(nk)
     for width in (1, 3, nk):

@@ -14,7 +14,8 @@ triton = pytest.importorskip("triton")
 from pisa_attn import pisa_attention, spec  # noqa: E402
 from pisa_attn.attention import make_plan  # noqa: E402
 from pisa_attn.ops import reference as ref  # noqa: E402
-from pisa_attn.ops.selection import Selection, bits_to_mask, idx_to_mask  # noqa: E402
+from pisa_attn.ops.selection import Selection, bits_to_mask  # noqa: E402
+from selection_masks import idx_to_mask  # noqa: E402
 from pisa_attn.ops.stages import run_plan  # noqa: E402
 from pisa_attn.ops.triton import op  # noqa: E402
 from pisa_attn.ops.merge import merge  # noqa: E402

@@ -18,17 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from pisa_attn import spec
 from pisa_attn.bench import kernels as bk
 from pisa_attn.ops import reference as ref
-from pisa_attn.ops.selection import idx_to_mask
 from pisa_attn.ops.triton import attention as attn
 from pisa_attn.ops.triton import prepare as prep
 from pisa_attn.ops.triton import select as sel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the selection mask helper
+from selection_masks import idx_to_mask  # noqa: E402
 
 CONFIGS = [dict(C=c, num_warps=4, num_stages=s) for c, s in ((64, 2), (64, 3), (32, 2))] + [
     dict(C=c, num_warps=4, num_stages=2, S_EXACT=3, S_TAIL=t) for c, t in ((64, 2), (64, 1), (32, 2))

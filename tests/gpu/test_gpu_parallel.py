@@ -12,7 +12,8 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 from pisa_attn.ops.merge import merge, merge_torch  # noqa: E402
-from pisa_attn.ops.selection import Selection, idx_to_mask  # noqa: E402
+from pisa_attn.ops.selection import Selection  # noqa: E402
+from selection_masks import idx_to_mask  # noqa: E402
 
 
 @pytest.mark.parametrize("n, out_dtype", [(2, torch.bfloat16), (4, torch.bfloat16), (4, None)])

@@ -101,16 +101,6 @@ def _shift_bits(bits: Tensor, lo: int, hi: int) -> Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
-def idx_to_mask(idx: Tensor, cnt: Tensor, n_kv_blocks: int) -> Tensor:
-    """The bool ``[B, H, Nq, Nk]`` mask named by the first ``cnt`` entries of ``idx`` (tests check
-    that ``idx`` and ``bits`` of a selection agree)."""
-    valid = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None]
-    mask = torch.zeros(*idx.shape[:-1], n_kv_blocks + 1, dtype=torch.bool, device=idx.device)
-    safe = torch.where(valid, idx.long(), torch.full_like(idx, n_kv_blocks, dtype=torch.long))
-    mask.scatter_(-1, safe, True)
-    return mask[..., :n_kv_blocks]
-
-
 def bits_to_mask(bits: Tensor, n_kv_blocks: int) -> Tensor:
     """Unpack a ``bits`` tensor to the bool ``[B, H, Nq, Nk]`` mask."""
     lanes = torch.arange(32, device=bits.device, dtype=torch.int32)
