@@ -2,13 +2,14 @@
 
 1. Selection overlap of neighbouring 64-row query blocks (the share of a block's exact key blocks
    its pair neighbour also selects: what the Hopper kernel loads once for both), on Gaussian q/k
-   (the kernel benchmark's inputs), the DiT-like generator and real DINOv2 q/k/v.
+   (the kernel benchmark's inputs), the DiT-like generator and, with ``--dino FILE``, real DINOv2
+   q/k/v (a file of layers 0, 5 and 11 written by ``benchmarks/extract_dinov2_qkv.py``).
 2. Error (rel-L1 vs dense, float64 reference) of ``query_block`` 64 (the paper's per-block
    selection) against 128 and 256, hybrid and drop, on the DiT-like generator and DINOv2.
 3. With ``--timings bench.json`` (``pisa-attn bench --query-block 128`` output), an error-versus-time
    chart: each density's point at query_block 64 and 128.
 
-    PYTHONPATH=src python benchmarks/query_block_tradeoff.py --out out [--timings results.json]
+    PYTHONPATH=src python benchmarks/query_block_tradeoff.py --out out [--dino FILE] [--timings results.json]
 
 CPU only for parts 1-2 (a few minutes on two cores); writes query_block_tradeoff.json (+ .png).
 """
@@ -24,10 +25,8 @@ import torch
 from pisa_attn import data, metrics, pisa_attention, spec
 from pisa_attn.ops import reference as ref
 
-DINO = "/work/shared/data/dinov2_vits14_astronaut_l0_5_11.safetensors"
 DENSITIES = (0.05, 0.125, 0.25)
-# The paper's first-order weight where the library has one (hybrid mode only).
-PAPER = {"alpha": 1.0} if "alpha" in pisa_attention.__code__.co_varnames else {}
+PAPER = {"alpha": 1.0}  # the paper's first-order weight (hybrid mode)
 
 
 def pair_overlap(q: torch.Tensor, k: torch.Tensor, density: float, block_size: int = 64) -> float:
@@ -37,17 +36,17 @@ def pair_overlap(q: torch.Tensor, k: torch.Tensor, density: float, block_size: i
     return ((a & b).sum(-1).float() / a.sum(-1).clamp_min(1)).mean().item()
 
 
-def sources(seed: int = 0):
+def sources(dino: str | None, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     yield "gaussian L4096", *(torch.randn(1, 4, 4096, 64, generator=g, dtype=torch.float64) for _ in range(3))
     d = data.dit_qkv((4, 30, 52), heads=4, head_dim=64, seed=seed, dtype=torch.float64)
     yield "DiT-like video 4x30x52", d.q, d.k, d.v
     d = data.dit_qkv((48, 48), heads=4, head_dim=64, seed=seed, dtype=torch.float64)
     yield "DiT-like image 48x48", d.q, d.k, d.v
-    if os.path.exists(DINO):
+    if dino is not None:
         from safetensors.torch import load_file
 
-        f = load_file(DINO)
+        f = load_file(dino)
         for layer in (0, 5, 11):
             q, k, v = (f[f"step0.layer{layer}.{n}"].double() for n in "qkv")
             yield f"DINOv2 layer {layer}", *(x if x.dim() == 4 else x[None] for x in (q, k, v))
@@ -57,10 +56,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--timings", default=None, help="a pisa-attn bench JSON with the --query-block 128 column")
+    ap.add_argument("--dino", default=None,
+                    help="DINOv2 q/k/v of layers 0, 5 and 11 (benchmarks/extract_dinov2_qkv.py); default: none")
     a = ap.parse_args()
+    for flag, path in (("--dino", a.dino), ("--timings", a.timings)):
+        if path is not None and not os.path.isfile(path):
+            ap.error(f"{flag}: no such file: {path}")
+    if a.dino is None:
+        print("no --dino file: Gaussian and DiT-like inputs only", flush=True)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     rows = []
-    for name, q, k, v in sources():
+    for name, q, k, v in sources(a.dino):
         dense = metrics.dense_pass(q, k, v, block_size=64).out
         for density in DENSITIES:
             r = dict(source=name, L=q.shape[2], density=density, overlap=pair_overlap(q, k, density))
