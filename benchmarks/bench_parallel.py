@@ -426,7 +426,7 @@ def bench_rank(rank: int, world: int, args) -> dict | None:
         benchmark="bench_parallel", world=world, dtype=str(dtype).replace("torch.", ""), density=args.density,
         mode=args.mode, iters=args.iters, warmup=args.warmup,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__, nccl_env={k: os.environ.get(k) for k in NVLS_SWITCHES},
+        torch=torch.__version__, triton=_triton_version(), nccl_env={k: os.environ.get(k) for k in NVLS_SWITCHES},
         shapes=[],
     )  # fmt: skip
 
@@ -441,13 +441,21 @@ def bench_rank(rank: int, world: int, args) -> dict | None:
     return res if rank == 0 else None
 
 
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
 def _default_shapes(world: int) -> list[str]:
     return ["wan1.3b-480p"] if world < 4 else ["wan14b-720p"]
 
 
 def table(res: dict) -> str:
-    lines = [f"PISA context parallelism, {res['world']} ranks, {res['device']}, {res['dtype']}, "
-             f"density {res['density']} {res['mode']}"]  # fmt: skip
+    lines = [f"PISA context parallelism, {res['world']} ranks, {res['device']}, torch {res['torch']}, "
+             f"triton {res.get('triton')}, {res['dtype']}, density {res['density']} {res['mode']}"]  # fmt: skip
     cols = ("attend", "wait", "merge", "stats", "select", "redist", "a2a", "other")
     for sh in res["shapes"]:
         lines.append(
