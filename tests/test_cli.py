@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import runpy
@@ -461,3 +462,17 @@ def test_help_is_plain_and_lists_accepted_values(command, words, capsys):
     flat = " ".join(text.split())
     for w in words:
         assert w in flat, (command, w)
+
+
+def test_readme_context_parallel_example_runs_as_written(tmp_path):
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Context parallelism"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "cp_example.py"  # run_local spawns: the ranks import the script's functions
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    diff = float(re.fullmatch(r"max \|difference\| from one process: (\S+)\n", run.stdout).group(1))
+    assert diff < 1e-4
