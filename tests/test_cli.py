@@ -450,6 +450,7 @@ def test_study_on_the_core_install_writes_json_without_plots(tmp_path, capsys, m
         ("study", ["one of drop, zeroth, hybrid, first", "a power of two >= 16", "an integer >= 0", "default: 0.2"]),
         ("calibrate", ["one of head, layer", "one of hybrid, first", "a power of two >= 16", "an integer >= 0"]),
         ("generate", ["{hybrid,zeroth,first,drop}", "a power of two >= 16", "an integer >= 0"]),
+        ("bench", ["{128,256}", "{bf16,fp16}", "default: 60.0"]),
     ],
 )
 def test_help_is_plain_and_lists_accepted_values(command, words, capsys):
@@ -476,3 +477,29 @@ def test_readme_context_parallel_example_runs_as_written(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     diff = float(re.fullmatch(r"max \|difference\| from one process: (\S+)\n", run.stdout).group(1))
     assert diff < 1e-4
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--lengths", "abc"], ["--lengths", "comma-separated"]),
+        (["--densities", "0.1,2"], ["densities must be in (0, 1]"]),
+        (["--cases", "2-16-128:4096"], ["--cases items look like"]),
+        (["--query-block", "100"], ["--query-block", "invalid choice"]),
+        (["--rep-ms", "0"], ["--rep-ms must be > 0"]),
+        (["--out", "/nonexistent_dir_pisa/r.json"], ["--out", "does not exist"]),
+    ],
+    ids=lambda x: x[0].lstrip("-") if isinstance(x, list) else None,
+)
+def test_bench_misuse_is_one_error_line_before_any_gpu_work(args, words, capsys):
+    rc, err = run_cli(["bench", *args], capsys)
+    assert_clear_error(rc, err, *words)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_bench_without_cuda_is_one_error_line(capsys, monkeypatch):
+    rc, err = run_cli(["bench", "--lengths", "4096"], capsys)
+    assert_clear_error(rc, err, "needs a CUDA GPU")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc, err = run_cli(["bench", "--plot", "x.png"], capsys)
+    assert_clear_error(rc, err, "--plot", "matplotlib")

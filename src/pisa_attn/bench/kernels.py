@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import argtypes as at
+
 DEFAULT_CONFIGS = "2-16-128,1-40-128,2-24-64"
 DEFAULT_LENGTHS = "4096,8192,16384,32768,65536"
 DEFAULT_DENSITIES = "0.05,0.125,0.25,0.5"
@@ -451,7 +453,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="explicit B-H-D:L:density list instead of the configs x lengths x densities grid")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     p.add_argument("--layout", default="bhsd", choices=("bhsd", "bshd"))
-    p.add_argument("--rep-ms", type=float, default=60.0, help="time budget per measurement (do_bench rep)")
+    p.add_argument("--rep-ms", type=float, default=60.0, help="time budget per measurement (do_bench rep), > 0")
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention column (saves compile time)")
     p.add_argument("--flex-dynamic", action="store_true", help="compile FlexAttention with dynamic shapes")
     p.add_argument("--flex-lengths", default=None, help="only time FlexAttention at these lengths (compile time)")
@@ -461,17 +463,16 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="PISA kernel backend (auto: hopper on sm_90, else triton)")
     p.add_argument("--data", default="random", choices=("random", "dit"),
                    help="Gaussian q/k/v, or the DiT-like generator on an (L/1024, 32, 32) grid")
-    p.add_argument("--query-block", type=int, default=None,
+    p.add_argument("--query-block", type=int, choices=(128, 256), default=None,
                    help="also time PISA with selection per this many query rows (128: shared by 2 blocks)")
-    p.add_argument("--out", default=None, help="write the JSON result here")
-    p.add_argument("--plot", default=None, help="write a PNG plot of speed-up vs length here")
-    p.add_argument("--markdown", default=None, help="write a markdown table here")
+    p.add_argument("--out", type=at.output_file, default=None, help="write the JSON result here")
+    p.add_argument("--plot", type=at.output_file, default=None,
+                   help="write a PNG plot of speed-up vs length here (needs matplotlib)")
+    p.add_argument("--markdown", type=at.output_file, default=None, help="write a markdown table here")
 
 
 def run(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("pisa-attn bench: needs a CUDA GPU", file=sys.stderr)
-        return 1
+    """Every value, path and dependency is checked before the GPU is: a misuse reads the same anywhere."""
     try:
         if args.cases:
             cases = parse_cases(args.cases)
@@ -479,11 +480,16 @@ def run(args: argparse.Namespace) -> int:
             cases = grid_cases([Config.parse(c) for c in parse_list(args.configs, str, "configs")],
                                parse_list(args.lengths, int, "lengths"), parse_list(args.densities, float, "densities"))
         flex_lengths = None if args.flex_lengths is None else set(parse_list(args.flex_lengths, int, "flex-lengths"))
+        if any(not (0 < d <= 1) or n < 1 for _, n, d in cases):
+            raise ValueError("densities must be in (0, 1] and lengths positive")
+        if not args.rep_ms > 0:
+            raise ValueError(f"--rep-ms must be > 0, got {args.rep_ms}")
+        if args.plot and at.missing_modules("matplotlib"):
+            raise ValueError("--plot needs matplotlib, which is not installed: pip install 'pisa-attn[plot]'")
+        if not torch.cuda.is_available():
+            raise ValueError("needs a CUDA GPU (use pisa-attn demo on a CPU)")
     except ValueError as e:
-        print(f"pisa-attn bench: {e}", file=sys.stderr)
-        return 2
-    if any(not (0 < d <= 1) or n < 1 for _, n, d in cases):
-        print("pisa-attn bench: densities must be in (0, 1] and lengths positive", file=sys.stderr)
+        print(f"pisa-attn bench: error: {e}", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
 

@@ -3,7 +3,7 @@
 Reproduces the paper's ablation data (relative L1 error vs density and vs length for drop / zeroth /
 hybrid / first, with and without covariance-aware selection), the Figure-3 distributions of
 pre-softmax scores of selected vs tail blocks, the tail mass ρ_t per head, and the effect of token
-tiling. ``--out DIR`` receives ``study.json`` and PNG plots.
+tiling. ``--out DIR`` receives ``study.json`` and, with matplotlib installed, PNG plots.
 
 ``hybrid`` and ``first`` are the paper's terms (first-order weight α = 1). Two weighted hybrid
 variants sit beside them: ``hybrid-default`` (α = :data:`pisa_attn.spec.DEFAULT_ALPHA`, what
@@ -11,7 +11,7 @@ variants sit beside them: ``hybrid-default`` (α = :data:`pisa_attn.spec.DEFAULT
 squares on ANOTHER input -- the synthetic generator's next seed, the same layer at another
 captured step, or ``--calib-source`` -- and evaluated on this one: an honest split).
 
-Run as ``pisa-attn study ...`` or ``python -m pisa_attn.bench.study ...``.
+Run as ``pisa-attn study`` or ``python -m pisa_attn.bench.study``.
 """
 
 from __future__ import annotations
