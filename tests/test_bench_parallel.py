@@ -1,20 +1,16 @@
-"""benchmarks/bench_parallel.py: how the stage limit and the run's budget cut timed forwards and
-the phase forward, and that the result says so (the multi-rank run is in test_parallel_diffusers)."""
+"""The context-parallel benchmark (pisa_attn.bench.context_parallel, benchmarks/bench_parallel.py):
+how the stage limit and the run's budget cut timed forwards and the phase forward, and that the
+result says so (the multi-rank run is in test_parallel_diffusers)."""
 
-import importlib.util
 import time
-from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_parallel.py"
+from pisa_attn.bench import context_parallel
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_parallel_under_test", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return context_parallel
 
 
 class Slow(torch.nn.Module):

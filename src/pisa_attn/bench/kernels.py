@@ -513,8 +513,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pisa_attn.bench.kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m pisa_attn.bench.kernels", description=at.plain(__doc__),
+                                formatter_class=at.HelpFormatter)
     _add_args(p)
     return run(p.parse_args(argv))
 

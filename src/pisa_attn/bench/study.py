@@ -639,8 +639,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pisa_attn.bench.study", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m pisa_attn.bench.study", description=at.plain(__doc__),
+                                formatter_class=at.HelpFormatter)
     _configure(p)
     args = p.parse_args(argv)
     return args.func(args)
