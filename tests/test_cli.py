@@ -485,6 +485,7 @@ def test_readme_context_parallel_example_runs_as_written(tmp_path):
         (["--lengths", "abc"], ["--lengths", "comma-separated"]),
         (["--densities", "0.1,2"], ["densities must be in (0, 1]"]),
         (["--cases", "2-16-128:4096"], ["--cases items look like"]),
+        (["--cases", "2-16-128:abc:0.1"], ["--cases items look like", "abc"]),
         (["--query-block", "100"], ["--query-block", "invalid choice"]),
         (["--rep-ms", "0"], ["--rep-ms must be > 0"]),
         (["--out", "/nonexistent_dir_pisa/r.json"], ["--out", "does not exist"]),
@@ -503,3 +504,17 @@ def test_bench_without_cuda_is_one_error_line(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     rc, err = run_cli(["bench", "--plot", "x.png"], capsys)
     assert_clear_error(rc, err, "--plot", "matplotlib")
+
+
+def test_top_level_unknown_option_is_an_error(capsys):
+    rc, err = run_cli(["--bogus"], capsys)
+    assert_clear_error(rc, err, "unrecognized arguments: --bogus")
+
+
+def test_study_out_that_cannot_be_created(tmp_path, capsys, no_study, monkeypatch):
+    def refuse(path, exist_ok=False):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(no_study.os, "makedirs", refuse)
+    rc, err = run_cli(["study", "--size", "tiny", "--out", str(tmp_path / "o")], capsys)
+    assert_clear_error(rc, err, "cannot create the directory", "Permission denied")

@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         parser.print_help()
         return 0
     if extra and not getattr(args, "_accepts_any", False):

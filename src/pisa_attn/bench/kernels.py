@@ -289,7 +289,10 @@ def parse_cases(text: str) -> list[tuple[Config, int, float]]:
         parts = item.split(":")
         if len(parts) != 3:
             raise ValueError(f"--cases items look like 2-16-128:32768:0.125, got {item!r}")
-        out.append((Config.parse(parts[0]), int(parts[1]), float(parts[2])))
+        try:
+            out.append((Config.parse(parts[0]), int(parts[1]), float(parts[2])))
+        except ValueError:
+            raise ValueError(f"--cases items look like 2-16-128:32768:0.125, got {item!r}") from None
     return out
 
 

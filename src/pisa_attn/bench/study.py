@@ -480,6 +480,10 @@ def check_before_work(cfg: StudyConfig, out: str | None) -> None:
     if cfg.plots and at.missing_modules("matplotlib"):
         raise ValueError("the plots need matplotlib, which is not installed: pip install 'pisa-attn[plot]', "
                          "or run without plots (plots=False, --no-plots)")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out: cannot create the directory {out!r}: {e}") from None
 
 
 def run_study(config: StudyConfig | None = None, out: str | None = None, progress: bool = True,
