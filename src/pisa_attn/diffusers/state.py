@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import spec
-from ..layout import TokenLayout
+from ..layout import TokenOrder
 from .models import CallInfo, ModelAdapter
 from .schedule import Schedule, StepTracker
 
@@ -50,7 +50,7 @@ class Sequence:
     tokens (if any) are the rest and keep contiguous; ``keep`` flags key blocks holding text.
     """
 
-    layout: TokenLayout
+    layout: TokenOrder
     text_len: int
     image_lo: int
     image_hi: int
@@ -75,7 +75,7 @@ class Sequence:
 class Layouts:
     """Token orders of one (grid, text length): the image stream's and the joint sequence's."""
 
-    image: TokenLayout  # order of the image/video token stream between the boundary hooks
+    image: TokenOrder  # order of the image/video token stream between the boundary hooks
     joint: Sequence  # image + text self-attention (== image-only when the model has no joint text)
     image_only: Sequence  # image-only self-attention (SD3.5's attn2)
 

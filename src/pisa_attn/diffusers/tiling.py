@@ -21,7 +21,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..layout import TokenLayout, make_layout
+from ..layout import TokenOrder, make_layout
 from .models import CallInfo, timestep_value
 from .parallel import check_token_split, tokens_stay_in_model_order
 from .state import Layouts, PisaState, Run, Sequence, close_run, open_run, state_of
@@ -37,7 +37,7 @@ def default_tile(ndim: int, block_size: int) -> tuple[int, ...]:
     return tuple(2**e for e in exp)
 
 
-def _sequence(layout: TokenLayout, text_before: int, n_image: int, block_size: int) -> Sequence:
+def _sequence(layout: TokenOrder, text_before: int, n_image: int, block_size: int) -> Sequence:
     keep = layout.keep_blocks(block_size) if layout.num_text_tokens else None
     return Sequence(layout, layout.num_text_tokens, text_before, text_before + n_image, keep)
 
