@@ -9,11 +9,13 @@ __version__ = "0.1.0"
 
 # Public name -> the submodule that defines it. Loaded on first use, so that importing the package
 # (the ``pisa-attn`` command's ``--version`` and ``--help``) does not import torch.
-_EXPORTS = {"pisa_attention": "attention", "PisaPlan": "attention", "make_plan": "attention", "run": "attention"}
+_EXPORTS = {"pisa_attention": "attention", "PisaPlan": "attention", "make_plan": "attention", "run": "attention",
+            "PisaSettings": "settings"}
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
     from .attention import PisaPlan, make_plan, pisa_attention, run
+    from .settings import PisaSettings
 
 
 def __getattr__(name: str):
