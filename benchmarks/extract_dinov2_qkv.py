@@ -123,11 +123,11 @@ def extract(sess, names, pixels: np.ndarray) -> list[tuple[torch.Tensor, torch.T
     return per_layer
 
 
-def token_layout(side: int) -> lay.TokenLayout:
-    return lay.TokenLayout((lay.Text(1, "prefix"), lay.Grid((side, side))), (8, 8), "compact_inplace")
+def token_layout(side: int) -> lay.TokenOrder:
+    return lay.TokenOrder((lay.Text(1, "prefix"), lay.Grid((side, side))), (8, 8), "compact_inplace")
 
 
-def write(path: str, per_layer, layout: lay.TokenLayout, layers, dtype: torch.dtype) -> None:
+def write(path: str, per_layer, layout: lay.TokenOrder, layers, dtype: torch.dtype) -> None:
     side = layout.grid_shape[0]
     n = layout.num_tokens
     tensors, entries = {}, {}

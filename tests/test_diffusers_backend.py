@@ -1,5 +1,5 @@
-"""The "pisa" dispatcher backend: registration, version guard, dispatcher argument handling,
-backend switching, SD3 processor routing, masks, torch.compile."""
+"""PISA's attention processors: what they compute, that diffusers' dispatcher is left alone, the
+version guard, masks, observers, torch.compile."""
 
 import pytest
 import torch
@@ -9,7 +9,6 @@ pytest.importorskip("diffusers")
 import pisa_attn.diffusers as pd  # noqa: E402
 from diffusers.models import attention_dispatch as ad  # noqa: E402
 from pisa_attn import pisa_attention  # noqa: E402
-from pisa_attn.diffusers import backend  # noqa: E402
 from pisa_attn.diffusers import calls as pisa_calls  # noqa: E402
 from pisa_attn.diffusers.state import key_lengths  # noqa: E402
 from diffusers_tiny import TILE_BLOCK, forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
@@ -20,69 +19,44 @@ def _qkv(b=1, lq=128, lk=128, h=2, d=16, seed=0):
     return tuple(torch.randn(b, n, h, d, generator=g) for n in (lq, lk, lk))
 
 
-def test_registered_in_dispatcher():
-    member = pd.register()
-    assert pd.register() is member  # idempotent
-    assert ad.AttentionBackendName("pisa") is member is ad.AttentionBackendName.PISA
-    assert member.value == "pisa" and member.name == "PISA"
-    assert "pisa" in {m.value for m in ad.AttentionBackendName.__members__.values()}
-    assert ad._AttentionBackendRegistry._backends[member] is backend.dispatcher_attention
-    assert member in ad._AttentionBackendRegistry.list_backends()
+def test_no_backend_registered_in_dispatcher():
+    # Backend names are a closed enum: PISA adds none (apply_pisa is the entry point).
+    assert "pisa" not in {m.value for m in ad.AttentionBackendName.__members__.values()}
+    assert not any(getattr(k, "value", k) == "pisa" for k in ad._AttentionBackendRegistry._backends)
+    with pytest.raises(ValueError, match="must be one of"):
+        tiny_transformer("wan").set_attention_backend("pisa")
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan", "hunyuan"])
+def test_processors_compute_what_the_originals_do(family):
+    # At density 1 every key block is exact: PISA's processors must give the model's own output.
+    from pisa_attn.diffusers.processors import PROCESSORS
+
+    tr, inputs = tiny_transformer(family), forward_inputs(family, batch=2)
+    originals = {n: m.processor for n, m in tr.named_modules() if hasattr(m, "processor")}
+    with torch.no_grad():
+        native = tr(**inputs).sample
+        pd.apply_pisa(tr, density=1.0, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
+        mine = [(n, m.processor) for n, m in tr.named_modules() if isinstance(m.__dict__.get("processor"), PROCESSORS[family])]
+        assert [p.layer for _, p in mine] == list(range(len(mine))) and mine
+        assert all(p.original is originals[n] for n, p in mine)
+        out = tr(**inputs).sample
+        assert pd.stats(tr) == {"sparse": len(mine)}
+        pd.remove_pisa(tr)
+        again = tr(**inputs).sample
+    torch.testing.assert_close(out, native, rtol=1e-5, atol=1e-5)
+    assert torch.equal(again, native)
+    assert all(m.processor is originals[n] for n, m in tr.named_modules() if hasattr(m, "processor"))
 
 
 def test_version_guard(monkeypatch):
     import diffusers
 
     monkeypatch.setattr(diffusers, "__version__", "0.43.0")
-    with pytest.raises(RuntimeError, match=r"tested with diffusers 0\.42\.x; found diffusers 0\.43\.0"):
-        pd.register()
+    with pytest.raises(RuntimeError, match=r"tested with diffusers 0\.42\.x.*found diffusers 0\.43\.0"):
+        pd.check_diffusers()
     with pytest.raises(RuntimeError, match="diffusers>=0.42,<0.43"):
         pd.apply_pisa(tiny_transformer("wan"))
-
-
-def test_dispatch_through_context_manager_standalone():
-    # Without apply_pisa: self-attention with >= min_kv_len keys runs PISA in the model's order.
-    q, k, v = _qkv(lq=160, lk=160)
-    old = pd.configure()
-    try:
-        pd.configure(density=0.25, block_size=TILE_BLOCK, min_kv_len=128)
-        with ad.attention_backend("pisa"):
-            out = ad.dispatch_attention_fn(q, k, v)
-            short = ad.dispatch_attention_fn(q[:, :100], k[:, :100], v[:, :100])
-            cross = ad.dispatch_attention_fn(q, k[:, :40], v[:, :40])
-    finally:
-        pd.configure(**old.__dict__)
-    expect = pisa_attention(q, k, v, density=0.25, block_size=TILE_BLOCK, layout="bshd")
-    torch.testing.assert_close(out, expect, rtol=0, atol=0)
-    sdpa = lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-        a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2)
-    ).transpose(1, 2)
-    torch.testing.assert_close(short, sdpa(q[:, :100], k[:, :100], v[:, :100]), rtol=0, atol=0)  # too few keys
-    torch.testing.assert_close(cross, sdpa(q, k[:, :40], v[:, :40]), rtol=0, atol=0)  # cross-attention
-
-
-def test_configure_validates():
-    with pytest.raises(ValueError, match="density"):
-        pd.configure(density=2.0)
-    with pytest.raises(TypeError, match="unknown"):
-        pd.configure(densty=0.2)
-    with pytest.raises(ValueError, match="min_kv_len"):
-        pd.configure(min_kv_len=-1)
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(dropout_p=0.1), "dropout_p"),
-        (dict(is_causal=True), "is_causal"),
-        (dict(return_lse=True), "return_lse"),
-        (dict(_parallel_config=object()), "context parallelism"),
-    ],
-)
-def test_dispatcher_rejects_unsupported(kwargs, match):
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match=match):
-        backend.dispatcher_attention(q, k, v, **kwargs)
 
 
 def test_key_lengths():
@@ -102,67 +76,18 @@ def test_key_lengths():
         key_lengths(torch.zeros(1, 10, dtype=torch.bool), 1, 10)
 
 
-def test_standalone_sparse_call_honours_padding_mask():
-    q, k, v = _qkv(b=2, lq=160, lk=160)
-    mask = torch.ones(2, 160, dtype=torch.bool)
-    mask[1, 130:] = False
-    old = pd.configure()
-    try:
-        pd.configure(density=0.25, block_size=TILE_BLOCK, min_kv_len=0)
-        out = backend.dispatcher_attention(q, k, v, attn_mask=mask)
-    finally:
-        pd.configure(**old.__dict__)
-    kw = dict(density=0.25, block_size=TILE_BLOCK, layout="bshd")
-    torch.testing.assert_close(out[:1], pisa_attention(q[:1], k[:1], v[:1], **kw), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(out[1:], pisa_attention(q[1:], k[1:, :130], v[1:, :130], **kw), rtol=1e-6, atol=1e-6)
-
-
-def test_set_attention_backend_switches_after_apply():
+def test_diffusers_backend_changes_while_managed_reach_the_original_processors():
+    # set_attention_backend on a managed model leaves PISA running (it is the layers' backend); what
+    # it set is what the original processors carry after remove_pisa, as if PISA had not been there.
     tr, inputs = tiny_transformer("flux"), forward_inputs("flux")
     with torch.no_grad():
-        native = tr(**inputs).sample
         pd.apply_pisa(tr, density=0.25, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0)
         sparse = tr(**inputs).sample
         tr.set_attention_backend("native")
-        again_native = tr(**inputs).sample  # tiling stays on; exact attention is order-independent
-        tr.set_attention_backend("pisa")
-        again_sparse = tr(**inputs).sample
+        assert torch.equal(tr(**inputs).sample, sparse)
         pd.remove_pisa(tr)
     ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)  # set_* changed the global
-    assert not torch.allclose(sparse, native, rtol=0, atol=1e-4)
-    torch.testing.assert_close(again_native, native, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(again_sparse, sparse, rtol=0, atol=0)
-
-
-def test_sd3_processor_routed_through_dispatcher():
-    from diffusers.models.attention_processor import JointAttnProcessor2_0
-
-    from pisa_attn.diffusers.processors import joint_attention
-
-    tr, inputs = tiny_transformer("sd3"), forward_inputs("sd3", batch=2)
-    originals = {n: m.processor for n, m in tr.named_modules() if hasattr(m, "processor")}
-    assert all(type(p) is JointAttnProcessor2_0 for p in originals.values())
-    routed = []
-    with torch.no_grad():
-        native = tr(**inputs).sample
-        for m in tr.modules():
-            if hasattr(m, "processor"):  # the dispatcher path of the processor, on the native backend
-                def via(attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
-                    routed.append(1)
-                    return joint_attention(attn, hidden_states, encoder_hidden_states, ad.AttentionBackendName.NATIVE)
-
-                m.processor = via
-        via_dispatcher = tr(**inputs).sample
-        for n, m in tr.named_modules():
-            if hasattr(m, "processor"):
-                m.processor = originals[n]
-        pd.apply_pisa(tr, density=0.5)
-        assert all(m.processor._attention_backend == "pisa" for n, m in tr.named_modules() if n.endswith("attn"))
-        pd.remove_pisa(tr)
-    assert len(routed) == 3
-    torch.testing.assert_close(via_dispatcher, native, rtol=1e-6, atol=1e-6)
-    assert all(m.processor is originals[n] for n, m in tr.named_modules() if hasattr(m, "processor"))
-    assert all("_attention_backend" not in vars(p) for p in originals.values())
+    assert all(m.processor._attention_backend == "native" for m in tr.modules() if hasattr(m, "processor"))
 
 
 def test_processor_without_dispatcher_rejected():
@@ -170,40 +95,36 @@ def test_processor_without_dispatcher_rejected():
 
     tr = tiny_transformer("hunyuan")
     tr.transformer_blocks[0].attn.set_processor(AttnProcessor2_0())
+    before = {n: m.processor for n, m in tr.named_modules() if hasattr(m, "processor")}
     with pytest.raises(ValueError, match="AttnProcessor2_0"):
         pd.apply_pisa(tr)
     assert pd.pisa_state(tr) is None
-    assert all(getattr(m.processor, "_attention_backend", None) is None for m in tr.modules() if hasattr(m, "processor"))
+    assert before == {n: m.processor for n, m in tr.named_modules() if hasattr(m, "processor")}
 
 
-def test_cross_attention_and_refiner_stay_dense_under_global_pisa():
-    # set_attention_backend("pisa") also reaches Wan's cross-attention: it must stay dense and uncounted.
-    tr, inputs = tiny_transformer("wan"), forward_inputs("wan")
-    with torch.no_grad():
-        pd.apply_pisa(tr, density=1.0, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
-        ref = tr(**inputs).sample
-        tr.set_attention_backend("pisa")
-        out = tr(**inputs).sample
-        assert pd.stats(tr) == {"sparse": 4}  # 2 self-attention layers x 2 calls, attn2 not counted
-        pd.remove_pisa(tr)
-    ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+def test_cross_attention_and_refiner_keep_their_processors():
+    # Only the adapter's self-attention modules get PISA processors: Wan's cross-attention and
+    # Hunyuan's text token refiner keep their own and stay uncounted.
+    for family, untouched in (("wan", "blocks.0.attn2"), ("hunyuan", "context_embedder.token_refiner")):
+        tr, inputs = tiny_transformer(family), forward_inputs(family)
+        before = {n: m.processor for n, m in tr.named_modules() if n.startswith(untouched) and hasattr(m, "processor")}
+        assert before
+        with torch.no_grad():
+            pd.apply_pisa(tr, density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
+            tr(**inputs)
+            assert pd.stats(tr) == {"sparse": 2}
+            assert before == {n: tr.get_submodule(n).processor for n in before}
+            pd.remove_pisa(tr)
 
 
-def test_hunyuan_refiner_stays_dense_under_global_pisa():
-    # The token refiner's text-only attention is not a PISA layer (in diffusers 0.42 its processor
-    # calls SDPA itself; were it dispatched, its length would not match a managed sequence).
+def test_text_only_call_inside_a_forward_runs_dense_uncounted():
+    from pisa_attn.diffusers.models import CallInfo
+    from pisa_attn.diffusers.state import Run, enter_run, exit_run
+
     tr, inputs = tiny_transformer("hunyuan"), forward_inputs("hunyuan")
     with torch.no_grad():
         pd.apply_pisa(tr, density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
-        ref = tr(**inputs).sample
-        tr.set_attention_backend("pisa")
-        out = tr(**inputs).sample
-        assert pd.stats(tr) == {"sparse": 4}
-        # A dispatched text-only self-attention inside a forward: dense, not counted as a layer.
-        from pisa_attn.diffusers.models import CallInfo
-        from pisa_attn.diffusers.state import Run, enter_run, exit_run
-
+        tr(**inputs)
         state = pd.pisa_state(tr)
         (layouts,) = state.layouts.values()
         run = Run(state, 3, CallInfo((3, 6, 10), 8, 0.5), layouts)
@@ -211,14 +132,14 @@ def test_hunyuan_refiner_stays_dense_under_global_pisa():
         mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
         token = enter_run(run)
         try:
-            text_only = pisa_calls.attend(q, k, v, mask, None, False)
+            text_only = pisa_calls.attend(state, 0, q, k, v, mask)
         finally:
             exit_run(token)
+        assert pd.stats(tr) == {"sparse": 2}
+        outside = pisa_calls.attend(state, 0, q, k, v, None)  # no forward running: exact attention
         pd.remove_pisa(tr)
-    ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
-    assert run.layer == 0
     torch.testing.assert_close(text_only, pisa_calls.dense_attention(q, k, v, mask, None, False), rtol=0, atol=0)
+    torch.testing.assert_close(outside, pisa_calls.dense_attention(q, k, v, None, None, False), rtol=0, atol=0)
 
 
 def test_compiled_blocks_do_not_recompile_per_step():
@@ -260,7 +181,7 @@ def test_observers_get_key_lengths_and_scale_of_dense_and_sparse_calls():
         """calls.attend in a fresh forward run (layers 0, 1, ...) of ``tr``."""
         token = enter_run(Run(state, 0, CallInfo((3, 6, 10), 8, 0.5), layouts))
         try:
-            return [pisa_calls.attend(q, k, v, m, scale, False) for m, scale in calls_args]
+            return [pisa_calls.attend(state, layer, q, k, v, m, scale) for layer, (m, scale) in enumerate(calls_args)]
         finally:
             exit_run(token)
 
@@ -293,38 +214,6 @@ def test_observers_get_key_lengths_and_scale_of_dense_and_sparse_calls():
             dense.q[row], dense.k[row, :, :m], dense.v[row, :, :m], scale=dense.scale
         )
         torch.testing.assert_close(dense.out[row], exact, rtol=1e-5, atol=1e-6)
-
-
-def test_sd3_follows_set_attention_backend_and_context_manager(monkeypatch):
-    # SD3's JointAttnProcessor2_0 calls SDPA itself: selecting "pisa" used to change nothing.
-    tr, inputs = tiny_transformer("sd3"), forward_inputs("sd3")
-    calls = []
-    unmanaged = pisa_calls._attend_unmanaged
-    monkeypatch.setattr(pisa_calls, "_attend_unmanaged", lambda *a: calls.append(a[0].shape) or unmanaged(*a))
-    old = pd.configure()
-    try:
-        with torch.no_grad():
-            native = tr(**inputs).sample
-            pd.configure(density=1.0, block_size=TILE_BLOCK, min_kv_len=0)
-            with ad.attention_backend("pisa"):
-                exact = tr(**inputs).sample
-            assert len(calls) == 3  # attn and attn2 of block 0, attn of block 1
-            pd.configure(density=0.25)
-            with ad.attention_backend("pisa"):
-                sparse = tr(**inputs).sample
-            tr.set_attention_backend("pisa")
-            via_set = tr(**inputs).sample
-            assert len(calls) == 9
-            tr.reset_attention_backend()
-            ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
-            again = tr(**inputs).sample
-    finally:
-        pd.configure(**old.__dict__)
-        ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
-    torch.testing.assert_close(exact, native, rtol=1e-5, atol=1e-5)  # same math through the dispatcher
-    assert not torch.allclose(sparse, native, rtol=0, atol=1e-4)
-    torch.testing.assert_close(via_set, sparse, rtol=0, atol=0)
-    assert torch.equal(again, native) and len(calls) == 9  # back on SD3's own processor
 
 
 def _flux_masked(mask, **settings):
@@ -426,7 +315,7 @@ def test_per_query_mask_of_other_calls_follows_the_image_tokens():
         mask[..., 0] = True  # every query keeps a key
         token = enter_run(Run(state, 0, CallInfo((3, 6, 10), 0, 0.5), layouts))
         try:
-            out = pisa_calls.attend(image.to_tiled(q, 1), k, v, mask, None, False)
+            out = pisa_calls.attend(state, 0, image.to_tiled(q, 1), k, v, mask)
         finally:
             exit_run(token)
     finally:

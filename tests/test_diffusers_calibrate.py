@@ -228,18 +228,3 @@ def test_calibrate_command_fits_a_capture_and_apply_loads_it(tmp_path, capsys):
     assert "no captured call" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["calibrate", str(tmp_path / "missing.safetensors")])
-
-
-def test_configure_alpha_for_unmanaged_calls():
-    old = pd.configure()
-    try:
-        assert old.alpha is None
-        assert pd.configure(alpha=0.5).alpha == 0.5
-        for bad, exc in ((float("nan"), ValueError), ("x", TypeError), (torch.ones(2), TypeError)):
-            with pytest.raises(exc, match="alpha"):
-                pd.configure(alpha=bad)
-        with pytest.raises(ValueError, match="alpha"):
-            pd.configure(mode="zeroth")  # alpha 0.5 is still set: zeroth has no first-order term
-        assert pd.configure().alpha == 0.5  # a refused change changes nothing
-    finally:
-        pd.configure(**old.__dict__)

@@ -262,7 +262,7 @@ def test_apply_twice_replaces_settings(models):
     pd.apply_pisa(tr, density=0.25, **SPARSE)
     try:
         assert pd.pisa_state(tr).config.density == 0.25
-        assert len(pd.pisa_state(tr).handles) == 5  # not doubled
+        assert len(pd.pisa_state(tr).restore) == 2 + 5  # not doubled: 2 processors, 5 hooks
         calls = _observe(tr, inputs)
         assert all(c.density == 0.25 for c in calls)
     finally:

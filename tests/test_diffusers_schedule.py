@@ -142,7 +142,8 @@ def test_two_transformers_share_one_step_count():
 
 def test_sd35_dense_layers_count_transformer_blocks():
     # SD3.5-medium runs attn and attn2 in its first blocks: dense_layers counts blocks (the paper's
-    # "4 dense layers"), not attention modules; blocks skipped by skip-layer guidance keep their index.
+    # "4 dense layers"), not attention modules; layers and blocks skipped by skip-layer guidance keep
+    # their index (each processor knows its layer).
     from diffusers_tiny import tiny_transformer
 
     tr = tiny_transformer("sd3", num_layers=3, dual_attention_layers=(0, 1))
@@ -156,7 +157,7 @@ def test_sd35_dense_layers_count_transformer_blocks():
             assert calls == [(0, 0, True), (1, 0, True), (2, 1, True), (3, 1, True), (4, 2, False)]
             calls.clear()
             tr(**inputs, skip_layers=[0])
-            assert calls == [(0, 1, True), (1, 1, True), (2, 2, False)]
+            assert calls == [(2, 1, True), (3, 1, True), (4, 2, False)]
     finally:
         remove()
         pd.remove_pisa(tr)

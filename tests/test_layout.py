@@ -26,7 +26,7 @@ def _id(case):
     return f"G{'x'.join(map(str, grid))}-T{'x'.join(map(str, tile))}-Tb{tb}-Ta{ta}"
 
 
-def _text_runs(layout: L.TokenLayout) -> list[tuple[int, int]]:
+def _text_runs(layout: L.TokenOrder) -> list[tuple[int, int]]:
     """[start, end) of each run of text tokens in tiled order."""
     mask = layout.text_mask_tokens().tolist()
     runs, start = [], None
@@ -170,7 +170,7 @@ def test_small_grid_adapts_tile():
 
 
 def test_two_grids_and_perm_on_device():
-    lay = L.TokenLayout((L.Text(5), L.Grid((4, 8, 8)), L.Grid((4, 4, 4)), L.Text(3, "suffix")), (4, 4, 4))
+    lay = L.TokenOrder((L.Text(5), L.Grid((4, 8, 8)), L.Grid((4, 4, 4)), L.Text(3, "suffix")), (4, 4, 4))
     x = torch.arange(lay.num_tokens)
     assert torch.equal(lay.from_tiled(lay.to_tiled(x, 0), 0), x)
     assert lay.perm_on("cpu") is lay.perm_on(torch.device("cpu"))
@@ -213,8 +213,8 @@ BAD = [
     (lambda: L.grid2d(4, 4, order="hilbert"), "order"),
     (lambda: L.make_layout((4, 4), offset=3), "offset"),  # only "compact_inplace" uses it
     (lambda: L.make_layout((4, 4), order="compact_inplace", offset=-1), "offset"),
-    (lambda: L.TokenLayout((), (8, 8)), "segments"),
-    (lambda: L.TokenLayout((L.Grid((4, 4)), L.Grid((2, 2, 2))), (4, 4)), "rank"),
+    (lambda: L.TokenOrder((), (8, 8)), "segments"),
+    (lambda: L.TokenOrder((L.Grid((4, 4)), L.Grid((2, 2, 2))), (4, 4)), "rank"),
     (lambda: L.Text(0), "n"),
     (lambda: L.grid2d(4, 4).keep_blocks(0), "block_size"),
     (lambda: L.grid2d(4, 4).to_tiled(torch.zeros(15), 0), "x has 15 tokens"),
@@ -315,7 +315,7 @@ def test_compact_inplace_random(grid, tile_side, tb, ta, offset):
     assert torch.equal(lay.from_tiled(lay.to_tiled(x, 0), 0), x)
     _check_in_place(lay, vol)
     if offset:  # offset acts as that much text before the layout
-        shifted = L.TokenLayout((L.Text(offset), *lay.segments), tile, "compact_inplace")
+        shifted = L.TokenOrder((L.Text(offset), *lay.segments), tile, "compact_inplace")
         assert torch.equal(shifted.perm[offset:], lay.perm + offset)
     else:  # optimal: a one-tile block is an aligned block inside the grid's range holding a whole piece
         fit = max(((tb + math.prod(grid)) // vol * vol - -(-tb // vol) * vol) // vol, 0)

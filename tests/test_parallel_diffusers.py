@@ -114,22 +114,19 @@ def _errors(world: int) -> dict:
 
     from pisa_attn.diffusers import apply_pisa, hooks
 
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
-
     inputs = dict(dt.forward_inputs("wan"), return_dict=False)
     out = {}
-    active = registry._active_backend  # set_attention_backend also changes the process-wide default
     with torch.no_grad():
-        plain = dt.tiny_transformer("wan")
-        plain.set_attention_backend("pisa")
-        registry.set_active_backend(active)
-        plain.enable_parallelism(config=_config("ulysses", world))
         watched = apply_pisa(dt.tiny_transformer("wan"), **SETTINGS)
         hooks.add_observer(watched, lambda call: None)
         watched.enable_parallelism(config=_config("ring", world))
-        for name, model in (("no-apply", plain), ("observers", watched)):
+        # A managed attention module called outside its transformer's forward.
+        alone = apply_pisa(dt.tiny_transformer("wan"), **SETTINGS)
+        alone.enable_parallelism(config=_config("ulysses", world))
+        x = torch.randn(1, 8, alone.config.num_attention_heads * alone.config.attention_head_dim)
+        for name, call in (("observers", lambda: watched(**inputs)), ("outside", lambda: alone.blocks[1].attn1(x))):
             try:
-                model(**inputs)
+                call()
                 out[name] = "no error"
             except ValueError as e:
                 out[name] = str(e)
@@ -148,7 +145,7 @@ def _bench(rank: int, world: int):
 
 def _worker(rank, world):
     sys.path.insert(0, HERE)  # diffusers_tiny
-    from pisa_attn.diffusers.parallel import allow_cpu_context_parallel
+    from cpu_context_parallel import allow_cpu_context_parallel
 
     allow_cpu_context_parallel()
     return {
@@ -190,7 +187,7 @@ def test_uneven_split_without_anything_mode_names_the_fix(ranks):
 
 def test_clear_errors(ranks):
     for res in ranks:
-        assert "needs apply_pisa" in res["errors"]["no-apply"]
+        assert "inside its transformer's forward" in res["errors"]["outside"]
         assert "observers" in res["errors"]["observers"]
 
 
@@ -219,7 +216,7 @@ def test_masks_rejected():
     x = torch.zeros(1, 8, 2, 16)
     ring = SimpleNamespace(context_parallel_config=SimpleNamespace(ring_degree=2, ulysses_degree=1))
     with pytest.raises(ValueError, match="attention masks"):
-        parallel_attention(x, x, x, torch.ones(1, 8, dtype=torch.bool), None, False, ring)
+        parallel_attention(None, 0, x, x, x, torch.ones(1, 8, dtype=torch.bool), ring)
 
 
 def test_token_split_check_names_the_fix_for_unified():

@@ -88,7 +88,8 @@ def _diffusers(world):
 
 
 def _worker(rank, world):
-    from pisa_attn.diffusers.parallel import allow_cpu_context_parallel
+    sys.path.insert(0, HERE)
+    from cpu_context_parallel import allow_cpu_context_parallel
 
     allow_cpu_context_parallel()
     return {"core": _core(rank, world), "diffusers": _diffusers(world)}

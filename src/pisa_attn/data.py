@@ -97,7 +97,7 @@ class DitQKV:
 
     q, k, v: ``[B, H, L, D]`` (``layout="bhsd"``) or ``[B, L, H, D]``, tokens in the order of
         ``token_layout`` (tiled for ``tiled=True``, original order otherwise).
-    token_layout: the :class:`~pisa_attn.layout.TokenLayout` the token order follows.
+    token_layout: the :class:`~pisa_attn.layout.TokenOrder` the token order follows.
     head_types: one of :data:`HEAD_TYPES` per head.
     sink_index: original-order indices of the sink keys (empty when none).
     """
@@ -105,7 +105,7 @@ class DitQKV:
     q: Tensor
     k: Tensor
     v: Tensor
-    token_layout: lay.TokenLayout
+    token_layout: lay.TokenOrder
     head_types: list[str]
     layout: str
     sink_index: Tensor

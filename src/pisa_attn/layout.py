@@ -2,10 +2,10 @@
 
 PISA pools queries and keys over runs of ``block_size`` consecutive tokens, so a block must be a
 compact patch of the image/video: in raster order a 64-token block is a thin line, far from its
-centroid, and the 0th-order (centroid) tail error is several times larger. A :class:`TokenLayout`
+centroid, and the 0th-order (centroid) tail error is several times larger. A :class:`TokenOrder`
 describes a sequence (ordered text and grid segments) and a permutation into *tiled* order.
 
-Orders (``TokenLayout.order``):
+Orders (``TokenOrder.order``):
 
 * ``"raster"``: the original order (identity permutation), the untiled baseline.
 * ``"tiles"``: segments in their original order; each grid is cut into tiles, tiles raster over the
@@ -23,7 +23,7 @@ Orders (``TokenLayout.order``):
   so every full tile is one aligned block when ``prod(tile) == block_size`` whatever the text
   length; text starts at a block boundary (it follows whole tiles) and stays contiguous and in
   order; the few leftover pieces smaller than a tile share blocks (a block may straddle text and
-  image: it is then a keep block, see :meth:`TokenLayout.keep_blocks`).
+  image: it is then a keep block, see :meth:`TokenOrder.keep_blocks`).
 * ``"compact_inplace"``: the same pieces as ``"compact"``, but every segment keeps its original
   range of positions, so text stays exactly where the model has it (the diffusers integration
   permutes only image tokens). Within a grid's range ``[s, s + n)`` the order is
@@ -39,7 +39,7 @@ Orders (``TokenLayout.order``):
   must match the image part of a joint ``[text][image]`` sequence); only ``offset % prod(tile)``
   matters.
 
-:meth:`TokenLayout.compactness` measures how many blocks of a layout are exactly one tile and how
+:meth:`TokenOrder.compactness` measures how many blocks of a layout are exactly one tile and how
 far their tokens sit from the block centroid (per-grid numbers: ``notes/token-layouts.md``).
 
 Original order is the concatenation of segments, each grid flattened row-major ((t, h, w) or
@@ -138,7 +138,7 @@ class BlockInfo(NamedTuple):
 
 
 @dataclass(frozen=True)
-class TokenLayout:
+class TokenOrder:
     """A token sequence (ordered :class:`Text`/:class:`Grid` segments) and its tiled order.
 
     Hashable and cheap; the permutations are built once per distinct layout (cached) in well
@@ -203,9 +203,9 @@ class TokenLayout:
     def is_identity(self) -> bool:
         return self.order == "raster" or not self.grids
 
-    def raster(self) -> TokenLayout:
+    def raster(self) -> TokenOrder:
         """The same segments in original (untiled) order."""
-        return TokenLayout(self.segments, None, "raster")
+        return TokenOrder(self.segments, None, "raster")
 
     # --- permutations ------------------------------------------------------------------------
     @property
@@ -342,7 +342,7 @@ def _segments(grid: Grid, text_before: int, text_after: int) -> tuple[Text | Gri
 
 def make_layout(
     grid, *, tile=None, text_before: int = 0, text_after: int = 0, order: str = "compact", offset: int = 0
-) -> TokenLayout:
+) -> TokenOrder:
     """Layout of ``[text_before tokens][grid][text_after tokens]`` in tiled ``order``.
 
     ``grid`` is ``(h, w)`` or ``(t, h, w)``; ``tile`` defaults to 8x8 / 4x4x4 (64 tokens);
@@ -352,24 +352,24 @@ def make_layout(
     if tile is None:
         tile = DEFAULT_TILES[len(g.shape)]
     tile = tuple(tile) if isinstance(tile, list) else tile
-    return TokenLayout(_segments(g, text_before, text_after), tile, order, offset)
+    return TokenOrder(_segments(g, text_before, text_after), tile, order, offset)
 
 
-def grid2d(h: int, w: int, *, tile=(8, 8), text_before: int = 0, text_after: int = 0, order: str = "compact") -> TokenLayout:
+def grid2d(h: int, w: int, *, tile=(8, 8), text_before: int = 0, text_after: int = 0, order: str = "compact") -> TokenOrder:
     """Image layout: an ``h x w`` token grid with optional text before/after."""
     return make_layout((h, w), tile=tile, text_before=text_before, text_after=text_after, order=order)
 
 
 def grid3d(
     t: int, h: int, w: int, *, tile=(4, 4, 4), text_before: int = 0, text_after: int = 0, order: str = "compact"
-) -> TokenLayout:
+) -> TokenOrder:
     """Video layout: a ``t x h x w`` token grid with optional text before/after."""
     return make_layout((t, h, w), tile=tile, text_before=text_before, text_after=text_after, order=order)
 
 
-def raster(grid, *, text_before: int = 0, text_after: int = 0) -> TokenLayout:
+def raster(grid, *, text_before: int = 0, text_after: int = 0) -> TokenOrder:
     """The untiled baseline: original order (identity permutation)."""
-    return TokenLayout(_segments(Grid(_check_shape("grid", grid)), text_before, text_after), None, "raster")
+    return TokenOrder(_segments(Grid(_check_shape("grid", grid)), text_before, text_after), None, "raster")
 
 
 # --- construction of the tables ----------------------------------------------------------------
@@ -481,7 +481,7 @@ def _in_place_part(whole: list, rest: list, start: int, target: int) -> tuple[Te
 
 
 @functools.lru_cache(maxsize=64)
-def _tables(layout: TokenLayout) -> _Tables:
+def _tables(layout: TokenOrder) -> _Tables:
     offsets = list(itertools.accumulate([s.num_tokens for s in layout.segments], initial=0))
     target = math.prod(layout.tile) if layout.tile else 0
     # Parts in tiled order; each is (original indices, piece id per token (local), piece sizes).
@@ -529,20 +529,20 @@ def _tables(layout: TokenLayout) -> _Tables:
 
 
 @functools.lru_cache(maxsize=64)
-def _device_perm(layout: TokenLayout, device: str, inverse: bool) -> Tensor:
+def _device_perm(layout: TokenOrder, device: str, inverse: bool) -> Tensor:
     t = _tables(layout)
     return (t.inv_perm if inverse else t.perm).to(device)
 
 
 @functools.lru_cache(maxsize=64)
-def _text_mask(layout: TokenLayout) -> Tensor:
+def _text_mask(layout: TokenOrder) -> Tensor:
     t = _tables(layout)
     is_text = torch.tensor([isinstance(s, Text) for s in layout.segments], dtype=torch.bool)
     return is_text[t.segment]
 
 
 @functools.lru_cache(maxsize=64)
-def _block_info(layout: TokenLayout, block_size: int) -> BlockInfo:
+def _block_info(layout: TokenOrder, block_size: int) -> BlockInfo:
     t = _tables(layout)
     length = t.perm.numel()
     n = -(-length // block_size)

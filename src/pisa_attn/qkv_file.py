@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .layout import Grid, Text, TokenLayout
+from .layout import Grid, Text, TokenOrder
 
 FORMAT = "pisa-attn-qkv"
 VERSION = 1
 
 
 # --- token layout <-> JSON ---------------------------------------------------------------------
-def layout_to_json(layout: TokenLayout) -> dict:
+def layout_to_json(layout: TokenOrder) -> dict:
     segs = [{"text": s.n, "name": s.name} if isinstance(s, Text) else {"grid": list(s.shape)} for s in layout.segments]
     out = {"segments": segs, "tile": list(layout.tile) if layout.tile else None, "order": layout.order}
     if layout.offset:
@@ -34,17 +34,17 @@ def layout_to_json(layout: TokenLayout) -> dict:
     return out
 
 
-def layout_from_json(d: dict) -> TokenLayout:
+def layout_from_json(d: dict) -> TokenOrder:
     try:
         segs = tuple(Text(int(s["text"]), s.get("name", "text")) if "text" in s else Grid(tuple(s["grid"]))
                      for s in d["segments"])
         tile = tuple(d["tile"]) if d.get("tile") else None
-        return TokenLayout(segs, tile, d.get("order", "compact"), int(d.get("offset", 0)))
+        return TokenOrder(segs, tile, d.get("order", "compact"), int(d.get("offset", 0)))
     except (KeyError, TypeError) as e:
         raise ValueError(f"malformed token layout description {d!r}: {e}") from None
 
 
-def trim_layout(layout: TokenLayout, n: int) -> TokenLayout | None:
+def trim_layout(layout: TokenOrder, n: int) -> TokenOrder | None:
     """Layout of the first ``n`` tiled tokens when the rest are the tail of one text segment
     (masked padding text keys), else None."""
     length = layout.num_tokens
@@ -61,7 +61,7 @@ def trim_layout(layout: TokenLayout, n: int) -> TokenLayout | None:
         segs[s] = Text(segs[s].n - cut, segs[s].name)
     else:
         del segs[s]
-    new = TokenLayout(tuple(segs), layout.tile, layout.order, layout.offset)
+    new = TokenOrder(tuple(segs), layout.tile, layout.order, layout.offset)
     same = torch.equal(new.coords(tiled=True), layout.coords(tiled=True)[:n]) and torch.equal(
         new.text_mask_tokens(), layout.text_mask_tokens()[:n]
     )
@@ -86,7 +86,7 @@ class QKVEntry:
         return int(self.info["layer"])
 
     @cached_property
-    def layout(self) -> TokenLayout | None:
+    def layout(self) -> TokenOrder | None:
         d = self.info.get("token_layout")
         return None if d is None else layout_from_json(d)
 

@@ -117,8 +117,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --- setup ---------------------------------------------------------------------------------------
 def _setup(args):
     """Device and dtype of this rank (the process group is already initialised)."""
-    if args.tiny:
-        from pisa_attn.diffusers.parallel import allow_cpu_context_parallel
+    if args.tiny:  # the test-only CPU patch for diffusers' context parallelism lives with the tests
+        tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests")
+        if not os.path.isfile(os.path.join(tests, "cpu_context_parallel.py")):
+            raise SystemExit("bench_parallel.py: error: --tiny needs the repository's tests/ (a source checkout)")
+        sys.path.insert(0, tests)
+        from cpu_context_parallel import allow_cpu_context_parallel
 
         allow_cpu_context_parallel()
         return torch.device("cpu"), torch.float32

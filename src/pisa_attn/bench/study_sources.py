@@ -1,6 +1,6 @@
 """Where the accuracy study gets its q/k/v: the synthetic DiT-like generator or a capture file.
 
-Every sample is ``[B, H, L, D]`` in tiled order together with its :class:`TokenLayout` (``None``
+Every sample is ``[B, H, L, D]`` in tiled order together with its :class:`TokenOrder` (``None``
 when a capture file carries no layout: tiling and length analyses are then skipped).
 """
 
@@ -22,7 +22,7 @@ class Sample:
     q: Tensor
     k: Tensor
     v: Tensor
-    layout: lay.TokenLayout | None  # the order q/k/v are in (tiled, unless it is a raster layout)
+    layout: lay.TokenOrder | None  # the order q/k/v are in (tiled, unless it is a raster layout)
     origin: str | None = None  # the captured entry (or synthetic draw) a crop was cut from
 
     @property
@@ -70,9 +70,9 @@ class Sample:
         is_text = self.layout.text_mask_tokens().index_select(0, self.layout.inv_perm)
         keep = torch.nonzero(inside | is_text).squeeze(1)
         segs = tuple(lay.Grid(tuple(grid)) if isinstance(s, lay.Grid) else s for s in self.layout.segments)
-        new = lay.TokenLayout(segs, self.layout.tile, self.layout.order, self.layout.offset)
+        new = lay.TokenOrder(segs, self.layout.tile, self.layout.order, self.layout.offset)
         if new.order == "compact" and not _text_in_place(new) and _text_in_place(self.layout):
-            new = lay.TokenLayout(segs, self.layout.tile, "compact_inplace")  # text in place, as in diffusers
+            new = lay.TokenOrder(segs, self.layout.tile, "compact_inplace")  # text in place, as in diffusers
         idx = keep.to(self.q.device)
         out = [new.to_tiled(self.layout.from_tiled(x, dim=2).index_select(2, idx), dim=2)
                for x in (self.q, self.k, self.v)]
@@ -80,7 +80,7 @@ class Sample:
         return Sample(name, *out, new, self.origin or self.name)
 
 
-def _text_in_place(layout: lay.TokenLayout) -> bool:
+def _text_in_place(layout: lay.TokenOrder) -> bool:
     """Text tokens sit where the original order has them (diffusers moves only image tokens)."""
     return torch.equal(layout.text_mask_tokens(), layout.raster().text_mask_tokens())
 

@@ -1,20 +1,18 @@
 """PISA for diffusers pipelines: ``apply_pisa(pipe)`` makes FLUX.1, SD3/3.5, Wan2.1 and
 HunyuanVideo run their self-attention on PISA with the paper's warm-up policy.
 
-Importing this package registers the ``"pisa"`` backend in diffusers' attention dispatcher (when a
-tested diffusers is installed), so ``transformer.set_attention_backend("pisa")`` works too.
+It works through diffusers' public entry points (attention processors set per module, hooks on
+the transformer) and changes nothing in diffusers itself; importing it changes nothing at all.
+diffusers' attention dispatcher has no ``"pisa"`` backend (its backend names are a closed enum):
+:func:`apply_pisa` is the entry point.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import warnings
-
 from . import hooks
 from .apply import alpha_table, apply_pisa, pisa_state, remove_pisa, stats
-from .backend import BACKEND_NAME, check_diffusers, register
+from .backend import TESTED_DIFFUSERS, check_diffusers
 from .calibrate import CalibrationConfig
-from .calls import configure
 from .capture import capture_qkv
 from .models import ADAPTERS, ModelAdapter, adapter_for
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
@@ -31,10 +29,8 @@ __all__ = [
     "remove_pisa",
     "pisa_state",
     "stats",
-    "register",
-    "configure",
     "check_diffusers",
-    "BACKEND_NAME",
+    "TESTED_DIFFUSERS",
     "ADAPTERS",
     "ModelAdapter",
     "adapter_for",
@@ -47,11 +43,3 @@ __all__ = [
     "hooks",
     "DEFAULT_MIN_KV_LEN",
 ]
-
-# Without diffusers this package still imports; apply_pisa/register then raise a clear error.
-# An untested diffusers warns now and raises then.
-if importlib.util.find_spec("diffusers") is not None:
-    try:
-        register()
-    except RuntimeError as e:
-        warnings.warn(str(e), RuntimeWarning, stacklevel=2)

@@ -1,5 +1,11 @@
 """``apply_pisa`` / ``remove_pisa``: put a diffusers transformer's self-attention on PISA and take
-it off again (processor routing, boundary hooks, warm-up schedule, telemetry, pipeline hook)."""
+it off again.
+
+Everything goes through public entry points: each managed attention module gets a PISA processor
+(``set_processor``) that knows its layer index; token tiling and the step counter hang on hooks of
+the transformer (PyTorch forward hooks on the transformer, diffusers ``ModelHook``s on its token
+modules). Nothing in diffusers (classes, enums, pipeline methods) is changed, and
+:func:`remove_pisa` puts every processor, hook and attribute back as it was."""
 
 from __future__ import annotations
 
@@ -15,16 +21,16 @@ from .. import spec, tail_weight
 from ..attention import MAX_HEAD_DIM, MIN_HEAD_DIM
 from . import hooks
 from . import telemetry as tm
-from .backend import register
+from .backend import check_diffusers
 from .calibrate import CalibrationConfig, Calibrator
 from .calibrate import as_config as calibration_config
 from .models import ModelAdapter, adapter_for, transformers_of
+from .processors import PROCESSORS, check_replaceable
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
 from .state import PisaConfig, PisaState
 from .tiling import default_tile, install
 
 _STATE_ATTR = "_pisa_state"
-_PIPE_ATTR = "_pisa_pipeline_states"
 
 
 def pisa_state(transformer) -> PisaState | None:
@@ -34,7 +40,8 @@ def pisa_state(transformer) -> PisaState | None:
 
 
 def stats(transformer) -> dict[str, int]:
-    """Managed attention calls since the current generation started: ``dense``, ``sparse`` and
+    """Managed attention calls since the current generation started (its first transformer call,
+    the first whose timestep is not below the previous call's): ``dense``, ``sparse`` and
     dense calls per reason (``warmup_step``, ``warmup_layer``, ``few_tokens``)."""
     state = pisa_state(transformer)
     if state is None:
@@ -143,12 +150,7 @@ def _managed_modules(transformer, adapter: ModelAdapter) -> list[tuple[str, Any]
     for name, module in transformer.named_modules():
         if not any(fnmatch.fnmatchcase(name, p) for p in adapter.attention):
             continue
-        proc = module.processor
-        if not hasattr(proc, "_attention_backend"):
-            raise ValueError(
-                f"attention module {name!r} uses {type(proc).__name__}, which does not call diffusers' attention "
-                f"dispatcher, so PISA cannot run it (reset custom or fused attention processors first)"
-            )
+        check_replaceable(adapter.name, name, module)
         heads = module.heads
         head_dim = getattr(module, "head_dim", None) or module.inner_dim // heads
         if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
@@ -214,55 +216,49 @@ def _check_table_settings(table: at.AlphaTable, config: PisaConfig) -> None:
                       + "); a weight depends on the density and the selection", RuntimeWarning, stacklevel=3)
 
 
-def _route_attention(state: PisaState, modules, member) -> None:
-    """Point the managed self-attention processors at the pisa backend; record how to undo it."""
-    seen: set[int] = set()
-    for _, module in modules:
-        proc = module.processor
-        if id(proc) in seen:
-            continue
-        seen.add(id(proc))
-        had, old = "_attention_backend" in proc.__dict__, proc.__dict__.get("_attention_backend")
-        proc._attention_backend = member
-        state.restore.append(lambda p=proc, h=had, o=old: setattr(p, "_attention_backend", o) if h else delattr(p, "_attention_backend"))
+def _route_attention(state: PisaState, modules) -> None:
+    """Give each managed module a PISA processor that knows its layer (undone by ``state.restore``)."""
+    cls = PROCESSORS[state.adapter.name]
+    for layer, (_, module) in enumerate(modules):
+        proc = cls(module.processor, state.handle, layer)
+        module.set_processor(proc)
+        state.restore.append(lambda m=module, p=proc: _restore_processor(m, p))
 
 
-def _install(state: PisaState, member) -> None:
-    """Route the processors and register the boundary hooks of ``state`` (undone by :func:`_undo`,
-    also after a partial install)."""
+def _restore_processor(module, proc) -> None:
+    """Put back the processor ``proc`` replaced, with what diffusers set on ``proc`` meanwhile
+    (``enable_parallelism``, ``set_attention_backend``), as it would have set it on the original."""
+    if module.processor is not proc:  # the user replaced it since: theirs stays
+        return
+    original = proc.original
+    for attr in ("_parallel_config", "_attention_backend"):
+        if getattr(proc, attr) is not getattr(original, attr, None):
+            setattr(original, attr, getattr(proc, attr))
+    module.set_processor(original)
+
+
+def _install(state: PisaState) -> None:
+    """Route the processors and register the hooks of ``state``; ``_pisa_state`` is set last, once
+    everything is in place. A failure undoes what was done and leaves the state unset."""
     try:
-        _route_attention(state, _managed_modules(state.transformer, state.adapter), member)
+        _route_attention(state, _managed_modules(state.transformer, state.adapter))
         install(state)
         if state.calibrator is not None:
             state.calibrator.attach(state.transformer)
+            state.restore.append(state.calibrator.detach)
     except BaseException:
         _undo(state)
         raise
     state.transformer.__dict__[_STATE_ATTR] = state
 
 
-def _hook_pipeline(pipe, states: list[PisaState]) -> None:
-    """Start a new generation (step 0) whenever the pipeline opens its denoising progress bar,
-    which every diffusers pipeline does once per call before its first transformer call."""
-    original = type(pipe).progress_bar
-
-    def progress_bar(*args, **kwargs):
-        for s in states:
-            s.new_generation()
-        return original(pipe, *args, **kwargs)
-
-    pipe.__dict__["progress_bar"] = progress_bar
-    pipe.__dict__[_PIPE_ATTR] = states
-
-
 _MISSING = object()
-# What apply_pisa keeps in a transformer's / pipeline's __dict__ (put back as it was on failure).
-_TRANSFORMER_KEYS = (_STATE_ATTR, tm.ATTR, hooks.ATTR)
-_PIPE_KEYS = ("progress_bar", _PIPE_ATTR)
+# What apply_pisa keeps in a transformer's __dict__ besides its state (put back as it was on failure).
+_TRANSFORMER_KEYS = (tm.ATTR, hooks.ATTR)
 
 
 class _Saved:
-    """The parts of a transformer or pipeline ``__dict__`` that apply_pisa changes, to put back."""
+    """The parts of a transformer's ``__dict__`` that apply_pisa changes, to put back."""
 
     def __init__(self, obj, keys) -> None:
         self.obj = obj
@@ -326,8 +322,8 @@ def apply_pisa(
     All arguments and every transformer are checked before anything changes; when applying fails,
     the pipeline and its transformers are left exactly as they were (an earlier apply_pisa included).
     """
-    member = register()
-    found, pipe = transformers_of(pipe_or_transformer)
+    check_diffusers()
+    found, _ = transformers_of(pipe_or_transformer)
     transformers = [t for _, t in found]
     tel = None if telemetry is None else tm.as_config(telemetry)
     calibration = calibration_config(calibrate)
@@ -343,7 +339,6 @@ def apply_pisa(
     plans = [_plan(name, tr, settings, table, calibration) for name, tr in found]
 
     saved = [_Saved(tr, _TRANSFORMER_KEYS) for tr in transformers]
-    saved += [_Saved(pipe, _PIPE_KEYS)] if pipe is not None else []
     previous = [(pisa_state(tr), tm.get(tr)) for tr in transformers]
     active = [t is not None and t.active for _, t in previous]
     new: list[PisaState] = []
@@ -357,52 +352,67 @@ def apply_pisa(
                 default = plan.config.alpha if isinstance(plan.config.alpha, float) else spec.DEFAULT_ALPHA
                 state.calibrator = Calibrator(plan.calibration, plan.config.schedule, default)
             new.append(state)
-            _install(state, member)
+            _install(state)
             if tel is not None:
                 tm.attach(tr, tel)
-        if pipe is not None:
-            _unhook_pipeline(pipe)
-            _hook_pipeline(pipe, new)
-    except BaseException:
-        for state in reversed(new):
-            _undo(state)
-        for s in saved:
-            s.restore()  # state, telemetry and observer entries (the observer lists in place)
-        for (old, old_tel), was_active in zip(previous, active):
-            if old is not None:
-                _install(old, member)
-            if old_tel is not None:
-                old_tel.active = was_active
+    except BaseException as error:
+        _roll_back(new, saved, previous, active, error)
         raise
     return pipe_or_transformer
 
 
+def _roll_back(new: list[PisaState], saved: list[_Saved], previous, active, error: BaseException) -> None:
+    """Undo a failed apply_pisa: the new states off, the dict entries back, the previous states
+    (an earlier apply_pisa) on again. Each step runs whatever the others do; a previous state that
+    cannot be put back stays off (its transformer then runs native attention and says so:
+    ``pisa_state`` is None), and the failure is noted on ``error``."""
+    for state in reversed(new):
+        try:
+            _undo(state)
+        except Exception as e:  # noqa: BLE001 - keep rolling back; reported on the error
+            error.add_note(f"apply_pisa's rollback could not fully undo {type(state.transformer).__name__}: {e!r}")
+    for s in saved:
+        s.restore()  # telemetry and observer entries (the observer lists in place)
+    for (old, old_tel), was_active in zip(previous, active):
+        if old is not None:
+            try:
+                _install(old)
+            except Exception as e:  # noqa: BLE001
+                error.add_note(f"apply_pisa could not restore the earlier PISA settings of "
+                               f"{type(old.transformer).__name__} ({e!r}): it now runs native attention")
+                continue
+        if old_tel is not None:
+            old_tel.active = was_active
+
+
 def _undo(state: PisaState) -> None:
-    if state.calibrator is not None:
-        state.calibrator.detach()
-    for h in state.handles:
-        h.remove()
-    for fn in reversed(state.restore):
-        fn()
-    state.handles.clear()
-    state.restore.clear()
-
-
-def _unhook_pipeline(pipe) -> None:
-    pipe.__dict__.pop("progress_bar", None)
-    pipe.__dict__.pop(_PIPE_ATTR, None)
+    """Take ``state`` off its transformer: first the state (so nothing reports it managed), then
+    every change in reverse order, each tried even when an earlier one fails (the first failure is
+    raised at the end)."""
+    tr = state.transformer
+    if tr.__dict__.get(_STATE_ATTR) is state:
+        del tr.__dict__[_STATE_ATTR]
+    failure = None
+    while state.restore:
+        try:
+            state.restore.pop()()
+        except Exception as e:  # noqa: BLE001 - undo the rest first
+            failure = failure or e
+    if failure is not None:
+        raise failure
 
 
 def remove_pisa(pipe_or_transformer):
-    """Undo :func:`apply_pisa`: hooks removed, attention processors and backends restored,
-    telemetry detached. Transformers that are not managed are left alone. Returns its argument."""
-    transformers, pipe = _transformers(pipe_or_transformer)
+    """Undo :func:`apply_pisa`: PISA processors and hooks removed, the original processors back,
+    telemetry detached (its records stay readable by :func:`report`). Transformers that are not
+    managed are left alone. Returns its argument."""
+    transformers, _ = _transformers(pipe_or_transformer)
     for tr in transformers:
-        state = tr.__dict__.pop(_STATE_ATTR, None)
+        state = tr.__dict__.get(_STATE_ATTR)
         if state is None:
             continue
         tm.detach(tr)
         _undo(state)
-    if pipe is not None:
-        _unhook_pipeline(pipe)
+        if tr.__dict__.get(hooks.ATTR) == []:  # no observer left: no attribute either
+            del tr.__dict__[hooks.ATTR]
     return pipe_or_transformer

@@ -1,18 +1,16 @@
-"""What one call of the ``"pisa"`` backend computes (q/k/v ``[B, L, H, D]``).
+"""What one managed attention call computes (q/k/v ``[B, L, H, D]``).
 
-:func:`attend` asks the current :class:`~.state.Run` (opened when a managed transformer's forward
-runs) what the call is and runs it:
+:func:`attend` gets the layer index from the processor that calls it and asks the current
+:class:`~.state.Run` (opened when the managed transformer's forward runs) what the call is:
 
-* managed self-attention (the adapter's layers, sequence length of the tiled joint or image-only
-  sequence): the :class:`~.schedule.Schedule` decides dense or sparse; sparse calls run
+* the layer's self-attention sequence (the tiled joint or image-only sequence): the
+  :class:`~.schedule.Schedule` decides dense or sparse; sparse calls run
   :func:`pisa_attn.pisa_attention` on the image queries with text key blocks kept exact, text
   queries attend densely; an attention mask is reordered like the tokens; observers (``hooks``)
   see every managed call (with the valid keys per row of a key-padding mask, dense calls too, and
   the softmax scale used);
-* anything else (cross-attention, the Hunyuan token refiner): dense, uncounted;
-* no run (the backend selected with ``set_attention_backend("pisa")`` on a transformer without
-  :func:`apply_pisa`): self-attention calls of at least ``min_kv_len`` keys run sparse with the
-  :func:`configure` defaults, in the model's own token order.
+* a call outside its transformer's forward (the attention module called on its own), or of a
+  length that is no managed sequence: exact attention, uncounted.
 """
 
 from __future__ import annotations
@@ -25,51 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import spec, tail_weight
+from .. import spec
 from ..attention import pisa_attention
 from ..layout import block_floor
 from . import hooks
-from .schedule import DEFAULT_MIN_KV_LEN
-from .state import Run, Sequence, current_run, key_lengths
+from .state import PisaState, Run, Sequence, current_run, key_lengths
 
 
 def _empty_bshd(q: Tensor, v: Tensor) -> Tensor:
     b, lq, h, _ = q.shape
     return q.new_empty(b, lq, h, v.shape[-1])
-
-
-# --- settings without apply_pisa -------------------------------------------------------------
-@dataclass(frozen=True)
-class BackendDefaults:
-    density: float = 0.15
-    mode: str = "hybrid"
-    covariance_aware: bool = False
-    block_size: int = 64
-    min_kv_len: int = DEFAULT_MIN_KV_LEN
-    alpha: float | None = None
-
-
-_defaults = BackendDefaults()
-
-
-def configure(**settings) -> BackendDefaults:
-    """Set the settings used when the backend runs on a transformer without :func:`apply_pisa`
-    (``density``, ``mode``, ``covariance_aware``, ``block_size``, ``min_kv_len``, ``alpha``: a
-    float or None, as :func:`pisa_attention`'s); returns them."""
-    global _defaults
-    unknown = set(settings) - set(BackendDefaults.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"configure() got unknown settings {sorted(unknown)}")
-    new = BackendDefaults(**{**_defaults.__dict__, **settings})
-    spec.check_settings(density=new.density, block_size=new.block_size, mode=new.mode,
-                        covariance_aware=new.covariance_aware)
-    if isinstance(new.min_kv_len, bool) or not isinstance(new.min_kv_len, int) or new.min_kv_len < 0:
-        raise ValueError(f"min_kv_len must be an int >= 0, got {new.min_kv_len!r}")
-    if isinstance(new.alpha, Tensor):
-        raise TypeError("configure(alpha=...) takes a float or None (per-head weights need apply_pisa)")
-    tail_weight.check(new.alpha, new.mode, 1)
-    _defaults = new
-    return new
 
 
 # --- the attention call ------------------------------------------------------------------------
@@ -139,27 +102,25 @@ def sparse_attention(q, k, v, seq: Sequence | None, lens, scale, settings, alpha
     return out
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale, enable_gqa: bool) -> Tensor:
-    """Run one dispatcher call (see the module docstring for who decides what)."""
+def attend(state: PisaState, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+           scale: float | None = None) -> Tensor:
+    """Run one call of managed layer ``layer`` (see the module docstring for who decides what)."""
     run = current_run()
-    if run is None:
-        return _attend_unmanaged(q, k, v, mask, scale, enable_gqa)
-    seq = run.sequence(q.shape[1], k.shape[1])
-    if seq is None:  # cross-attention, text refiner, ...: not one of PISA's layers
-        if mask is not None:  # its image queries (or keys) are in tiled order too
+    seq = None if run is None or run.state is not state else run.sequence(q.shape[1], k.shape[1])
+    if seq is None:
+        if run is not None and mask is not None:  # its image queries (or keys) are in tiled order
             mask = run.image_mask(mask, q.shape[1], k.shape[1])
-        return dense_attention(q, k, v, mask, scale, enable_gqa)
+        return dense_attention(q, k, v, mask, scale, q.shape[2] != k.shape[2])
     if mask is not None:  # written for the model's token order; the tokens are in tiled order
         mask = run.tiled_mask(mask, seq, q.shape[0])
-    state, cfg = run.state, run.state.config
-    layer = run.next_layer()
+    cfg = state.config
     reason = run.dense_reason(layer, k.shape[1])
     observed = bool(hooks.observers(state.transformer))
     # Sparse calls need the valid keys per row; so do observers of dense calls (telemetry must not
     # count padded keys, capture trims them), read from the mask the same way.
     lens = _run_key_lengths(run, mask, q.shape[0], k.shape[1]) if reason is None or observed else None
     if reason is not None:
-        out = dense_attention(q, k, v, mask, scale, enable_gqa)
+        out = dense_attention(q, k, v, mask, scale, q.shape[2] != k.shape[2])
     else:
         settings = (cfg.density, cfg.mode, cfg.covariance_aware, cfg.block_size)
         out = sparse_attention(q, k, v, seq, lens, scale, settings, alpha=state.alpha_for(layer))
@@ -178,15 +139,6 @@ def _run_key_lengths(run: Run, mask: Tensor | None, batch: int, kv_len: int):
     if key not in run.key_lens:
         run.key_lens[key] = key_lengths(mask, batch, kv_len)
     return run.key_lens[key]
-
-
-def _attend_unmanaged(q, k, v, mask, scale, enable_gqa):
-    d = _defaults
-    if q.shape[1] != k.shape[1] or k.shape[1] < d.min_kv_len:
-        return dense_attention(q, k, v, mask, scale, enable_gqa)
-    lens = None if mask is None else key_lengths(mask, q.shape[0], k.shape[1])
-    return sparse_attention(q, k, v, None, lens, scale, (d.density, d.mode, d.covariance_aware, d.block_size),
-                            alpha=d.alpha)
 
 
 def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, out) -> None:
@@ -214,7 +166,7 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, o
             "image_range": (seq.image_lo, seq.image_hi),
             "key_lens": lens,
             "dense_reason": reason,
-            "block": run.block(layer),
+            "block": state.blocks[layer],
             "n_select": spec.num_selected(cfg.density, math.ceil(k.shape[1] / cfg.block_size)),
         },
     )

@@ -18,7 +18,8 @@ from torch import Tensor
 
 from ..qkv_file import layout_to_json, trim_layout, write_qkv_file
 from . import hooks
-from .models import transformers_of
+from .models import adapter_for, transformers_of
+from .paths import check_output_path
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -59,9 +60,8 @@ class QKVCapture:
             raise TypeError(f"dtype must be None, torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
             raise ValueError(f"max_bytes must be None or a positive int, got {max_bytes!r}")
-        if not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):
-            raise TypeError(f"path must be a file path, got {type(path).__name__}")
-        self.path, self.batch, self.dtype, self.max_bytes = str(path), batch, dtype, max_bytes
+        self.path = check_output_path(path, "path")
+        self.batch, self.dtype, self.max_bytes = batch, dtype, max_bytes
         self.tensors: dict[str, Tensor] = {}
         self.entries: dict[str, dict] = {}
         self.nbytes = 0
@@ -72,12 +72,14 @@ class QKVCapture:
         self._removers = []
         self._closed = False
         found = _transformers(pipe)
+        if self.layers is not None:
+            _check_layers(self.layers, [tr for _, tr in found])
         # Capture needs the tiled, post-RoPE tensors only a managed model exposes. Every call runs
         # dense (the model's own exact attention): observers get the valid keys per row of dense
         # calls too, which is what drops padded text keys. Density 1 is what the entries record.
         exact = dict(density=1.0, dense_steps=sys.maxsize)
         if not isinstance(pipe, torch.nn.Module) and all(pisa_state(tr) is None for _, tr in found):
-            self._applied.append(apply_pisa(pipe, **exact))  # the pipeline hook marks generation starts
+            self._applied.append(apply_pisa(pipe, **exact))  # one step tracker for both experts
         else:
             for _, tr in found:
                 if pisa_state(tr) is None:
@@ -173,6 +175,20 @@ class QKVCapture:
             for obj in self._applied:
                 remove_pisa(obj)
         self._removers, self._applied = [], []
+
+
+def _check_layers(layers: frozenset[int], transformers) -> None:
+    """ValueError when a requested layer index is beyond every transformer's managed layers."""
+    from .apply import _managed_modules, pisa_state
+
+    counts = []
+    for tr in transformers:
+        state = pisa_state(tr)
+        counts.append(len(state.blocks) if state is not None else len(_managed_modules(tr, adapter_for(tr))))
+    bad = sorted(i for i in layers if i >= max(counts))
+    if bad:
+        raise ValueError(f"layers {bad} do not exist: the model has {max(counts)} managed attention layers "
+                         f"(0..{max(counts) - 1})")
 
 
 def capture_qkv(pipe, layers=None, steps=None, path: str = "qkv.safetensors", *, batch: int = 0,

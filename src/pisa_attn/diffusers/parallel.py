@@ -1,4 +1,4 @@
-"""The ``"pisa"`` backend under diffusers context parallelism (``transformer.enable_parallelism``).
+"""PISA under diffusers context parallelism (``transformer.enable_parallelism``).
 
 diffusers shards every token stream of the model over the ranks before the blocks (FLUX: text and
 image separately, so rank r holds ``[text_r, image_r]``) and calls the attention backend with this
@@ -8,7 +8,7 @@ hooks stand aside, see :func:`tokens_stay_in_model_order`) and each attention ca
 gathered order onto the single-process tiled order with one permutation:
 
 * Ulysses (``ulysses_degree > 1``): all-to-all to the whole sequence for H/N heads, permute, run the
-  single-process backend computation (:func:`.backend.sparse_attention` / dense), permute back,
+  single-process backend computation (:func:`.calls.sparse_attention` / dense), permute back,
   all-to-all back (:func:`pisa_attn.parallel.ulysses_attention`);
 * ring (``ring_degree > 1``): :func:`pisa_attn.parallel.ring_pisa_attention` with global statistics
   and selection for the image queries, the text queries attending exactly in the same pass round
@@ -20,13 +20,14 @@ All equal the single-process output (same selection, float tolerance). The token
 split as diffusers splits them: evenly (each length divisible by the number of ranks), or, with
 ``ring_anything=True`` / ``ulysses_anything=True``, by ``tensor_split`` (any length; the ring then
 redistributes whole blocks). A length diffusers' even split would refuse is reported by
-:func:`check_token_split` before diffusers shards anything. Attention masks, observers (capture,
-telemetry) and calls without :func:`apply_pisa` raise a clear error. Inference only.
+:func:`check_token_split` before diffusers shards anything. Attention masks and observers (capture,
+telemetry) raise a clear error. Inference only.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from ..layout import block_floor
 from ..parallel import ring_pisa_attention, ulysses_attention, unified_pisa_attention
-from ..parallel.comm import all_gather_var, gather_ints
+from ..parallel.comm import gather_ints
 from ..parallel.phases import phase
 from ..parallel.ulysses import local_heads
 from . import hooks
@@ -42,9 +43,10 @@ from .calls import dense_attention, sparse_attention
 from .state import Sequence, current_run
 
 
-def context_parallel_config(module):
-    """The active ``ContextParallelConfig`` of a transformer (or processor), else None."""
-    pc = getattr(module, "_parallel_config", None)
+def context_parallel_config(obj, config: bool = False):
+    """The active ``ContextParallelConfig`` of a transformer or processor (or, with ``config``, of a
+    diffusers ``ParallelConfig``), else None."""
+    pc = obj if config else getattr(obj, "_parallel_config", None)
     cp = getattr(pc, "context_parallel_config", None)
     if cp is None or (cp.ring_degree or 1) * (cp.ulysses_degree or 1) <= 1:
         return None
@@ -86,8 +88,10 @@ def check_token_split(transformer, seq: Sequence) -> None:
     )
 
 
-def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa: bool, parallel_config) -> Tensor:
-    """One dispatcher call under context parallelism; q/k/v ``[B, L_local, H, D]``, this rank's slice."""
+def parallel_attention(state, layer: int, q: Tensor, k: Tensor, v: Tensor, mask, parallel_config) -> Tensor:
+    """A call of managed layer ``layer`` under context parallelism; q/k/v ``[B, L_local, H, D]``,
+    this rank's slice."""
+    scale, enable_gqa = None, q.shape[2] != k.shape[2]
     cp = getattr(parallel_config, "context_parallel_config", None)
     if cp is None:
         raise ValueError("the pisa backend supports diffusers context parallelism only (no other parallel_config)")
@@ -100,9 +104,9 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa:
         )
     groups = _Groups.of(cp)
     run = current_run()
-    if run is None:
+    if run is None or run.state is not state:
         raise ValueError(
-            "under context parallelism the pisa backend needs apply_pisa(...) on the transformer: it must know "
+            "under context parallelism PISA's attention runs only inside its transformer's forward: it must know "
             "the token layout to build the same blocks as on one GPU"
         )
     seq, lens = _managed_sequence(run, q.shape[1], groups.rank, groups.world)
@@ -115,11 +119,10 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa:
     if seq is None:  # self-attention that PISA does not manage: exact attention
         return _dense(q, k, v, scale, enable_gqa, groups, list(lens))
     total = seq.length
-    state, cfg = run.state, run.state.config
+    cfg = state.config
     if hooks.observers(state.transformer):
         raise ValueError("attention observers (capture, telemetry, calibrate=True) are not supported under context "
                          "parallelism: calibrate offline (pisa-attn calibrate) and pass alpha_table=")
-    layer = run.next_layer()
     reason = run.dense_reason(layer, total)
     if reason is not None:
         out = _dense(q, k, v, scale, enable_gqa, groups, list(lens))
@@ -159,11 +162,15 @@ class _Groups:
 
     @classmethod
     def of(cls, cp) -> "_Groups":
-        got = getattr(cp, "_pisa_groups", None)
-        if got is None:
+        # The config outlives the calls and its groups do not change: one lookup per config.
+        ref, got = _GROUPS.get(id(cp), (None, None))
+        if ref is None or ref() is not cp:
             got = cls(cp)
-            cp._pisa_groups = got  # the config outlives the calls; its groups do not change
+            _GROUPS[id(cp)] = (weakref.ref(cp), got)
         return got
+
+
+_GROUPS: dict[int, tuple] = {}
 
 
 def _dense(q, k, v, scale, enable_gqa, groups: _Groups, lens: list[int]) -> Tensor:
@@ -257,30 +264,3 @@ def _pisa_order(layout, image_lo: int, image_hi: int, lens: tuple[int, ...]) -> 
     gathered_of_model = torch.empty_like(model_of_gathered)
     gathered_of_model[model_of_gathered] = torch.arange(total)
     return gathered_of_model[layout.perm]
-
-
-def allow_cpu_context_parallel() -> None:
-    """Let diffusers run context parallelism on CPU ranks (gloo tests, ``--tiny`` benchmarks).
-
-    diffusers picks each rank's device as ``rank % torch.accelerator.device_count()``, which divides
-    by zero on a CPU-only torch: report one "device" (the CPU) instead. Its uneven split
-    (``*_anything``) gathers outputs with an all-gather of unequal sizes, which NCCL runs and gloo
-    refuses: on gloo groups, gather padded instead. Process-wide: call it only in CPU test or
-    benchmark processes.
-    """
-    if torch.accelerator.device_count() == 0:
-        torch.accelerator.device_count = lambda: 1
-    from diffusers.hooks import context_parallel as dcp
-
-    original = dcp._all_gather_anything
-    if getattr(original, "_pisa_gloo", False):
-        return
-
-    def gather(tensor: Tensor, dim: int, group) -> Tensor:
-        if dist.get_backend(group) != "gloo":
-            return original(tensor, dim, group)
-        sizes = [r[0] for r in gather_ints([tensor.shape[dim]], group, tensor.device)]
-        return all_gather_var(tensor.contiguous(), dim, sizes, group)
-
-    gather._pisa_gloo = True
-    dcp._all_gather_anything = gather

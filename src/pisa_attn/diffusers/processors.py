@@ -1,67 +1,193 @@
-"""SD3's attention processor on diffusers' attention dispatcher.
+"""PISA's attention processors, one per transformer family, set per managed module with
+diffusers' public ``set_processor``.
 
-SD3's ``JointAttnProcessor2_0`` calls ``F.scaled_dot_product_attention`` itself, so no dispatcher
-backend can reach it: ``set_attention_backend("pisa")`` and ``attention_backend("pisa")`` would
-silently keep SDPA. :func:`route_joint_processor` (run when the backend registers) gives the class
-the ``_attention_backend`` attribute the other processors have and sends its calls through
-:func:`joint_attention` whenever the backend in effect for them is ``"pisa"``; with any other
-backend it runs unchanged.
+Each computes what the family's own processor computes (same projections, q/k norms, rotary
+embeddings, text/image concatenation and output projections) and hands q/k/v ``[B, L, H, D]`` to
+:func:`.backend.attention` with the layer index it was given when :func:`apply_pisa` installed it
+(no call counting). It keeps the processor it replaces, which :func:`remove_pisa` puts back.
+
+``_attention_backend`` and ``_parallel_config`` are the attributes diffusers sets on processors
+(``set_attention_backend``, ``enable_parallelism``): the first is ignored (PISA is the backend of a
+managed layer), the second makes calls run context-parallel.
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_dispatch import _AttentionBackendRegistry, dispatch_attention_fn
-from diffusers.models.attention_processor import JointAttnProcessor2_0
+from torch import Tensor
+
+from . import backend
 
 
-def _project(x: torch.Tensor, heads: int, to_q, to_k, to_v, norm_q, norm_k):
-    """q, k, v as [B, L, H, D] from one token stream (image or text), with its q/k norms."""
-    q, k, v = (proj(x).unflatten(-1, (heads, -1)) for proj in (to_q, to_k, to_v))
-    return (q if norm_q is None else norm_q(q)), (k if norm_k is None else norm_k(k)), v
+class PisaProcessor:
+    """Base of the family processors: the replaced processor, the state handle, the layer index."""
+
+    # The classes of diffusers processors this one replaces (by name, see ``replaces``).
+    replaces: tuple[str, ...] = ()
+
+    def __init__(self, original, handle: int, layer: int) -> None:
+        self.original = original
+        self.handle = handle
+        self.layer = layer
+        self._attention_backend = getattr(original, "_attention_backend", None)
+        self._parallel_config = getattr(original, "_parallel_config", None)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """q/k/v ``[B, L, H, D]`` -> ``[B, L, H * D]`` in q's dtype."""
+        out = backend.attention(self.handle, self.layer, q, k, v, mask, self._parallel_config)
+        return out.flatten(2, 3).to(q.dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layer={self.layer}, replaces={type(self.original).__name__})"
 
 
-def joint_attention(attn, hidden_states, encoder_hidden_states, backend, parallel_config=None):
-    """What ``JointAttnProcessor2_0`` computes (same projections, norms and ``[image, text]``
-    concatenation, no mask), in the dispatcher's ``[B, L, H, D]`` layout through
-    ``dispatch_attention_fn``."""
-    n_image = hidden_states.shape[1]
-    query, key, value = _project(hidden_states, attn.heads, attn.to_q, attn.to_k, attn.to_v, attn.norm_q, attn.norm_k)
-    if encoder_hidden_states is not None:
-        eq, ek, ev = _project(encoder_hidden_states, attn.heads, attn.add_q_proj, attn.add_k_proj,
-                              attn.add_v_proj, attn.norm_added_q, attn.norm_added_k)  # fmt: skip
-        query = torch.cat([query, eq], dim=1)
-        key = torch.cat([key, ek], dim=1)
-        value = torch.cat([value, ev], dim=1)
+def _heads(x: Tensor, heads: int) -> Tensor:
+    return x.unflatten(-1, (heads, -1))
 
-    out = dispatch_attention_fn(query, key, value, backend=backend, parallel_config=parallel_config)
-    out = out.flatten(2, 3).to(query.dtype)
 
-    context = None
-    if encoder_hidden_states is not None:
-        out, context = out[:, :n_image], out[:, n_image:]
-        if not attn.context_pre_only:
+def _rope(x: Tensor, rotary) -> Tensor:
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    return apply_rotary_emb(x, rotary, sequence_dim=1)
+
+
+class FluxProcessor(PisaProcessor):
+    """``FluxAttnProcessor``: ``[text, image]`` joint attention (double blocks), or the single
+    blocks' already concatenated stream; rotary embeddings over the whole sequence."""
+
+    replaces = ("FluxAttnProcessor", "FluxAttnProcessor2_0")
+
+    def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
+                 attention_mask: Tensor | None = None, image_rotary_emb=None) -> Tensor:
+        h = attn.heads
+        q, k, v = (_heads(p(hidden_states), h) for p in (attn.to_q, attn.to_k, attn.to_v))
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
+            eq, ek, ev = (_heads(p(encoder_hidden_states), h) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
+            q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
+        if image_rotary_emb is not None:
+            q, k = _rope(q, image_rotary_emb), _rope(k, image_rotary_emb)
+        out = self.attention(q, k, v, attention_mask)
+        if encoder_hidden_states is None:
+            return out
+        n_text = encoder_hidden_states.shape[1]
+        context, out = out.split_with_sizes([n_text, out.shape[1] - n_text], dim=1)
+        out = attn.to_out[1](attn.to_out[0](out.contiguous()))
+        return out, attn.to_add_out(context.contiguous())
+
+
+class JointProcessor(PisaProcessor):
+    """SD3's ``JointAttnProcessor2_0``: ``[image, text]`` joint attention (``attn``), or image-only
+    self-attention (SD3.5's ``attn2``). Like the original it takes no mask."""
+
+    replaces = ("JointAttnProcessor2_0",)
+
+    def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
+                 attention_mask: Tensor | None = None, *args, **kwargs):
+        h, n_image = attn.heads, hidden_states.shape[1]
+        q, k, v = (_heads(p(hidden_states), h) for p in (attn.to_q, attn.to_k, attn.to_v))
+        q = q if attn.norm_q is None else attn.norm_q(q)
+        k = k if attn.norm_k is None else attn.norm_k(k)
+        if encoder_hidden_states is not None:
+            eq, ek, ev = (_heads(p(encoder_hidden_states), h) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            eq = eq if attn.norm_added_q is None else attn.norm_added_q(eq)
+            ek = ek if attn.norm_added_k is None else attn.norm_added_k(ek)
+            q, k, v = torch.cat([q, eq], dim=1), torch.cat([k, ek], dim=1), torch.cat([v, ev], dim=1)
+        out = self.attention(q, k, v, None)
+        context = None
+        if encoder_hidden_states is not None:
+            out, context = out[:, :n_image], out[:, n_image:]
+            if not attn.context_pre_only:
+                context = attn.to_add_out(context)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return out if encoder_hidden_states is None else (out, context)
+
+
+def _wan_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class WanProcessor(PisaProcessor):
+    """``WanAttnProcessor`` of a self-attention layer (``attn1``): q/k norms over all heads, then
+    Wan's interleaved rotary embedding."""
+
+    replaces = ("WanAttnProcessor", "WanAttnProcessor2_0")
+
+    def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
+                 attention_mask: Tensor | None = None, rotary_emb=None) -> Tensor:
+        if encoder_hidden_states is not None:
+            raise ValueError("PISA manages Wan's self-attention (attn1); it got a cross-attention call")
+        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        q, k = attn.norm_q(q), attn.norm_k(k)
+        q, k, v = (_heads(x, attn.heads) for x in (q, k, v))
+        if rotary_emb is not None:
+            q, k = _wan_rope(q, *rotary_emb), _wan_rope(k, *rotary_emb)
+        out = self.attention(q, k, v, attention_mask)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class HunyuanProcessor(PisaProcessor):
+    """``HunyuanVideoAttnProcessor2_0``: ``[video, text]`` joint attention, rotary embeddings on the
+    video tokens only."""
+
+    replaces = ("HunyuanVideoAttnProcessor2_0",)
+
+    def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
+                 attention_mask: Tensor | None = None, image_rotary_emb=None):
+        h = attn.heads
+        concat = attn.add_q_proj is None and encoder_hidden_states is not None
+        if concat:
+            hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+        q, k, v = (_heads(p(hidden_states), h) for p in (attn.to_q, attn.to_k, attn.to_v))
+        q = q if attn.norm_q is None else attn.norm_q(q)
+        k = k if attn.norm_k is None else attn.norm_k(k)
+        if image_rotary_emb is not None:
+            if concat:
+                n = encoder_hidden_states.shape[1]
+                q = torch.cat([_rope(q[:, :-n], image_rotary_emb), q[:, -n:]], dim=1)
+                k = torch.cat([_rope(k[:, :-n], image_rotary_emb), k[:, -n:]], dim=1)
+            else:
+                q, k = _rope(q, image_rotary_emb), _rope(k, image_rotary_emb)
+        if attn.add_q_proj is not None and encoder_hidden_states is not None:
+            eq, ek, ev = (_heads(p(encoder_hidden_states), h) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            eq = eq if attn.norm_added_q is None else attn.norm_added_q(eq)
+            ek = ek if attn.norm_added_k is None else attn.norm_added_k(ek)
+            q, k, v = torch.cat([q, eq], dim=1), torch.cat([k, ek], dim=1), torch.cat([v, ev], dim=1)
+        out = self.attention(q, k, v, attention_mask)
+        if encoder_hidden_states is None:
+            return out, encoder_hidden_states
+        n = encoder_hidden_states.shape[1]
+        out, context = out[:, :-n], out[:, -n:]
+        if getattr(attn, "to_out", None) is not None:
+            out = attn.to_out[1](attn.to_out[0](out))
+        if getattr(attn, "to_add_out", None) is not None:
             context = attn.to_add_out(context)
-    out = attn.to_out[1](attn.to_out[0](out))
-    return out if encoder_hidden_states is None else (out, context)
+        return out, context
 
 
-def route_joint_processor(member) -> None:
-    """Make ``JointAttnProcessor2_0`` follow the ``member`` ("pisa") backend (idempotent)."""
-    cls = JointAttnProcessor2_0
-    if getattr(cls.__call__, "_pisa_original", None) is not None:
-        return
-    original = cls.__call__
+PROCESSORS: dict[str, type[PisaProcessor]] = {
+    "flux": FluxProcessor, "sd3": JointProcessor, "wan": WanProcessor, "hunyuan": HunyuanProcessor,
+}
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
-        backend = self._attention_backend or _AttentionBackendRegistry._active_backend
-        if backend != member:
-            return original(self, attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
-        # Like the original, no mask: SD3's joint attention never passes one.
-        return joint_attention(attn, hidden_states, encoder_hidden_states, member, self._parallel_config)
 
-    __call__._pisa_original = original
-    __call__.__doc__ = original.__doc__
-    cls.__call__ = __call__
-    cls._attention_backend = None  # set_attention_backend / apply_pisa set it per instance
-    cls._parallel_config = None
+def check_replaceable(family: str, name: str, module) -> None:
+    """ValueError unless ``module``'s processor is the family's diffusers processor PISA rewrites
+    (a custom, IP-adapter or fused-projection processor computes something else)."""
+    cls = PROCESSORS[family]
+    proc = module.processor
+    if isinstance(proc, PisaProcessor):  # managed already: apply_pisa replaces it
+        proc = proc.original
+    if type(proc).__name__ not in cls.replaces:
+        raise ValueError(
+            f"attention module {name!r} uses {type(proc).__name__}; PISA replaces only {' / '.join(cls.replaces)} "
+            f"in this model (reset custom, IP-adapter or other attention processors first)"
+        )
+    if getattr(module, "fused_projections", False):
+        raise ValueError(f"attention module {name!r} has fused q/k/v projections: call unfuse_qkv_projections() "
+                         f"before apply_pisa")

@@ -61,11 +61,13 @@ class StepTracker:
 
     Calls sharing a timestep belong to one step (Wan's separate cond/uncond calls, FLUX/Hunyuan
     true-CFG); SD3's batched CFG is one call. A timestep larger than the previous one means a new
-    generation (diffusion samplers only ever lower the noise level), and :meth:`reset` starts one
-    explicitly (the pipeline hook calls it when a generation begins).
+    generation (diffusion samplers only ever lower the noise level); :attr:`generation` counts
+    them, so transformers sharing a tracker (Wan2.2's two experts) each see a new one, and
+    :meth:`reset` starts one explicitly.
     """
 
     def __init__(self) -> None:
+        self.generation = -1
         self.reset()
 
     def reset(self) -> None:
@@ -77,6 +79,7 @@ class StepTracker:
             raise ValueError(f"timestep must be a float, got {t!r}")
         if self._last is None or t > self._last:
             self.step = 0
+            self.generation += 1
         elif t < self._last:
             self.step += 1
         self._last = t

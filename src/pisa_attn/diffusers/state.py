@@ -1,7 +1,7 @@
 """State shared by the hooks and the backend: per-transformer settings and per-forward runs.
 
-Each forward call of a managed transformer opens a :class:`Run` (its step, grid, layouts and a
-counter of managed attention layers) when it starts running and publishes it in a context
+Each forward call of a managed transformer opens a :class:`Run` (its step, grid and layouts) when
+it starts running and publishes it in a context
 variable; the attention backend, called deep inside the model by diffusers' dispatcher, reads it
 from there. Runs are opened and closed by opaque ops (see :mod:`.tiling`), so under
 ``torch.compile`` this happens when the graph runs, never while it is traced.
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import spec
-from ..layout import TokenLayout
+from ..layout import TokenOrder
 from .models import CallInfo, ModelAdapter
 from .schedule import Schedule, StepTracker
 
@@ -50,7 +50,7 @@ class Sequence:
     tokens (if any) are the rest and keep contiguous; ``keep`` flags key blocks holding text.
     """
 
-    layout: TokenLayout
+    layout: TokenOrder
     text_len: int
     image_lo: int
     image_hi: int
@@ -75,7 +75,7 @@ class Sequence:
 class Layouts:
     """Token orders of one (grid, text length): the image stream's and the joint sequence's."""
 
-    image: TokenLayout  # order of the image/video token stream between the boundary hooks
+    image: TokenOrder  # order of the image/video token stream between the boundary hooks
     joint: Sequence  # image + text self-attention (== image-only when the model has no joint text)
     image_only: Sequence  # image-only self-attention (SD3.5's attn2)
 
@@ -83,15 +83,11 @@ class Layouts:
 class Run:
     """One forward call of a managed transformer."""
 
-    def __init__(
-        self, state: "PisaState", step: int, info: CallInfo, layouts: Layouts, blocks: tuple[int, ...] = ()
-    ) -> None:
+    def __init__(self, state: "PisaState", step: int, info: CallInfo, layouts: Layouts) -> None:
         self.state = state
         self.step = step
         self.info = info
         self.layouts = layouts
-        self.blocks = blocks  # transformer block of each managed attention layer of this forward
-        self.layer = 0  # next managed attention layer, in forward order
         self.key_lens: dict[tuple, list[int] | None] = {}  # per attention mask: valid keys per row
         self.masks: dict[tuple, Tensor] = {}  # per attention mask and sequence: the mask in tiled order
 
@@ -129,18 +125,9 @@ class Run:
             self.masks[key] = out
         return self.masks[key]
 
-    def next_layer(self) -> int:
-        layer = self.layer
-        self.layer += 1
-        return layer
-
-    def block(self, layer: int) -> int:
-        """The transformer block the ``layer``-th managed attention call of this forward belongs to."""
-        return self.blocks[layer] if layer < len(self.blocks) else layer
-
     def dense_reason(self, layer: int, kv_len: int) -> str | None:
-        """The schedule's decision for the ``layer``-th managed call (see :class:`Schedule`)."""
-        return self.state.config.schedule.dense_reason(self.block(layer), self.step, kv_len)
+        """The schedule's decision for a call of managed layer ``layer`` (see :class:`Schedule`)."""
+        return self.state.config.schedule.dense_reason(self.state.blocks[layer], self.step, kv_len)
 
 
 @dataclass
@@ -151,29 +138,25 @@ class PisaState:
     adapter: ModelAdapter
     config: PisaConfig
     tracker: StepTracker = field(default_factory=StepTracker)
-    handles: list = field(default_factory=list)  # hook handles
-    restore: list = field(default_factory=list)  # callables undoing processor/backend changes
+    restore: list = field(default_factory=list)  # callables undoing what apply_pisa did, in order
     layouts: dict = field(default_factory=dict)  # (grid, text_len) -> Layouts
     read_cache: dict = field(default_factory=dict)  # the adapter's read_grid cache
     stats: Counter = field(default_factory=Counter)  # calls per outcome since the last generation start
     runs: list = field(default_factory=list)  # (context token, run) of forwards in progress
-    blocks: tuple[int, ...] = ()  # transformer block of each managed attention module, forward order
+    blocks: tuple[int, ...] = ()  # transformer block of each managed layer (layer index -> block)
     alphas: dict = field(default_factory=dict)  # layer -> CPU [H] first-order weights (a loaded table)
     calibrator: Any = None  # a .calibrate.Calibrator when apply_pisa(calibrate=...)
     handle: int = field(init=False)  # how the opaque ops (ints in a graph) find this state
     tiling: tuple | None = None  # (perm, inv_perm) of the forward being run or traced
+    generation: int = -1  # the tracker's generation this state's stats and fits belong to
 
     def __post_init__(self) -> None:
         self.handle = next(_HANDLES)
         _STATES[self.handle] = self
 
-    def forward_blocks(self, arguments: dict) -> tuple[int, ...]:
-        """Blocks of the managed attention calls of one forward (blocks the call skips left out)."""
-        skipped = self.adapter.skipped_blocks(arguments)
-        return tuple(b for b in self.blocks if b not in skipped) if skipped else self.blocks
-
     def new_generation(self) -> None:
-        self.tracker.reset()
+        """Forget the stats and the fits of the last generation."""
+        self.generation = self.tracker.generation
         self.stats.clear()
         if self.calibrator is not None:
             self.calibrator.reset()

@@ -24,6 +24,7 @@ from .. import metrics, spec
 from ..layout import block_floor
 from . import hooks
 from .models import transformers_of
+from .paths import check_output_path
 
 ATTR = "_pisa_telemetry"
 
@@ -218,7 +219,10 @@ def summarize(tel: Telemetry) -> dict:
 def report(pipe_or_transformer, heatmap: str | None = None, *, console=None) -> dict:
     """Print a per-layer table of the telemetry of ``pipe_or_transformer`` (a pipeline: each of
     its transformers) and, with ``heatmap`` (a .png path), save layer x step heat-maps of rel-L1
-    and tail mass. Returns ``{transformer name: summary}``. ValueError when nothing was recorded."""
+    and tail mass. Returns ``{transformer name: summary}``. ValueError when nothing was recorded;
+    a bad ``heatmap`` path (or a missing matplotlib) is refused before anything prints."""
+    if heatmap is not None:
+        heatmap = _check_heatmap(heatmap)
     from rich.console import Console
     from rich.table import Table
 
@@ -243,8 +247,22 @@ def report(pipe_or_transformer, heatmap: str | None = None, *, console=None) -> 
                       _fmt(r["rel_l1_drop"]), _fmt(ratio, 2))
         console.print(t)
     if heatmap is not None:
-        save_heatmap(out, str(heatmap))
+        save_heatmap(out, heatmap)
     return out
+
+
+def _check_heatmap(path) -> str:
+    path = check_output_path(path, "heatmap")
+    try:
+        import matplotlib.figure
+    except ImportError:
+        raise ImportError("report(heatmap=...) needs matplotlib: pip install 'pisa-attn[plot]'") from None
+    formats = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+    suffix = path.rpartition(".")[2].lower() if "." in path.rpartition("/")[2] else ""
+    if suffix not in formats:
+        raise ValueError(f"heatmap {path!r} must end in an image format matplotlib writes "
+                         f"({', '.join('.' + f for f in sorted(formats))})")
+    return path
 
 
 def _densities(found, name) -> str:

@@ -1,9 +1,11 @@
 """Model-boundary token reordering: image/video tokens enter the blocks in tiled order once per
 forward (with their rotary embeddings) and leave in original order before unpatchify.
 
-Hooks: a transformer forward pre-hook reads the call's shapes, calls the opaque op
-``pisa_attn::diffusers_begin_forward`` and reorders token-shaped inputs with the permutation it
-returns; forward hooks on the adapter's token and rotary modules reorder their outputs; the output
+Hooks: a transformer forward pre-hook (PyTorch's, which runs before every diffusers hook on the
+model, so it sees the whole sequence also when context parallelism splits it in a diffusers hook)
+reads the call's shapes, calls the opaque op ``pisa_attn::diffusers_begin_forward`` and reorders
+token-shaped inputs with the permutation it returns; diffusers ``ModelHook``s named
+:data:`HOOK_NAME` on the adapter's token and rotary modules reorder their outputs; the output
 module's hook calls ``pisa_attn::diffusers_end_forward``, which puts the tokens back and closes the
 run. Text tokens are never moved, so the joint sequence is ``[text_before][tiled image][text_after]``.
 
@@ -15,13 +17,14 @@ and ``index_select`` calls with their outputs, and nothing in it changes from st
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
 import torch
 from torch import Tensor
 
-from ..layout import TokenLayout, make_layout
+from ..layout import TokenOrder, make_layout
 from .models import CallInfo, timestep_value
 from .parallel import check_token_split, tokens_stay_in_model_order
 from .state import Layouts, PisaState, Run, Sequence, close_run, open_run, state_of
@@ -37,7 +40,7 @@ def default_tile(ndim: int, block_size: int) -> tuple[int, ...]:
     return tuple(2**e for e in exp)
 
 
-def _sequence(layout: TokenLayout, text_before: int, n_image: int, block_size: int) -> Sequence:
+def _sequence(layout: TokenOrder, text_before: int, n_image: int, block_size: int) -> Sequence:
     keep = layout.keep_blocks(block_size) if layout.num_text_tokens else None
     return Sequence(layout, layout.num_text_tokens, text_before, text_before + n_image, keep)
 
@@ -57,12 +60,10 @@ def build_layouts(grid: tuple[int, ...], text_len: int, text: str, tile: tuple[i
 
 
 # --- the ops a forward runs -------------------------------------------------------------------
-def begin_forward(
-    state: PisaState, timestep: Tensor, shape: list[int], grid_ids: Tensor | None, blocks: list[int]
-) -> Run:
-    """Open the :class:`Run` of one forward call: its grid (from ``shape`` or ``grid_ids``), layouts,
-    denoising step (from ``timestep``, one host read) and the transformer block of each managed
-    attention call. ``shape`` is ``[text_len, image_tokens, *grid]``."""
+def begin_forward(state: PisaState, timestep: Tensor, shape: list[int], grid_ids: Tensor | None) -> Run:
+    """Open the :class:`Run` of one forward call: its grid (from ``shape`` or ``grid_ids``), layouts
+    and denoising step (from ``timestep``, one host read). ``shape`` is
+    ``[text_len, image_tokens, *grid]``."""
     text_len, n_image, *grid = (int(x) for x in shape)
     if not grid:
         grid = state.adapter.read_grid(grid_ids, state.read_cache)
@@ -76,27 +77,24 @@ def begin_forward(
     check_token_split(state.transformer, layouts.joint)  # context parallelism: before diffusers shards tokens
     t = timestep_value(timestep)
     close_run(state)  # left open by a compiled forward that raised (an eager one closes it on exit)
-    previous = state.tracker.step
     step = state.tracker.observe(t)
-    if step == 0 and previous != 0:  # a new generation (also detected without the pipeline hook)
-        state.stats.clear()
-    run = Run(state, step, CallInfo(grid, text_len, t), layouts, tuple(blocks))
+    if state.generation != state.tracker.generation:  # the first call of a new generation
+        state.new_generation()
+    run = Run(state, step, CallInfo(grid, text_len, t), layouts)
     open_run(run)
     return run
 
 
 @torch.library.custom_op("pisa_attn::diffusers_begin_forward", mutates_args=())
-def _begin_op(
-    handle: int, x: Tensor, timestep: Tensor, shape: list[int], grid_ids: Tensor | None, blocks: list[int]
-) -> tuple[Tensor, Tensor]:
+def _begin_op(handle: int, x: Tensor, timestep: Tensor, shape: list[int], grid_ids: Tensor | None) -> tuple[Tensor, Tensor]:
     """(perm, inv_perm) of the image tokens on ``x``'s device, after :func:`begin_forward`."""
-    image = begin_forward(state_of(handle), timestep, shape, grid_ids, blocks).layouts.image
+    image = begin_forward(state_of(handle), timestep, shape, grid_ids).layouts.image
     # Copies: the cached permutations must not become buffers a compiled graph may reuse.
     return image.perm_on(x.device).clone(), image.perm_on(x.device, inverse=True).clone()
 
 
 @_begin_op.register_fake
-def _(handle, x, timestep, shape, grid_ids, blocks):
+def _(handle, x, timestep, shape, grid_ids):
     n = shape[1]
     return x.new_empty(n, dtype=torch.long), x.new_empty(n, dtype=torch.long)
 
@@ -146,8 +144,7 @@ def _pre_hook(state: PisaState, names: tuple[str, ...]):
         t = t.detach() if isinstance(t, Tensor) else torch.tensor(float(t))
         x = arguments["hidden_states"].detach()
         shape = [text_len, n_image, *(grid or ())]
-        blocks = list(state.forward_blocks(arguments))
-        state.tiling = torch.ops.pisa_attn.diffusers_begin_forward(state.handle, x, t, shape, ids, blocks)
+        state.tiling = torch.ops.pisa_attn.diffusers_begin_forward(state.handle, x, t, shape, ids)
         tiling = _tiling(state)
         if tiling is None:
             return None
@@ -221,15 +218,56 @@ def _untile_hook(state: PisaState):
     return hook
 
 
+HOOK_NAME = "pisa_tiling"
+
+
+@functools.cache
+def _output_hook_class():
+    from diffusers.hooks import ModelHook  # here: the package imports without diffusers
+
+    class OutputHook(ModelHook):
+        """Replaces a module's output by ``fn(module, None, output)`` unless that is None."""
+
+        def __init__(self, fn) -> None:
+            super().__init__()
+            self.fn = fn
+
+        def post_forward(self, module, output):
+            out = self.fn(module, None, output)
+            return output if out is None else out
+
+    return OutputHook
+
+
+def _add_output_hook(state: PisaState, module, fn) -> None:
+    """Register ``fn`` as the :data:`HOOK_NAME` hook of ``module``'s diffusers ``HookRegistry``;
+    its undo leaves the module as it was (no registry or ``forward`` attribute it did not have)."""
+    from diffusers.hooks import HookRegistry
+
+    had = {k: k in module.__dict__ for k in ("_diffusers_hook", "forward")}
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    registry.register_hook(_output_hook_class()(fn), HOOK_NAME)
+
+    def undo() -> None:
+        registry.remove_hook(HOOK_NAME, recurse=False)
+        if not registry.hooks:  # HookRegistry keeps both after its last hook goes
+            for key, was in had.items():
+                if not was:
+                    module.__dict__.pop(key, None)
+
+    state.restore.append(undo)
+
+
 def install(state: PisaState) -> None:
-    """Register the boundary hooks of ``state.adapter`` on ``state.transformer``."""
+    """Register the boundary hooks of ``state.adapter`` on ``state.transformer`` (each appends its
+    undo to ``state.restore``)."""
     tr, ad = state.transformer, state.adapter
     names = tuple(inspect.signature(tr.forward).parameters)
-    h = state.handles
-    h.append(tr.register_forward_pre_hook(_pre_hook(state, names), with_kwargs=True))
-    h.append(tr.register_forward_hook(_post_hook(state), always_call=True))
-    h.append(tr.get_submodule(ad.token_module).register_forward_hook(_token_hook(state, ad.token_output)))
+    pre = tr.register_forward_pre_hook(_pre_hook(state, names), with_kwargs=True)
+    state.restore.append(pre.remove)
+    post = tr.register_forward_hook(_post_hook(state), always_call=True)
+    state.restore.append(post.remove)
+    _add_output_hook(state, tr.get_submodule(ad.token_module), _token_hook(state, ad.token_output))
     if ad.rope_module is not None:
-        rope = tr.get_submodule(ad.rope_module)
-        h.append(rope.register_forward_hook(_rope_hook(state, ad.rope_dim, ad.rope_text_before)))
-    h.append(tr.get_submodule(ad.untile_module).register_forward_hook(_untile_hook(state)))
+        _add_output_hook(state, tr.get_submodule(ad.rope_module), _rope_hook(state, ad.rope_dim, ad.rope_text_before))
+    _add_output_hook(state, tr.get_submodule(ad.untile_module), _untile_hook(state))

@@ -1,6 +1,7 @@
 """How the benchmark switches a diffusers transformer between its variants: a dense diffusers
 backend, PISA applied, or the managed self-attention replaced by an opaque no-attention op (the
-forward's cost without attention)."""
+forward's cost without attention). The no-attention op is registered as a diffusers backend when a
+stage first needs it, in the benchmark's process only; importing this module changes nothing."""
 
 from __future__ import annotations
 
@@ -30,8 +31,6 @@ def null_backend():
         return _NULL
     from diffusers.models import attention_dispatch as ad
 
-    from pisa_attn.diffusers.backend import _enum_member
-
     @torch.library.custom_op("pisa_bench::no_attention", mutates_args=())
     def no_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         # Opaque to the compiler: q, k, v are still computed; the uninitialised result costs nothing.
@@ -53,6 +52,24 @@ def null_backend():
     return member
 
 
+def _enum_member(enum_cls, name: str, value: str):
+    """Add a member to a ``str`` Enum after class creation: the benchmark's no-attention backend
+    (a measuring device in the benchmark's process only, made when a stage first needs it; the
+    library registers nothing)."""
+    existing = enum_cls._value2member_map_.get(value)
+    if existing is not None:
+        return existing
+    member = str.__new__(enum_cls, value)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = enum_cls
+    member._sort_order_ = len(enum_cls._member_names_)
+    type.__setattr__(enum_cls, name, member)  # before the map: EnumType forbids reassigning members
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)
+    return member
+
+
 def managed_processors(model) -> list:
     """The attention processors of the modules PISA manages (the adapter's self-attention)."""
     import pisa_attn.diffusers as pd
@@ -67,16 +84,22 @@ def managed_processors(model) -> list:
 
 @contextlib.contextmanager
 def routed(model, member):
-    """The managed self-attention processors on ``member``, put back on exit."""
+    """The managed self-attention processors on ``member``, put back on exit (PISA's processors,
+    which compute their own attention, on the no-attention op)."""
+    from pisa_attn.diffusers.processors import PisaProcessor
+
     missing = object()
     procs = managed_processors(model)
     saved = [(p, p.__dict__.get("_attention_backend", missing)) for p in procs]
     for p in procs:
         p._attention_backend = member
+        if isinstance(p, PisaProcessor):
+            p.attention = lambda q, k, v, mask: torch.ops.pisa_bench.no_attention(q, k, v).flatten(2, 3)
     try:
         yield
     finally:
         for p, old in saved:
+            p.__dict__.pop("attention", None)
             if old is missing:
                 p.__dict__.pop("_attention_backend", None)
             else:

@@ -1,0 +1,240 @@
+"""The diffusers integration on public machinery: diffusers itself is never changed, remove_pisa
+restores a model bit for bit, a failed apply_pisa (its rollback included) never leaves a model
+that says "managed" while it runs native attention, paths and layers are checked at the call, and
+the README's diffusers snippet runs."""
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import pisa_attn.diffusers as pd  # noqa: E402
+from pisa_attn.diffusers import apply as pisa_apply  # noqa: E402
+from pisa_attn.diffusers import telemetry as tm  # noqa: E402
+from diffusers_tiny import FAMILIES, TILE_BLOCK, forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
+from test_diffusers_apply import assert_same, snapshot  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SPARSE = dict(density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
+
+# Runs in a fresh interpreter: diffusers' classes, enums, registries and pipeline methods, by
+# identity, before importing pisa_attn.diffusers and after applying/removing PISA on every family.
+_UNTOUCHED = r"""
+import enum, importlib, inspect, json, sys, types
+import torch
+sys.path.insert(0, sys.argv[1])
+MODULES = [
+    "diffusers.models.attention_dispatch", "diffusers.models.attention_processor", "diffusers.models.attention",
+    "diffusers.models.modeling_utils", "diffusers.models.embeddings", "diffusers.hooks.hooks",
+    "diffusers.hooks.context_parallel", "diffusers.models.transformers.transformer_flux",
+    "diffusers.models.transformers.transformer_sd3", "diffusers.models.transformers.transformer_wan",
+    "diffusers.models.transformers.transformer_hunyuan_video", "diffusers.pipelines.pipeline_utils",
+    "diffusers.pipelines.flux.pipeline_flux", "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",
+    "diffusers.pipelines.wan.pipeline_wan", "diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video",
+]
+
+def snap():
+    out = {}
+    for name in MODULES:
+        mod = importlib.import_module(name)
+        out[name] = {k: id(v) for k, v in vars(mod).items()}
+        for k, v in vars(mod).items():
+            if isinstance(v, type) and v.__module__ == name:
+                out[f"{name}.{k}"] = {a: id(b) for a, b in vars(v).items() if a != "_abc_impl"}
+                if issubclass(v, enum.Enum):
+                    out[f"{name}.{k}.members"] = {m: id(x) for m, x in v.__members__.items()}
+                    out[f"{name}.{k}.values"] = sorted(map(str, v._value2member_map_))
+    reg = importlib.import_module("diffusers.models.attention_dispatch")._AttentionBackendRegistry
+    out["registry"] = {
+        "backends": {str(k): id(f) for k, f in reg._backends.items()},
+        "cp": sorted(reg._supports_context_parallel), "active": str(reg._active_backend),
+    }
+    return out
+
+before = snap()
+import pisa_attn.diffusers as pd
+import pisa_attn.diffusers.calibrate, pisa_attn.diffusers.capture, pisa_attn.diffusers.processors
+import pisa_attn.diffusers.telemetry, pisa_attn.diffusers.parallel
+from diffusers_tiny import FAMILIES, forward_inputs, prompt_kwargs, tiny_pipeline
+after_import = snap()
+for family in FAMILIES:
+    pipe = tiny_pipeline(family)
+    pipe.set_progress_bar_config(disable=True)
+    pd.apply_pisa(pipe, density=0.5, block_size=16, min_kv_len=0, dense_layers=0, dense_steps=1, telemetry=True)
+    with torch.no_grad():
+        pipe(**prompt_kwargs(family), num_inference_steps=2)
+    assert pd.stats(pipe.transformer)["sparse"] > 0
+    pd.remove_pisa(pipe)
+after = snap()
+diff = lambda a, b: sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+print(json.dumps({"import": diff(before, after_import), "apply": diff(before, after)}))
+"""
+
+
+def test_library_never_changes_diffusers():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", _UNTOUCHED, HERE], capture_output=True, text=True, env=env,
+                         timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    changed = json.loads(res.stdout.strip().splitlines()[-1])
+    assert changed == {"import": [], "apply": []}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_remove_restores_bit_for_bit(family):
+    pipe = tiny_pipeline(family)
+    tr, inputs = pipe.transformer, forward_inputs(family)
+    with torch.no_grad():
+        native = tr(**inputs).sample
+    before, weights = snapshot(pipe), {k: v.clone() for k, v in tr.state_dict().items()}
+    pd.apply_pisa(pipe, **SPARSE)
+    with torch.no_grad():
+        assert not torch.equal(tr(**inputs).sample, native)
+    pd.remove_pisa(pipe)
+    assert_same(before, snapshot(pipe))  # every module's __dict__ (no forward / hook registry left), processors
+    assert all(torch.equal(weights[k], v) for k, v in tr.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(tr(**inputs).sample, native)
+
+
+def _runs_diffusers_processors(tr) -> bool:
+    """True when no module of ``tr`` runs a PISA processor."""
+    from pisa_attn.diffusers.processors import PisaProcessor
+
+    return not any(isinstance(getattr(m, "processor", None), PisaProcessor) for m in tr.modules())
+
+
+@pytest.mark.parametrize("where", ["hooks", "processors"])
+@pytest.mark.parametrize("managed", [False, True], ids=["fresh", "managed"])
+def test_failure_during_apply_and_its_rollback_never_half_managed(monkeypatch, where, managed):
+    # The install fails, and so does putting the earlier settings back (the same step fails again):
+    # the model must end either managed with its state, or native with pisa_state None.
+    tr, inputs = tiny_transformer("wan"), forward_inputs("wan")
+    with torch.no_grad():
+        native = tr(**inputs).sample
+    if managed:
+        pd.apply_pisa(tr, **SPARSE)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("injected failure")
+
+    if where == "hooks":
+        monkeypatch.setattr(pisa_apply, "install", broken)
+    else:  # fails on the second managed module, after the first was re-routed
+        original_cls = pisa_apply.PROCESSORS["wan"]
+
+        class Breaks(original_cls):
+            def __init__(self, original, handle, layer):
+                if layer == 1:
+                    broken()
+                super().__init__(original, handle, layer)
+
+        monkeypatch.setitem(pisa_apply.PROCESSORS, "wan", Breaks)
+    with pytest.raises(RuntimeError, match="injected failure") as info:
+        pd.apply_pisa(tr, **{**SPARSE, "density": 0.25})
+    monkeypatch.undo()
+    assert len(calls) == (2 if managed else 1)  # the rollback tried to put the earlier state back
+    if managed:
+        assert any("runs native attention" in n for n in getattr(info.value, "__notes__", []))
+    assert pd.pisa_state(tr) is None
+    assert _runs_diffusers_processors(tr)
+    assert not any("_diffusers_hook" in m.__dict__ or "forward" in m.__dict__ for m in tr.modules())
+    with torch.no_grad():
+        assert torch.equal(tr(**inputs).sample, native)
+
+
+def test_failure_inside_undo_still_clears_the_state(monkeypatch):
+    tr = tiny_transformer("wan")
+    pd.apply_pisa(tr, **SPARSE)
+    state = pd.pisa_state(tr)
+
+    def breaks():
+        raise RuntimeError("undo step broke")
+
+    state.restore.insert(3, breaks)  # between other undo steps: the rest must still run
+    with pytest.raises(RuntimeError, match="undo step broke"):
+        pd.remove_pisa(tr)
+    assert pd.pisa_state(tr) is None and not state.restore
+    assert _runs_diffusers_processors(tr)
+
+
+# --- edges answered at the call ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(path="/nonexistent_pisa_dir/x.safetensors"), "does not exist"),
+        (dict(path=HERE), "is a directory"),
+        (dict(path=3), "file path"),
+        (dict(layers=[99]), r"layers \[99\] do not exist.*4 managed attention layers"),
+    ],
+)
+def test_capture_refuses_bad_path_and_layers_at_the_call(tmp_path, kwargs, match):
+    pipe = tiny_pipeline("flux")
+    before = snapshot(pipe)
+    kwargs = {"path": str(tmp_path / "x.safetensors"), **kwargs}
+    exc = TypeError if kwargs["path"] == 3 else ValueError
+    with pytest.raises(exc, match=match):
+        pd.capture_qkv(pipe, **kwargs)
+    assert pd.pisa_state(pipe.transformer) is None
+    assert_same(before, snapshot(pipe))
+
+
+@pytest.mark.parametrize(
+    "heatmap, match",
+    [("/nonexistent_pisa_dir/h.png", "does not exist"), ("{tmp}/h.unknownformat", "image format"), ("{tmp}", "directory")],
+)
+def test_report_checks_heatmap_before_printing(tmp_path, heatmap, match):
+    from rich.console import Console
+
+    tr = tiny_transformer("wan")
+    pd.apply_pisa(tr, telemetry=True, **SPARSE)
+    with torch.no_grad():
+        tr(**forward_inputs("wan"))
+    buf = io.StringIO()
+    with pytest.raises(ValueError, match=match):
+        pd.report(tr, heatmap=heatmap.format(tmp=tmp_path), console=Console(file=buf))
+    assert buf.getvalue() == ""
+    out = tmp_path / "h.png"
+    pd.report(tr, heatmap=out, console=Console(file=buf))  # a good one still works
+    assert out.stat().st_size > 0 and "PISA telemetry" in buf.getvalue()
+    pd.remove_pisa(tr)
+    assert tm.get(tr) is not None  # the records stay readable after remove_pisa
+
+
+# --- the README ------------------------------------------------------------------------------------
+def _readme_snippet() -> str:
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text[text.index("### diffusers"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_diffusers_snippet_runs_on_a_tiny_pipeline(tmp_path, capsys):
+    from diffusers_tiny import save_tiny_wan_pipeline
+
+    path = save_tiny_wan_pipeline(tmp_path / "wan")
+    code = _readme_snippet()
+    # The checkpoint, device, dtype and size change; every other line runs as written.
+    swaps = {
+        '"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"': repr(path),
+        'torch_dtype=torch.bfloat16': 'torch_dtype=torch.float32',
+        '.to("cuda")': '.to("cpu")',
+        'height=480, width=832, num_frames=81': 'height=96, width=160, num_frames=9, num_inference_steps=3',
+    }
+    for old, new in swaps.items():
+        assert old in code, f"README snippet changed: {old!r} not found"
+        code = code.replace(old, new)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    pipe = scope["pipe"]
+    assert scope["video"].shape[:1] == (9,) and pd.pisa_state(pipe.transformer) is None
+    assert "{'dense': 12, 'warmup_step': 12}" in capsys.readouterr().out  # 3 steps x cond/uncond x 2 layers
