@@ -9,6 +9,7 @@ pytest.importorskip("diffusers")
 import pisa_attn.diffusers as pd  # noqa: E402
 from diffusers.models import attention_dispatch as ad  # noqa: E402
 from pisa_attn import pisa_attention  # noqa: E402
+from pisa_attn.settings import PisaSettings  # noqa: E402
 from pisa_attn.diffusers import calls as pisa_calls  # noqa: E402
 from pisa_attn.diffusers.state import key_lengths  # noqa: E402
 from diffusers_tiny import TILE_BLOCK, forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
@@ -287,7 +288,10 @@ def test_image_query_blocks_follow_the_key_tile_grid():
     lo, hi = seq.image_lo, seq.image_hi
     assert lo % TILE_BLOCK
     for mode in ("zeroth", "hybrid"):
-        out = pisa_calls.sparse_attention(q, k, v, seq, None, None, (0.25, mode, False, TILE_BLOCK))
+        settings = PisaSettings(density=0.25, mode=mode, block_size=TILE_BLOCK, layout="bshd")
+        out = pisa_calls.sparse_attention(q, k, v, seq, None, settings)
+        torch.testing.assert_close(pisa_calls.sparse_attention(q, k, v, seq, None, settings, plans={}), out,
+                                   rtol=0, atol=0)  # on a plan: the same
         whole = pisa_attention(q, k, v, density=0.25, mode=mode, block_size=TILE_BLOCK, layout="bshd",
                                keep_blocks=seq.keep)  # fmt: skip
         torch.testing.assert_close(out[:, lo:hi], whole[:, lo:hi], rtol=1e-6, atol=1e-6)

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from .. import alpha_table as at
-from .. import spec, tail_weight
+from .. import spec
+from ..settings import PisaSettings
 from ..attention import MAX_HEAD_DIM, MIN_HEAD_DIM
 from . import hooks
 from . import telemetry as tm
@@ -90,38 +91,21 @@ def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
     return tuple(tile)
 
 
-def _check_alpha(alpha, mode: str):
-    """``apply_pisa``'s ``alpha``: a float or one value per head (CPU), as host floats."""
-    if alpha is None:
-        return None
-    tail_weight.check(alpha, mode, alpha.numel() if isinstance(alpha, torch.Tensor) and alpha.dim() == 1 else 1)
-    if isinstance(alpha, torch.Tensor):
-        if alpha.device.type != "cpu":
-            raise ValueError(f"apply_pisa's alpha must be a float or a CPU tensor, got a tensor on {alpha.device}")
-        return tuple(float(x) for x in alpha.reshape(-1).tolist()) if alpha.dim() == 1 else float(alpha)
-    return float(alpha)
-
-
 def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_steps, tile, mode, cov, block_size,
-            min_kv_len, alpha=None):
-    spec.check_settings(density=density, block_size=block_size, mode=mode)
+            min_kv_len, alpha=None, query_block=None, backend="auto"):
     d = adapter.defaults(transformer.config)
     if cov is not None and not isinstance(cov, bool):
         raise TypeError(f"covariance_aware must be a bool or None, got {type(cov).__name__}")
+    settings = PisaSettings(
+        density=density, mode=mode, alpha=alpha, block_size=block_size, query_block=query_block,
+        covariance_aware=d["covariance_aware"] if cov is None else cov, backend=backend, layout="bshd",
+    )  # fmt: skip
     schedule = Schedule(
         d["dense_layers"] if dense_layers is None else dense_layers,
         d["dense_steps"] if dense_steps is None else dense_steps,
         min_kv_len,
     )
-    return PisaConfig(
-        density=float(density),
-        mode=mode,
-        covariance_aware=d["covariance_aware"] if cov is None else cov,
-        block_size=block_size,
-        tile=_check_tile(tile, adapter.ndim, block_size),
-        schedule=schedule,
-        alpha=_check_alpha(alpha, mode),
-    )
+    return PisaConfig(settings=settings, tile=_check_tile(tile, adapter.ndim, settings.block_size), schedule=schedule)
 
 
 @dataclass
@@ -290,6 +274,8 @@ def apply_pisa(
     alpha=None,
     calibrate=False,
     alpha_table=None,
+    query_block: int | None = None,
+    backend: str = "auto",
 ):
     """Run the self-attention of a diffusers pipeline's transformer(s) (or of one transformer) on PISA.
 
@@ -314,6 +300,13 @@ def apply_pisa(
             head or per layer). :func:`alpha_table` returns the fitted weights (to save and reuse).
         alpha_table: weights per layer and head to use (a JSON path from ``pisa-attn calibrate``
             or :meth:`AlphaTable.save`, its dict, or an :class:`~pisa_attn.alpha_table.AlphaTable`).
+        query_block: tokens per selection row (``pisa_attention``'s ``query_block``; one process
+            only: context parallelism selects per block).
+        backend: ``pisa_attention``'s ``backend`` for the sparse calls.
+
+    The attention settings become one :class:`~pisa_attn.settings.PisaSettings` (validated once,
+    here); each call shape gets one plan (:func:`pisa_attn.plan`), shared by the layers of that
+    shape, and every sparse call runs on it.
 
     ``None`` means the model's default from the paper's appendix D (Wan2.1-1.3B: 1 block / 15 steps,
     Wan2.1-14B and HunyuanVideo: 1 / 10, FLUX.1 and SD3.5: 4 / 0; covariance-aware selection for the
@@ -335,7 +328,8 @@ def apply_pisa(
         raise ValueError(f"{what} sets the first-order weight, which mode {mode!r} does not have "
                          f"(modes with one: {spec.FIRST_ORDER_MODES})")
     settings = dict(density=density, dense_layers=dense_layers, dense_steps=dense_steps, tile=tile, mode=mode,
-                    cov=covariance_aware, block_size=block_size, min_kv_len=min_kv_len, alpha=alpha)  # fmt: skip
+                    cov=covariance_aware, block_size=block_size, min_kv_len=min_kv_len, alpha=alpha,
+                    query_block=query_block, backend=backend)  # fmt: skip
     plans = [_plan(name, tr, settings, table, calibration) for name, tr in found]
 
     saved = [_Saved(tr, _TRANSFORMER_KEYS) for tr in transformers]

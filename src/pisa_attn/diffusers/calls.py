@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import spec
-from ..attention import pisa_attention
+from ..attention import PisaPlan, pisa_attention, plan, run
+from ..settings import PisaSettings
 from ..layout import block_floor
 from . import hooks
 from .state import PisaState, Run, Sequence, current_run, key_lengths
@@ -46,20 +47,6 @@ def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale,
     return out.transpose(1, 2)
 
 
-def pisa_kwargs(density: float, mode: str, covariance_aware: bool, block_size: int, scale, keep, alpha=None) -> dict:
-    """The one place a dispatcher call becomes :func:`pisa_attention` keyword arguments."""
-    return dict(
-        density=density,
-        mode=mode,
-        covariance_aware=covariance_aware,
-        block_size=block_size,
-        scale=scale,
-        layout="bshd",
-        keep_blocks=keep,
-        alpha=alpha,
-    )
-
-
 def _row_groups(lens: list[int] | None, batch: int, kv_len: int) -> list[tuple[object, int]]:
     """(rows, valid keys) groups: one group (all rows) unless rows differ in their valid keys."""
     if lens is None:
@@ -72,33 +59,52 @@ def _row_groups(lens: list[int] | None, batch: int, kv_len: int) -> list[tuple[o
     return [(torch.tensor(rows), n) for n, rows in groups.items()]
 
 
-def sparse_attention(q, k, v, seq: Sequence | None, lens, scale, settings, alpha=None) -> Tensor:
+def planned(plans: dict, q: Tensor, k: Tensor, settings: PisaSettings, keep: Tensor | None) -> PisaPlan:
+    """The plan of a call of this shape (made once, then shared by every layer of that shape)."""
+    n_keep = 0 if keep is None else int(keep.sum())
+    key = (q.shape, k.shape, q.dtype, q.device, settings, n_keep)
+    p = plans.get(key)
+    if p is None:
+        p = plans[key] = plan(q, k, settings, max_keep=n_keep)
+    return p
+
+
+def sparse_attention(q, k, v, seq: Sequence | None, lens, settings: PisaSettings, alpha=None,
+                     plans: dict | None = None) -> Tensor:
     """PISA on the image queries (text key blocks kept exact), dense attention for text queries.
 
     The image queries run from the block boundary at or before the first of them, so their query
     blocks are the tiles the key blocks are (the text rows computed on the way are dropped).
 
-    ``lens``: valid (unmasked, leading) keys per batch row, or None. ``settings``: density, mode,
-    covariance_aware, block_size. ``alpha``: the first-order weight (:func:`pisa_attention`'s).
-    Returns [B, Lq, H, D].
+    ``lens``: valid (unmasked, leading) keys per batch row, or None. ``settings``: a
+    ``"bshd"`` :class:`PisaSettings`. ``alpha``: the first-order weight of this layer (``run``'s).
+    ``plans``: where the plans of the call shapes are kept (a managed transformer's); None runs
+    :func:`pisa_attention` (its own plan cache). Returns [B, Lq, H, D].
     """
-    density, mode, cov, bs = settings
+    if settings.layout != "bshd":
+        raise ValueError(f"sparse_attention takes [B, L, H, D] tensors: settings.layout must be 'bshd', "
+                         f"got {settings.layout!r}")
+    bs = settings.block_size
+
+    def attention(qq, kk, vv, keep):
+        if plans is None:
+            return pisa_attention(qq, kk, vv, settings=settings, keep_blocks=keep, alpha=alpha)
+        return run(planned(plans, qq, kk, settings, keep), qq, kk, vv, keep_blocks=keep, alpha=alpha)
+
     lo, hi = (0, q.shape[1]) if seq is None else (seq.image_lo, seq.image_hi)
     texts = [] if seq is None else seq.text_ranges()
     groups = _row_groups(lens, q.shape[0], k.shape[1])
     if not texts and len(groups) == 1:  # image-only sequence (Wan): one call, no output copy
         n = groups[0][1]
-        keep = None if seq is None else seq.keep_for(n, bs)
-        return pisa_attention(q, k[:, :n], v[:, :n], **pisa_kwargs(density, mode, cov, bs, scale, keep, alpha))
+        return attention(q, k[:, :n], v[:, :n], None if seq is None else seq.keep_for(n, bs))
     out = _empty_bshd(q, v)
     start = block_floor(lo, bs)  # query blocks on the key blocks' grid (see layout.block_floor)
     for rows, n in groups:
         kk, vv = k[rows, :n], v[rows, :n]
         keep = None if seq is None else seq.keep_for(n, bs)
-        kw = pisa_kwargs(density, mode, cov, bs, scale, keep, alpha)
-        out[rows, lo:hi] = pisa_attention(q[rows, start:hi], kk, vv, **kw)[:, lo - start :]
+        out[rows, lo:hi] = attention(q[rows, start:hi], kk, vv, keep)[:, lo - start :]
         for a, b in texts:
-            out[rows, a:b] = dense_attention(q[rows, a:b], kk, vv, None, scale, q.shape[2] != k.shape[2])
+            out[rows, a:b] = dense_attention(q[rows, a:b], kk, vv, None, settings.scale, q.shape[2] != k.shape[2])
     return out
 
 
@@ -122,8 +128,9 @@ def attend(state: PisaState, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: 
     if reason is not None:
         out = dense_attention(q, k, v, mask, scale, q.shape[2] != k.shape[2])
     else:
-        settings = (cfg.density, cfg.mode, cfg.covariance_aware, cfg.block_size)
-        out = sparse_attention(q, k, v, seq, lens, scale, settings, alpha=state.alpha_for(layer))
+        settings = cfg.call_settings
+        settings = settings if scale is None or scale == settings.scale else settings.replace(scale=scale)
+        out = sparse_attention(q, k, v, seq, lens, settings, alpha=state.alpha_for(layer), plans=state.plans)
     state.stats["sparse" if reason is None else "dense"] += 1
     if reason is not None:
         state.stats[reason] += 1

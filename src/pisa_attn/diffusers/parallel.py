@@ -127,10 +127,13 @@ def parallel_attention(state, layer: int, q: Tensor, k: Tensor, v: Tensor, mask,
     if reason is not None:
         out = _dense(q, k, v, scale, enable_gqa, groups, list(lens))
     else:
-        settings = (cfg.density, cfg.mode, cfg.covariance_aware, cfg.block_size)
+        settings = cfg.call_settings
+        if settings.query_block is not None:
+            raise ValueError("apply_pisa(query_block=...) runs on one process only: under context parallelism PISA "
+                             "selects per block; apply it without query_block")
         alpha = state.alpha_for(layer)
         if groups.ring is not None:
-            out = _ring_sparse(q, k, v, seq, scale, settings, groups, list(lens), alpha)
+            out = _ring_sparse(q, k, v, seq, settings.scale, settings, groups, list(lens), alpha)
         else:
             perm = pisa_order(seq, lens)
             u_rank, u = dist.get_rank(groups.ulysses), dist.get_world_size(groups.ulysses)
@@ -139,7 +142,7 @@ def parallel_attention(state, layer: int, q: Tensor, k: Tensor, v: Tensor, mask,
             def single_process(qf, kf, vf):  # [B, h, L, D] in PISA order
                 qs, ks, vs = (x.transpose(1, 2) for x in (qf, kf, vf))
                 with phase("attend", qf.device):
-                    return sparse_attention(qs, ks, vs, seq, None, scale, settings, alpha=alpha).transpose(1, 2)
+                    return sparse_attention(qs, ks, vs, seq, None, settings, alpha=alpha, plans=state.plans).transpose(1, 2)
 
             out = ulysses_attention(
                 q, k, v, single_process, group=groups.ulysses, layout="bshd", perm=perm, seq_lens=list(lens)
@@ -192,7 +195,7 @@ def _ring_sparse(q, k, v, seq: Sequence, scale, settings, groups: _Groups, lens:
     """As :func:`.calls.sparse_attention`: PISA for the image queries (from the block boundary at or
     before the first, so their query blocks are the key blocks' tiles; text key blocks kept exact),
     exact attention for the text queries, in one pass round the ring."""
-    density, mode, cov, bs = settings
+    density, mode, cov, bs = settings.density, settings.mode, settings.covariance_aware, settings.block_size
     perm, q_perm, exact = _orders(seq, lens, bs)
     kw = dict(
         density=density, block_size=bs, mode=mode, covariance_aware=cov, scale=scale, layout="bshd",

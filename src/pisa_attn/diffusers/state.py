@@ -10,6 +10,7 @@ from there. Runs are opened and closed by opaque ops (see :mod:`.tiling`), so un
 from __future__ import annotations
 
 import contextvars
+import functools
 import itertools
 import weakref
 from collections import Counter
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import spec
+from ..settings import PisaSettings
 from ..layout import TokenOrder
 from .models import CallInfo, ModelAdapter
 from .schedule import Schedule, StepTracker
@@ -27,19 +29,28 @@ from .schedule import Schedule, StepTracker
 
 @dataclass(frozen=True)
 class PisaConfig:
-    """Sparse-attention settings of one managed transformer (validated by :func:`apply_pisa`).
+    """What :func:`apply_pisa` set for one managed transformer: the attention settings of its
+    sparse calls (one :class:`~pisa_attn.settings.PisaSettings`, ``"bshd"`` layout; its ``alpha``
+    is the weight of layers without a calibrated or loaded one), the token tile and the warm-up
+    schedule."""
 
-    ``alpha``: the first-order weight of layers without a calibrated or loaded one (a float, or
-    one per head; None: :data:`pisa_attn.spec.DEFAULT_ALPHA`, or no weight in modes without the
-    term)."""
-
-    density: float
-    mode: str
-    covariance_aware: bool
-    block_size: int
+    settings: PisaSettings
     tile: tuple[int, ...]
     schedule: Schedule
-    alpha: float | tuple[float, ...] | None = None
+
+    # The settings' fields the integration reads most, by name.
+    density = property(lambda self: self.settings.density)
+    mode = property(lambda self: self.settings.mode)
+    covariance_aware = property(lambda self: self.settings.covariance_aware)
+    block_size = property(lambda self: self.settings.block_size)
+    query_block = property(lambda self: self.settings.query_block)
+    alpha = property(lambda self: self.settings.alpha)
+
+    @functools.cached_property
+    def call_settings(self) -> PisaSettings:
+        """The settings the calls plan and run with: without ``alpha``, since every call passes its
+        layer's weight (Ulysses ranks hold only some heads of a per-head weight)."""
+        return self.settings if self.settings.alpha is None else self.settings.replace(alpha=None)
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,7 @@ class PisaState:
     handle: int = field(init=False)  # how the opaque ops (ints in a graph) find this state
     tiling: tuple | None = None  # (perm, inv_perm) of the forward being run or traced
     generation: int = -1  # the tracker's generation this state's stats and fits belong to
+    plans: dict = field(default_factory=dict)  # the attention plan of each call shape (layers share them)
 
     def __post_init__(self) -> None:
         self.handle = next(_HANDLES)

@@ -29,6 +29,7 @@ def attention_calls(stage: Stage, case: dc.Case, cov: bool, args, dense_names) -
     from pisa_attn.attention import _choose_backend
     from pisa_attn.diffusers.calls import dense_attention, sparse_attention
     from pisa_attn.diffusers.state import key_lengths
+    from pisa_attn.settings import PisaSettings
 
     dev, dtype = stage.device, stage_dtype(stage.device)
     seq = sequence(case, args.block_size).joint
@@ -56,8 +57,10 @@ def attention_calls(stage: Stage, case: dc.Case, cov: bool, args, dense_names) -
     order = sorted(timed, key=timed.get)
     best = order[0]
     lens = None if mask is None else key_lengths(mask, 1, seq.length)
-    settings = (case.density, args.mode, cov, args.block_size)
-    pisa, _ = stage.measure(lambda: sparse_attention(q, k, v, seq, lens, None, settings), **kw)
+    settings = PisaSettings(density=case.density, mode=args.mode, covariance_aware=cov, block_size=args.block_size,
+                            layout="bshd")
+    plans: dict = {}  # planned once, as apply_pisa does per call shape
+    pisa, _ = stage.measure(lambda: sparse_attention(q, k, v, seq, lens, settings, plans=plans), **kw)
     path, _ = stage.measure(lambda: dense_attention(q, k, v, mask, None, False), **kw)
     return {
         "tokens": seq.length,
