@@ -187,3 +187,63 @@ def test_pisa_attention_takes_a_settings_object():
     s = PisaSettings(density=0.5, block_size=16, mode="zeroth")
     assert torch.equal(pisa_attention(q, k, v, settings=s),
                        pisa_attention(q, k, v, density=0.5, block_size=16, mode="zeroth"))
+
+
+class _CountOps:
+    """Every aten op a block of code dispatches (a TorchDispatchMode)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+FACTORIES = ("empty", "zeros", "ones", "full", "new_", "rand", "arange", "tensor", "clone", "contiguous", "_to_copy")
+
+
+@pytest.mark.parametrize("backend", ["triton", "hopper"])
+def test_a_planned_run_allocates_only_the_output(backend, monkeypatch):
+    """With the kernels' launches stubbed out (their buffers are the workspace's), the host path of
+    a planned run and of a repeated pisa_attention call allocates one tensor: the output."""
+    from pisa_attn.attention import _make_plan
+    from pisa_attn.ops import launch
+    from pisa_attn.ops.triton import attention as tattn
+
+    class NoKernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(launch.Launcher, "__call__", lambda self, *a, **k: None)
+    monkeypatch.setattr(tattn, "_attn_kernel", NoKernel())
+    q, k, v = (torch.empty(1, 4, 256, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    s = PisaSettings(backend="triton")
+    p = plan(q, k, s)
+    if backend == "hopper":  # the Hopper backend's host path (its kernel needs sm_90: planned by hand)
+        pytest.importorskip("triton.experimental.gluon")
+        from pisa_attn.ops.gluon import attention as gattn
+
+        monkeypatch.setattr(gattn, "tma_unsupported_reason", lambda *a: None)
+        p = _make_plan(s, q.shape, k.shape, q, k, 0, False)
+        object.__setattr__(p, "backend", "hopper")
+        from pisa_attn.ops.gluon import op as gop
+
+        object.__setattr__(p, "workspace", gop.workspace(p, q, k))
+    run(p, q, k, v)
+    with _CountOps() as c:
+        run(p, q, k, v)
+    allocs = [op for op in c.ops if any(f in op for f in FACTORIES)]
+    assert allocs == ["aten.empty.memory_format"], c.ops

@@ -126,6 +126,13 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
 def get_backend(name: str) -> Backend:
     """The stage implementation called ``name`` (``"reference"``, ``"triton"`` or ``"hopper"``);
     ValueError when it cannot be loaded (Triton not installed, or without Gluon for ``"hopper"``)."""
+    be = _BACKENDS.get(name)
+    if be is None:
+        be = _BACKENDS[name] = _load_backend(name)
+    return be
+
+
+def _load_backend(name: str) -> Backend:
     if name == "reference":
         from .ops import reference
 
@@ -143,6 +150,9 @@ def get_backend(name: str) -> Backend:
             raise ValueError(f"the hopper backend is unavailable: its Gluon kernel cannot be imported ({e})") from None
         return op.BACKEND
     raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {name!r}")
+
+
+_BACKENDS: dict[str, Backend] = {}
 
 
 def _reason(name: str, q: Tensor, mode: str, block_size: int) -> str | None:
@@ -445,16 +455,13 @@ def _check_selection(sel, p: PisaPlan) -> None:
 
 def _run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, out, lse, keep, weights, selection, want_lse: bool):
     """The hot path on ``[B, H, L, D]`` views already checked against the plan."""
-    be = _BACKENDS.get(p.backend) or get_backend(p.backend)
+    be = _BACKENDS.get(p.backend) or get_backend(p.backend)  # loaded when the plan was made
     if torch.compiler.is_compiling():  # one registered op (its fake matches), no workspace in a graph
         if selection is None and out is None and lse is None:
             o, l_ = be.forward(q, k, v, p, keep, p.max_keep if keep is not None else 0, weights)
             return o, l_, None
     return run_planned(be, q, k, v, p, p.workspace, keep=keep, alpha=weights, out=out, lse=lse,
                        selection=selection, want_lse=want_lse)
-
-
-_BACKENDS: dict[str, Backend] = {}
 
 
 # ---------------------------------------------------------------- pisa_attention
