@@ -247,3 +247,19 @@ def test_a_planned_run_allocates_only_the_output(backend, monkeypatch):
         run(p, q, k, v)
     allocs = [op for op in c.ops if any(f in op for f in FACTORIES)]
     assert allocs == ["aten.empty.memory_format"], c.ops
+
+
+def test_run_under_torch_compile_fullgraph_equals_eager():
+    """A plan made eagerly and run inside a compiled function (the registered op; no graph break)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 2, 1, 64, 64, 16, torch.float32, seed=10)
+    p = plan(q, k, PisaSettings(density=0.25, block_size=16, backend="reference"))
+    counter = CompileCounterWithBackend("aot_eager")
+    out = torch.empty_like(q)
+    fn = torch.compile(lambda q, k, v: run(p, q, k, v, out=out), fullgraph=True, backend=counter)
+    got = fn(q, k, v)
+    torch.testing.assert_close(got, run(p, q, k, v), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, got)
+    assert counter.frame_count == 1

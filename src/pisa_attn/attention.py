@@ -457,9 +457,14 @@ def _run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, out, lse, keep, weights, 
     """The hot path on ``[B, H, L, D]`` views already checked against the plan."""
     be = _BACKENDS.get(p.backend) or get_backend(p.backend)  # loaded when the plan was made
     if torch.compiler.is_compiling():  # one registered op (its fake matches), no workspace in a graph
-        if selection is None and out is None and lse is None:
-            o, l_ = be.forward(q, k, v, p, keep, p.max_keep if keep is not None else 0, weights)
-            return o, l_, None
+        if selection is not None:
+            raise ValueError("selection= is not supported under torch.compile: run the call eagerly")
+        o, l_ = be.forward(q, k, v, p, keep, p.max_keep if keep is not None else 0, weights)
+        if out is not None:
+            o = out.copy_(o)
+        if lse is not None:
+            l_ = lse.copy_(l_)
+        return o, l_, None
     return run_planned(be, q, k, v, p, p.workspace, keep=keep, alpha=weights, out=out, lse=lse,
                        selection=selection, want_lse=want_lse)
 
