@@ -263,3 +263,8 @@ def test_run_under_torch_compile_fullgraph_equals_eager():
     torch.testing.assert_close(got, run(p, q, k, v), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(out, got)
     assert counter.frame_count == 1
+
+    with pytest.raises(ValueError, match="not both.*density"):
+        pisa_attention(q, k, v, settings=s, density=0.25)
+    with pytest.raises(TypeError, match="settings"):
+        pisa_attention(q, k, v, settings={"density": 0.5})

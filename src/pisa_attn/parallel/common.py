@@ -8,13 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import to_bhsd, validate
-from ..settings import PisaSettings
+from ..settings import PisaSettings, check_not_both
 from .comm import gather_ints, group_info
-
-# The loose keyword arguments every entry point still takes, and their defaults (PisaSettings').
-_LOOSE = {f: getattr(PisaSettings(), f) for f in
-          ("density", "block_size", "mode", "covariance_aware", "scale", "layout", "backend", "query_block")}
-
 
 def settings_of(settings, alpha=None, **loose):
     """``(settings, alpha)``: one :class:`PisaSettings` from ``settings=`` or from the loose keyword
@@ -25,11 +20,7 @@ def settings_of(settings, alpha=None, **loose):
     elif not isinstance(settings, PisaSettings):
         raise TypeError(f"settings must be a PisaSettings, got {type(settings).__name__}")
     else:
-        changed = sorted(n for n, v in loose.items() if not (v is _LOOSE[n] or (type(v) is type(_LOOSE[n])
-                                                                               and v == _LOOSE[n])))
-        if changed:
-            raise ValueError(f"pass the settings either as settings= or as keyword arguments, not both "
-                             f"(got settings= and {', '.join(changed)})")
+        check_not_both(**loose)
     if settings.alpha is not None:
         if alpha is None:
             alpha = torch.tensor(settings.alpha) if isinstance(settings.alpha, tuple) else settings.alpha
