@@ -21,7 +21,7 @@ from torch import Tensor
 from . import spec, tail_weight
 from .ops.selection import Selection
 from .ops.stages import Backend, run_planned
-from .settings import BACKENDS, LAYOUTS, PisaSettings, check_not_both
+from .settings import BACKENDS, LAYOUTS, PisaSettings, as_int, check_not_both
 
 log = logging.getLogger("pisa_attn")
 
@@ -189,8 +189,7 @@ def _check_inference_only(backend: str, tensors) -> None:
             x is not None and x.requires_grad for x in tensors):
         raise ValueError(
             f"the {backend} backend is inference-only (its kernels have no backward), but q/k/v or alpha require "
-            "grad: "
-            "call under torch.no_grad() / torch.inference_mode(), or pass backend='reference' for gradients"
+            "grad: call under torch.no_grad() / torch.inference_mode(), or pass backend='reference' for gradients"
         )
 
 
@@ -295,21 +294,18 @@ def plan(q, k, settings: PisaSettings | None = None, *, dtype: torch.dtype | Non
     for name, x in (("k", k),):
         if isinstance(x, Tensor) and (x.dtype != dtype or x.device != device):
             raise ValueError(f"{name} is {x.dtype} on {x.device}, but q is {dtype} on {device}")
-    max_keep = spec_int("max_keep", max_keep)
+    max_keep = _max_keep(max_keep)
     lay = settings.layout
     qh, kh = (_stand_in(to_bhsd_shape(s, lay), dtype, device) for s in (q_shape, kv_shape))
     _validate_shapes(qh, kh, kh)
     return _make_plan(settings, q_shape, kv_shape, qh, kh, max_keep, workspace and not torch.compiler.is_compiling())
 
 
-def spec_int(name: str, x) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-        import numbers
-
-        if isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= 0:
-            return int(x)
-        raise ValueError(f"{name} must be a non-negative int, got {x!r} ({type(x).__name__})")
-    return x
+def _max_keep(x) -> int:
+    n = as_int("max_keep", x, "a non-negative int")
+    if n < 0:
+        raise ValueError(f"max_keep must be a non-negative int, got {x!r}")
+    return n
 
 
 def to_bhsd_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
