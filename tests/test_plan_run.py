@@ -268,3 +268,18 @@ def test_run_under_torch_compile_fullgraph_equals_eager():
         pisa_attention(q, k, v, settings=s, density=0.25)
     with pytest.raises(TypeError, match="settings"):
         pisa_attention(q, k, v, settings={"density": 0.5})
+
+
+def test_settings_alpha_is_data_one_plan_per_shape():
+    """pisa_attention(settings=) with different alphas reuses one cached plan (and workspace)."""
+    from pisa_attn import attention
+
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, torch.float32, seed=11)
+    attention.clear_plans()
+    outs = [pisa_attention(q, k, v, settings=PisaSettings(density=0.25, block_size=16, alpha=a))
+            for a in (0.5, (0.25, 1.0), 1.0)]
+    assert len(attention._PLANS) == 1
+    assert torch.equal(outs[1], pisa_attention(q, k, v, density=0.25, block_size=16, alpha=torch.tensor([0.25, 1.0])))
+    assert torch.equal(outs[2], pisa_attention(q, k, v, density=0.25, block_size=16, alpha=1.0))
+    with pytest.raises(ValueError, match="alpha"):
+        pisa_attention(q, k, v, settings=PisaSettings(density=0.25, block_size=16, alpha=(0.1, 0.2, 0.3)))

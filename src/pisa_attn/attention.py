@@ -568,6 +568,18 @@ def pisa_attention(
             raise TypeError(f"settings must be a PisaSettings, got {type(settings).__name__}")
         check_not_both(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
                        scale=scale, layout=layout, backend=backend, query_block=query_block)
+        if settings.alpha is not None:
+            # The weight is data: one cached plan (and workspace) serves every alpha of a shape.
+            if alpha is None:
+                alpha = settings.alpha if isinstance(settings.alpha, float) else torch.tensor(settings.alpha)
+            base = None if compiling else _WITHOUT_ALPHA.get(settings)
+            if base is None:
+                base = settings.replace(alpha=None)
+                if not compiling:
+                    if len(_WITHOUT_ALPHA) >= _PLAN_LIMIT:
+                        _WITHOUT_ALPHA.clear()
+                    _WITHOUT_ALPHA[settings] = base
+            settings = base
     p = pkey = None
     if keep_blocks is None and not compiling and isinstance(q, Tensor) and isinstance(k, Tensor) \
             and isinstance(v, Tensor):
@@ -600,6 +612,7 @@ def pisa_attention(
 
 
 _SETTINGS: dict = {}
+_WITHOUT_ALPHA: dict = {}
 
 
 def _settings(values) -> PisaSettings:
