@@ -187,6 +187,10 @@ def test_pisa_attention_takes_a_settings_object():
     s = PisaSettings(density=0.5, block_size=16, mode="zeroth")
     assert torch.equal(pisa_attention(q, k, v, settings=s),
                        pisa_attention(q, k, v, density=0.5, block_size=16, mode="zeroth"))
+    with pytest.raises(ValueError, match="not both.*density"):
+        pisa_attention(q, k, v, settings=s, density=0.25)
+    with pytest.raises(TypeError, match="settings"):
+        pisa_attention(q, k, v, settings={"density": 0.5})
 
 
 class _CountOps:
@@ -264,10 +268,6 @@ def test_run_under_torch_compile_fullgraph_equals_eager():
     torch.testing.assert_close(out, got)
     assert counter.frame_count == 1
 
-    with pytest.raises(ValueError, match="not both.*density"):
-        pisa_attention(q, k, v, settings=s, density=0.25)
-    with pytest.raises(TypeError, match="settings"):
-        pisa_attention(q, k, v, settings={"density": 0.5})
 
 
 def test_settings_alpha_is_data_one_plan_per_shape():
