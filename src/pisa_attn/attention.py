@@ -184,6 +184,12 @@ def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int) -> str:
     return "reference"
 
 
+def backend_for(settings: PisaSettings, q: Tensor) -> str:
+    """The backend a call with ``settings`` on ``[B, H, L, D]`` queries like ``q`` runs (``"auto"``
+    resolved); ValueError when a forced backend cannot serve it."""
+    return _choose_backend(settings.backend, q, settings.mode, settings.block_size)
+
+
 def _check_inference_only(backend: str, tensors) -> None:
     if backend in INFERENCE_ONLY and torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in tensors):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import spec, tail_weight
-from ..attention import get_backend, make_plan, normalize_keep_blocks
+from ..attention import backend_for, get_backend, normalize_keep_blocks
 from ..ops.merge import merge
 from ..ops.selection import Selection
 from ..ops.stages import Backend
@@ -120,29 +120,29 @@ def ring_pisa_attention(
     layout = s.layout
     weights = tail_weight.resolve(alpha, mode=mode, heads=sh.heads, device=q.device,
                                   dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    be = get_backend(make_plan(qh, kh, density, block_size, mode, covariance_aware, s.scale, s.backend).backend)
+    be = get_backend(backend_for(s, qh))
     scale = float(sh.head_dim**-0.5 if s.scale is None else s.scale)
-    plan = _ring_plan(perm, q_perm, exact_queries, sh, block_size, block_size * s.query_factor)
-    n_kv = spec.num_blocks(plan.k_dst[-1], block_size)
+    route = _ring_route(perm, q_perm, exact_queries, sh, block_size, block_size * s.query_factor)
+    n_kv = spec.num_blocks(route.k_dst[-1], block_size)
     keep, n_keep_max = normalize_keep_blocks(keep_blocks, sh.batch, sh.heads, n_kv, q.device)
     dev = q.device
 
     with phase("redist", dev):
-        qa = plan.to_q.apply(qh, 2, group)
-        ka, va = (plan.to_k.apply(x, 2, group) for x in (kh, vh))
-        rest = plan.rest_index(dev)
+        qa = route.to_q.apply(qh, 2, group)
+        ka, va = (route.to_k.apply(x, 2, group) for x in (kh, vh))
+        rest = route.rest_index(dev)
         q_rest = qh.index_select(2, rest) if rest is not None else None
 
     (out, lse), rest_res = _ring_aligned(
-        qa, ka, va, plan.k_dst, group, be, density=density, block_size=block_size, mode=mode,
+        qa, ka, va, route.k_dst, group, be, density=density, block_size=block_size, mode=mode,
         covariance_aware=covariance_aware, scale=scale, keep=keep, n_keep_max=n_keep_max, q_exact=q_rest,
         alpha=weights, query_block=block_size * s.query_factor,
     )  # fmt: skip
 
     with phase("redist", dev):
         # Queries that q_perm leaves out come back as out = 0, lse = -inf (no term at all)...
-        out = plan.to_q.reverse(out, 2, group)
-        lse = plan.to_q.reverse(lse, 2, group, fill=float("-inf")) if return_lse else None
+        out = route.to_q.reverse(out, 2, group)
+        lse = route.to_q.reverse(lse, 2, group, fill=float("-inf")) if return_lse else None
         if rest_res is not None:  # ...and exact queries as they attended
             out.index_copy_(2, rest, rest_res[0])
             if lse is not None:
@@ -152,7 +152,7 @@ def ring_pisa_attention(
 
 
 @dataclass
-class _RingPlan:
+class _RingRoute:
     """Where this rank's tokens go for one (token orders, shard lengths): computed on the host once."""
 
     to_q: Redistribution
@@ -171,21 +171,21 @@ class _RingPlan:
         return self._rest_dev[key]
 
 
-_PLANS: OrderedDict = OrderedDict()
-_MAX_PLANS = 64
+_ROUTES: OrderedDict = OrderedDict()
+_MAX_ROUTES = 64
 
 
 def _tensor_key(t):
     return None if t is None else (id(t), t._version)
 
 
-def _ring_plan(perm, q_perm, exact, sh: Shards, block_size: int, query_block: int) -> _RingPlan:
+def _ring_route(perm, q_perm, exact, sh: Shards, block_size: int, query_block: int) -> _RingRoute:
     key = (_tensor_key(perm), _tensor_key(q_perm), _tensor_key(exact), tuple(sh.q_lens), tuple(sh.k_lens), sh.rank,
            block_size, query_block)  # fmt: skip
-    plan = _PLANS.get(key)
-    if plan is not None:
-        _PLANS.move_to_end(key)
-        return plan
+    route = _ROUTES.get(key)
+    if route is not None:
+        _ROUTES.move_to_end(key)
+        return route
     refs = (perm, q_perm, exact)
     q_src, k_src = bounds_of(sh.q_lens), bounds_of(sh.k_lens)
     if perm is not None:
@@ -209,11 +209,11 @@ def _ring_plan(perm, q_perm, exact, sh: Shards, block_size: int, query_block: in
         exact = check_permutation(exact, q_src[-1], "exact_queries", subset=True)
         mine = exact[(exact >= q_src[sh.rank]) & (exact < q_src[sh.rank + 1])] - q_src[sh.rank]
         rest = torch.sort(mine).values if mine.numel() else None
-    plan = _RingPlan(to_q, to_k, k_dst, rest, refs)
-    _PLANS[key] = plan
-    if len(_PLANS) > _MAX_PLANS:
-        _PLANS.popitem(last=False)
-    return plan
+    route = _RingRoute(to_q, to_k, k_dst, rest, refs)
+    _ROUTES[key] = route
+    if len(_ROUTES) > _MAX_ROUTES:
+        _ROUTES.popitem(last=False)
+    return route
 
 
 def _aligned_bounds(src: list[int], total: int, block_size: int, world: int, perm) -> list[int]:
