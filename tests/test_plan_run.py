@@ -187,3 +187,99 @@ def test_pisa_attention_takes_a_settings_object():
     s = PisaSettings(density=0.5, block_size=16, mode="zeroth")
     assert torch.equal(pisa_attention(q, k, v, settings=s),
                        pisa_attention(q, k, v, density=0.5, block_size=16, mode="zeroth"))
+    with pytest.raises(ValueError, match="not both.*density"):
+        pisa_attention(q, k, v, settings=s, density=0.25)
+    with pytest.raises(TypeError, match="settings"):
+        pisa_attention(q, k, v, settings={"density": 0.5})
+
+
+class _CountOps:
+    """Every aten op a block of code dispatches (a TorchDispatchMode)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+FACTORIES = ("empty", "zeros", "ones", "full", "new_", "rand", "arange", "tensor", "clone", "contiguous", "_to_copy")
+
+
+@pytest.mark.parametrize("backend", ["triton", "hopper"])
+def test_a_planned_run_allocates_only_the_output(backend, monkeypatch):
+    """With the kernels' launches stubbed out (their buffers are the workspace's), the host path of
+    a planned run and of a repeated pisa_attention call allocates one tensor: the output."""
+    from pisa_attn.attention import _make_plan
+    from pisa_attn.ops import launch
+    from pisa_attn.ops.triton import attention as tattn
+
+    class NoKernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(launch.Launcher, "__call__", lambda self, *a, **k: None)
+    monkeypatch.setattr(tattn, "_attn_kernel", NoKernel())
+    q, k, v = (torch.empty(1, 4, 256, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    s = PisaSettings(backend="triton")
+    p = plan(q, k, s)
+    if backend == "hopper":  # the Hopper backend's host path (its kernel needs sm_90: planned by hand)
+        pytest.importorskip("triton.experimental.gluon")
+        from pisa_attn.ops.gluon import attention as gattn
+
+        monkeypatch.setattr(gattn, "tma_unsupported_reason", lambda *a: None)
+        p = _make_plan(s, q.shape, k.shape, q, k, 0, False)
+        object.__setattr__(p, "backend", "hopper")
+        from pisa_attn.ops.gluon import op as gop
+
+        object.__setattr__(p, "workspace", gop.workspace(p, q, k))
+    run(p, q, k, v)
+    with _CountOps() as c:
+        run(p, q, k, v)
+    allocs = [op for op in c.ops if any(f in op for f in FACTORIES)]
+    assert allocs == ["aten.empty.memory_format"], c.ops
+
+
+def test_run_under_torch_compile_fullgraph_equals_eager():
+    """A plan made eagerly and run inside a compiled function (the registered op; no graph break)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 2, 1, 64, 64, 16, torch.float32, seed=10)
+    p = plan(q, k, PisaSettings(density=0.25, block_size=16, backend="reference"))
+    counter = CompileCounterWithBackend("aot_eager")
+    out = torch.empty_like(q)
+    fn = torch.compile(lambda q, k, v: run(p, q, k, v, out=out), fullgraph=True, backend=counter)
+    got = fn(q, k, v)
+    torch.testing.assert_close(got, run(p, q, k, v), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, got)
+    assert counter.frame_count == 1
+
+
+
+def test_settings_alpha_is_data_one_plan_per_shape():
+    """pisa_attention(settings=) with different alphas reuses one cached plan (and workspace)."""
+    from pisa_attn import attention
+
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, torch.float32, seed=11)
+    attention.clear_plans()
+    outs = [pisa_attention(q, k, v, settings=PisaSettings(density=0.25, block_size=16, alpha=a))
+            for a in (0.5, (0.25, 1.0), 1.0)]
+    assert len(attention._PLANS) == 1
+    assert torch.equal(outs[1], pisa_attention(q, k, v, density=0.25, block_size=16, alpha=torch.tensor([0.25, 1.0])))
+    assert torch.equal(outs[2], pisa_attention(q, k, v, density=0.25, block_size=16, alpha=1.0))
+    with pytest.raises(ValueError, match="alpha"):
+        pisa_attention(q, k, v, settings=PisaSettings(density=0.25, block_size=16, alpha=(0.1, 0.2, 0.3)))

@@ -21,7 +21,7 @@ from torch import Tensor
 from . import spec, tail_weight
 from .ops.selection import Selection
 from .ops.stages import Backend, run_planned
-from .settings import BACKENDS, LAYOUTS, PisaSettings
+from .settings import BACKENDS, LAYOUTS, PisaSettings, as_int, check_not_both
 
 log = logging.getLogger("pisa_attn")
 
@@ -126,6 +126,13 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
 def get_backend(name: str) -> Backend:
     """The stage implementation called ``name`` (``"reference"``, ``"triton"`` or ``"hopper"``);
     ValueError when it cannot be loaded (Triton not installed, or without Gluon for ``"hopper"``)."""
+    be = _BACKENDS.get(name)
+    if be is None:
+        be = _BACKENDS[name] = _load_backend(name)
+    return be
+
+
+def _load_backend(name: str) -> Backend:
     if name == "reference":
         from .ops import reference
 
@@ -143,6 +150,9 @@ def get_backend(name: str) -> Backend:
             raise ValueError(f"the hopper backend is unavailable: its Gluon kernel cannot be imported ({e})") from None
         return op.BACKEND
     raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {name!r}")
+
+
+_BACKENDS: dict[str, Backend] = {}
 
 
 def _reason(name: str, q: Tensor, mode: str, block_size: int) -> str | None:
@@ -174,13 +184,18 @@ def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int) -> str:
     return "reference"
 
 
+def backend_for(settings: PisaSettings, q: Tensor) -> str:
+    """The backend a call with ``settings`` on ``[B, H, L, D]`` queries like ``q`` runs (``"auto"``
+    resolved); ValueError when a forced backend cannot serve it."""
+    return _choose_backend(settings.backend, q, settings.mode, settings.block_size)
+
+
 def _check_inference_only(backend: str, tensors) -> None:
     if backend in INFERENCE_ONLY and torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in tensors):
         raise ValueError(
             f"the {backend} backend is inference-only (its kernels have no backward), but q/k/v or alpha require "
-            "grad: "
-            "call under torch.no_grad() / torch.inference_mode(), or pass backend='reference' for gradients"
+            "grad: call under torch.no_grad() / torch.inference_mode(), or pass backend='reference' for gradients"
         )
 
 
@@ -285,21 +300,18 @@ def plan(q, k, settings: PisaSettings | None = None, *, dtype: torch.dtype | Non
     for name, x in (("k", k),):
         if isinstance(x, Tensor) and (x.dtype != dtype or x.device != device):
             raise ValueError(f"{name} is {x.dtype} on {x.device}, but q is {dtype} on {device}")
-    max_keep = spec_int("max_keep", max_keep)
+    max_keep = _max_keep(max_keep)
     lay = settings.layout
     qh, kh = (_stand_in(to_bhsd_shape(s, lay), dtype, device) for s in (q_shape, kv_shape))
     _validate_shapes(qh, kh, kh)
     return _make_plan(settings, q_shape, kv_shape, qh, kh, max_keep, workspace and not torch.compiler.is_compiling())
 
 
-def spec_int(name: str, x) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-        import numbers
-
-        if isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= 0:
-            return int(x)
-        raise ValueError(f"{name} must be a non-negative int, got {x!r} ({type(x).__name__})")
-    return x
+def _max_keep(x) -> int:
+    n = as_int("max_keep", x, "a non-negative int")
+    if n < 0:
+        raise ValueError(f"max_keep must be a non-negative int, got {x!r}")
+    return n
 
 
 def to_bhsd_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
@@ -445,21 +457,30 @@ def _check_selection(sel, p: PisaPlan) -> None:
 
 def _run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, out, lse, keep, weights, selection, want_lse: bool):
     """The hot path on ``[B, H, L, D]`` views already checked against the plan."""
-    be = _BACKENDS.get(p.backend) or get_backend(p.backend)
+    be = _BACKENDS.get(p.backend) or get_backend(p.backend)  # loaded when the plan was made
     if torch.compiler.is_compiling():  # one registered op (its fake matches), no workspace in a graph
-        if selection is None and out is None and lse is None:
-            o, l_ = be.forward(q, k, v, p, keep, p.max_keep if keep is not None else 0, weights)
-            return o, l_, None
+        if selection is not None:
+            raise ValueError("selection= is not supported under torch.compile: run the call eagerly")
+        o, l_ = be.forward(q, k, v, p, keep, p.max_keep if keep is not None else 0, weights)
+        if out is not None:
+            o = out.copy_(o)
+        if lse is not None:
+            l_ = lse.copy_(l_)
+        return o, l_, None
     return run_planned(be, q, k, v, p, p.workspace, keep=keep, alpha=weights, out=out, lse=lse,
                        selection=selection, want_lse=want_lse)
-
-
-_BACKENDS: dict[str, Backend] = {}
 
 
 # ---------------------------------------------------------------- pisa_attention
 _PLANS: dict = {}
 _PLAN_LIMIT = 256
+
+
+def clear_plans() -> None:
+    """Drop :func:`pisa_attention`'s cached plans and their workspaces (memory is held per planned
+    shape until then: 8 MiB at 4K tokens, 116 MiB at 64K for B2-H16-D128 bf16 on the Triton
+    backend, element counts of its buffers)."""
+    _PLANS.clear()
 
 
 def _stream_key(device: torch.device):
@@ -548,8 +569,23 @@ def pisa_attention(
                 if len(_SETTINGS) >= _PLAN_LIMIT:
                     _SETTINGS.clear()
                 _SETTINGS[key] = settings
-    elif not isinstance(settings, PisaSettings):
-        raise TypeError(f"settings must be a PisaSettings, got {type(settings).__name__}")
+    else:
+        if not isinstance(settings, PisaSettings):
+            raise TypeError(f"settings must be a PisaSettings, got {type(settings).__name__}")
+        check_not_both(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
+                       scale=scale, layout=layout, backend=backend, query_block=query_block)
+        if settings.alpha is not None:
+            # The weight is data: one cached plan (and workspace) serves every alpha of a shape.
+            if alpha is None:
+                alpha = settings.alpha if isinstance(settings.alpha, float) else torch.tensor(settings.alpha)
+            base = None if compiling else _WITHOUT_ALPHA.get(settings)
+            if base is None:
+                base = settings.replace(alpha=None)
+                if not compiling:
+                    if len(_WITHOUT_ALPHA) >= _PLAN_LIMIT:
+                        _WITHOUT_ALPHA.clear()
+                    _WITHOUT_ALPHA[settings] = base
+            settings = base
     p = pkey = None
     if keep_blocks is None and not compiling and isinstance(q, Tensor) and isinstance(k, Tensor) \
             and isinstance(v, Tensor):
@@ -582,6 +618,7 @@ def pisa_attention(
 
 
 _SETTINGS: dict = {}
+_WITHOUT_ALPHA: dict = {}
 
 
 def _settings(values) -> PisaSettings:

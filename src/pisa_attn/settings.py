@@ -176,3 +176,16 @@ class PisaSettings:
     def replace(self, **changes) -> "PisaSettings":
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PisaSettings)}
+
+
+def check_not_both(**loose) -> None:
+    """ValueError when an entry point got ``settings=`` and also loose settings arguments that
+    differ from their defaults (one would silently win)."""
+    changed = sorted(n for n, v in loose.items()
+                     if not (v is _DEFAULTS[n] or (type(v) is type(_DEFAULTS[n]) and v == _DEFAULTS[n])))
+    if changed:
+        raise ValueError(f"pass the settings either as settings= or as keyword arguments, not both "
+                         f"(got settings= and {', '.join(changed)})")

@@ -3,12 +3,17 @@
 A backend is four functions over ``[B, H, L, D]`` views (K/V may have ``Hk`` heads, GQA)::
 
     prepare(q, k, v, block_size, *, with_hdev=False, lean=False,
-            query_block=None)                                               -> stats
+            query_block=None[, ws=None])                                    -> stats
     select(qmean, kmean, *, n_select, width, scale, hdev=None, keep=None,
-           scratch_elems=None, repeat=1, n_q_blocks=None)                   -> Selection
+           scratch_elems=None, repeat=1, n_q_blocks=None[, ws=None])        -> Selection
     attend(q, k, v, stats, selection, *, mode, scale, block_size,
-           n_select=None, out_dtype=None, alpha=None)                       -> (out, lse)
+           n_select=None, out_dtype=None, alpha=None[, out=None, lse=None,
+           ws=None])                                                        -> (out, lse)
     deviation(k, v, stats, hbar, block_size)                                -> ||H_j − H̄||_F
+
+A backend with a ``workspace(plan, q, k)`` function (the kernel backends) takes the bracketed
+arguments: the buffers of a :class:`pisa_attn.PisaPlan`'s workspace, written instead of allocated,
+so a planned run (:func:`run_planned`) allocates nothing but its output.
 
 plus ``forward(q, k, v, plan, keep, n_keep_max, alpha=None) -> (out, lse)``, the whole call on one device (the
 Triton backend wraps :func:`run_stages` in one registered op for ``torch.compile``),

@@ -17,6 +17,7 @@ from ..selection import Selection
 from ..stages import Backend
 from ..triton import attention as _tattn
 from ..triton import op as _top
+from ..triton.pairs import union_width
 from . import attention as _gattn
 
 HEAD_DIMS = (64, 128)
@@ -74,7 +75,11 @@ def attend(
     if (out_dtype not in (None, q.dtype)) or _gattn.tma_unsupported_reason(q, k, v, out) is not None:
         return _top.attend(q, k, v, stats, selection, mode=mode, scale=scale, block_size=block_size,
                            n_select=n_select, out_dtype=out_dtype, alpha=alpha, out=out, lse=lse)
-    pairs = ws.pairs if ws is not None and selection.idx.shape[-1] == ws.selection.selection.idx.shape[-1] else None
+    pairs = None
+    if ws is not None and ws.pairs is not None:  # the plan's pair buffers, when this selection's width fits them
+        nk = stats.kbar.shape[2]
+        if ws.pairs[0].shape[-1] == union_width(nk, selection.idx.shape[-1]):
+            pairs = ws.pairs
     return _gattn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
                             n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, lse=lse,
                             alpha=alpha, pairs=pairs)
