@@ -17,7 +17,7 @@
    are exact in float32 and rounded once to the input dtype before ``(K − k̄)ᵀ·V``: rounding the
    centred keys instead of subtracting ``k̄ᵀV̂`` from ``KᵀV`` keeps keys with a large common
    component accurate.
-2. ``_finish_kernel``: per kv head, ``H̄`` from the partials (the mean over the blocks not in
+2. ``_finish_kernel`` (programs per kv head and slice of rows): ``H̄`` from the partials (the mean over the blocks not in
    ``hbar_exclude``; ``0`` when every block is excluded), its input-dtype copy, and the tail scan's
    float16 centroids divided by one power of two per head (its largest ``|k̄|`` lands in
    ``[2^13, 2^14)``: no overflow whatever the magnitude, 11 mantissa bits, one scalar for the
@@ -45,9 +45,9 @@ from ..launch import Launcher, spec_class
 from ..stages import slice_blocks
 from ._common import interpreting, sm_count
 
-# Work per program: the kv and q programs of one launch together fill this many waves of the GPU
-# (one program per SM: the [D, D] accumulator). A tunable, measured by benchmarks/stats_select_bench.py.
-STATS_WAVES = {"waves": 1}
+# Tunables, measured by benchmarks/stats_select_bench.py: programs of one launch fill this many
+# waves of the GPU; software-pipelining depth of the loads; bytes of q per step of a q program.
+STATS_TUNING = {"waves": 2, "stages": 4, "q_tile_bytes": 32768}
 F16_MAX = tl.constexpr(65504.0)
 
 
@@ -83,8 +83,8 @@ def _consts(dtype, BS: tl.constexpr, QS: tl.constexpr):
     return eye, ones, ones_n
 
 
-@triton.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQS", "NK", "KV_PER", "KV_CHUNKS", "Q_PER", "Q_CHUNKS",
-                               "N_KV", "ex_sb", "ex_sh"])
+@triton.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQS", "NQT", "NK", "KV_PER", "KV_CHUNKS", "Q_PER",
+                               "Q_CHUNKS", "N_KV", "ex_sb", "ex_sh"])
 def _stats_kernel(
     q_ptr, k_ptr, v_ptr, excl_ptr,
     qmean_ptr, kmean_ptr, vbar_ptr, part_h_ptr, part_s_ptr,
@@ -92,9 +92,9 @@ def _stats_kernel(
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     ex_sb, ex_sh,
-    H, HK, LQ, LK, NQS, NK, KV_PER, KV_CHUNKS, Q_PER, Q_CHUNKS, N_KV,
-    BS: tl.constexpr, QB: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr,
-    HAS_EXCL: tl.constexpr,
+    H, HK, LQ, LK, NQS, NQT, NK, KV_PER, KV_CHUNKS, Q_PER, Q_CHUNKS, N_KV,
+    BS: tl.constexpr, QB: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
+    CLAMP: tl.constexpr, HAS_EXCL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = tl.float32 if F32 else k_ptr.dtype.element_ty
@@ -130,31 +130,38 @@ def _stats_kernel(
         tl.store(part_s_ptr + part * 2, tl.max(kmax, axis=0))
         tl.store(part_s_ptr + part * 2 + 1, count)
     else:
+        # QT rows per step (several query blocks of QB rows): one tile load, and the block sums as
+        # one product with a block-diagonal ones matrix, column c the sum of block c of the tile.
         p = pid - N_KV
         c = p % Q_CHUNKS
         bh = p // Q_CHUNKS
         q_base = q_ptr + (bh // H).to(tl.int64) * sqb + (bh % H).to(tl.int64) * sqh
+        t = tl.arange(0, QT)
+        blk = tl.arange(0, 16)
+        jb = ((t[:, None] // QB) == blk[None, :]).to(dt)
         i0 = c * Q_PER
-        for i in range(i0, tl.minimum(NQS, i0 + Q_PER)):
-            acc = tl.zeros([D, 16], dtype=tl.float32)
-            for s in tl.static_range(QB // BS):
-                rows = i * QB + s * BS + tl.arange(0, BS)
-                qt = tl.load(q_base + rows[:, None] * sql + offs_d[None, :] * sqd, mask=(rows < LQ)[:, None],
-                             other=0.0)
-                acc = tl.dot(tl.trans(qt.to(dt)), ones_n, acc)
-            n = tl.minimum(LQ - i * QB, QB).to(tl.float32)
-            tl.store(qmean_ptr + (bh.to(tl.int64) * NQS + i) * D + offs_d, tl.max(acc, axis=1) / n)
+        for i in range(i0, tl.minimum(NQT, i0 + Q_PER)):
+            rows = i * QT + t
+            qt = tl.load(q_base + rows[:, None] * sql + offs_d[None, :] * sqd, mask=(rows < LQ)[:, None], other=0.0)
+            acc = tl.dot(tl.trans(qt.to(dt)), jb)  # [D, 16]
+            qi = i * (QT // QB) + blk
+            n = tl.minimum(LQ - qi * QB, QB).to(tl.float32)
+            ok = (blk < QT // QB) & (qi < NQS)
+            tl.store(qmean_ptr + (bh.to(tl.int64) * NQS + qi[None, :]) * D + offs_d[:, None], acc / n[None, :],
+                     mask=ok[None, :])
 
 
-@triton.jit(do_not_specialize=["NK", "KV_CHUNKS", "F_PER", "F_GROUPS"])
+@triton.jit(do_not_specialize=["NK", "KV_CHUNKS", "F_PER"])
 def _finish_kernel(
     part_h_ptr, part_s_ptr, kmean_ptr, hbar_ptr, hbar_lp_ptr, kbar_ptr, kscale_ptr,
-    NK, KV_CHUNKS, F_PER, F_GROUPS,
-    D: tl.constexpr, TJ: tl.constexpr, WRITE_HBAR: tl.constexpr,
+    NK, KV_CHUNKS, F_PER,
+    D: tl.constexpr, RB: tl.constexpr, TJ: tl.constexpr,
 ):
+    # Program (head, g): rows g·RB .. of H̄ from the partials, and key blocks g·F_PER .. of the
+    # float16 centroids (D // RB programs per head share the work).
     pid = tl.program_id(0)
-    g = pid % F_GROUPS
-    bh = (pid // F_GROUPS).to(tl.int64)
+    g = pid % (D // RB)
+    bh = (pid // (D // RB)).to(tl.int64)
     offs_d = tl.arange(0, D)
     kmax = 0.0
     for c in range(KV_CHUNKS):
@@ -162,17 +169,17 @@ def _finish_kernel(
     ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
     if g == 0:
         tl.store(kscale_ptr + bh, ks)
-        hsum = tl.zeros([D, D], dtype=tl.float32)
-        count = 0.0
-        for c in range(KV_CHUNKS):
-            part = bh * KV_CHUNKS + c
-            hsum += tl.load(part_h_ptr + part * D * D + offs_d[:, None] * D + offs_d[None, :])
-            count += tl.load(part_s_ptr + part * 2 + 1)
-        hbar = hsum / tl.maximum(count, 1.0)  # nothing counted: the sum is 0, and so is H̄
-        offs = bh * D * D + offs_d[:, None] * D + offs_d[None, :]
-        if WRITE_HBAR:
-            tl.store(hbar_ptr + offs, hbar)
-        tl.store(hbar_lp_ptr + offs, hbar.to(hbar_lp_ptr.dtype.element_ty))
+    rows = g * RB + tl.arange(0, RB)
+    tile = rows[:, None] * D + offs_d[None, :]
+    hsum = tl.zeros([RB, D], dtype=tl.float32)
+    count = 0.0
+    for c in range(KV_CHUNKS):
+        part = bh * KV_CHUNKS + c
+        hsum += tl.load(part_h_ptr + part * D * D + tile)
+        count += tl.load(part_s_ptr + part * 2 + 1)
+    hbar = hsum / tl.maximum(count, 1.0)  # nothing counted: the sum is 0, and so is H̄
+    tl.store(hbar_ptr + bh * D * D + tile, hbar)
+    tl.store(hbar_lp_ptr + bh * D * D + tile, hbar.to(hbar_lp_ptr.dtype.element_ty))
     cols = tl.arange(0, TJ)
     j0 = g * F_PER
     for t in range(j0, tl.minimum(NK, j0 + F_PER), TJ):
@@ -192,7 +199,7 @@ def _hdev_kernel(
 ):
     pid = tl.program_id(0)
     dt = tl.float32 if F32 else k_ptr.dtype.element_ty
-    eye, ones, _ = _consts(dt, BS, 16)
+    eye, ones, ones_n = _consts(dt, BS, 16)
     c = pid % KV_CHUNKS
     bh = pid // KV_CHUNKS
     b = (bh // HK).to(tl.int64)
@@ -203,7 +210,7 @@ def _hdev_kernel(
     hb = tl.load(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
     j0 = c * KV_PER
     for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
-        kc, _, vt, _ = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, BS, D, F32, CLAMP)
+        kc, k_sum, vt, n = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, BS, D, F32, CLAMP)
         diff = tl.dot(kc, vt) - hb
         tl.store(hdev_ptr + bh.to(tl.int64) * NK + j, tl.sqrt(tl.sum(tl.sum(diff * diff, axis=1), axis=0)))
 
@@ -242,20 +249,33 @@ class Stats:
         return self
 
 
+_FINISH_ROWS = 16
+
+
+def _q_tile(qb: int, d: int) -> int:
+    """Query rows per step of a q program: a multiple of the query block, at most 16 blocks."""
+    return max(qb, min(16 * qb, STATS_TUNING["q_tile_bytes"] // (2 * d)))
+
+
 @functools.lru_cache(maxsize=64)
-def _geometry(b: int, h: int, hk: int, lq: int, lk: int, bs: int, qb: int, device: torch.device, waves: int):
-    """(kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups): blocks per program and programs per
-    head of the stats launch's kv and q programs and of the finish launch."""
-    nk, nqs = -(-lk // bs), -(-lq // qb)
+def _geometry(b: int, h: int, hk: int, lq: int, lk: int, bs: int, qb: int, d: int, device: torch.device,
+              tuning: tuple):
+    """(kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups): blocks (q: tiles) per program and
+    programs per head of the stats launch's kv and q programs, and of the finish launch (one per
+    ``_FINISH_ROWS`` rows of H̄)."""
+    waves = dict(tuning)["waves"]
+    nk = -(-lk // bs)
+    qt = _q_tile(qb, d)
+    nqt = -(-lq // qt)
     sms = sm_count(device)
-    # A query block costs about half a key block (one tile read instead of two, no D×D product).
-    units = nk * b * hk + 0.5 * nqs * (qb // bs) * b * h
+    # A query row costs about half a key row (one tile read instead of two, no D×D product).
+    units = nk * b * hk + 0.5 * nqt * (qt // bs) * b * h
     per = max(1, -(-int(units) // max(1, waves * sms)))
     kv_per = max(1, min(nk, per))
     kv_chunks = -(-nk // kv_per) if nk else 0
-    q_per = max(1, min(nqs, (2 * per * bs) // qb))
-    q_chunks = -(-nqs // q_per) if nqs else 0
-    f_groups = max(1, min(nk, sms // max(1, b * hk)))
+    q_per = max(1, min(nqt, (2 * per * bs) // qt))
+    q_chunks = -(-nqt // q_per) if nqt else 0
+    f_groups = d // _FINISH_ROWS
     f_per = max(1, -(-nk // f_groups))
     return kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups
 
@@ -275,7 +295,7 @@ def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size
         device = torch.device("cuda", torch.cuda.current_device())
     qb = query_block or block_size
     nk, nqs = -(-lk // block_size), -(-lq // qb)
-    geo = _geometry(b, h, hk, lq, lk, block_size, qb, device, STATS_WAVES["waves"])
+    geo = _geometry(b, h, hk, lq, lk, block_size, qb, d, device, tuple(STATS_TUNING.items()))
     f32 = dict(device=device, dtype=torch.float32)
     return Stats(
         qmean=torch.empty(b, h, nqs, d, **f32),
@@ -314,12 +334,14 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     qb = query_block or block_size
     nk, nqs = -(-lk // block_size), -(-lq // qb)
     dev = q.device
-    geo = _geometry(b, h, hk, lq, lk, block_size, qb, dev, STATS_WAVES["waves"])
+    geo = _geometry(b, h, hk, lq, lk, block_size, qb, d, dev, tuple(STATS_TUNING.items()))
     kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups = geo
     if ws is None:
         ws = stats_workspace(q.shape, k.shape, v.dtype, dev, block_size=block_size, query_block=qb,
                              with_hdev=with_hdev)
     n_part = b * hk * max(kv_chunks, 1)
+    if ws.work is None or ws.work.numel() < n_part * (d * d + 2):
+        raise ValueError("ws: a stats_workspace made for other shapes (or other STATS_TUNING)")
     part_h = ws.work[: n_part * d * d]
     part_s = ws.work[n_part * d * d:]
     if hbar_exclude is not None:
@@ -335,19 +357,20 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     grid = n_kv + b * h * q_chunks
     if grid:
         strides = (*q.stride(), *k.stride(), *v.stride())
+        qt = _q_tile(qb, d)
         args = (q, k, v, ex, ws.qmean, kmean_t, ws.vbar, part_h, part_s, *strides, ex_sb, ex_sh,
-                h, hk, lq, lk, nqs, nk, kv_per, kv_chunks, q_per, q_chunks, n_kv)
-        _launch_stats((k.dtype, block_size, qb, d, hbar_exclude is not None, spec_class(q, k, v, ex, *strides)),
-                      (grid,), args,
-                      dict(BS=block_size, QB=qb, D=d, F32=f32, CLAMP=clamp, HAS_EXCL=hbar_exclude is not None),
-                      num_warps=_stats_warps(d), num_stages=2)
+                h, hk, lq, lk, nqs, -(-lq // qt), nk, kv_per, kv_chunks, q_per, q_chunks, n_kv)
+        stages = STATS_TUNING["stages"]
+        _launch_stats((k.dtype, block_size, qb, qt, d, hbar_exclude is not None, stages,
+                       spec_class(q, k, v, ex, *strides)), (grid,), args,
+                      dict(BS=block_size, QB=qb, QT=qt, D=d, F32=f32, CLAMP=clamp, HAS_EXCL=hbar_exclude is not None),
+                      num_warps=_stats_warps(d), num_stages=stages)
     if kv_chunks == 0:  # no key block (an empty K/V shard): H̄ = 0, scale 1
         part_s.zero_()
         part_h.zero_()
     _launch_finish((d, spec_class(part_h, ws.hbar_lp)), (b * hk * f_groups,),
-                   (part_h, part_s, kmean_t, ws.hbar, ws.hbar_lp, ws.kbar, ws.kscale, nk, max(kv_chunks, 1),
-                    f_per, f_groups),
-                   dict(D=d, TJ=32, WRITE_HBAR=True), num_warps=4)
+                   (part_h, part_s, kmean_t, ws.hbar, ws.hbar_lp, ws.kbar, ws.kscale, nk, max(kv_chunks, 1), f_per),
+                   dict(D=d, RB=_FINISH_ROWS, TJ=32), num_warps=4)
     if with_hdev:
         _run_hdev(k, v, ws.hbar, ws.hdev, block_size, kv_per, kv_chunks)
     return Stats(qmean=ws.qmean, kmean=ws.kmean, kbar=ws.kbar, kscale=ws.kscale, vbar=ws.vbar,
@@ -368,10 +391,11 @@ def _run_hdev(k: Tensor, v: Tensor, hbar: Tensor, hdev: Tensor, block_size: int,
     if kv_chunks == 0:
         return
     strides = (*k.stride(), *v.stride())
-    _launch_hdev((k.dtype, block_size, d, spec_class(k, v, hbar, *strides)), (b * hk * kv_chunks,),
+    stages = STATS_TUNING["stages"]
+    _launch_hdev((k.dtype, block_size, d, stages, spec_class(k, v, hbar, *strides)), (b * hk * kv_chunks,),
                  (k, v, hbar, hdev, *strides, hk, lk, -(-lk // block_size), kv_per, kv_chunks),
                  dict(BS=block_size, D=d, F32=interpreting(), CLAMP=k.dtype == torch.float16),
-                 num_warps=_stats_warps(d), num_stages=2)
+                 num_warps=_stats_warps(d), num_stages=stages)
 
 
 def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int) -> Tensor:
@@ -381,6 +405,7 @@ def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int)
     b, hk, lk, d = k.shape
     nk = -(-lk // block_size)
     hdev = torch.empty(b, hk, nk, device=k.device, dtype=torch.float32)
-    kv_per, kv_chunks = _geometry(b, hk, hk, 0, lk, block_size, block_size, k.device, STATS_WAVES["waves"])[:2]
+    kv_per, kv_chunks = _geometry(b, hk, hk, 0, lk, block_size, block_size, d, k.device,
+                                  tuple(STATS_TUNING.items()))[:2]
     _run_hdev(k, v, hbar.float().contiguous(), hdev, block_size, kv_per, kv_chunks)
     return hdev
