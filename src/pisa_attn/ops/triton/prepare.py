@@ -145,7 +145,7 @@ def _stats_kernel(
             qt = tl.load(q_base + rows[:, None] * sql + offs_d[None, :] * sqd, mask=(rows < LQ)[:, None], other=0.0)
             acc = tl.dot(tl.trans(qt.to(dt)), jb)  # [D, 16]
             qi = i * (QT // QB) + blk
-            n = tl.minimum(LQ - qi * QB, QB).to(tl.float32)
+            n = tl.maximum(tl.minimum(LQ - qi * QB, QB), 1).to(tl.float32)  # columns past the end: unused
             ok = (blk < QT // QB) & (qi < NQS)
             tl.store(qmean_ptr + (bh.to(tl.int64) * NQS + qi[None, :]) * D + offs_d[:, None], acc / n[None, :],
                      mask=ok[None, :])
