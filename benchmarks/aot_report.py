@@ -90,15 +90,15 @@ def main():
         for nkp in (64, 128, 256):
             for warps in (4, 8):
                 _report(f"select NKP={nkp} R=64 tf32", S._select_kernel, types,
-                        dict(R=64, NKP=nkp, D=128, COV=False, HAS_KEEP=False, REP=1, PREC="tf32"), warps, 1)
+                        dict(R=64, NKP=nkp, D=128, COV=False, HAS_KEEP=False, REP=1, PREC="tf32", BITS=2), warps, 1)
                 _report(f"select NKP={nkp} R=64", S._select_kernel, types,
-                        dict(R=64, NKP=nkp, D=128, COV=False, HAS_KEEP=False, REP=1, PREC="tf32x3"), warps, 1)
+                        dict(R=64, NKP=nkp, D=128, COV=False, HAS_KEEP=False, REP=1, PREC="tf32x3", BITS=2), warps, 1)
         _report("scores D=128 64x64", S._scores_kernel, types, dict(BM=64, BN=64, D=128, PREC="tf32x3"), 4, 1)
         for nkp in (512, 1024, 4096):
             for warps in (1, 2):
                 r = max(1, min(64, 1024 * warps // nkp))
                 _report(f"topk NKP={nkp} R={r}", S._topk_kernel, types,
-                        dict(R=r, NKP=nkp, COV=False, HAS_KEEP=False, REP=1), warps, 1)
+                        dict(R=r, NKP=nkp, COV=False, HAS_KEEP=False, REP=1, BITS=2), warps, 1)
 
 
 if __name__ == "__main__":

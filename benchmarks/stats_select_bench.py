@@ -168,9 +168,9 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
     if variants:
         v_ = {}
         keep_t = dict(P.STATS_TUNING)
-        for waves, stages, qtb in ((1, 3, 32768), (2, 3, 32768), (8, 3, 32768), (4, 2, 32768), (4, 4, 32768),
-                                   (2, 4, 32768), (4, 3, 16384), (4, 3, 65536), (8, 4, 65536)):
-            P.STATS_TUNING.update(waves=waves, stages=stages, q_tile_bytes=qtb)
+        for waves, stages, qtb in ((1, 4, 32768), (2, 4, 32768), (4, 4, 32768), (2, 3, 32768), (2, 4, 16384),
+                                   (2, 4, 65536)):
+            P.STATS_TUNING.update(waves=waves, stages=stages, q_tile_bytes=qtb, short_blocks_per_sm=0)
             ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=BS)
             try:
                 v_[f"prep_w{waves}_s{stages}_q{qtb // 1024}k"] = ms(lambda: P.prepare(q, k, v, BS, ws=ws))
@@ -195,6 +195,12 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
                 v_[f"select_{name}"] = f"error: {type(e).__name__}: {str(e)[:200]}"
         S.FUSED.clear()
         S.FUSED.update(keep_cfg)
+        for bits in (1, 2):
+            S.TOPK_WARPS["bits"] = bits
+            sw = S.selection_workspace(B, H, nk, nk, width, q.device, scratch_elems=scratch)
+            v_[f"select_bits{bits}"] = ms(lambda: S.select(st.qmean, st.kmean, ws=sw, **kw))
+            v_[f"select_bits{bits}_same"] = bool(torch.equal(S.select(st.qmean, st.kmean, ws=sw, **kw).bits, sel.bits))
+        S.TOPK_WARPS["bits"] = 2
         res["variants"] = v_
     res["kernels_new"] = kernel_table(q, k, v, nk, width, kw)
     if check:

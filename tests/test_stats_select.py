@@ -143,6 +143,10 @@ def test_selection_paths_match_the_reference(case, path, monkeypatch):
     assert (mask[:, 1, :, 3] & mask[:, 1, :, nk - 1]).all()  # keep blocks always exact
     ascending = (sel.idx[..., 1:] > sel.idx[..., :-1]) | (torch.arange(1, sel.idx.shape[-1], device=DEV) >= sel.cnt[..., None])
     assert ascending.all()
+    if path == "two-kernel":  # one threshold bit per search step: the same selection
+        monkeypatch.setitem(S.TOPK_WARPS, "bits", 1)
+        assert torch.equal(S.select(st.qmean, st.kmean, scratch_elems=scratch, **kw).bits, sel.bits)
+        monkeypatch.setitem(S.TOPK_WARPS, "bits", 2)
     # The workspace path writes the same selection into its own buffers.
     ws = S.selection_workspace(b, h, nk, nk, n_sel + 2, DEV, repeat=rep, scratch_elems=scratch, pairs=True)
     again = S.select(st.qmean, st.kmean, scratch_elems=scratch, ws=ws, **kw)

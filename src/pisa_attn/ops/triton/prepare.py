@@ -45,9 +45,11 @@ from ..launch import Launcher, spec_class
 from ..stages import slice_blocks
 from ._common import interpreting, sm_count
 
-# Tunables, measured by benchmarks/stats_select_bench.py: programs of one launch fill this many
-# waves of the GPU; software-pipelining depth of the loads; bytes of q per step of a q program.
-STATS_TUNING = {"waves": 2, "stages": 4, "q_tile_bytes": 32768}
+# Tunables, measured by benchmarks/stats_select_bench.py (H100): programs of one launch fill this
+# many waves of the GPU (one below ``short_blocks_per_sm`` key-block equivalents per SM: 1 wave was
+# fastest at 4K and 8K, 2-4 at 32K and 64K); software-pipelining depth of the loads (4 beat 3 and
+# 2); bytes of q per step of a q program.
+STATS_TUNING = {"waves": 2, "short_blocks_per_sm": 64, "stages": 4, "q_tile_bytes": 32768}
 F16_MAX = tl.constexpr(65504.0)
 
 
@@ -263,13 +265,15 @@ def _geometry(b: int, h: int, hk: int, lq: int, lk: int, bs: int, qb: int, d: in
     """(kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups): blocks (q: tiles) per program and
     programs per head of the stats launch's kv and q programs, and of the finish launch (one per
     ``_FINISH_ROWS`` rows of H̄)."""
-    waves = dict(tuning)["waves"]
+    tune = dict(tuning)
     nk = -(-lk // bs)
     qt = _q_tile(qb, d)
     nqt = -(-lq // qt)
     sms = sm_count(device)
     # A query row costs about half a key row (one tile read instead of two, no D×D product).
     units = nk * b * hk + 0.5 * nqt * (qt // bs) * b * h
+    # Short calls: one wave (each kv program's D×D partial is a fixed cost; fewer, longer programs).
+    waves = 1 if units < tune["short_blocks_per_sm"] * sms else tune["waves"]
     per = max(1, -(-int(units) // max(1, waves * sms)))
     kv_per = max(1, min(nk, per))
     kv_chunks = -(-nk // kv_per) if nk else 0

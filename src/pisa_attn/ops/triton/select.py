@@ -40,7 +40,8 @@ from ._common import interpreting, next_pow2
 MAX_FUSED_BLOCKS = 4096
 # Warps per top-k program of the two-kernel path; a program holds 1024 fp32 scores per warp (32 per
 # thread), i.e. 1024 * warps // NKP rows. Fewer warps keep each row's reductions inside fewer warps.
-TOPK_WARPS = {"warps": 1}  # fastest on the H100 (1 warp 0.145 ms vs 8 warps 0.285 ms at 32K)
+# "bits": threshold bits decided per search step (1: 32 steps; 2: 16 steps of three counts).
+TOPK_WARPS = {"warps": 1, "bits": 2}  # 1 warp: 0.145 ms vs 8 warps 0.285 ms at 32K (H100)
 # The one-kernel path: rows per program (a 64-row tensor-core tile over 4 warps keeps each row in
 # one warp) and the widest padded row it takes.
 FUSED = {"max_nkp": 64, "rows": 64, "warps": 4}
@@ -53,6 +54,7 @@ def _select_rows(
     hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
     NQ, NK, n_sel, W, NW, keep_sb, keep_sh,
     R: tl.constexpr, NKP: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr, REP: tl.constexpr,
+    BITS: tl.constexpr,
 ):
     """Top-k of ``scores [R, NKP]`` (already scaled) of score rows ``qi`` of heads ``bh``; writes
     output rows ``qi·REP .. qi·REP + REP − 1`` (those < NQ)."""
@@ -76,10 +78,23 @@ def _select_rows(
     # Largest T with #{key >= T} >= n_sel, built from the top bit down: T is the n_sel-th largest key.
     thr = tl.zeros([R], tl.uint32)
     one = tl.full([R], 1, tl.uint32)
-    for step in range(32):
-        cand = thr | (one << (31 - step))
-        n_ge = tl.sum((key >= cand[:, None]).to(tl.int32), axis=1)
-        thr = tl.where(n_ge >= n_sel, cand, thr)
+    if BITS == 2:
+        # Two bits per step: three independent counts, half the dependent steps (each step waits on
+        # its row reductions); the largest digit whose count still reaches n_sel wins.
+        for step in range(16):
+            sh = 30 - 2 * step
+            c1 = thr | (one << sh)
+            c2 = thr | ((one + one) << sh)
+            c3 = c1 | c2
+            n1 = tl.sum((key >= c1[:, None]).to(tl.int32), axis=1)
+            n2 = tl.sum((key >= c2[:, None]).to(tl.int32), axis=1)
+            n3 = tl.sum((key >= c3[:, None]).to(tl.int32), axis=1)
+            thr = tl.where(n3 >= n_sel, c3, tl.where(n2 >= n_sel, c2, tl.where(n1 >= n_sel, c1, thr)))
+    else:
+        for step in range(32):
+            cand = thr | (one << (31 - step))
+            n_ge = tl.sum((key >= cand[:, None]).to(tl.int32), axis=1)
+            thr = tl.where(n_ge >= n_sel, cand, thr)
     gt = key > thr[:, None]
     eq = key == thr[:, None]
     need = n_sel - tl.sum(gt.to(tl.int32), axis=1)
@@ -111,7 +126,7 @@ def _select_kernel(
     qmean_ptr, kmean_ptr, hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
     H, HK, NQS, NQ, NK, n_sel, W, NW, scale, keep_sb, keep_sh,
     R: tl.constexpr, NKP: tl.constexpr, D: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr,
-    REP: tl.constexpr, PREC: tl.constexpr,
+    REP: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr,
 ):
     # Rows qi of one head: their scores against every key block of the head's kv head, in registers.
     bh1 = tl.program_id(1)
@@ -130,7 +145,7 @@ def _select_kernel(
     zero = tl.zeros([R], tl.int32)
     _select_rows(scores, rvalid, bh1 + zero, qi, b1 + zero, h1 + zero, bhk1 + zero,
                  hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr, NQ, NK, n_sel, W, NW, keep_sb, keep_sh,
-                 R, NKP, COV, HAS_KEEP, REP)
+                 R, NKP, COV, HAS_KEEP, REP, BITS)
 
 
 @triton.jit(do_not_specialize=["H", "HK", "NQS", "NK", "C0", "CQ"])
@@ -160,6 +175,7 @@ def _topk_kernel(
     H, HK, NQ, NK, n_sel, W, NW, scale, C0, CQ, N_ROWS,
     keep_sb, keep_sh,
     R: tl.constexpr, NKP: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr, REP: tl.constexpr = 1,
+    BITS: tl.constexpr = 1,
 ):
     # NQ counts output rows: score row qi is written to rows qi·REP .. qi·REP + REP - 1 (< NQ).
     # Rows of this chunk's score buffer [B, H, CQ, NK] are (b·H + h, query block C0 + r % CQ).
@@ -174,7 +190,7 @@ def _topk_kernel(
     m2 = rvalid[:, None] & (cols < NK)[None, :]
     scores = tl.load(scores_ptr + r.to(tl.int64)[:, None] * NK + cols[None, :], mask=m2, other=0.0) * scale
     _select_rows(scores, rvalid, bh, qi, b, h, bhk, hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
-                 NQ, NK, n_sel, W, NW, keep_sb, keep_sh, R, NKP, COV, HAS_KEEP, REP)
+                 NQ, NK, n_sel, W, NW, keep_sb, keep_sh, R, NKP, COV, HAS_KEEP, REP, BITS)
 
 
 _launch_topk = Launcher(_topk_kernel)
@@ -274,11 +290,13 @@ def select(
     cov, has_keep = hdev is not None, keep is not None
     nkp = max(32, next_pow2(nk))
     prec = "ieee" if interpreting() else "tf32x3"
+    bits_ = TOPK_WARPS["bits"]
     if _fused(nk):
         r = FUSED["rows"]
         args = (qmean, kmean_t, hd, keep_u8, idx, cnt, bits, h, hk, nqs, nq, nk, n_sel, width, nw, scale, ksb, ksh)
-        _launch_select((r, nkp, d, cov, has_keep, repeat, spec_class(*args[:7])), (triton.cdiv(nqs, r), b * h), args,
-                       dict(R=r, NKP=nkp, D=d, COV=cov, HAS_KEEP=has_keep, REP=repeat, PREC=prec),
+        _launch_select((r, nkp, d, cov, has_keep, repeat, FUSED["warps"], bits_, spec_class(*args[:7])),
+                       (triton.cdiv(nqs, r), b * h), args,
+                       dict(R=r, NKP=nkp, D=d, COV=cov, HAS_KEEP=has_keep, REP=repeat, PREC=prec, BITS=bits_),
                        num_warps=FUSED["warps"])
         return ws.sel
     cq = ws.scratch.numel() // max(1, b * h * nk)
@@ -292,7 +310,7 @@ def select(
                        num_warps=4)
         args = (ws.scratch, hd, keep_u8, idx, cnt, bits, h, hk, nq, nk, n_sel, width, nw, scale, c0, c, b * h * c,
                 ksb, ksh)
-        _launch_topk((r, nkp, warps, cov, has_keep, repeat, spec_class(*args[:6])),
+        _launch_topk((r, nkp, warps, cov, has_keep, repeat, bits_, spec_class(*args[:6])),
                      (triton.cdiv(b * h * c, r),), args,
-                     dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=has_keep, REP=repeat), num_warps=warps)
+                     dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=has_keep, REP=repeat, BITS=bits_), num_warps=warps)
     return ws.sel
