@@ -152,6 +152,8 @@ def test_selection_paths_match_the_reference(case, path, monkeypatch):
     again = S.select(st.qmean, st.kmean, scratch_elems=scratch, ws=ws, **kw)
     assert again.bits.data_ptr() == ws.sel.bits.data_ptr()
     assert torch.equal(again.bits, sel.bits) and torch.equal(again.cnt, sel.cnt)
+    with pytest.raises(ValueError, match="ws"):
+        S.select(st.qmean, st.kmean, ws=S.selection_workspace(b, h, nk, nk, n_sel + 3, DEV, repeat=rep), **kw)
     uidx, ucnt = PU.pair_union(again.bits, nk, n_sel + 2, out=ws.union)
     assert uidx.data_ptr() == ws.union[0].data_ptr()
     u2, c2 = PU.pair_union(sel.bits, nk, n_sel + 2)

@@ -344,8 +344,10 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
         ws = stats_workspace(q.shape, k.shape, v.dtype, dev, block_size=block_size, query_block=qb,
                              with_hdev=with_hdev)
     n_part = b * hk * max(kv_chunks, 1)
-    if ws.work is None or ws.work.numel() < n_part * (d * d + 2):
-        raise ValueError("ws: a stats_workspace made for other shapes (or other STATS_TUNING)")
+    if (ws.work is None or ws.work.numel() < n_part * (d * d + 2) or ws.vbar.shape != (b, hk, nk, d)
+            or ws.qmean.shape != (b, h, nqs, d) or ws.vbar.dtype != v.dtype or ws.vbar.device != dev
+            or (with_hdev and ws.hdev is None)):
+        raise ValueError("ws: a stats_workspace made for other shapes, dtype, device or settings")
     part_h = ws.work[: n_part * d * d]
     part_s = ws.work[n_part * d * d:]
     if hbar_exclude is not None:

@@ -273,6 +273,9 @@ def select(
         return ws.sel
     if ws is None:
         ws = selection_workspace(b, h, nq, nk, width, qmean.device, repeat=repeat, scratch_elems=scratch_elems)
+    elif (ws.sel.idx.shape != (b, h, nq, width) or ws.sel.bits.shape[-1] != -(-nk // 32)
+          or ws.sel.idx.device != qmean.device or (ws.scratch is None) != _fused(nk)):
+        raise ValueError("ws: a selection_workspace made for other shapes or another device")
     idx, cnt, bits = ws.sel
     nw = bits.shape[-1]
     kmean_t = kmean.transpose(2, 3)  # [B, Hk, D, Nk] storage
