@@ -168,8 +168,7 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
     if variants:
         v_ = {}
         keep_t = dict(P.STATS_TUNING)
-        for waves, stages, qtb in ((1, 4, 32768), (2, 4, 32768), (4, 4, 32768), (2, 3, 32768), (2, 4, 16384),
-                                   (2, 4, 65536)):
+        for waves, stages, qtb in ((1, 4, 32768), (2, 4, 32768), (4, 4, 32768)):
             P.STATS_TUNING.update(waves=waves, stages=stages, q_tile_bytes=qtb, short_blocks_per_sm=0)
             ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=BS)
             try:
@@ -195,12 +194,22 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
                 v_[f"select_{name}"] = f"error: {type(e).__name__}: {str(e)[:200]}"
         S.FUSED.clear()
         S.FUSED.update(keep_cfg)
-        for bits in (1, 2):
-            S.TOPK_WARPS["bits"] = bits
+        keep_b = dict(S.TOPK_WARPS)
+        for bits, lim in ((1, 0), (2, 1 << 20)):
+            S.TOPK_WARPS["two_bit_max_nkp"] = lim
             sw = S.selection_workspace(B, H, nk, nk, width, q.device, scratch_elems=scratch)
             v_[f"select_bits{bits}"] = ms(lambda: S.select(st.qmean, st.kmean, ws=sw, **kw))
             v_[f"select_bits{bits}_same"] = bool(torch.equal(S.select(st.qmean, st.kmean, ws=sw, **kw).bits, sel.bits))
-        S.TOPK_WARPS["bits"] = 2
+        S.TOPK_WARPS.update(keep_b)
+        keep_s = dict(S.SCORES_TILE)
+        for bm, bn, w in ((64, 128, 8), (128, 64, 8), (128, 128, 8)):
+            S.SCORES_TILE.update(bm=bm, bn=bn, warps=w)
+            sw = S.selection_workspace(B, H, nk, nk, width, q.device, scratch_elems=scratch)
+            try:
+                v_[f"select_scores{bm}x{bn}w{w}"] = ms(lambda: S.select(st.qmean, st.kmean, ws=sw, **kw))
+            except Exception as e:  # e.g. out of shared memory: reported, not fatal
+                v_[f"select_scores{bm}x{bn}w{w}"] = f"error: {type(e).__name__}: {str(e)[:80]}"
+        S.SCORES_TILE.update(keep_s)
         res["variants"] = v_
     res["kernels_new"] = kernel_table(q, k, v, nk, width, kw)
     if check:

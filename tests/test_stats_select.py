@@ -144,9 +144,8 @@ def test_selection_paths_match_the_reference(case, path, monkeypatch):
     ascending = (sel.idx[..., 1:] > sel.idx[..., :-1]) | (torch.arange(1, sel.idx.shape[-1], device=DEV) >= sel.cnt[..., None])
     assert ascending.all()
     if path == "two-kernel":  # one threshold bit per search step: the same selection
-        monkeypatch.setitem(S.TOPK_WARPS, "bits", 1)
+        monkeypatch.setitem(S.TOPK_WARPS, "two_bit_max_nkp", 0)
         assert torch.equal(S.select(st.qmean, st.kmean, scratch_elems=scratch, **kw).bits, sel.bits)
-        monkeypatch.setitem(S.TOPK_WARPS, "bits", 2)
     # The workspace path writes the same selection into its own buffers.
     ws = S.selection_workspace(b, h, nk, nk, n_sel + 2, DEV, repeat=rep, scratch_elems=scratch, pairs=True)
     again = S.select(st.qmean, st.kmean, scratch_elems=scratch, ws=ws, **kw)

@@ -40,8 +40,11 @@ from ._common import interpreting, next_pow2
 MAX_FUSED_BLOCKS = 4096
 # Warps per top-k program of the two-kernel path; a program holds 1024 fp32 scores per warp (32 per
 # thread), i.e. 1024 * warps // NKP rows. Fewer warps keep each row's reductions inside fewer warps.
-# "bits": threshold bits decided per search step (1: 32 steps; 2: 16 steps of three counts).
-TOPK_WARPS = {"warps": 1, "bits": 2}  # 1 warp: 0.145 ms vs 8 warps 0.285 ms at 32K (H100)
+# Threshold bits decided per search step: 2 (16 steps of three counts) up to "two_bit_max_nkp" padded
+# key blocks, 1 (32 steps) beyond. H100: 8K 0.024 vs 0.030 ms with 2 bits, 32K 0.189 vs 0.215 ms with 1.
+TOPK_WARPS = {"warps": 1, "two_bit_max_nkp": 128}  # 1 warp: 0.145 ms vs 8 warps 0.285 ms at 32K (H100)
+# Score GEMM tile of the two-kernel path (rows, key blocks, warps).
+SCORES_TILE = {"bm": 64, "bn": 64, "warps": 4}
 # The one-kernel path: rows per program (a 64-row tensor-core tile over 4 warps keeps each row in
 # one warp) and the widest padded row it takes.
 FUSED = {"max_nkp": 64, "rows": 64, "warps": 4}
@@ -293,7 +296,7 @@ def select(
     cov, has_keep = hdev is not None, keep is not None
     nkp = max(32, next_pow2(nk))
     prec = "ieee" if interpreting() else "tf32x3"
-    bits_ = TOPK_WARPS["bits"]
+    bits_ = 2 if nkp <= TOPK_WARPS["two_bit_max_nkp"] else 1
     if _fused(nk):
         r = FUSED["rows"]
         args = (qmean, kmean_t, hd, keep_u8, idx, cnt, bits, h, hk, nqs, nq, nk, n_sel, width, nw, scale, ksb, ksh)
@@ -305,12 +308,13 @@ def select(
     cq = ws.scratch.numel() // max(1, b * h * nk)
     warps = max(TOPK_WARPS["warps"], nkp // 1024)  # at most 32 scores per thread (no spills)
     r = max(1, min(64, 1024 * warps // nkp))
-    bn = 64
+    bm, bn, sw = SCORES_TILE["bm"], SCORES_TILE["bn"], SCORES_TILE["warps"]
     for c0 in range(0, nqs, cq):
         c = min(cq, nqs - c0)
-        _launch_scores((d, prec, spec_class(qmean, kmean_t, ws.scratch)), (triton.cdiv(c, 64), triton.cdiv(nk, bn), b * h),
-                       (qmean, kmean_t, ws.scratch, h, hk, nqs, nk, c0, c), dict(BM=64, BN=bn, D=d, PREC=prec),
-                       num_warps=4)
+        _launch_scores((d, prec, bm, bn, sw, spec_class(qmean, kmean_t, ws.scratch)),
+                       (triton.cdiv(c, bm), triton.cdiv(nk, bn), b * h),
+                       (qmean, kmean_t, ws.scratch, h, hk, nqs, nk, c0, c), dict(BM=bm, BN=bn, D=d, PREC=prec),
+                       num_warps=sw)
         args = (ws.scratch, hd, keep_u8, idx, cnt, bits, h, hk, nq, nk, n_sel, width, nw, scale, c0, c, b * h * c,
                 ksb, ksh)
         _launch_topk((r, nkp, warps, cov, has_keep, repeat, bits_, spec_class(*args[:6])),
