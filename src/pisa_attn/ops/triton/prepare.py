@@ -16,12 +16,13 @@
    reductions along the accumulator's columns remain, which stay inside a warp. The centred keys
    are exact in float32 and rounded once to the input dtype before ``(K − k̄)ᵀ·V``: rounding the
    centred keys instead of subtracting ``k̄ᵀV̂`` from ``KᵀV`` keeps keys with a large common
-   component accurate.
-2. ``_finish_kernel`` (programs per kv head and slice of rows): ``H̄`` from the partials (the mean over the blocks not in
-   ``hbar_exclude``; ``0`` when every block is excluded), its input-dtype copy, and the tail scan's
-   float16 centroids divided by one power of two per head (its largest ``|k̄|`` lands in
-   ``[2^13, 2^14)``: no overflow whatever the magnitude, 11 mantissa bits, one scalar for the
-   attention kernels to fold back).
+   component accurate (H̄ to about 2e-3 relative in bfloat16, the precision of its input-dtype
+   copy the attention kernels read).
+2. ``_finish_kernel`` (per kv head, one program per slice of rows): ``H̄`` from the partials (the
+   mean over the blocks not in ``hbar_exclude``; ``0`` when every block is excluded), its
+   input-dtype copy, and the tail scan's float16 centroids divided by one power of two per head
+   (its largest ``|k̄|`` lands in ``[2^13, 2^14)``: no overflow whatever the magnitude, 11 mantissa
+   bits, one scalar for the attention kernels to fold back).
 
 Covariance-aware selection adds ``_hdev_kernel`` (``||H_j − H̄||_F``, a second read of k and v: it
 needs ``H̄`` first; the expansion ``||H_j||² − 2⟨H_j, H̄⟩ + ||H̄||²`` saves no pass and cancels

@@ -36,6 +36,7 @@ from .. import reference as _ref
 from ..launch import Launcher, spec_class
 from ..selection import Selection
 from ._common import interpreting, next_pow2
+from .pairs import union_width
 
 MAX_FUSED_BLOCKS = 4096
 # Warps per top-k program of the two-kernel path; a program holds 1024 fp32 scores per warp (32 per
@@ -224,8 +225,6 @@ def selection_workspace(b: int, h: int, nq: int, nk: int, width: int, device, *,
     """Every buffer :func:`select` writes for ``nq`` query blocks (``ceil(nq / repeat)`` score
     rows) and ``nk`` key blocks, index lists ``width`` wide; ``pairs`` adds the pair stream
     (:func:`pisa_attn.ops.triton.pairs.pair_union`)."""
-    from .pairs import union_width
-
     dev = torch.device(device)
     i32 = dict(device=dev, dtype=torch.int32)
     sel = Selection(torch.empty(b, h, nq, width, **i32), torch.empty(b, h, nq, **i32),
