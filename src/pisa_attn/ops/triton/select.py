@@ -221,17 +221,18 @@ def _chunk_rows(b: int, h: int, nqs: int, nk: int, scratch_elems: int | None) ->
 
 
 def selection_workspace(b: int, h: int, nq: int, nk: int, width: int, device, *, repeat: int = 1,
-                        scratch_elems: int | None = None, pairs: bool = False) -> SelectionWorkspace:
-    """Every buffer :func:`select` writes for ``nq`` query blocks (``ceil(nq / repeat)`` score
-    rows) and ``nk`` key blocks, index lists ``width`` wide; ``pairs`` adds the pair stream
-    (:func:`pisa_attn.ops.triton.pairs.pair_union`)."""
+                        n_q_rows: int | None = None, scratch_elems: int | None = None,
+                        pairs: bool = False) -> SelectionWorkspace:
+    """Every buffer :func:`select` writes for ``nq`` query blocks (``n_q_rows`` score rows, i.e.
+    rows of ``qmean``; default ``ceil(nq / repeat)``) and ``nk`` key blocks, index lists ``width``
+    wide; ``pairs`` adds the pair stream (:func:`pisa_attn.ops.triton.pairs.pair_union`)."""
     dev = torch.device(device)
     i32 = dict(device=dev, dtype=torch.int32)
     sel = Selection(torch.empty(b, h, nq, width, **i32), torch.empty(b, h, nq, **i32),
                     torch.empty(b, h, nq, -(-nk // 32), **i32))
     scratch = None
     if not _fused(nk) and nk <= MAX_FUSED_BLOCKS:
-        nqs = -(-nq // repeat)
+        nqs = -(-nq // repeat) if n_q_rows is None else n_q_rows
         scratch = torch.empty(b * h * _chunk_rows(b, h, nqs, nk, scratch_elems) * nk, device=dev, dtype=torch.float32)
     union = None
     if pairs:
