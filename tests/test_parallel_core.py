@@ -17,6 +17,7 @@ import torch
 from pisa_attn import pisa_attention
 from pisa_attn.spec import num_blocks
 from pisa_attn.ops.merge import merge
+from pisa_attn import PisaSettings
 from pisa_attn.parallel import ring_pisa_attention, ulysses_pisa_attention, unified_pisa_attention
 from pisa_attn.parallel.launch import run_local
 
@@ -26,13 +27,16 @@ BS = 16
 
 
 def spec(algo, total, mode="hybrid", *, shards=None, cov=False, h=4, hk=4, layout="bhsd", perm=False, keep=None,
-         q_subset=False, exact_q=False, dtype=torch.float64, alpha=None):  # fmt: skip
+         q_subset=False, exact_q=False, dtype=torch.float64, alpha=None, query_block=None,
+         settings=False):  # fmt: skip
     """One case. shards: per-rank lengths (None: even); perm: PISA on a random token order;
     keep: None, "flat" [Nk] or "head" [B, H, Nk]; q_subset: ring queries are a subset (q_perm);
     exact_q: the queries before q_perm's (and 5 of its own) attend exactly (exact_queries);
-    alpha: the first-order weight (a float or a list, one per query head)."""
+    alpha: the first-order weight (a float or a list, one per query head); query_block: tokens per
+    selection row; settings: pass the parallel entry one PisaSettings instead of keyword arguments."""
     return dict(algo=algo, total=total, mode=mode, shards=shards, cov=cov, h=h, hk=hk, layout=layout, perm=perm,
-                keep=keep, q_subset=q_subset, exact_q=exact_q, dtype=dtype, alpha=alpha)  # fmt: skip
+                keep=keep, q_subset=q_subset, exact_q=exact_q, dtype=dtype, alpha=alpha, query_block=query_block,
+                settings=settings)  # fmt: skip
 
 
 CASES = {
@@ -51,6 +55,9 @@ CASES = {
     "ulysses-drop-perm": spec("ulysses", 150, "drop", shards=[100, 50], cov=True, h=2, hk=2, perm=True, keep="flat"),
     "ring-hybrid-alpha-per-head-gqa": spec("ring", 200, hk=2, alpha=[0.0, 0.3, 1.0, 0.6]),
     "ulysses-first-alpha-per-head": spec("ulysses", 160, "first", hk=2, alpha=[0.1, 0.9, 0.4, 1.0]),
+    "ring-hybrid-query-block-unaligned-settings": spec("ring", 200, shards=[48, 152], query_block=2 * BS,
+                                                       alpha=[0.2, 0.4, 0.6, 0.8], settings=True),
+    "ulysses-hybrid-query-block-settings": spec("ulysses", 160, hk=2, query_block=4 * BS, settings=True),
 }
 TOL = {"ring": 1e-5, "ulysses": 1e-12, "unified": 1e-5}
 
@@ -79,6 +86,8 @@ def _run_case(rank, world, c, groups=None):
     kw = dict(density=0.3, block_size=BS, mode=c["mode"], covariance_aware=c["cov"], keep_blocks=keep)
     if c.get("alpha") is not None:
         kw["alpha"] = torch.tensor(c["alpha"], dtype=torch.float64) if isinstance(c["alpha"], list) else c["alpha"]
+    if c.get("query_block") is not None:
+        kw["query_block"] = c["query_block"]
 
     # Single process on the (permuted) global sequence, scattered back to the original positions.
     got_q = pisa_attention(
@@ -105,7 +114,15 @@ def _run_case(rank, world, c, groups=None):
     if exact is not None:
         extra["exact_queries"] = exact
     fn = {"ring": ring_pisa_attention, "ulysses": ulysses_pisa_attention, "unified": unified_pisa_attention}[c["algo"]]
-    out, lse = fn(*local, layout=c["layout"], return_lse=True, **extra, **kw, **(groups or {}))
+    if c.get("settings"):  # one settings object (its alpha a per-head tuple) instead of the keywords
+        loose = {n: kw.pop(n) for n in ("density", "block_size", "mode", "covariance_aware", "query_block", "alpha")
+                 if n in kw}
+        if isinstance(loose.get("alpha"), torch.Tensor):
+            loose["alpha"] = tuple(loose["alpha"].tolist())
+        kw["settings"] = PisaSettings(layout=c["layout"], **loose)
+        out, lse = fn(*local, return_lse=True, **extra, **kw, **(groups or {}))
+    else:
+        out, lse = fn(*local, layout=c["layout"], return_lse=True, **extra, **kw, **(groups or {}))
     if c["layout"] == "bshd":
         out = out.transpose(1, 2)
     assert out.dtype == dtype and out.shape == want[:, :, sl].shape

@@ -1,7 +1,16 @@
 """Host time of one eager call (the Python and launch work a caller pays per attention call),
 measured as N calls queued without synchronising, plus a cProfile of the hot path.
 
+On a GPU: ``run`` on a plan and ``pisa_attention`` (same shape, cached plan) for each kernel
+backend and mode, cuDNN SDPA in the same run, and the cProfile of ``run`` and ``pisa_attention``:
+
     PYTHONPATH=src python3 tests/gpu/host_profile.py [--length 4096] [--out OUT]
+
+Without a GPU (``--proxy``, or no CUDA): the same calls on ``meta`` tensors with every kernel
+launch stubbed out, counting the aten ops and Python function calls per call (the host work that
+is ours, not the launches'; meta ops dispatch through Python, so the µs are an upper bound):
+
+    PYTHONPATH=src python3 tests/gpu/host_profile.py --proxy
 """
 from __future__ import annotations
 
@@ -15,53 +24,129 @@ import time
 
 import torch
 
-from pisa_attn import pisa_attention
 
-
-def host_us(fn, n=200):
+def host_us(fn, n=200, sync=True):
+    """(host µs per call, wall µs per call until the GPU is done) over ``n`` calls queued back to back."""
     fn()
-    torch.cuda.synchronize()
+    if sync:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
     t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    gpu_done = time.perf_counter()
-    return (t1 - t0) / n * 1e6, (gpu_done - t0) / n * 1e6
+    if sync:
+        torch.cuda.synchronize()
+    done = time.perf_counter()
+    return (t1 - t0) / n * 1e6, (done - t0) / n * 1e6
+
+
+def profile(fn, n=200, top=25) -> tuple[str, int]:
+    """cProfile of ``n`` calls: the top entries by own time, and Python function calls per call."""
+    fn()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    st = pstats.Stats(pr)
+    calls = st.total_calls // n
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue(), calls
+
+
+def aten_ops(fn) -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return ops
+
+
+def gpu(length: int, out_dir: str):
+    from pisa_attn import PisaSettings, pisa_attention, plan, run
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 16, length, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "length": length, "shape": "B2-H16-D128"}
+    import triton
+
+    res["triton"] = triton.__version__
+    for backend in ("hopper", "triton"):
+        for mode in ("hybrid", "drop"):
+            s = PisaSettings(density=0.125, mode=mode, backend=backend)
+            p = plan(q, k, s)
+            out = torch.empty_like(q)
+            calls = {
+                "run": lambda: run(p, q, k, v),
+                "run_out": lambda: run(p, q, k, v, out=out),
+                "pisa_attention": lambda: pisa_attention(q, k, v, density=0.125, mode=mode, backend=backend),
+            }
+            for name, fn in calls.items():
+                host, wall = host_us(fn)
+                res[f"{backend}_{mode}_{name}"] = dict(host_us=host, wall_us=wall)
+                print(f"{backend:6s} {mode:6s} {name:14s} L={length}: host {host:7.1f} us/call, wall {wall:7.1f} "
+                      f"us/call", flush=True)
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    host, wall = host_us(sdpa)
+    res["sdpa"] = dict(host_us=host, wall_us=wall)
+    print(f"sdpa (default backend): host {host:7.1f} us/call, wall {wall:7.1f}", flush=True)
+    p = plan(q, k, PisaSettings(density=0.125))
+    for name, fn in (("run", lambda: run(p, q, k, v)), ("pisa_attention", lambda: pisa_attention(q, k, v))):
+        text, n_calls = profile(fn)
+        torch.cuda.synchronize()
+        res[f"python_calls_per_{name}"] = n_calls
+        print(f"--- cProfile of {name} (backend {p.backend}): {n_calls} Python calls per call")
+        print(text[:6000])
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"host_profile_{length}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def proxy(length: int):
+    """The host path without a GPU: meta tensors, kernel launches stubbed out."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # lets the Triton backend be planned for non-CUDA tensors
+    from pisa_attn import PisaSettings, pisa_attention, plan, run
+    from pisa_attn.ops import launch
+    from pisa_attn.ops.triton import attention as tattn
+
+    class NoKernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    launch.Launcher.__call__ = lambda self, *a, **k: None
+    tattn._attn_kernel = NoKernel()
+    q, k, v = (torch.empty(2, 16, length, 128, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    p = plan(q, k, PisaSettings(backend="triton"))
+    for name, fn in (("run", lambda: run(p, q, k, v)),
+                     ("pisa_attention", lambda: pisa_attention(q, k, v, backend="triton"))):
+        fn()
+        ops = aten_ops(fn)
+        host, _ = host_us(fn, n=500, sync=False)
+        text, n_calls = profile(fn)
+        allocs = [o for o in ops if "empty" in o or "zeros" in o or "full" in o]
+        print(f"{name}: {n_calls} Python function calls, {len(ops)} aten ops ({len(allocs)} allocations: "
+              f"{allocs}), {host:.1f} us/call on meta tensors (CPU, launches stubbed)")
+        print(text[:3000])
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--proxy", action="store_true", help="the CPU proxy (meta tensors, launches stubbed)")
     a = ap.parse_args()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 16, a.length, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    res = {}
-    for backend in ("hopper", "triton"):
-        for mode in ("hybrid", "drop"):
-            fn = lambda: pisa_attention(q, k, v, density=0.125, mode=mode, backend=backend)  # noqa: E731
-            host, wall = host_us(fn)
-            res[f"{backend}_{mode}"] = dict(host_us=host, wall_us=wall)
-            print(f"{backend:6s} {mode:6s} L={a.length}: host {host:7.1f} us/call, wall {wall:7.1f} us/call", flush=True)
-    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
-    host, wall = host_us(sdpa)
-    res["sdpa"] = dict(host_us=host, wall_us=wall)
-    print(f"sdpa (default backend): host {host:7.1f} us/call, wall {wall:7.1f}", flush=True)
-    pr = cProfile.Profile()
-    fn = lambda: pisa_attention(q, k, v, density=0.125)  # noqa: E731
-    fn()
-    pr.enable()
-    for _ in range(200):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
-    print(s.getvalue()[:6000])
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"host_profile_{a.length}.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    if a.proxy or not torch.cuda.is_available():
+        proxy(a.length)
+    else:
+        gpu(a.length, a.out)
 
 
 if __name__ == "__main__":

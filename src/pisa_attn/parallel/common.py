@@ -8,7 +8,24 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import to_bhsd, validate
+from ..settings import PisaSettings, check_not_both
 from .comm import gather_ints, group_info
+
+def settings_of(settings, alpha=None, **loose):
+    """``(settings, alpha)``: one :class:`PisaSettings` from ``settings=`` or from the loose keyword
+    arguments (not both), with its ``alpha`` moved out as per-call data (a per-head tuple becomes a
+    CPU tensor, which follows its heads to their rank); an explicit ``alpha`` wins."""
+    if settings is None:
+        settings = PisaSettings(**loose)
+    elif not isinstance(settings, PisaSettings):
+        raise TypeError(f"settings must be a PisaSettings, got {type(settings).__name__}")
+    else:
+        check_not_both(**loose)
+    if settings.alpha is not None:
+        if alpha is None:
+            alpha = torch.tensor(settings.alpha) if isinstance(settings.alpha, tuple) else settings.alpha
+        settings = settings.replace(alpha=None)
+    return settings, alpha
 
 
 @dataclass(frozen=True)
@@ -23,15 +40,17 @@ class Shards:
     head_dim: int
 
 
-def check_inputs(q, k, v, *, group, density, block_size, mode, scale, layout, backend, what: str,
-                 covariance_aware=False, return_lse=False, seq_lens=None, alpha=None):  # fmt: skip
+def check_inputs(q, k, v, *, group, settings: PisaSettings, what: str, return_lse=False, seq_lens=None,
+                 alpha=None):  # fmt: skip
     """Validate one rank's local q/k/v; return ``[B, H, L, D]`` views and the gathered shard facts.
 
     ``seq_lens``: per-rank local lengths (q and k/v alike) when the caller knows them; skips the
     all-gather (and its host sync), and with it the check that all ranks agree on B/H/Hk/D.
     """
-    qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
-                          backend=backend, covariance_aware=covariance_aware, return_lse=return_lse, alpha=alpha)
+    s = settings
+    qh, kh, vh = validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale,
+                          layout=s.layout, backend=s.backend, covariance_aware=s.covariance_aware,
+                          return_lse=return_lse, query_block=s.query_block, alpha=alpha)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         # The collectives here are not autograd-aware; a silently missing gradient is worse than an error.
         raise ValueError(f"{what} is inference-only: call it under torch.no_grad() (q/k/v require grad)")

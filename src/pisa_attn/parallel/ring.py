@@ -42,6 +42,7 @@ from ..attention import get_backend, make_plan, normalize_keep_blocks
 from ..ops.merge import merge
 from ..ops.selection import Selection
 from ..ops.stages import Backend
+from ..settings import PisaSettings
 from .comm import (
     RingExchange,
     Redistribution,
@@ -51,7 +52,7 @@ from .comm import (
     check_permutation,
     to_device,
 )
-from .common import Shards, check_inputs, to_layout
+from .common import Shards, check_inputs, settings_of, to_layout
 from .phases import phase
 
 
@@ -75,6 +76,8 @@ def ring_pisa_attention(
     backend: str = "auto",
     seq_lens: list[int] | None = None,
     alpha=None,
+    query_block: int | None = None,
+    settings: PisaSettings | None = None,
 ):
     """Ring-parallel PISA: this rank's slice of ``pisa_attention`` over the global sequence.
 
@@ -95,8 +98,9 @@ def ring_pisa_attention(
             round the ring; where ``q_perm`` names them too (rows computed only to keep its query
             blocks on the key blocks' grid), the exact result is returned.
         keep_blocks: as in ``pisa_attention``, indexed by global key block (of the permuted order).
-        density, block_size, mode, covariance_aware, scale, layout, return_lse, backend, alpha: as in
-            :func:`pisa_attn.pisa_attention` (the backend runs every ring step).
+        density, block_size, mode, covariance_aware, scale, layout, return_lse, backend, alpha,
+            query_block: as in :func:`pisa_attn.pisa_attention` (the backend runs every ring step).
+        settings: a :class:`pisa_attn.PisaSettings` instead of the loose settings arguments.
         seq_lens: per-rank local lengths (q and k/v alike), when known to every rank: saves the
             all-gather of the shard shapes (a host sync). Default: gathered and checked.
 
@@ -107,16 +111,18 @@ def ring_pisa_attention(
     Token orders (``perm``, ``q_perm``, ``exact_queries``) are planned once per distinct tensor
     object (and in-place version) and shard lengths: pass the same tensors on every call of a model.
     """
-    qh, kh, vh, sh = check_inputs(
-        q, k, v, group=group, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
-        backend=backend, what="ring_pisa_attention", covariance_aware=covariance_aware, return_lse=return_lse,
-        seq_lens=seq_lens, alpha=alpha,
-    )  # fmt: skip
+    s, alpha = settings_of(settings, alpha, density=density, block_size=block_size, mode=mode,
+                           covariance_aware=covariance_aware, scale=scale, layout=layout, backend=backend,
+                           query_block=query_block)
+    qh, kh, vh, sh = check_inputs(q, k, v, group=group, settings=s, what="ring_pisa_attention",
+                                  return_lse=return_lse, seq_lens=seq_lens, alpha=alpha)
+    density, block_size, mode, covariance_aware = s.density, s.block_size, s.mode, s.covariance_aware
+    layout = s.layout
     weights = tail_weight.resolve(alpha, mode=mode, heads=sh.heads, device=q.device,
                                   dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    be = get_backend(make_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend).backend)
-    scale = float(sh.head_dim**-0.5 if scale is None else scale)
-    plan = _ring_plan(perm, q_perm, exact_queries, sh, block_size)
+    be = get_backend(make_plan(qh, kh, density, block_size, mode, covariance_aware, s.scale, s.backend).backend)
+    scale = float(sh.head_dim**-0.5 if s.scale is None else s.scale)
+    plan = _ring_plan(perm, q_perm, exact_queries, sh, block_size, block_size * s.query_factor)
     n_kv = spec.num_blocks(plan.k_dst[-1], block_size)
     keep, n_keep_max = normalize_keep_blocks(keep_blocks, sh.batch, sh.heads, n_kv, q.device)
     dev = q.device
@@ -130,7 +136,7 @@ def ring_pisa_attention(
     (out, lse), rest_res = _ring_aligned(
         qa, ka, va, plan.k_dst, group, be, density=density, block_size=block_size, mode=mode,
         covariance_aware=covariance_aware, scale=scale, keep=keep, n_keep_max=n_keep_max, q_exact=q_rest,
-        alpha=weights,
+        alpha=weights, query_block=block_size * s.query_factor,
     )  # fmt: skip
 
     with phase("redist", dev):
@@ -173,9 +179,9 @@ def _tensor_key(t):
     return None if t is None else (id(t), t._version)
 
 
-def _ring_plan(perm, q_perm, exact, sh: Shards, block_size: int) -> _RingPlan:
+def _ring_plan(perm, q_perm, exact, sh: Shards, block_size: int, query_block: int) -> _RingPlan:
     key = (_tensor_key(perm), _tensor_key(q_perm), _tensor_key(exact), tuple(sh.q_lens), tuple(sh.k_lens), sh.rank,
-           block_size)  # fmt: skip
+           block_size, query_block)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is not None:
         _PLANS.move_to_end(key)
@@ -189,7 +195,8 @@ def _ring_plan(perm, q_perm, exact, sh: Shards, block_size: int) -> _RingPlan:
     elif perm is not None:
         q_perm = check_permutation(perm, q_src[-1], "perm (it also orders the queries: no q_perm given)")
     n_q = q_src[-1] if q_perm is None else q_perm.numel()
-    q_dst = _aligned_bounds(q_src, n_q, block_size, sh.world, q_perm)
+    # Query shards start on selection rows (query_block tokens), so each row's pooled mean is whole.
+    q_dst = _aligned_bounds(q_src, n_q, query_block, sh.world, q_perm)
     k_dst = _aligned_bounds(k_src, k_src[-1], block_size, sh.world, perm)
     to_q = Redistribution.plan(q_perm, q_src, q_dst, sh.rank)
     same_order = (q_perm is None and perm is None) or (
@@ -217,12 +224,12 @@ def _aligned_bounds(src: list[int], total: int, block_size: int, world: int, per
 
 
 def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size, mode, covariance_aware, scale,
-                  keep, n_keep_max, q_exact=None, alpha=None):  # fmt: skip
+                  keep, n_keep_max, q_exact=None, alpha=None, query_block=None):  # fmt: skip
     """Ring PISA on block-aligned K/V shards ([B, H, L, D] views, any strides) with backend ``be``'s
     stages. ``q``: this rank's query blocks (whole blocks of the global query sequence, which may
     differ from the key sequence). ``q_exact``: optional further queries (any count) that attend
     every key exactly, in the same pass. ``alpha``: ``[H]`` first-order weights of ``q``'s attend
-    (``attend``'s). Returns ``((out, lse), (out_exact, lse_exact) | None)``,
+    (``attend``'s). ``query_block``: tokens per selection row (``q`` starts on a row boundary). Returns ``((out, lse), (out_exact, lse_exact) | None)``,
     outputs in q's dtype, LSEs float32."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     dev = q.device
@@ -234,11 +241,13 @@ def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size,
     part_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else None
 
     with phase("stats", dev):
-        local = be.prepare(q, k, v, block_size)
+        local = be.prepare(q, k, v, block_size, query_block=query_block)
         shards, kmean, hdev = _gather_stats(be, local, k, v, blocks, group, covariance_aware, block_size)
     with phase("select", dev):
         width = spec.selection_width(n_kv, n_select, n_keep_max if keep is not None else 0)
-        sel = be.select(local.qmean, kmean, n_select=n_select, width=width, scale=scale, hdev=hdev, keep=keep)
+        sel = be.select(local.qmean, kmean, n_select=n_select, width=width, scale=scale, hdev=hdev, keep=keep,
+                        repeat=(query_block or block_size) // block_size,
+                        n_q_blocks=spec.num_blocks(q.shape[2], block_size))
     del local, kmean, hdev
 
     # Query groups sharing the K/V pass: (queries, selection over all key blocks or None = every

@@ -19,7 +19,8 @@ from torch import Tensor
 from ..attention import pisa_attention
 from ..spec import expand_kv_heads
 from .comm import check_permutation, inverse_permutation, to_device
-from .common import Shards, check_inputs, to_layout
+from ..settings import PisaSettings
+from .common import Shards, check_inputs, settings_of, to_layout
 from .phases import phase
 
 # fn(q, k, v) on full-sequence [B, h, L, D] tensors of this rank's heads -> out [B, h, L, D], or
@@ -45,6 +46,8 @@ def ulysses_pisa_attention(
     backend: str = "auto",
     seq_lens: list[int] | None = None,
     alpha=None,
+    query_block: int | None = None,
+    settings: PisaSettings | None = None,
 ):
     """Ulysses-parallel PISA: this rank's slice of ``pisa_attention`` over the global sequence.
 
@@ -52,12 +55,14 @@ def ulysses_pisa_attention(
     (passed on to :func:`pisa_attn.pisa_attention`, which runs on the gathered sequence). The query
     heads must be divisible by the group size; kv heads that are not are repeated to the query
     heads first. A per-head ``keep_blocks`` [B, H, Nk] or ``alpha`` [H] follows its heads to their rank.
+    ``settings``: a :class:`pisa_attn.PisaSettings` instead of the loose settings arguments.
     """
-    qh, kh, vh, sh = check_inputs(
-        q, k, v, group=group, density=density, block_size=block_size, mode=mode, scale=scale,
-        layout=layout, backend=backend, what="ulysses_pisa_attention", covariance_aware=covariance_aware,
-        return_lse=return_lse, seq_lens=seq_lens, alpha=alpha,
-    )  # fmt: skip
+    s, alpha = settings_of(settings, alpha, density=density, block_size=block_size, mode=mode,
+                           covariance_aware=covariance_aware, scale=scale, layout=layout, backend=backend,
+                           query_block=query_block)
+    qh, kh, vh, sh = check_inputs(q, k, v, group=group, settings=s, what="ulysses_pisa_attention",
+                                  return_lse=return_lse, seq_lens=seq_lens, alpha=alpha)
+    inner = s.replace(layout="bhsd")  # the gathered [B, h, L, D] sequence
     heads_here = slice(sh.rank * sh.heads // sh.world, (sh.rank + 1) * sh.heads // sh.world)
     alpha = local_heads(alpha, heads_here)
     keep = keep_blocks
@@ -66,13 +71,10 @@ def ulysses_pisa_attention(
 
     def fn(qf, kf, vf):
         with phase("attend", qf.device):
-            return pisa_attention(
-                qf, kf, vf, density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
-                scale=scale, keep_blocks=keep, return_lse=True, backend=backend, alpha=alpha,
-            )  # fmt: skip
+            return pisa_attention(qf, kf, vf, settings=inner, keep_blocks=keep, return_lse=True, alpha=alpha)
 
     out, lse = _ulysses(qh, kh, vh, fn, sh, group, perm)
-    out = to_layout(out, layout)
+    out = to_layout(out, s.layout)
     return (out, lse) if return_lse else out
 
 
@@ -91,10 +93,8 @@ def ulysses_attention(
     single-process attention). Returns this rank's slice of ``fn``'s result: ``out``, or
     ``(out, lse)`` when ``fn`` returns both.
     """
-    qh, kh, vh, sh = check_inputs(
-        q, k, v, group=group, density=1.0, block_size=64, mode="hybrid", scale=None, layout=layout,
-        backend="reference", what="ulysses_attention", seq_lens=seq_lens,
-    )  # fmt: skip
+    qh, kh, vh, sh = check_inputs(q, k, v, group=group, settings=PisaSettings(density=1.0, layout=layout),
+                                  what="ulysses_attention", seq_lens=seq_lens)
     res = _ulysses(qh, kh, vh, fn, sh, group, perm)
     if isinstance(res, Tensor):
         return to_layout(res, layout)

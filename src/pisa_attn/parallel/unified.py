@@ -12,6 +12,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..attention import validate
+from ..settings import PisaSettings
+from .common import settings_of
 from .comm import group_info
 from .ring import ring_pisa_attention
 from .ulysses import local_heads, ulysses_attention
@@ -38,6 +40,8 @@ def unified_pisa_attention(
     backend: str = "auto",
     seq_lens: list[int] | None = None,
     alpha=None,
+    query_block: int | None = None,
+    settings: PisaSettings | None = None,
 ):
     """Ulysses x ring PISA: this rank's slice of ``pisa_attention`` over the global sequence.
 
@@ -59,9 +63,14 @@ def unified_pisa_attention(
         ``out`` for this rank's queries (shape/layout of ``q``), plus ``lse`` [B, H, Lq] when
         ``return_lse``. Inference only.
     """
-    # The settings are checked here, before any collective (the ring checks them again per group).
-    validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout, backend=backend,
-             covariance_aware=covariance_aware, return_lse=return_lse, alpha=alpha)
+    # The settings are checked here, before any collective (the ring checks the tensors again per group).
+    s, alpha = settings_of(settings, alpha, density=density, block_size=block_size, mode=mode,
+                           covariance_aware=covariance_aware, scale=scale, layout=layout, backend=backend,
+                           query_block=query_block)
+    validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale, layout=s.layout,
+             backend=s.backend, covariance_aware=s.covariance_aware, return_lse=return_lse,
+             query_block=s.query_block, alpha=alpha)
+    layout = s.layout
     u_rank, u = group_info(ulysses_group)
     r_rank, r = group_info(ring_group)
     u_lens = ring_lens = None
@@ -77,11 +86,12 @@ def unified_pisa_attention(
         keep = keep[:, u_rank * heads // u : (u_rank + 1) * heads // u]
     alpha = local_heads(alpha, slice(u_rank * heads // u, (u_rank + 1) * heads // u))
 
+    inner = s.replace(layout="bhsd")  # the Ulysses group's [B, H/u, L, D] sequence
+
     def ring(qf, kf, vf):  # [B, H/u, L_group, D]: this Ulysses group's sequence, my heads
         return ring_pisa_attention(
-            qf, kf, vf, group=ring_group, density=density, block_size=block_size, mode=mode,
-            covariance_aware=covariance_aware, scale=scale, keep_blocks=keep, perm=perm, q_perm=q_perm,
-            exact_queries=exact_queries, return_lse=True, backend=backend, seq_lens=ring_lens, alpha=alpha,
+            qf, kf, vf, group=ring_group, settings=inner, keep_blocks=keep, perm=perm, q_perm=q_perm,
+            exact_queries=exact_queries, return_lse=True, seq_lens=ring_lens, alpha=alpha,
         )  # fmt: skip
 
     out, lse = ulysses_attention(q, k, v, ring, group=ulysses_group, layout=layout, seq_lens=u_lens)

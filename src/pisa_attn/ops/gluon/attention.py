@@ -36,11 +36,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .. import kernel_constants
+from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.pairs import pair_union
 
-LN2 = gl.constexpr(0.6931471805599453)
+LN2 = gl.constexpr(kernel_constants.LN2)
 
 
 # Names that moved between Triton releases (3.6: ``_reinterpret``, ``async_copy_*``).
@@ -113,15 +115,15 @@ def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     # A row with nothing seen yet keeps finite arithmetic: exp2(-inf - 0) = 0, never NaN.
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
+    rescale = gl.exp2(m_i - m_use)
     p = gl.exp2(s - m_use[:, None])
     ps = gl.sum(p, axis=1)
-    l_i = l_i * alpha + ps
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    l_i = l_i * rescale + ps
+    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
     pv = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     acc = warpgroup_mma(pv, v_smem, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return m_new, l_i, acc, alpha, ps
+    return m_new, l_i, acc, rescale, ps
 
 
 @gluon.jit
@@ -174,7 +176,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * qk_scale
             if not EVEN_K:
                 sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
-            m_i, l_i, acc, alpha, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout, p_layout)
+            m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout, p_layout)
         mbarrier.arrive(empty.index(s), count=1)
         t += 1
 
@@ -218,9 +220,9 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                     n_j = gl.maximum(gl.minimum(LK - cj * BS, BS), 1).to(gl.float32)
                     sc = sc + gl.log2(n_j)[None, :]
                 sc = gl.where(tail[None, :], sc, float("-inf"))
-                m_i, l_i, acc, alpha, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout, p_layout)
+                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout, p_layout)
                 # l_tail holds BS·Σα: every block but a ragged last one has n_j = BS.
-                l_tail = l_tail * alpha + ps
+                l_tail = l_tail * rescale + ps
                 if not EVEN_K:
                     if g0 + C >= NK:
                         n_last = (LK - (NK - 1) * BS).to(gl.float32)
@@ -308,7 +310,6 @@ def _pair_attn_kernel(
 # Host side
 # ----------------------------------------------------------------------------------------------
 
-MODE_IDS = {"drop": 0, "zeroth": 1, "hybrid": 2}
 # Ring depth per head dim: 3 slots of K+V (32 KB each at D=128) + two query tiles + H̄ fit one
 # CTA per SM with room for the epilogue; D=64 halves every tile.
 STAGES = {64: 4, 128: 3}
@@ -345,12 +346,13 @@ def attention(
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, n_select: int,
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
-    alpha: Tensor | None = None,
+    alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
     The stream is built from ``bits`` (``idx`` only gives the list width); both kernels take one
-    selection. ``alpha``: ``[H]`` float32 weights of the first-order term (None: 1)."""
+    selection. ``alpha``: ``[H]`` float32 weights of the first-order term (None: 1). ``pairs``:
+    (uidx, ucnt) buffers for the pair stream (:func:`pisa_attn.ops.triton.pairs.pair_union`)."""
     del cnt, n_select
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -360,14 +362,14 @@ def attention(
         out = _alloc_like_layout(q)
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
-    uidx, ucnt = pair_union(bits, nk, idx.shape[-1])
+    uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=pairs)
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
     st = stages or STAGES[d]
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d))
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d])
     scalars = (kscale, uidx, ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk, uidx.shape[-1], bits.shape[-1],
-               scale * 1.4426950408889634, scale)
+               scale * LOG2E, scale)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg)
     key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, tuple(x.data_ptr() % 16 == 0 for x in scalars[:6]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)

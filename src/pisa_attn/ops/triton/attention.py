@@ -30,9 +30,10 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import tail_weight
-from ._common import LN2, LOG2E, interpreting
+from ..kernel_constants import LN2, LOG2E, MODE_IDS
+from ..launch import Launcher, spec_class
+from ._common import interpreting
 
-MODE_IDS = {"drop": 0, "zeroth": 1, "hybrid": 2}
 LN2_C = tl.constexpr(LN2)
 
 
@@ -53,12 +54,12 @@ def _merge_max(m_i, s):
 def _step(m_i, l_i, acc, s, v, LOWP: tl.constexpr, F32: tl.constexpr):
     """One key tile (exact keys, or a group of centroids) into the running (m, l, acc): returns
     them updated plus the rescale factor and the tile's row sums (the tail normaliser needs both)."""
-    m_i, alpha, p = _merge_max(m_i, s)
+    m_i, rescale, p = _merge_max(m_i, s)
     ps = tl.sum(p, axis=1)
     pv = p.to(LOWP)
     if F32:
         pv = pv.to(tl.float32)
-    return m_i, l_i * alpha + ps, acc * alpha[:, None] + tl.dot(pv, v), alpha, ps
+    return m_i, l_i * rescale + ps, acc * rescale[:, None] + tl.dot(pv, v), rescale, ps
 
 
 @triton.jit
@@ -105,9 +106,9 @@ def _tail_phase(q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_p
                 n_j = tl.maximum(tl.minimum(LK - cj * BS, BS), 1).to(tl.float32)  # 1: padding columns
                 sc = sc + tl.log2(n_j)[None, :]
             sc = tl.where(tail[None, :], sc, float("-inf"))
-            m_i, l_i, acc, alpha, ps = _step(m_i, l_i, acc, sc, vb, LOWP, F32)
+            m_i, l_i, acc, rescale, ps = _step(m_i, l_i, acc, sc, vb, LOWP, F32)
             # l_tail holds BS·Σα: every block but a ragged last one has n_j = BS.
-            l_tail = l_tail * alpha + ps
+            l_tail = l_tail * rescale + ps
             if not EVEN_K:
                 if g0 + C >= NK:  # the group holding the ragged last block
                     n_last = (LK - (NK - 1) * BS).to(tl.float32)
@@ -174,7 +175,7 @@ def _attn_kernel(
         s = tl.dot(q, tl.trans(kt)) * qk_scale
         if not EVEN_K:
             s = tl.where((cols < LK)[None, :], s, float("-inf"))
-        m_i, l_i, acc, alpha, ps = _step(m_i, l_i, acc, s, vt, LOWP, F32)
+        m_i, l_i, acc, _, _ = _step(m_i, l_i, acc, s, vt, LOWP, F32)
     if MODE > 0:
         m_i, l_i, acc, l_tail = _tail_phase(
             q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_ptr, row, NW, stat_base, n_exact,
@@ -287,5 +288,19 @@ def attention(
         cfg = FIXED_CONFIG if config is None else {"C": 64, "num_warps": 4, "num_stages": 2, **config}
         _attn_kernel[grid](*args, **meta, **cfg)
     else:
-        _attn_tuned[grid](*args, **meta)
+        # Tuned once per shape class by the autotuner; then launched through a Launcher with the
+        # chosen config (the autotuner re-binds every argument on each call: tens of µs of host time).
+        key = (q.dtype, meta["MODE"], meta["EVEN_K"], block_size, d, args[-2:], spec_class(*args[:29]))
+        tuned = _TUNED.get(key)
+        if tuned is None:
+            _attn_tuned[grid](*args, **meta)
+            best = getattr(_attn_tuned, "best_config", None)
+            if best is not None:
+                _TUNED[key] = {**meta, **best.all_kwargs()}
+        else:
+            _launch_attn(key, grid, args, tuned)
     return out, lse
+
+
+_launch_attn = Launcher(_attn_kernel)
+_TUNED: dict = {}  # launch key -> the autotuner's config (constexprs and launch options) for it
