@@ -70,26 +70,36 @@ def main():
                         _report(f"attn D={d} mode={mode} C={c} se={se} st={st}", A._attn_kernel, attn_types, ce,
                                 warps, stages)
     if "prep" in which:
-        types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "vbar_ptr")}
-        types.update(kbar_ptr="*fp16", kscale_ptr="*fp32", qmean_ptr="*fp32", kmean_ptr="*fp32", hbar_ptr="*fp32", inv_nk="fp32")
+        types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "vbar_ptr", "hbar_lp_ptr")}
+        types.update(excl_ptr="*u8", qmean_ptr="*fp32", kmean_ptr="*fp32", part_h_ptr="*fp32", part_s_ptr="*fp32",
+                     hbar_ptr="*fp32", kbar_ptr="*fp16", kscale_ptr="*fp32", hdev_ptr="*fp32")
         for d in (64, 128):
-            t3 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", kmax_ptr="*fp32", vbar_ptr="*bf16",
-                      vsum_ptr="*fp32")
-            _report(f"kv_means D={d}", P._kv_means_kernel, t3, dict(BS=64, D=d), 4, 3)
-            t4 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", vsum_ptr="*fp32", hbar_ptr="*fp32", inv_nk="fp32",
-                      kmax_ptr="*fp32", kbar_ptr="*fp16", kscale_ptr="*fp32")
-            _report(f"hbar D={d}", P._hbar_kernel, t4, dict(BS=64, D=d, F32=False), 8 if d >= 128 else 4, 3)
-            _report(f"q_mean D={d}", P._q_mean_kernel, dict(q_ptr="*bf16", qmean_ptr="*fp32"), dict(BS=64, D=d), 4, 3)
-            t2 = dict(k_ptr="*bf16", v_ptr="*bf16", kmean_ptr="*fp32", vsum_ptr="*fp32", hbar_ptr="*fp32", hdev_ptr="*fp32")
-            _report(f"hdev D={d}", P._hdev_kernel, t2, dict(BS=64, D=d, F32=False), 8 if d >= 128 else 4, 3)
+            for qb in (64, 128):
+                for stages in (2, 3, 4):
+                    _report(f"stats D={d} QB={qb}", P._stats_kernel, types,
+                            dict(BS=64, QB=qb, QT=P._q_tile(qb, d), D=d, F32=False, CLAMP=False, HAS_EXCL=False),
+                            P._stats_warps(d), stages)
+            _report(f"stats D={d} excl", P._stats_kernel, types,
+                    dict(BS=64, QB=64, QT=P._q_tile(64, d), D=d, F32=False, CLAMP=False, HAS_EXCL=True),
+                    P._stats_warps(d), 3)
+            _report(f"finish D={d}", P._finish_kernel, types, dict(D=d, RB=16, TJ=32), 4, 2)
+            _report(f"hdev D={d}", P._hdev_kernel, types, dict(BS=64, D=d, F32=False, CLAMP=False), P._stats_warps(d), 2)
     if "select" in which:
-        types = dict(scores_ptr="*fp32", hdev_ptr="*fp32", keep_ptr="*u8", idx_ptr="*i32", cnt_ptr="*i32",
-                     bits_ptr="*i32", scale="fp32")
-        for nkp in (64, 512, 1024, 4096):
-            for warps in (1, 2, 4, 8):
+        types = dict(scores_ptr="*fp32", qmean_ptr="*fp32", kmean_ptr="*fp32", out_ptr="*fp32", hdev_ptr="*fp32",
+                     keep_ptr="*u8", idx_ptr="*i32", cnt_ptr="*i32", bits_ptr="*i32", scale="fp32")
+        for nkp in (64, 128, 256):
+            for warps in (4, 8):
+                _report(f"select NKP={nkp} R=64 tf32", S._select_kernel, types,
+                        dict(R=64, NKP=nkp, D=128, COV=False, HAS_KEEP=False, REP=1, PREC="tf32", BITS=2), warps, 1)
+                _report(f"select NKP={nkp} R=64", S._select_kernel, types,
+                        dict(R=64, NKP=nkp, D=128, COV=False, HAS_KEEP=False, REP=1, PREC="tf32x3", BITS=2), warps, 1)
+        _report("scores D=128 64x64", S._scores_kernel, types, dict(BM=64, BN=64, D=128, PREC="tf32x3"), 4, 1)
+        for nkp in (512, 1024, 4096):
+            for warps in (1, 2):
                 r = max(1, min(64, 1024 * warps // nkp))
                 _report(f"topk NKP={nkp} R={r}", S._topk_kernel, types,
-                        dict(R=r, NKP=nkp, COV=False, HAS_KEEP=False), warps, 1)
+                        dict(R=r, NKP=nkp, COV=False, HAS_KEEP=False, REP=1, BITS=2), warps, 1)
+
 
 if __name__ == "__main__":
     main()

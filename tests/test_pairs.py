@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pisa_attn.ops.triton.pairs import pair_union, pair_union_torch
+from pisa_attn.ops.triton.pairs import pair_union, union_width
 from pisa_attn.ops.selection import Selection
 
 
@@ -42,3 +42,25 @@ def test_owners_alternate_before_shared_blocks():
     uidx, ucnt = pair_union(bits.contiguous(), 10, 4)
     codes = uidx[0, 0, 0, : int(ucnt[0, 0, 0])].tolist()
     assert [(c >> 2, c & 3) for c in codes] == [(0, 1), (5, 2), (1, 1), (2, 1), (7, 3)]
+
+
+def pair_union_torch(bits, n_kv_blocks: int, width: int):
+    """The same (uidx, ucnt) in plain PyTorch (the reference the kernel is tested against)."""
+    b, h, nq, nw = bits.shape
+    lanes = torch.arange(32, device=bits.device, dtype=torch.int32)
+    mask = ((bits[..., None] >> lanes) & 1).reshape(b, h, nq, nw * 32)[..., :n_kv_blocks].to(torch.int32)
+    if nq % 2:
+        mask = torch.cat([mask, torch.zeros_like(mask[:, :, :1])], 2)
+    own = (mask[:, :, 0::2] | (mask[:, :, 1::2] << 1)).long()  # [B, H, Nq2, Nk]
+    w2 = union_width(n_kv_blocks, width)
+    codes = torch.zeros(b, h, own.shape[2], w2, dtype=torch.int32, device=bits.device)
+    for bi in range(b):
+        for hi in range(h):
+            for p in range(own.shape[2]):
+                o = own[bi, hi, p]
+                a, bb, s = [(o == c).nonzero().flatten() for c in (1, 2, 3)]
+                m = min(len(a), len(bb))
+                inter = torch.stack([a[:m], bb[:m]], 1).flatten()
+                order = torch.cat([inter, a[m:], bb[m:], s])
+                codes[bi, hi, p, : len(order)] = (order * 4 + o[order]).to(torch.int32)
+    return codes, (own != 0).sum(-1, dtype=torch.int32)

@@ -328,3 +328,55 @@ def test_sharded_keys_merge_at_real_size():
     err, lse_err = rel_l1(out, whole), (lse - whole_lse).abs().max().item()
     print(f"\n[3 shards vs whole] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
     assert err < 3e-3 and lse_err < 1e-4
+
+
+@pytest.mark.parametrize("case", [(2, 16, 16, 4096, 128, "bhsd", 128), (1, 8, 2, 8229, 64, "bshd", 256)],
+                         ids=["B2-H16-L4096-D128-bhsd-qb128", "B1-H8-Hk2-L8229-D64-bshd-gqa-ragged-qb256"])
+def test_statistics_match_fp64_reference(case):
+    """One-read statistics at real sizes against float64: means, centroids, H̄ with and without
+    excluded blocks, ||H_j − H̄||, the float16 centroids; the workspace path writes the same bits."""
+    from pisa_attn.ops.triton import prepare as P
+
+    b, h, hk, l, d, layout, qb = case
+    q, k, v = qkv(b, h, hk, l, l, d, torch.bfloat16, layout, seed=23)
+    k = (k.float() + 2.0).bfloat16()  # a common key component: centring must be accurate
+    nk = -(-l // 64)
+    ex = torch.rand(b, 1, nk, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2)) < 0.3
+    ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=64, query_block=qb, with_hdev=True)
+    for excl in (None, ex):
+        st = P.prepare(q, k, v, 64, with_hdev=True, query_block=qb, hbar_exclude=excl)
+        rs = ref.prepare(q.double(), k.double(), v.double(), 64, with_hdev=True, query_block=qb, hbar_exclude=excl)
+        errs = dict(qmean=rel_l1(st.qmean, rs.qmean), kmean=rel_l1(st.kmean, rs.kmean),
+                    vbar=rel_l1(st.vbar.double() * rs.counts[:, None], rs.vsum), hbar=rel_l1(st.hbar, rs.hbar),
+                    hdev=rel_l1(st.hdev, rs.hdev),
+                    kbar=rel_l1(st.kbar.double() * st.kscale.double()[..., None, None], rs.kmean))
+        print(f"\n[stats exclude={excl is not None}] " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+        assert errs["qmean"] < 1e-6 and errs["kmean"] < 1e-6 and errs["kbar"] < 1e-3
+        assert errs["vbar"] < 5e-3 and errs["hbar"] < 5e-3 and errs["hdev"] < 5e-3
+        got = P.prepare(q, k, v, 64, with_hdev=True, query_block=qb, hbar_exclude=excl, ws=ws)
+        for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hdev"):
+            assert torch.equal(getattr(got, f), getattr(st, f)), f  # deterministic: no atomics
+
+
+@pytest.mark.parametrize("nk_blocks", [64, 128])
+def test_selection_paths_agree_at_real_size(nk_blocks, monkeypatch):
+    """The one-kernel selection and the score-GEMM + top-k path give the same selection (both 3xTF32),
+    and it overlaps the float64 reference's top-k almost everywhere."""
+    from pisa_attn.ops.triton import prepare as P
+    from pisa_attn.ops.triton import select as S
+
+    q, k, v = qkv(2, 16, 16, nk_blocks * 64, nk_blocks * 64, 128, torch.bfloat16, "bhsd", seed=nk_blocks)
+    st = P.prepare(q, k, v, 64, with_hdev=True)
+    n_sel = max(1, nk_blocks // 8)
+    kw = dict(n_select=n_sel, width=n_sel, scale=128 ** -0.5, hdev=st.hdev)
+    sels = {}
+    for name, max_nkp in (("one", 256), ("two", 0)):
+        monkeypatch.setitem(S.FUSED, "max_nkp", max_nkp)
+        monkeypatch.setitem(S.FUSED, "warps", 8 if nk_blocks > 64 else 4)
+        sels[name] = S.select(st.qmean, st.kmean, **kw)
+    assert torch.equal(sels["one"].bits, sels["two"].bits) and torch.equal(sels["one"].idx, sels["two"].idx)
+    want = ref.select(st.qmean.double(), st.kmean.double(), **{**kw, "hdev": st.hdev.double()}).to_mask(nk_blocks)
+    mask = bits_to_mask(sels["one"].bits, nk_blocks)
+    overlap = ((mask & want).sum() / want.sum()).item()
+    print(f"\n[selection Nk={nk_blocks}] overlap with float64 top-k {overlap:.6f}")
+    assert overlap > 0.999

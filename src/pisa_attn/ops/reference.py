@@ -267,10 +267,21 @@ def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, a
 
 # ---------------------------------------------------------------- the stage contract (ops/stages.py)
 def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
-            lean: bool = False, query_block: int | None = None) -> BlockStats:
+            lean: bool = False, query_block: int | None = None, hbar_exclude: Tensor | None = None) -> BlockStats:
     """Block statistics of the keys and values plus the means of query blocks of ``query_block``
-    rows (default ``block_size``)."""
-    stats = block_stats(k, v, block_size, with_hdev=with_hdev)
+    rows (default ``block_size``). ``hbar_exclude``: optional bool ``[B|1, Hk|1, Nk]``, key blocks
+    left out of H̄ (the mean of the other blocks' ``H_j``; 0 when every block is excluded)."""
+    stats = block_stats(k, v, block_size, with_hdev=with_hdev and hbar_exclude is None)
+    if hbar_exclude is not None:
+        dtype = stats.kmean.dtype
+        keep = (~hbar_exclude.to(device=k.device, dtype=torch.bool)).to(dtype)  # [B|1, Hk|1, Nk]
+        tok = keep.index_select(-1, torch.arange(k.shape[2], device=k.device) // block_size)
+        ktv = torch.einsum("bhld,bhl,bhle->bhde", k.to(dtype), tok.expand(k.shape[0], k.shape[1], -1), v.to(dtype))
+        w = keep.expand(*stats.kmean.shape[:3])
+        hsum = ktv - torch.einsum("bhnd,bhn,bhne->bhde", stats.kmean, w, stats.vsum)
+        stats.hbar = hsum / w.sum(-1).clamp_min(1)[..., None, None]  # nothing left: the sum is 0
+        if with_hdev:
+            stats.hdev = deviation(k, v, stats, stats.hbar, block_size)
     stats.qmean = block_means(q, query_block or block_size, stats.kmean.dtype)
     return stats
 

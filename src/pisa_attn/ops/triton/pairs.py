@@ -73,8 +73,8 @@ def union_width(n_kv_blocks: int, width: int) -> int:
 def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *,
                out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """(uidx, ucnt) of every pair of query blocks from the selection bitmask ``bits [B, H, Nq, NW]``
-    (contiguous); ``width`` is the selection's list width ``W``. ``out``: (uidx, ucnt) buffers of
-    those shapes to write into (then nothing is allocated)."""
+    (contiguous); ``width`` is the selection's list width ``W``. ``out``: preallocated
+    ``(uidx, ucnt)`` of the shapes above (contiguous), written and returned."""
     b, h, nq, nw = bits.shape
     nq2 = -(-nq // 2)
     w2 = union_width(n_kv_blocks, width)
@@ -91,25 +91,3 @@ def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *,
     _launch((nkp, r, warps, bits.data_ptr() % 16 == 0), (triton.cdiv(n_pairs, r),), args, dict(R=r, NKP=nkp),
             num_warps=warps)
     return uidx, ucnt
-
-
-def pair_union_torch(bits: Tensor, n_kv_blocks: int, width: int) -> tuple[Tensor, Tensor]:
-    """The same (uidx, ucnt) in plain PyTorch (the reference the kernel is tested against)."""
-    b, h, nq, nw = bits.shape
-    lanes = torch.arange(32, device=bits.device, dtype=torch.int32)
-    mask = ((bits[..., None] >> lanes) & 1).reshape(b, h, nq, nw * 32)[..., :n_kv_blocks].to(torch.int32)
-    if nq % 2:
-        mask = torch.cat([mask, torch.zeros_like(mask[:, :, :1])], 2)
-    own = (mask[:, :, 0::2] | (mask[:, :, 1::2] << 1)).long()  # [B, H, Nq2, Nk]
-    w2 = union_width(n_kv_blocks, width)
-    codes = torch.zeros(b, h, own.shape[2], w2, dtype=torch.int32, device=bits.device)
-    for bi in range(b):
-        for hi in range(h):
-            for p in range(own.shape[2]):
-                o = own[bi, hi, p]
-                a, bb, s = [(o == c).nonzero().flatten() for c in (1, 2, 3)]
-                m = min(len(a), len(bb))
-                inter = torch.stack([a[:m], bb[:m]], 1).flatten()
-                order = torch.cat([inter, a[m:], bb[m:], s])
-                codes[bi, hi, p, : len(order)] = (order * 4 + o[order]).to(torch.int32)
-    return codes, (own != 0).sum(-1, dtype=torch.int32)

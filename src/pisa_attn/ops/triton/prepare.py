@@ -1,27 +1,39 @@
-"""Prepare phase: the block statistics PISA needs, in three launches over q, k, v.
+"""Prepare phase: the block statistics PISA needs, from one read of q, k and v.
 
-1. ``_kv_means_kernel`` (streaming, one key block per program; true counts for the ragged last
-   block): centroid ``k̄_j`` in float32 (selection) and the head's largest centroid entry; value
-   mean ``V̂_j / n_j`` in the input dtype; ``V̂_j`` in float32 (scratch).
-2. ``_hbar_kernel``: ``H̄ = (1/N) Σ_j H_j`` with ``H_j = K_jᵀV_j − k̄_jᵀV̂_j``, a GEMM-like loop
-   (tensor-core product, rank-1 correction from the stored means) reduced on-chip per run of
-   blocks and added atomically into one ``[D, D]`` float32 matrix per kv head (never a per-block
-   ``D×D`` buffer); on the way it writes the tail scan's centroids as float16 divided by one power
-   of two per head (11 mantissa bits instead of bfloat16's 8, one tensor-core product per tail
-   score, no overflow whatever the magnitude).
-3. ``_q_mean_kernel`` (streaming): the query means selection reads.
+1. ``_stats_kernel``, one launch with two kinds of programs:
 
-The kv work is split in two so that no loop holds a block-wide reduction (a barrier): fused into
-one loop that reads k and v once it measured slower, twice (notes/kernel-notes.md).
+   * kv programs (a kv head and a run of its key blocks): per block, the centroid ``k̄_j`` (float32,
+     stored transposed ``[D, Nk]``: the selection GEMM's right operand), the value mean
+     ``V̂_j / n_j`` (input dtype) and ``H_j = (K_j − 1·k̄_j)ᵀ V_j``; the run's ``Σ H_j``, its largest
+     ``|k̄|`` and its count of blocks are stored as per-program partials (no atomics, nothing to zero
+     per call);
+   * q programs (a query head and a run of its query blocks): the query means selection reads.
 
-For covariance-aware selection a second, equally cheap pass computes ``||H_j − H̄||_F`` directly
-(``H_j`` lives in registers for one block at a time). The algebraic expansion
-``||H_j||² − 2⟨H_j, H̄⟩ + ||H̄||²`` also needs ``H̄`` first, so it saves no pass and cancels badly
-when ``H_j ≈ H̄``.
+   Every block sum is a tensor-core product with a constant operand: ``Kᵀ·I`` (the keys in the
+   accumulator's layout), ``Kᵀ·J`` (``J`` all ones: each column is the block's key sum), ``Vᵀ·J``
+   and ``Qᵀ·J``. The loop therefore holds no reduction across the token axis, which would put a
+   block-wide barrier into every step (the earlier one-pass kernel, notes/kernel-notes.md). Only
+   reductions along the accumulator's columns remain, which stay inside a warp. The centred keys
+   are exact in float32 and rounded once to the input dtype before ``(K − k̄)ᵀ·V``: rounding the
+   centred keys instead of subtracting ``k̄ᵀV̂`` from ``KᵀV`` keeps keys with a large common
+   component accurate (H̄ to about 2e-3 relative in bfloat16, the precision of its input-dtype
+   copy the attention kernels read).
+2. ``_finish_kernel`` (per kv head, one program per slice of rows): ``H̄`` from the partials (the
+   mean over the blocks not in ``hbar_exclude``; ``0`` when every block is excluded), its
+   input-dtype copy, and the tail scan's float16 centroids divided by one power of two per head
+   (its largest ``|k̄|`` lands in ``[2^13, 2^14)``: no overflow whatever the magnitude, 11 mantissa
+   bits, one scalar for the attention kernels to fold back).
+
+Covariance-aware selection adds ``_hdev_kernel`` (``||H_j − H̄||_F``, a second read of k and v: it
+needs ``H̄`` first; the expansion ``||H_j||² − 2⟨H_j, H̄⟩ + ||H̄||²`` saves no pass and cancels
+badly when ``H_j ≈ H̄``).
+
+:func:`stats_workspace` allocates every buffer once; ``prepare(..., ws=)`` then allocates nothing.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,121 +44,165 @@ from torch import Tensor
 
 from ..launch import Launcher, spec_class
 from ..stages import slice_blocks
-from ._common import chunking, interpreting
+from ._common import interpreting, sm_count
 
-
-@triton.jit(do_not_specialize=["HK", "LK", "NK"])
-def _kv_means_kernel(
-    k_ptr, v_ptr,
-    kmean_ptr, kmax_ptr, vbar_ptr, vsum_ptr,
-    skb, skh, skl, skd,
-    svb, svh, svl, svd,
-    HK, LK, NK,
-    BS: tl.constexpr, D: tl.constexpr,
-):
-    # One block per program: a streaming pass with many independent loads in flight.
-    j = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // HK).to(tl.int64)
-    h = (bh % HK).to(tl.int64)
-    rows = j * BS + tl.arange(0, BS)
-    offs_d = tl.arange(0, D)
-    valid = (rows < LK)[:, None]
-    kf = tl.load(k_ptr + b * skb + h * skh + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
-    vt = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
-    inv_n = 1.0 / tl.minimum(LK - j * BS, BS).to(tl.float32)
-    km = tl.sum(kf.to(tl.float32), axis=0) * inv_n
-    v_sum = tl.sum(vt.to(tl.float32), axis=0)
-    out_off = (bh.to(tl.int64) * NK + j) * D + offs_d
-    # k̄ in float32 is stored transposed ([D, Nk] per head): the selection GEMM's right operand.
-    tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
-    # The head's largest |k̄| picks the float16 scale of its centroids (written by _hbar_kernel).
-    tl.atomic_max(kmax_ptr + bh, tl.max(tl.abs(km), axis=0))
-    tl.store(vbar_ptr + out_off, (v_sum * inv_n).to(vt.dtype))
-    tl.store(vsum_ptr + out_off, v_sum)
+# Tunables, measured by benchmarks/stats_select_bench.py (H100): programs of one launch fill this
+# many waves of the GPU (one below ``short_blocks_per_sm`` key-block equivalents per SM: 1 wave was
+# fastest at 4K and 8K, 2-4 at 32K and 64K); software-pipelining depth of the loads (4 beat 3 and
+# 2); bytes of q per step of a q program.
+STATS_TUNING = {"waves": 2, "short_blocks_per_sm": 64, "stages": 4, "q_tile_bytes": 32768}
+F16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
-def _add_block_h(acc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, skd, svl, svd,
-                 BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr):
-    """``acc + H_j`` with ``H_j = K_jᵀV_j − k̄_jᵀ V̂_j`` (and ``k̄_j``): the product straight from the
-    bf16/fp16 tiles on the tensor cores (fp32 accumulate), the rank-1 correction on the CUDA cores
-    from the means ``_kv_means_kernel`` stored; padded rows are 0."""
+def _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones,
+                   BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr):
+    """Block ``j`` of one kv head: (``(K_j − 1·k̄_j)ᵀ`` ``[D, BS]`` in the dot dtype, ``K_jᵀ·J``
+    ``[D, BS]`` float32 (every column the key sum), ``V_j`` ``[BS, D]``, ``n_j``). Padded rows
+    are 0, so they add nothing to any product."""
     rows = j * BS + tl.arange(0, BS)
     offs_d = tl.arange(0, D)
     valid = (rows < LK)[:, None]
     kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
     vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
-    km = tl.load(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j)
-    v_sum = tl.load(vsum_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d)
     if F32:  # Triton 3.9's interpreter mis-evaluates low-precision tl.dot
-        acc = tl.dot(tl.trans(kt.to(tl.float32)), vt.to(tl.float32), acc)
-    else:
-        acc = tl.dot(tl.trans(kt), vt, acc)
-    return acc - km[:, None] * v_sum[None, :], km
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
+    n = tl.minimum(LK - j * BS, BS).to(tl.float32)
+    k_t = tl.trans(kt)
+    k_sum = tl.dot(k_t, ones)  # exact products by 1, float32 accumulation
+    kc = tl.dot(k_t, eye) - k_sum / n
+    if CLAMP:  # float16 inputs: |k − k̄| may exceed float16's range by up to 2x
+        kc = tl.minimum(tl.maximum(kc, -F16_MAX), F16_MAX)
+    return kc.to(kt.dtype), k_sum, vt, n
 
 
-@triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
-def _hbar_kernel(
-    k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr, kmax_ptr, kbar_ptr, kscale_ptr,
+@triton.jit
+def _consts(dtype, BS: tl.constexpr, QS: tl.constexpr):
+    r = tl.arange(0, BS)
+    eye = (r[:, None] == r[None, :]).to(dtype)
+    ones = tl.full([BS, BS], 1.0, dtype)
+    ones_n = tl.full([BS, QS], 1.0, dtype)
+    return eye, ones, ones_n
+
+
+@triton.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQS", "NQT", "NK", "KV_PER", "KV_CHUNKS", "Q_PER",
+                               "Q_CHUNKS", "N_KV", "ex_sb", "ex_sh"])
+def _stats_kernel(
+    q_ptr, k_ptr, v_ptr, excl_ptr,
+    qmean_ptr, kmean_ptr, vbar_ptr, part_h_ptr, part_s_ptr,
+    sqb, sqh, sql, sqd,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
-    HK, LK, NK, KV_PER, KV_CHUNKS,
-    inv_nk,
-    BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
+    ex_sb, ex_sh,
+    H, HK, LQ, LK, NQS, NQT, NK, KV_PER, KV_CHUNKS, Q_PER, Q_CHUNKS, N_KV,
+    BS: tl.constexpr, QB: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
+    CLAMP: tl.constexpr, HAS_EXCL: tl.constexpr,
 ):
-    # Only tensor-core work and two vector loads per block (the means come from _kv_means_kernel):
-    # a GEMM-like loop with nothing that needs a block-wide reduction or barrier.
     pid = tl.program_id(0)
+    dt = tl.float32 if F32 else k_ptr.dtype.element_ty
+    eye, ones, ones_n = _consts(dt, BS, 16)
     offs_d = tl.arange(0, D)
-    c = pid % KV_CHUNKS
-    bh = pid // KV_CHUNKS
-    b = (bh // HK).to(tl.int64)
-    h = (bh % HK).to(tl.int64)
-    k_base = k_ptr + b * skb + h * skh
-    v_base = v_ptr + b * svb + h * svh
-    hacc = tl.zeros([D, D], dtype=tl.float32)
-    # Power-of-two scale per head: its largest |k̄| lands in [2^13, 2^14), far from fp16's
-    # overflow, and the scaling itself is exact (one scalar for the attention kernel to fold back;
-    # a scale per block costs the Triton tail scan a per-column vector in the score tile's layout).
-    kmax = tl.load(kmax_ptr + bh)
-    ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
-    if c == 0:
-        tl.store(kscale_ptr + bh, ks)
-    j0 = c * KV_PER
-    for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
-        hacc, km = _add_block_h(hacc, k_base, v_base, kmean_ptr, vsum_ptr, bh, j, NK, LK, skl, skd, svl, svd,
-                                BS, D, F32)
-        tl.store(kbar_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d, (km / ks).to(tl.float16))
-    # Dividing before the atomic add leaves H̄ itself in the buffer (no epilogue launch).
-    tl.atomic_add(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :], hacc * inv_nk)
+    if pid < N_KV:
+        c = pid % KV_CHUNKS
+        bh = pid // KV_CHUNKS
+        b = (bh // HK).to(tl.int64)
+        h = (bh % HK).to(tl.int64)
+        k_base = k_ptr + b * skb + h * skh
+        v_base = v_ptr + b * svb + h * svh
+        hacc = tl.zeros([D, D], dtype=tl.float32)
+        kmax = tl.zeros([D], dtype=tl.float32)
+        count = 0.0
+        j0 = c * KV_PER
+        for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
+            kc, k_sum, vt, n = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, BS, D, F32, CLAMP)
+            km = tl.max(k_sum, axis=1) / n  # every column holds the sum: a max is exact
+            tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
+            kmax = tl.maximum(kmax, tl.abs(km))
+            v_mean = tl.max(tl.dot(tl.trans(vt), ones_n), axis=1) / n
+            tl.store(vbar_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d, v_mean.to(vbar_ptr.dtype.element_ty))
+            if HAS_EXCL:
+                w = (tl.load(excl_ptr + b * ex_sb + h * ex_sh + j) == 0).to(tl.float32)
+                kc = (kc * w).to(kc.dtype)
+                count += w
+            else:
+                count += 1.0
+            hacc = tl.dot(kc, vt, hacc)
+        part = bh.to(tl.int64) * KV_CHUNKS + c
+        tl.store(part_h_ptr + part * D * D + offs_d[:, None] * D + offs_d[None, :], hacc)
+        tl.store(part_s_ptr + part * 2, tl.max(kmax, axis=0))
+        tl.store(part_s_ptr + part * 2 + 1, count)
+    else:
+        # QT rows per step (several query blocks of QB rows): one tile load, and the block sums as
+        # one product with a block-diagonal ones matrix, column c the sum of block c of the tile.
+        p = pid - N_KV
+        c = p % Q_CHUNKS
+        bh = p // Q_CHUNKS
+        q_base = q_ptr + (bh // H).to(tl.int64) * sqb + (bh % H).to(tl.int64) * sqh
+        t = tl.arange(0, QT)
+        blk = tl.arange(0, 16)
+        jb = ((t[:, None] // QB) == blk[None, :]).to(dt)
+        i0 = c * Q_PER
+        for i in range(i0, tl.minimum(NQT, i0 + Q_PER)):
+            rows = i * QT + t
+            qt = tl.load(q_base + rows[:, None] * sql + offs_d[None, :] * sqd, mask=(rows < LQ)[:, None], other=0.0)
+            acc = tl.dot(tl.trans(qt.to(dt)), jb)  # [D, 16]
+            qi = i * (QT // QB) + blk
+            n = tl.maximum(tl.minimum(LQ - qi * QB, QB), 1).to(tl.float32)  # columns past the end: unused
+            ok = (blk < QT // QB) & (qi < NQS)
+            tl.store(qmean_ptr + (bh.to(tl.int64) * NQS + qi[None, :]) * D + offs_d[:, None], acc / n[None, :],
+                     mask=ok[None, :])
 
 
-@triton.jit(do_not_specialize=["H", "LQ", "NQ"])
-def _q_mean_kernel(
-    q_ptr, qmean_ptr, sqb, sqh, sql, sqd, H, LQ, NQ,
-    BS: tl.constexpr, D: tl.constexpr,
+@triton.jit(do_not_specialize=["NK", "KV_CHUNKS", "F_PER"])
+def _finish_kernel(
+    part_h_ptr, part_s_ptr, kmean_ptr, hbar_ptr, hbar_lp_ptr, kbar_ptr, kscale_ptr,
+    NK, KV_CHUNKS, F_PER,
+    D: tl.constexpr, RB: tl.constexpr, TJ: tl.constexpr,
 ):
-    # One block per program: many small independent loads in flight (a streaming pass).
-    i = tl.program_id(0)
-    bh = tl.program_id(1)
-    rows = i * BS + tl.arange(0, BS)
+    # Program (head, g): rows g·RB .. of H̄ from the partials, and key blocks g·F_PER .. of the
+    # float16 centroids (D // RB programs per head share the work).
+    pid = tl.program_id(0)
+    g = pid % (D // RB)
+    bh = (pid // (D // RB)).to(tl.int64)
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + (bh // H).to(tl.int64) * sqb + (bh % H).to(tl.int64) * sqh + rows[:, None] * sql
-                + offs_d[None, :] * sqd, mask=(rows < LQ)[:, None], other=0.0)
-    qm = tl.sum(q.to(tl.float32), axis=0) / tl.minimum(LQ - i * BS, BS).to(tl.float32)
-    tl.store(qmean_ptr + (bh.to(tl.int64) * NQ + i) * D + offs_d, qm)
+    kmax = 0.0
+    for c in range(KV_CHUNKS):
+        kmax = tl.maximum(kmax, tl.load(part_s_ptr + (bh * KV_CHUNKS + c) * 2))
+    ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
+    if g == 0:
+        tl.store(kscale_ptr + bh, ks)
+    rows = g * RB + tl.arange(0, RB)
+    tile = rows[:, None] * D + offs_d[None, :]
+    hsum = tl.zeros([RB, D], dtype=tl.float32)
+    count = 0.0
+    for c in range(KV_CHUNKS):
+        part = bh * KV_CHUNKS + c
+        hsum += tl.load(part_h_ptr + part * D * D + tile)
+        count += tl.load(part_s_ptr + part * 2 + 1)
+    hbar = hsum / tl.maximum(count, 1.0)  # nothing counted: the sum is 0, and so is H̄
+    tl.store(hbar_ptr + bh * D * D + tile, hbar)
+    tl.store(hbar_lp_ptr + bh * D * D + tile, hbar.to(hbar_lp_ptr.dtype.element_ty))
+    cols = tl.arange(0, TJ)
+    j0 = g * F_PER
+    for t in range(j0, tl.minimum(NK, j0 + F_PER), TJ):
+        j = t + cols
+        m = (j < NK) & (j < j0 + F_PER)
+        km = tl.load(kmean_ptr + bh * D * NK + offs_d[:, None] * NK + j[None, :], mask=m[None, :], other=0.0)
+        tl.store(kbar_ptr + (bh * NK + j[None, :]) * D + offs_d[:, None], (km / ks).to(tl.float16), mask=m[None, :])
 
 
 @triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
 def _hdev_kernel(
-    k_ptr, v_ptr, kmean_ptr, vsum_ptr, hbar_ptr, hdev_ptr,
+    k_ptr, v_ptr, hbar_ptr, hdev_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK, KV_PER, KV_CHUNKS,
-    BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
+    BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    dt = tl.float32 if F32 else k_ptr.dtype.element_ty
+    eye, ones, ones_n = _consts(dt, BS, 16)
     c = pid % KV_CHUNKS
     bh = pid // KV_CHUNKS
     b = (bh // HK).to(tl.int64)
@@ -155,13 +211,11 @@ def _hdev_kernel(
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
     hb = tl.load(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
-    stat_row = bh.to(tl.int64) * NK
     j0 = c * KV_PER
     for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
-        hj, _ = _add_block_h(tl.zeros([D, D], dtype=tl.float32), k_base, v_base, kmean_ptr, vsum_ptr, bh, j,
-                             NK, LK, skl, skd, svl, svd, BS, D, F32)
-        diff = hj - hb
-        tl.store(hdev_ptr + stat_row + j, tl.sqrt(tl.sum(tl.sum(diff * diff, axis=1), axis=0)))
+        kc, k_sum, vt, n = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, BS, D, F32, CLAMP)
+        diff = tl.dot(kc, vt) - hb
+        tl.store(hdev_ptr + bh.to(tl.int64) * NK + j, tl.sqrt(tl.sum(tl.sum(diff * diff, axis=1), axis=0)))
 
 
 @dataclass
@@ -176,8 +230,7 @@ class Stats:
     hbar: Tensor | None  # [B, Hk, D, D] float32 (None after a lean prepare)
     hbar_lp: Tensor  # [B, Hk, D, D] input dtype: the attention kernel's operand for q·H̄
     hdev: Tensor | None  # [B, Hk, Nk] float32, ||H_j − H̄||_F (covariance-aware only)
-    kmax: Tensor | None = None  # [B, Hk] float32 scratch: the head's largest |k̄| (a workspace's)
-    vsum: Tensor | None = None  # [B, Hk, Nk, D] float32 scratch: value sums (a workspace's)
+    work: Tensor | None = None  # float32 per-program partials of the prepare launch (scratch)
 
     BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "vbar": 2, "hdev": 2}
     # kbar is only meaningful with the kscale it was divided by: a shard keeps its own.
@@ -192,115 +245,174 @@ class Stats:
 
     def with_hbar(self, hbar: Tensor) -> "Stats":
         return Stats(self.qmean, self.kmean, self.kbar, self.kscale, self.vbar, hbar,
-                     hbar.to(self.hbar_lp.dtype), self.hdev)
+                     hbar.to(self.hbar_lp.dtype), self.hdev, self.work)
 
     def for_attend(self) -> "Stats":
         self.qmean = self.kmean = self.hbar = self.hdev = None  # in place: no allocation per call
         return self
 
 
-_launch_means = Launcher(_kv_means_kernel)
-_launch_hbar = Launcher(_hbar_kernel)
-_launch_qmean = Launcher(_q_mean_kernel)
+_FINISH_ROWS = 16
 
 
-def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size: int,
-                    query_block: int | None = None, with_hdev: bool = False) -> Stats:
+def _q_tile(qb: int, d: int) -> int:
+    """Query rows per step of a q program: a multiple of the query block, at most 16 blocks."""
+    return max(qb, min(16 * qb, STATS_TUNING["q_tile_bytes"] // (2 * d)))
+
+
+@functools.lru_cache(maxsize=64)
+def _geometry(b: int, h: int, hk: int, lq: int, lk: int, bs: int, qb: int, d: int, device: torch.device,
+              tuning: tuple):
+    """(kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups): blocks (q: tiles) per program and
+    programs per head of the stats launch's kv and q programs, and of the finish launch (one per
+    ``_FINISH_ROWS`` rows of H̄)."""
+    tune = dict(tuning)
+    nk = -(-lk // bs)
+    qt = _q_tile(qb, d)
+    nqt = -(-lq // qt)
+    sms = sm_count(device)
+    # A query row costs about half a key row (one tile read instead of two, no D×D product).
+    units = nk * b * hk + 0.5 * nqt * (qt // bs) * b * h
+    # Short calls: one wave (each kv program's D×D partial is a fixed cost; fewer, longer programs).
+    waves = 1 if units < tune["short_blocks_per_sm"] * sms else tune["waves"]
+    per = max(1, -(-int(units) // max(1, waves * sms)))
+    kv_per = max(1, min(nk, per))
+    kv_chunks = -(-nk // kv_per) if nk else 0
+    q_per = max(1, min(nqt, (2 * per * bs) // qt))
+    q_chunks = -(-nqt // q_per) if nqt else 0
+    f_groups = d // _FINISH_ROWS
+    f_per = max(1, -(-nk // f_groups))
+    return kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups
+
+
+def _work_elems(b: int, hk: int, d: int, kv_chunks: int) -> int:
+    return b * hk * max(kv_chunks, 1) * (d * d + 2)
+
+
+def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size: int, query_block: int | None = None,
+                    with_hdev: bool = False) -> Stats:
     """Every buffer :func:`prepare` writes for ``[B, H, Lq, D]`` queries and ``[B, Hk, Lk, D]``
-    keys/values, allocated once (pass it back as ``ws``)."""
+    keys/values of ``dtype``, allocated once (pass it as ``ws=``)."""
     b, h, lq, d = q_shape
     hk, lk = kv_shape[1], kv_shape[2]
-    nk = -(-lk // block_size)
-    nqs = -(-lq // (query_block or block_size))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    qb = query_block or block_size
+    nk, nqs = -(-lk // block_size), -(-lq // qb)
+    geo = _geometry(b, h, hk, lq, lk, block_size, qb, d, device, tuple(STATS_TUNING.items()))
     f32 = dict(device=device, dtype=torch.float32)
     return Stats(
         qmean=torch.empty(b, h, nqs, d, **f32),
         kmean=torch.empty(b, hk, d, nk, **f32).transpose(2, 3),
         kbar=torch.empty(b, hk, nk, d, device=device, dtype=torch.float16),
-        kscale=torch.ones(b, hk, **f32),
+        kscale=torch.empty(b, hk, **f32),
         vbar=torch.empty(b, hk, nk, d, device=device, dtype=dtype),
-        hbar=torch.zeros(b, hk, d, d, **f32),
+        hbar=torch.empty(b, hk, d, d, **f32),
         hbar_lp=torch.empty(b, hk, d, d, device=device, dtype=dtype),
         hdev=torch.empty(b, hk, nk, **f32) if with_hdev else None,
-        kmax=torch.zeros(b, hk, **f32),
-        vsum=torch.empty(b, hk, nk, d, **f32),
-    )  # fmt: skip
+        work=torch.empty(_work_elems(b, hk, d, geo[1]), **f32),
+    )
 
 
-def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
-            lean: bool = False, query_block: int | None = None, hbar_exclude: Tensor | None = None,
-            ws: Stats | None = None) -> Stats:
+_launch_stats = Launcher(_stats_kernel)
+_launch_finish = Launcher(_finish_kernel)
+_launch_hdev = Launcher(_hdev_kernel)
+
+
+def _stats_warps(d: int) -> int:
+    return 8 if d >= 128 else 4
+
+
+def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False, lean: bool = False,
+            query_block: int | None = None, hbar_exclude: Tensor | None = None, ws: Stats | None = None) -> Stats:
     """Block statistics of ``[B, H, L, D]`` views (any strides); the query means are over blocks of
     ``query_block`` rows (default ``block_size``). Issues no host synchronisation.
 
-    ``lean`` frees the float32 ``H̄`` once its input-dtype copy exists (the fused path: at short
-    lengths these fixed ``D×D`` buffers dominate the extra memory). ``ws`` (from
-    :func:`stats_workspace` for these shapes): write into it and allocate nothing.
-    ``hbar_exclude`` (key blocks left out of H̄'s mean) is not supported by these kernels.
+    ``hbar_exclude``: optional bool ``[B|1, Hk|1, Nk]``, key blocks left out of ``H̄`` (the mean
+    over the others; ``0`` if none is left). ``ws``: a :func:`stats_workspace` of these shapes;
+    the statistics are written into its buffers and nothing is allocated. ``lean`` drops the
+    float32 ``H̄`` from the result (the fused path reads only its input-dtype copy).
     """
-    if hbar_exclude is not None:
-        raise ValueError("hbar_exclude is not supported by this prepare")
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
-    nq, nk = -(-lq // block_size), -(-lk // block_size)
-    dev = q.device
-    if ws is None:
-        ws = stats_workspace(q.shape, k.shape, k.dtype, dev, block_size=block_size, query_block=query_block,
-                             with_hdev=with_hdev)
-    else:
-        ws.kmax.zero_()
-        ws.hbar.zero_()
-    kmean, kbar, kscale, kmax, vbar, hbar, vsum = ws.kmean, ws.kbar, ws.kscale, ws.kmax, ws.vbar, ws.hbar, ws.vsum
-    kv_per, kv_chunks = chunking(nk, b * hk, dev)
-    strides = (*k.stride(), *v.stride())
-    cls = spec_class(k, v, *strides)
-    _launch_means((k.dtype, block_size, d, cls), (nk, b * hk),
-                  (k, v, kmean, kmax, vbar, vsum, *strides, hk, lk, nk), dict(BS=block_size, D=d), num_warps=4)
-    warps = 8 if d >= 128 else 4
-    _launch_hbar((k.dtype, block_size, d, warps, cls), (b * hk * kv_chunks,),
-                 (k, v, kmean, vsum, hbar, kmax, kbar, kscale, *strides, hk, lk, nk, kv_per, kv_chunks,
-                  1.0 / max(nk, 1)),
-                 dict(BS=block_size, D=d, F32=interpreting()), num_warps=warps)
-    hdev = _hdev(k, v, kmean, vsum, hbar, block_size, out=ws.hdev) if with_hdev else None
-    # Rounded once here instead of in every attention program (each would read 4·D² bytes).
-    hbar_lp = ws.hbar_lp.copy_(hbar)
     qb = query_block or block_size
-    nqs = -(-lq // qb)
-    qmean = ws.qmean
-    _launch_qmean((q.dtype, qb, d, spec_class(q, *q.stride())), (nqs, b * h), (q, qmean, *q.stride(), h, lq, nqs),
-                  dict(BS=qb, D=d), num_warps=4 if qb * d <= 8192 else 8)
-    return Stats(qmean=qmean, kmean=kmean, kbar=kbar, kscale=kscale, vbar=vbar, hbar=None if lean else hbar,
-                 hbar_lp=hbar_lp, hdev=hdev)
+    nk, nqs = -(-lk // block_size), -(-lq // qb)
+    dev = q.device
+    geo = _geometry(b, h, hk, lq, lk, block_size, qb, d, dev, tuple(STATS_TUNING.items()))
+    kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups = geo
+    if ws is None:
+        ws = stats_workspace(q.shape, k.shape, v.dtype, dev, block_size=block_size, query_block=qb,
+                             with_hdev=with_hdev)
+    n_part = b * hk * max(kv_chunks, 1)
+    if (ws.work is None or ws.work.numel() < n_part * (d * d + 2) or ws.vbar.shape != (b, hk, nk, d)
+            or ws.qmean.shape != (b, h, nqs, d) or ws.vbar.dtype != v.dtype or ws.vbar.device != dev
+            or (with_hdev and ws.hdev is None)):
+        raise ValueError("ws: a stats_workspace made for other shapes, dtype, device or settings")
+    part_h = ws.work[: n_part * d * d]
+    part_s = ws.work[n_part * d * d:]
+    if hbar_exclude is not None:
+        ex = _check_exclude(hbar_exclude, b, hk, nk).view(torch.uint8)
+        ex_sb = ex.stride(0) if ex.shape[0] > 1 else 0
+        ex_sh = ex.stride(1) if ex.shape[1] > 1 else 0
+    else:
+        ex, ex_sb, ex_sh = part_s, 0, 0  # never read (HAS_EXCL=False)
+    kmean_t = ws.kmean.transpose(2, 3)
+    f32 = interpreting()
+    clamp = k.dtype == torch.float16
+    n_kv = b * hk * kv_chunks
+    grid = n_kv + b * h * q_chunks
+    if grid:
+        strides = (*q.stride(), *k.stride(), *v.stride())
+        qt = _q_tile(qb, d)
+        args = (q, k, v, ex, ws.qmean, kmean_t, ws.vbar, part_h, part_s, *strides, ex_sb, ex_sh,
+                h, hk, lq, lk, nqs, -(-lq // qt), nk, kv_per, kv_chunks, q_per, q_chunks, n_kv)
+        stages = STATS_TUNING["stages"]
+        _launch_stats((k.dtype, block_size, qb, qt, d, hbar_exclude is not None, stages,
+                       spec_class(q, k, v, ex, *strides)), (grid,), args,
+                      dict(BS=block_size, QB=qb, QT=qt, D=d, F32=f32, CLAMP=clamp, HAS_EXCL=hbar_exclude is not None),
+                      num_warps=_stats_warps(d), num_stages=stages)
+    if kv_chunks == 0:  # no key block (an empty K/V shard): H̄ = 0, scale 1
+        part_s.zero_()
+        part_h.zero_()
+    _launch_finish((d, spec_class(part_h, ws.hbar_lp)), (b * hk * f_groups,),
+                   (part_h, part_s, kmean_t, ws.hbar, ws.hbar_lp, ws.kbar, ws.kscale, nk, max(kv_chunks, 1), f_per),
+                   dict(D=d, RB=_FINISH_ROWS, TJ=32), num_warps=4)
+    if with_hdev:
+        _run_hdev(k, v, ws.hbar, ws.hdev, block_size, kv_per, kv_chunks)
+    return Stats(qmean=ws.qmean, kmean=ws.kmean, kbar=ws.kbar, kscale=ws.kscale, vbar=ws.vbar,
+                 hbar=None if lean else ws.hbar, hbar_lp=ws.hbar_lp, hdev=ws.hdev if with_hdev else None,
+                 work=ws.work)
 
 
-def _hdev(k: Tensor, v: Tensor, kmean: Tensor, vsum: Tensor, hbar: Tensor, block_size: int,
-          out: Tensor | None = None) -> Tensor:
+def _check_exclude(ex: Tensor, b: int, hk: int, nk: int) -> Tensor:
+    if not isinstance(ex, Tensor) or ex.dtype != torch.bool:
+        raise TypeError(f"hbar_exclude must be a bool tensor, got {getattr(ex, 'dtype', type(ex).__name__)}")
+    if ex.dim() != 3 or ex.shape[0] not in (1, b) or ex.shape[1] not in (1, hk) or ex.shape[2] != nk:
+        raise ValueError(f"hbar_exclude must have shape [B|1, Hk|1, Nk] = [{b}|1, {hk}|1, {nk}], got {tuple(ex.shape)}")
+    return ex if ex.stride(2) == 1 else ex.contiguous()
+
+
+def _run_hdev(k: Tensor, v: Tensor, hbar: Tensor, hdev: Tensor, block_size: int, kv_per: int, kv_chunks: int):
     b, hk, lk, d = k.shape
-    nk = kmean.shape[2]
-    kv_per, kv_chunks = chunking(nk, b * hk, k.device)
-    hdev = torch.empty(b, hk, nk, device=k.device, dtype=torch.float32) if out is None else out
-    _hdev_kernel[(b * hk * kv_chunks,)](
-        k, v, kmean, vsum, hbar, hdev,
-        *k.stride(), *v.stride(),
-        hk, lk, nk, kv_per, kv_chunks,
-        BS=block_size, D=d, F32=interpreting(), num_warps=8 if d >= 128 else 4,
-    )
-    return hdev
+    if kv_chunks == 0:
+        return
+    strides = (*k.stride(), *v.stride())
+    stages = STATS_TUNING["stages"]
+    _launch_hdev((k.dtype, block_size, d, stages, spec_class(k, v, hbar, *strides)), (b * hk * kv_chunks,),
+                 (k, v, hbar, hdev, *strides, hk, lk, -(-lk // block_size), kv_per, kv_chunks),
+                 dict(BS=block_size, D=d, F32=interpreting(), CLAMP=k.dtype == torch.float16),
+                 num_warps=_stats_warps(d), num_stages=stages)
 
 
 def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int) -> Tensor:
-    """||H_j − H̄||_F ``[B, Hk, Nk]`` of the blocks of ``k``/``v`` (described by ``stats``) against
-    any float32 ``hbar`` ``[B, Hk, D, D]``, e.g. the global H̄ of a sharded sequence. Reruns the
-    streaming means pass for the float32 value sums, which prepare does not keep."""
+    """||H_j − H̄||_F ``[B, Hk, Nk]`` of the blocks of ``k``/``v`` against any float32 ``hbar``
+    ``[B, Hk, D, D]``, e.g. the global H̄ of a sharded sequence (``stats`` is not read: each
+    block's ``H_j`` is recomputed from k and v)."""
     b, hk, lk, d = k.shape
-    nk = stats.kbar.shape[2]
-    dev = k.device
-    kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
-    kmax = torch.zeros(b, hk, device=dev, dtype=torch.float32)
-    vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
-    vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)
-    _kv_means_kernel[(nk, b * hk)](
-        k, v, kmean, kmax, vbar, vsum, *k.stride(), *v.stride(), hk, lk, nk,
-        BS=block_size, D=d, num_warps=4,
-    )
-    return _hdev(k, v, kmean, vsum, hbar.float().contiguous(), block_size)
+    nk = -(-lk // block_size)
+    hdev = torch.empty(b, hk, nk, device=k.device, dtype=torch.float32)
+    kv_per, kv_chunks = _geometry(b, hk, hk, 0, lk, block_size, block_size, d, k.device,
+                                  tuple(STATS_TUNING.items()))[:2]
+    _run_hdev(k, v, hbar.float().contiguous(), hdev, block_size, kv_per, kv_chunks)
+    return hdev

@@ -1,13 +1,20 @@
 """Selection: pooled block scores and top-k per query block, with no full score matrix stored.
 
 Per query block ``i`` the exact set is ``keep ∪ topk_{j ∉ keep}(s·q̄_i·k̄_j [+ log(||H_j−H̄||+ε)])``.
-Scores come from an fp32 GEMM (cuBLAS; the reference's arithmetic) over chunks of query blocks
-into a scratch buffer bounded by the caller (the whole ``[B, H, Nq, Nk]`` matrix would break the
-memory budget at long lengths). A Triton kernel then finds each row's ``n_select``-th largest
-score by a 32-step bitwise search over an order-preserving integer image of the floats (exact: the
-k-th order statistic, not an estimate) and compacts the chosen blocks. Ties at the threshold go to
-the lowest block indices (``torch.topk`` may break them differently; tests compare attention under
-one shared selection and check selection overlap separately).
+
+Scores ``q̄_i·k̄_j`` run on the tensor cores in 3xTF32 (each float32 operand split into two TF32
+parts, three products: close to float32, not bit-equal to it; a near-tie can resolve differently
+from the float32 reference). Where a program's rows fit its registers (up to ``FUSED["max_nkp"]``
+key blocks) one kernel computes a tile of rows' scores and selects from them in registers; beyond,
+a tensor-core GEMM writes the scores of a chunk of query blocks into a scratch buffer bounded by
+the caller (the whole ``[B, H, Nq, Nk]`` matrix would break the memory budget at long lengths) and
+the top-k kernel streams them.
+
+Top-k: each row's ``n_select``-th largest score by a 32-step bitwise search over an
+order-preserving integer image of the floats (exact: the k-th order statistic, not an estimate),
+then the chosen blocks compacted. Ties at the threshold go to the lowest block indices
+(``torch.topk`` may break them differently; tests compare attention under one shared selection and
+check selection overlap separately).
 
 The output is a :class:`pisa_attn.ops.selection.Selection` (index list in ascending order, which
 also keeps neighbouring attention programs on the same key blocks and helps L2; count; bitmask for
@@ -28,35 +35,36 @@ from ...spec import COV_EPS
 from .. import reference as _ref
 from ..launch import Launcher, spec_class
 from ..selection import Selection
-from ._common import next_pow2
+from ._common import interpreting, next_pow2
+from .pairs import union_width
 
 MAX_FUSED_BLOCKS = 4096
-# Warps per top-k program; a program holds 1024 fp32 scores per warp (32 per thread), i.e.
-# 1024 * warps // NKP rows. Fewer warps keep each row's reductions inside fewer warps.
-TOPK_WARPS = {"warps": 1}  # fastest on the H100 (tests/gpu/diagnose.py times 1, 2, 4, 8)
+# Warps per top-k program of the two-kernel path; a program holds 1024 fp32 scores per warp (32 per
+# thread), i.e. 1024 * warps // NKP rows. Fewer warps keep each row's reductions inside fewer warps.
+# Threshold bits decided per search step: 2 (16 steps of three counts) up to "two_bit_max_nkp" padded
+# key blocks, 1 (32 steps) beyond. H100: 8K 0.024 vs 0.030 ms with 2 bits, 32K 0.189 vs 0.215 ms with 1.
+TOPK_WARPS = {"warps": 1, "two_bit_max_nkp": 128}  # 1 warp: 0.145 ms vs 8 warps 0.285 ms at 32K (H100)
+# Score GEMM tile of the two-kernel path (rows, key blocks, warps).
+SCORES_TILE = {"bm": 64, "bn": 64, "warps": 4}
+# The one-kernel path: rows per program (a 64-row tensor-core tile over 4 warps keeps each row in
+# one warp) and the widest padded row it takes.
+FUSED = {"max_nkp": 64, "rows": 64, "warps": 4}
 _COV_EPS = tl.constexpr(COV_EPS)
 
 
-@triton.jit(do_not_specialize=["H", "HK", "NQ", "NK", "n_sel", "W", "NW", "C0", "CQ", "N_ROWS", "keep_sb", "keep_sh"])
-def _topk_kernel(
-    scores_ptr, hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
-    H, HK, NQ, NK, n_sel, W, NW, scale, C0, CQ, N_ROWS,
-    keep_sb, keep_sh,
-    R: tl.constexpr, NKP: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr, REP: tl.constexpr = 1,
+@triton.jit
+def _select_rows(
+    scores, rvalid, bh, qi, b, h, bhk,
+    hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
+    NQ, NK, n_sel, W, NW, keep_sb, keep_sh,
+    R: tl.constexpr, NKP: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr, REP: tl.constexpr,
+    BITS: tl.constexpr,
 ):
-    # NQ counts output rows: score row qi is written to rows qi·REP .. qi·REP + REP - 1 (< NQ).
-    # Rows of this chunk's score buffer [B, H, CQ, NK] are (b·H + h, query block C0 + r % CQ).
-    r = tl.program_id(0) * R + tl.arange(0, R)
-    rvalid = r < N_ROWS
-    bh = r // CQ
-    qi = C0 + r % CQ
-    b = bh // H
-    h = bh % H
-    bhk = b * HK + h // (H // HK)
+    """Top-k of ``scores [R, NKP]`` (already scaled) of score rows ``qi`` of heads ``bh``; writes
+    output rows ``qi·REP .. qi·REP + REP − 1`` (those < NQ)."""
     cols = tl.arange(0, NKP)
     cvalid = cols < NK
     m2 = rvalid[:, None] & cvalid[None, :]
-    scores = tl.load(scores_ptr + r.to(tl.int64)[:, None] * NK + cols[None, :], mask=m2, other=0.0) * scale
     if COV:
         hd = tl.load(hdev_ptr + bhk.to(tl.int64)[:, None] * NK + cols[None, :], mask=m2, other=1.0)
         scores += tl.log(hd + _COV_EPS)
@@ -74,10 +82,23 @@ def _topk_kernel(
     # Largest T with #{key >= T} >= n_sel, built from the top bit down: T is the n_sel-th largest key.
     thr = tl.zeros([R], tl.uint32)
     one = tl.full([R], 1, tl.uint32)
-    for step in range(32):
-        cand = thr | (one << (31 - step))
-        n_ge = tl.sum((key >= cand[:, None]).to(tl.int32), axis=1)
-        thr = tl.where(n_ge >= n_sel, cand, thr)
+    if BITS == 2:
+        # Two bits per step: three independent counts, half the dependent steps (each step waits on
+        # its row reductions); the largest digit whose count still reaches n_sel wins.
+        for step in range(16):
+            sh = 30 - 2 * step
+            c1 = thr | (one << sh)
+            c2 = thr | ((one + one) << sh)
+            c3 = c1 | c2
+            n1 = tl.sum((key >= c1[:, None]).to(tl.int32), axis=1)
+            n2 = tl.sum((key >= c2[:, None]).to(tl.int32), axis=1)
+            n3 = tl.sum((key >= c3[:, None]).to(tl.int32), axis=1)
+            thr = tl.where(n3 >= n_sel, c3, tl.where(n2 >= n_sel, c2, tl.where(n1 >= n_sel, c1, thr)))
+    else:
+        for step in range(32):
+            cand = thr | (one << (31 - step))
+            n_ge = tl.sum((key >= cand[:, None]).to(tl.int32), axis=1)
+            thr = tl.where(n_ge >= n_sel, cand, thr)
     gt = key > thr[:, None]
     eq = key == thr[:, None]
     need = n_sel - tl.sum(gt.to(tl.int32), axis=1)
@@ -104,31 +125,120 @@ def _topk_kernel(
         tl.store(bits_ptr + out_rows[:, None] * NW + w_idx[None, :], words, mask=row_ok[:, None] & (w_idx < NW)[None, :])
 
 
+@triton.jit(do_not_specialize=["H", "HK", "NQS", "NQ", "NK", "n_sel", "W", "NW", "keep_sb", "keep_sh"])
+def _select_kernel(
+    qmean_ptr, kmean_ptr, hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
+    H, HK, NQS, NQ, NK, n_sel, W, NW, scale, keep_sb, keep_sh,
+    R: tl.constexpr, NKP: tl.constexpr, D: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr,
+    REP: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr,
+):
+    # Rows qi of one head: their scores against every key block of the head's kv head, in registers.
+    bh1 = tl.program_id(1)
+    qi = tl.program_id(0) * R + tl.arange(0, R)
+    rvalid = qi < NQS
+    b1 = bh1 // H
+    h1 = bh1 % H
+    bhk1 = b1 * HK + h1 // (H // HK)
+    offs_d = tl.arange(0, D)
+    cols = tl.arange(0, NKP)
+    qm = tl.load(qmean_ptr + (bh1.to(tl.int64) * NQS + qi)[:, None] * D + offs_d[None, :], mask=rvalid[:, None],
+                 other=0.0)
+    km = tl.load(kmean_ptr + bhk1.to(tl.int64) * D * NK + offs_d[:, None] * NK + cols[None, :],
+                 mask=(cols < NK)[None, :], other=0.0)
+    scores = tl.dot(qm, km, input_precision=PREC) * scale
+    zero = tl.zeros([R], tl.int32)
+    _select_rows(scores, rvalid, bh1 + zero, qi, b1 + zero, h1 + zero, bhk1 + zero,
+                 hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr, NQ, NK, n_sel, W, NW, keep_sb, keep_sh,
+                 R, NKP, COV, HAS_KEEP, REP, BITS)
+
+
+@triton.jit(do_not_specialize=["H", "HK", "NQS", "NK", "C0", "CQ"])
+def _scores_kernel(
+    qmean_ptr, kmean_ptr, out_ptr, H, HK, NQS, NK, C0, CQ,
+    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
+):
+    # out[bh, r, j] = q̄[bh, C0 + r] · k̄[bhk, j] for the CQ score rows of one chunk.
+    bh = tl.program_id(2)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    bhk = (bh // H) * HK + (bh % H) // (H // HK)
+    offs_d = tl.arange(0, D)
+    rv = rows < CQ
+    cv = cols < NK
+    qm = tl.load(qmean_ptr + (bh.to(tl.int64) * NQS + C0 + rows)[:, None] * D + offs_d[None, :], mask=rv[:, None],
+                 other=0.0)
+    km = tl.load(kmean_ptr + bhk.to(tl.int64) * D * NK + offs_d[:, None] * NK + cols[None, :], mask=cv[None, :],
+                 other=0.0)
+    s = tl.dot(qm, km, input_precision=PREC)
+    tl.store(out_ptr + (bh.to(tl.int64) * CQ + rows)[:, None] * NK + cols[None, :], s, mask=rv[:, None] & cv[None, :])
+
+
+@triton.jit(do_not_specialize=["H", "HK", "NQ", "NK", "n_sel", "W", "NW", "C0", "CQ", "N_ROWS", "keep_sb", "keep_sh"])
+def _topk_kernel(
+    scores_ptr, hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
+    H, HK, NQ, NK, n_sel, W, NW, scale, C0, CQ, N_ROWS,
+    keep_sb, keep_sh,
+    R: tl.constexpr, NKP: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr, REP: tl.constexpr = 1,
+    BITS: tl.constexpr = 1,
+):
+    # NQ counts output rows: score row qi is written to rows qi·REP .. qi·REP + REP - 1 (< NQ).
+    # Rows of this chunk's score buffer [B, H, CQ, NK] are (b·H + h, query block C0 + r % CQ).
+    r = tl.program_id(0) * R + tl.arange(0, R)
+    rvalid = r < N_ROWS
+    bh = r // CQ
+    qi = C0 + r % CQ
+    b = bh // H
+    h = bh % H
+    bhk = b * HK + h // (H // HK)
+    cols = tl.arange(0, NKP)
+    m2 = rvalid[:, None] & (cols < NK)[None, :]
+    scores = tl.load(scores_ptr + r.to(tl.int64)[:, None] * NK + cols[None, :], mask=m2, other=0.0) * scale
+    _select_rows(scores, rvalid, bh, qi, b, h, bhk, hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
+                 NQ, NK, n_sel, W, NW, keep_sb, keep_sh, R, NKP, COV, HAS_KEEP, REP, BITS)
+
+
 _launch_topk = Launcher(_topk_kernel)
+_launch_select = Launcher(_select_kernel)
+_launch_scores = Launcher(_scores_kernel)
 
 
 class SelectionWorkspace(NamedTuple):
-    """The buffers :func:`select` writes: the selection and the score scratch of one chunk."""
+    """Buffers of one selection shape: the :class:`Selection` written, the score scratch of the
+    two-kernel path (None where one kernel selects) and the pair stream's ``(uidx, ucnt)`` (None
+    unless asked for)."""
 
-    selection: Selection
-    scratch: Tensor
+    sel: Selection
+    scratch: Tensor | None
+    union: tuple[Tensor, Tensor] | None
+
+
+def _fused(nk: int) -> bool:
+    return max(32, next_pow2(nk)) <= FUSED["max_nkp"]
 
 
 def _chunk_rows(b: int, h: int, nqs: int, nk: int, scratch_elems: int | None) -> int:
     return max(1, nqs if scratch_elems is None else min(nqs, scratch_elems // max(1, b * h * nk)))
 
 
-def selection_workspace(b: int, h: int, nq: int, nk: int, width: int, device, *, n_q_rows: int | None = None,
-                        scratch_elems: int | None = None) -> SelectionWorkspace:
-    """The buffers of :func:`select` for ``B x H x nq`` query blocks over ``nk`` key blocks and an
-    index list of ``width`` (``n_q_rows``: rows of ``qmean``, default ``nq``; ``scratch_elems`` as
-    :func:`select` takes it), allocated once (pass it back as ``ws``)."""
-    nqs = nq if n_q_rows is None else n_q_rows
-    i32 = dict(device=device, dtype=torch.int32)
+def selection_workspace(b: int, h: int, nq: int, nk: int, width: int, device, *, repeat: int = 1,
+                        n_q_rows: int | None = None, scratch_elems: int | None = None,
+                        pairs: bool = False) -> SelectionWorkspace:
+    """Every buffer :func:`select` writes for ``nq`` query blocks (``n_q_rows`` score rows, i.e.
+    rows of ``qmean``; default ``ceil(nq / repeat)``) and ``nk`` key blocks, index lists ``width``
+    wide; ``pairs`` adds the pair stream (:func:`pisa_attn.ops.triton.pairs.pair_union`)."""
+    dev = torch.device(device)
+    i32 = dict(device=dev, dtype=torch.int32)
     sel = Selection(torch.empty(b, h, nq, width, **i32), torch.empty(b, h, nq, **i32),
                     torch.empty(b, h, nq, -(-nk // 32), **i32))
-    cq = _chunk_rows(b, h, nqs, nk, scratch_elems)
-    return SelectionWorkspace(sel, torch.empty(b * h * cq * nk, device=device, dtype=torch.float32))
+    scratch = None
+    if not _fused(nk) and nk <= MAX_FUSED_BLOCKS:
+        nqs = -(-nq // repeat) if n_q_rows is None else n_q_rows
+        scratch = torch.empty(b * h * _chunk_rows(b, h, nqs, nk, scratch_elems) * nk, device=dev, dtype=torch.float32)
+    union = None
+    if pairs:
+        nq2 = -(-nq // 2)
+        union = (torch.empty(b, h, nq2, union_width(nk, width), **i32), torch.empty(b, h, nq2, **i32))
+    return SelectionWorkspace(sel, scratch, union)
 
 
 def select(
@@ -146,46 +256,68 @@ def select(
     ws: SelectionWorkspace | None = None,
 ) -> Selection:
     """The :class:`Selection` from ``qmean [B,H,Nq,D]`` (contiguous) and ``kmean [B,Hk,Nk,D]``
-    (float32, ideally the transposed view :func:`prepare.prepare` returns); ``keep`` bool
-    ``[B|1, H|1, Nk]``. ``scratch_elems`` bounds the score buffer (default: the whole matrix in
-    one chunk). ``repeat``: each row of ``qmean`` selects for that many consecutive query blocks
-    (means of ``query_block`` rows), ``n_q_blocks`` of them in all. ``ws``: the buffers from
-    :func:`selection_workspace` for these sizes (then nothing is allocated). Issues no host
-    synchronisation."""
+    (float32, the transposed view of ``[B, Hk, D, Nk]`` storage that :func:`prepare.prepare`
+    returns); ``keep`` bool ``[B|1, H|1, Nk]``. ``scratch_elems`` bounds the score buffer of the
+    two-kernel path (default: the whole matrix in one chunk). ``repeat``: each row of ``qmean``
+    selects for that many consecutive query blocks (means of ``query_block`` rows),
+    ``n_q_blocks`` of them in all. ``ws``: a :func:`selection_workspace` of these shapes, written
+    into (nothing is allocated then). Issues no host synchronisation."""
     b, h, nqs, d = qmean.shape
     hk, nk = kmean.shape[1], kmean.shape[2]
     n_sel = min(n_select, nk)
     nq = nqs if n_q_blocks is None else n_q_blocks
     if nk > MAX_FUSED_BLOCKS:
-        return _ref.select(qmean, kmean, n_select=n_sel, width=width, scale=scale, hdev=hdev, keep=keep,
-                           scratch_elems=1 << 24, repeat=repeat, n_q_blocks=nq)
-    if keep is not None:
-        keep = keep.contiguous()
-    dev = qmean.device
-    g = h // hk
-    nw = -(-nk // 32)
+        sel = _ref.select(qmean, kmean, n_select=n_sel, width=width, scale=scale, hdev=hdev, keep=keep,
+                          scratch_elems=1 << 24, repeat=repeat, n_q_blocks=nq)
+        if ws is None:
+            return sel
+        for dst, src in zip(ws.sel, sel):
+            dst.copy_(src)
+        return ws.sel
     if ws is None:
-        ws = selection_workspace(b, h, nq, nk, width, dev, n_q_rows=nqs, scratch_elems=scratch_elems)
-    (idx, cnt, bits), scratch = ws
-    kmean_t = kmean.transpose(2, 3)  # [B, Hk, D, Nk]
-    cq = _chunk_rows(b, h, nqs, nk, scratch_elems)
-    nkp = max(32, next_pow2(nk))
-    warps = max(TOPK_WARPS["warps"], nkp // 1024)  # at most 32 scores per thread (no spills)
-    r = max(1, min(64, 1024 * warps // nkp))
+        ws = selection_workspace(b, h, nq, nk, width, qmean.device, repeat=repeat, scratch_elems=scratch_elems)
+    elif (ws.sel.idx.shape != (b, h, nq, width) or ws.sel.bits.shape[-1] != -(-nk // 32)
+          or ws.sel.idx.device != qmean.device or (ws.scratch is None) != _fused(nk)):
+        raise ValueError("ws: a selection_workspace made for other shapes or another device")
+    idx, cnt, bits = ws.sel
+    nw = bits.shape[-1]
+    kmean_t = kmean.transpose(2, 3)  # [B, Hk, D, Nk] storage
+    if not kmean_t.is_contiguous():
+        kmean_t = kmean_t.contiguous()
     if keep is not None:
         keep_u8 = keep.view(torch.uint8)
+        if keep_u8.stride(-1) != 1:
+            keep_u8 = keep_u8.contiguous()
         ksb = keep_u8.stride(0) if keep_u8.shape[0] > 1 else 0
         ksh = keep_u8.stride(1) if keep_u8.shape[1] > 1 else 0
     else:
         keep_u8, ksb, ksh = cnt, 0, 0  # placeholder pointer, never read (HAS_KEEP=False)
+    hd = hdev if hdev is not None else cnt
+    cov, has_keep = hdev is not None, keep is not None
+    nkp = max(32, next_pow2(nk))
+    prec = "ieee" if interpreting() else "tf32x3"
+    bits_ = 2 if nkp <= TOPK_WARPS["two_bit_max_nkp"] else 1
+    if _fused(nk):
+        r = FUSED["rows"]
+        args = (qmean, kmean_t, hd, keep_u8, idx, cnt, bits, h, hk, nqs, nq, nk, n_sel, width, nw, scale, ksb, ksh)
+        _launch_select((r, nkp, d, cov, has_keep, repeat, FUSED["warps"], bits_, spec_class(*args[:7])),
+                       (triton.cdiv(nqs, r), b * h), args,
+                       dict(R=r, NKP=nkp, D=d, COV=cov, HAS_KEEP=has_keep, REP=repeat, PREC=prec, BITS=bits_),
+                       num_warps=FUSED["warps"])
+        return ws.sel
+    cq = ws.scratch.numel() // max(1, b * h * nk)
+    warps = max(TOPK_WARPS["warps"], nkp // 1024)  # at most 32 scores per thread (no spills)
+    r = max(1, min(64, 1024 * warps // nkp))
+    bm, bn, sw = SCORES_TILE["bm"], SCORES_TILE["bn"], SCORES_TILE["warps"]
     for c0 in range(0, nqs, cq):
         c = min(cq, nqs - c0)
-        sc = scratch[: b * h * c * nk].view(b, hk, g, c, nk)
-        # [B, Hk, G, c, D] @ [B, Hk, 1, D, Nk]: GQA groups share their kv head's centroids.
-        torch.matmul(qmean[:, :, c0 : c0 + c].view(b, hk, g, c, d), kmean_t.unsqueeze(2), out=sc)
-        args = (sc, hdev if hdev is not None else sc, keep_u8, idx, cnt, bits,
-                h, hk, nq, nk, n_sel, width, nw, scale, c0, c, b * h * c, ksb, ksh)
-        _launch_topk((r, nkp, warps, hdev is not None, keep is not None, repeat, spec_class(*args[:6])),
+        _launch_scores((d, prec, bm, bn, sw, spec_class(qmean, kmean_t, ws.scratch)),
+                       (triton.cdiv(c, bm), triton.cdiv(nk, bn), b * h),
+                       (qmean, kmean_t, ws.scratch, h, hk, nqs, nk, c0, c), dict(BM=bm, BN=bn, D=d, PREC=prec),
+                       num_warps=sw)
+        args = (ws.scratch, hd, keep_u8, idx, cnt, bits, h, hk, nq, nk, n_sel, width, nw, scale, c0, c, b * h * c,
+                ksb, ksh)
+        _launch_topk((r, nkp, warps, cov, has_keep, repeat, bits_, spec_class(*args[:6])),
                      (triton.cdiv(b * h * c, r),), args,
-                     dict(R=r, NKP=nkp, COV=hdev is not None, HAS_KEEP=keep is not None, REP=repeat), num_warps=warps)
-    return Selection(idx, cnt, bits)
+                     dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=has_keep, REP=repeat, BITS=bits_), num_warps=warps)
+    return ws.sel

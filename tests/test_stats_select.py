@@ -1,0 +1,164 @@
+"""The statistics and selection kernels (Triton's interpreter on the CPU, or a GPU) against the
+PyTorch reference at small shapes: ragged lengths, GQA, query blocks of 1, 2 and 4 blocks,
+``hbar_exclude``, the covariance term, keep blocks, both selection paths and the workspaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pisa_attn.ops import reference as ref  # noqa: E402
+from pisa_attn.ops.selection import bits_to_mask, idx_to_mask  # noqa: E402
+from pisa_attn.ops.triton import pairs as PU  # noqa: E402
+from pisa_attn.ops.triton import prepare as P  # noqa: E402
+from pisa_attn.ops.triton import select as S  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_l1(a, b):
+    return ((a.double() - b.double()).abs().sum() / b.double().abs().sum()).item()
+
+
+def qkv(b, h, hk, lq, lk, d, dtype=torch.bfloat16, seed=0, k_shift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, d, generator=g)
+    k = torch.randn(b, hk, lk, d, generator=g) + k_shift  # a common key component: centring matters
+    v = torch.randn(b, hk, lk, d, generator=g) + 0.5 * k
+    return tuple(x.to(dtype).to(DEV) for x in (q, k, v))
+
+
+PREP_CASES = [
+    # id, (B, H, Hk, Lq, Lk, D, bs, query_block, dtype)
+    pytest.param((2, 2, 1, 203, 203, 32, 32, None, torch.bfloat16), id="B2-H2-Hk1-L203-D32-bs32-gqa-ragged"),
+    pytest.param((1, 2, 2, 100, 230, 16, 16, 32, torch.float16), id="B1-H2-Lq100-Lk230-D16-bs16-qb32-fp16"),
+    pytest.param((1, 1, 1, 300, 130, 32, 16, 64, torch.bfloat16), id="B1-H1-Lq300-Lk130-D32-bs16-qb64"),
+]
+
+
+@pytest.mark.parametrize("case", PREP_CASES)
+@pytest.mark.parametrize("exclude", ["none", "some", "all"])
+def test_prepare_matches_reference(case, exclude):
+    b, h, hk, lq, lk, d, bs, qb, dtype = case
+    q, k, v = qkv(b, h, hk, lq, lk, d, dtype, seed=lq + lk, k_shift=3.0)
+    nk = -(-lk // bs)
+    ex = None
+    if exclude == "some":
+        ex = torch.zeros(1, hk, nk, dtype=torch.bool)
+        ex[0, :, 1::3] = True
+        ex = ex.to(DEV)
+    elif exclude == "all":
+        ex = torch.ones(b, 1, nk, dtype=torch.bool, device=DEV)
+    st = P.prepare(q, k, v, bs, with_hdev=True, query_block=qb, hbar_exclude=ex)
+    rs = ref.prepare(q.double(), k.double(), v.double(), bs, with_hdev=True, query_block=qb, hbar_exclude=ex)
+    assert st.qmean.shape == rs.qmean.shape
+    torch.testing.assert_close(st.qmean.double(), rs.qmean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st.kmean.double(), rs.kmean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st.vbar.double() * rs.counts[:, None], rs.vsum, rtol=1e-2, atol=2e-2)
+    ks = st.kscale.double()
+    assert torch.equal(torch.exp2(torch.log2(ks).round()), ks)  # one power of two per head
+    torch.testing.assert_close(st.kbar.double() * ks[..., None, None], rs.kmean, rtol=1e-3, atol=1e-6)
+    if exclude == "all":
+        assert not st.hbar.any() and not st.hbar_lp.any()
+    else:
+        assert rel_l1(st.hbar, rs.hbar) < 3e-3  # the centred keys are rounded to the input dtype once
+        assert rel_l1(st.hbar_lp, rs.hbar) < 1e-2
+    assert rel_l1(st.hdev, rs.hdev) < 3e-3
+    assert torch.isfinite(st.hbar).all() and torch.isfinite(st.hdev).all()
+
+
+def test_reference_hbar_exclude_is_the_mean_of_the_other_blocks():
+    """The reference's H̄ with excluded blocks, against every H_j materialised."""
+    b, hk, lk, d, bs = 2, 2, 150, 8, 16
+    _, k, v = qkv(b, 1, hk, 1, lk, d, torch.float64, seed=3, k_shift=2.0)
+    nk = -(-lk // bs)
+    ex = torch.rand(b, 1, nk, generator=torch.Generator().manual_seed(4)).to(DEV) < 0.4
+    st = ref.prepare(k[:, :1], k, v, bs, with_hdev=True, hbar_exclude=ex)
+    hj = torch.stack([
+        torch.einsum("bhld,bhle->bhde", k[:, :, j * bs:(j + 1) * bs] - k[:, :, j * bs:(j + 1) * bs].mean(2, keepdim=True),
+                     v[:, :, j * bs:(j + 1) * bs]) for j in range(nk)], 2)  # [B, Hk, Nk, D, D]
+    keep = (~ex).double().expand(b, hk, nk)
+    want = (hj * keep[..., None, None]).sum(2) / keep.sum(-1)[..., None, None]
+    torch.testing.assert_close(st.hbar, want)
+    torch.testing.assert_close(st.hdev, torch.linalg.matrix_norm(hj - want[:, :, None], ord="fro"))
+
+
+def test_workspace_is_written_and_nothing_else():
+    q, k, v = qkv(1, 2, 1, 130, 130, 32, seed=7)
+    ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=32, with_hdev=True)
+    st = P.prepare(q, k, v, 32, with_hdev=True, ws=ws)
+    fresh = P.prepare(q, k, v, 32, with_hdev=True)
+    for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hdev"):
+        assert getattr(st, f).data_ptr() == getattr(ws, f).data_ptr(), f
+        assert torch.equal(getattr(st, f), getattr(fresh, f)), f
+    lean = P.prepare(q, k, v, 32, with_hdev=True, ws=ws, lean=True)
+    assert lean.hbar is None and ws.hbar is not None  # lean drops it from the result, not the workspace
+    lean.for_attend()
+    assert ws.qmean is not None and ws.kmean is not None
+    small = P.stats_workspace(q.shape, (1, 1, 40, 32), q.dtype, q.device, block_size=32)
+    with pytest.raises(ValueError, match="ws"):
+        P.prepare(q, k, v, 32, ws=small)
+
+
+def test_hbar_exclude_is_checked():
+    q, k, v = qkv(1, 1, 1, 64, 64, 16, seed=1)
+    with pytest.raises(TypeError, match="hbar_exclude"):
+        P.prepare(q, k, v, 16, hbar_exclude=torch.zeros(1, 1, 4, device=DEV))
+    with pytest.raises(ValueError, match="hbar_exclude"):
+        P.prepare(q, k, v, 16, hbar_exclude=torch.zeros(1, 1, 5, dtype=torch.bool, device=DEV))
+
+
+SEL_CASES = {
+    # id: (B, H, Hk, L, D, bs, repeat, n_select)
+    "B1-H4-Hk2-L389-D32-bs16-gqa": (1, 4, 2, 24 * 16 + 5, 32, 16, 1, 5),
+    "B2-H2-L384-D16-bs16-qb32": (2, 2, 2, 24 * 16, 16, 16, 2, 3),
+    "B1-H2-Hk1-L592-D32-bs16-qb64": (1, 2, 1, 37 * 16, 32, 16, 4, 4),
+}
+SEL_PARAMS = [pytest.param(SEL_CASES[name], path, id=f"{path}-{name}") for name, path in (
+    ("B1-H4-Hk2-L389-D32-bs16-gqa", "one-kernel"), ("B1-H4-Hk2-L389-D32-bs16-gqa", "two-kernel-chunked"),
+    ("B2-H2-L384-D16-bs16-qb32", "two-kernel"), ("B1-H2-Hk1-L592-D32-bs16-qb64", "one-kernel"),
+    ("B1-H2-Hk1-L592-D32-bs16-qb64", "two-kernel-chunked"))]
+
+
+@pytest.mark.parametrize("case,path", SEL_PARAMS)
+def test_selection_paths_match_the_reference(case, path, monkeypatch):
+    """Both selection paths (scores and top-k in one kernel; a score GEMM then the top-k kernel, in
+    one chunk or several) against the reference's torch.topk on the same statistics, with the
+    covariance term and keep blocks."""
+    b, h, hk, l, d, bs, rep, n_sel = case
+    q, k, v = qkv(b, h, hk, l, l, d, seed=l)
+    nk = -(-l // bs)
+    st = P.prepare(q, k, v, bs, with_hdev=True, query_block=bs * rep)
+    keep = torch.zeros(1, h, nk, dtype=torch.bool)
+    keep[0, 1, [3, nk - 1]] = True
+    keep = keep.to(DEV)
+    monkeypatch.setitem(S.FUSED, "max_nkp", 64 if path == "one-kernel" else 0)
+    scratch = 3 * b * h * nk if path.endswith("chunked") else None
+    kw = dict(n_select=n_sel, width=n_sel + 2, scale=d ** -0.5, hdev=st.hdev, keep=keep, repeat=rep, n_q_blocks=nk)
+    sel = S.select(st.qmean, st.kmean, scratch_elems=scratch, **kw)
+    mask = idx_to_mask(sel.idx, sel.cnt, nk)
+    assert torch.equal(mask, bits_to_mask(sel.bits, nk))
+    want = ref.select(st.qmean.double(), st.kmean.double(), **{**kw, "hdev": st.hdev.double()}).to_mask(nk)
+    assert torch.equal(sel.cnt, want.sum(-1, dtype=torch.int32))
+    assert (mask & want).sum().item() / want.sum().item() > 0.98  # 3xTF32 scores: a near-tie may flip
+    assert (mask[:, 1, :, 3] & mask[:, 1, :, nk - 1]).all()  # keep blocks always exact
+    ascending = (sel.idx[..., 1:] > sel.idx[..., :-1]) | (torch.arange(1, sel.idx.shape[-1], device=DEV) >= sel.cnt[..., None])
+    assert ascending.all()
+    if path == "two-kernel":  # one threshold bit per search step: the same selection
+        monkeypatch.setitem(S.TOPK_WARPS, "two_bit_max_nkp", 0)
+        assert torch.equal(S.select(st.qmean, st.kmean, scratch_elems=scratch, **kw).bits, sel.bits)
+    # The workspace path writes the same selection into its own buffers.
+    ws = S.selection_workspace(b, h, nk, nk, n_sel + 2, DEV, repeat=rep, scratch_elems=scratch, pairs=True)
+    again = S.select(st.qmean, st.kmean, scratch_elems=scratch, ws=ws, **kw)
+    assert again.bits.data_ptr() == ws.sel.bits.data_ptr()
+    assert torch.equal(again.bits, sel.bits) and torch.equal(again.cnt, sel.cnt)
+    with pytest.raises(ValueError, match="ws"):
+        S.select(st.qmean, st.kmean, ws=S.selection_workspace(b, h, nk, nk, n_sel + 3, DEV, repeat=rep), **kw)
+    uidx, ucnt = PU.pair_union(again.bits, nk, n_sel + 2, out=ws.union)
+    assert uidx.data_ptr() == ws.union[0].data_ptr()
+    u2, c2 = PU.pair_union(sel.bits, nk, n_sel + 2)
+    assert torch.equal(ucnt, c2)
+    valid = torch.arange(uidx.shape[-1], device=DEV) < ucnt[..., None]
+    assert torch.equal(torch.where(valid, uidx, 0), torch.where(valid, u2, 0))
