@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from pisa_attn import PisaSettings, plan, run
+from pisa_attn import PisaSettings, pisa_attention, plan, run
 
 # Kernel name substrings -> phase (first match wins; anything else is "other": memsets, copies).
 PHASES = (
@@ -98,6 +98,8 @@ def main(argv=None):
     ap.add_argument("--backends", nargs="+", default=["hopper", "triton"])
     ap.add_argument("--modes", nargs="+", default=["hybrid", "drop"])
     ap.add_argument("--density", type=float, default=0.125)
+    ap.add_argument("--covariance-aware", choices=("off", "on", "both"), default="both",
+                    help="selection rule of the hybrid/zeroth cases: top-k (off), covariance-aware (on) or both")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "phase_table.json"))
     a = ap.parse_args(argv)
@@ -114,14 +116,20 @@ def main(argv=None):
         q, k, v = (torch.randn(2, 16, L, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         out = torch.empty_like(q)
         cases = [("cudnn", lambda: F.scaled_dot_product_attention(q, k, v))]
+        rules = {"off": (False,), "on": (True,), "both": (False, True)}[a.covariance_aware]
         for backend in a.backends:
             for mode in a.modes:
-                try:
-                    p = plan(q, k, PisaSettings(density=a.density, mode=mode, backend=backend))
-                except ValueError as e:
-                    print(f"   {backend}-{mode}: not run ({e})")
-                    continue
-                cases.append((f"{backend}-{mode}", lambda p=p: run(p, q, k, v, out=out)))
+                for cov in rules if mode != "drop" else (False,):
+                    name = f"{backend}-{mode}{'-cov' if cov else ''}"
+                    try:
+                        s = PisaSettings(density=a.density, mode=mode, backend=backend, covariance_aware=cov)
+                        p = plan(q, k, s)
+                    except ValueError as e:
+                        print(f"   {name}: not run ({e})")
+                        continue
+                    cases.append((name, lambda p=p: run(p, q, k, v, out=out)))
+                    if mode == a.modes[0] and not cov:  # the public one-call API on the same settings
+                        cases.append((f"{name}-api", lambda s=s: pisa_attention(q, k, v, settings=s)))
         cudnn_eager = None
         for name, fn in cases:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
