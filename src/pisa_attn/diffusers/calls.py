@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -164,7 +163,7 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, o
         covariance_aware=cfg.covariance_aware,
         block_size=cfg.block_size,
         keep_blocks=seq.keep,
-        scale=scale,  # None (the dispatcher's default) becomes 1/sqrt(D), what SDPA and PISA used
+        scale=scale,  # None (the processors' default) becomes 1/sqrt(D), what SDPA and PISA used
         alpha=state.alpha_values(layer, q.shape[2]),
         meta={
             "token_layout": seq.layout,

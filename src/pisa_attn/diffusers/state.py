@@ -1,9 +1,8 @@
-"""State shared by the hooks and the backend: per-transformer settings and per-forward runs.
+"""State shared by the hooks and the processors: per-transformer settings and per-forward runs.
 
 Each forward call of a managed transformer opens a :class:`Run` (its step, grid and layouts) when
-it starts running and publishes it in a context
-variable; the attention backend, called deep inside the model by diffusers' dispatcher, reads it
-from there. Runs are opened and closed by opaque ops (see :mod:`.tiling`), so under
+it starts running and publishes it in a context variable; PISA's attention processors, called deep
+inside the model, read it from there. Runs are opened and closed by opaque ops (see :mod:`.tiling`), so under
 ``torch.compile`` this happens when the graph runs, never while it is traced.
 """
 
@@ -252,7 +251,7 @@ def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
         m = m[:, 0, 0]
     if m.dim() != 2 or m.shape[-1] != kv_len or m.shape[0] not in (1, batch):
         raise ValueError(
-            f"the pisa backend supports only key-padding attention masks ([B, Lk] or [B, 1, 1, Lk]) on sparse "
+            f"PISA's attention supports only key-padding attention masks ([B, Lk] or [B, 1, 1, Lk]) on sparse "
             f"calls and on calls observers (capture, telemetry) watch, got shape {tuple(mask.shape)} for {batch} "
             f"rows and {kv_len} keys"
         )
@@ -262,7 +261,7 @@ def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
     lens_list, ok = lens.tolist(), bool((prefix == valid).all())
     if not ok:
         raise ValueError(
-            "the pisa backend supports attention masks whose valid keys form a prefix of each row in the order "
+            "PISA's attention supports attention masks whose valid keys form a prefix of each row in the order "
             "PISA runs the tokens in (after its token tiling when apply_pisa manages the model): the sparse kernel "
             "reads a key count per row, not a mask"
         )

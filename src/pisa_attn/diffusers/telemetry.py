@@ -130,11 +130,11 @@ def get(transformer) -> Telemetry | None:
 @torch.no_grad()
 def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
     """Tail mass and errors of one call, on the queries PISA handles (the image queries) and the
-    valid keys of each batch row and the softmax scale, as the diffusers backend runs them."""
+    valid keys of each batch row and the softmax scale, as the managed calls run them."""
     lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
     lens = call.meta.get("key_lens")
     bs = call.block_size
-    start = block_floor(lo, bs)  # query blocks on the key blocks' grid, as the backend runs them
+    start = block_floor(lo, bs)  # query blocks on the key blocks' grid, as the managed calls run them
     cut = lo - start  # leading rows (text) computed for the blocks' sake, not measured
     heads = call.q.shape[1]
     groups = defaultdict(list)
