@@ -156,9 +156,9 @@ def test_chunking_gives_identical_results(monkeypatch, covariance_aware):
     rows = []
     chunk = ref._chunk
 
-    def spy(qc, kx, *args):
+    def spy(qc, kx, *args, **kw):
         rows.append(qc.shape[2])
-        return chunk(qc, kx, *args)
+        return chunk(qc, kx, *args, **kw)
 
     monkeypatch.setattr(ref, "_chunk", spy)
     monkeypatch.setattr(ref, "_SLAB_ELEMS", b * h * lk * 2 * bs)  # two query blocks per chunk
@@ -181,7 +181,7 @@ def test_long_sequence_chunks_stay_bounded(monkeypatch):
     (checked on the chunk plan at L=32K without running the O(L²) work)."""
     seen = []
 
-    def fake_chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha=None):
+    def fake_chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha=None, **kw):
         seen.append(qc.shape[0] * qc.shape[1] * qc.shape[2] * kx.shape[2])
         return torch.zeros_like(qc), torch.zeros(qc.shape[:3], dtype=qc.dtype)
 

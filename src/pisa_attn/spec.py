@@ -34,6 +34,10 @@ attention (pretrained DINOv2, 9 inputs x 12 layers) the full Taylor step oversho
 on every input at 5%, 12.5% and 25% density, and on DiT-like synthetic heads it stays within 0.2%
 of 1.0."""
 
+HBAR_SCOPES = ("global", "row")
+"""Which blocks the hybrid term's mean ``H̄`` describes: ``global`` one ``H̄`` per head for every row
+(the paper's eq. 7, the kernels'), ``row`` the mean over each row's own tail (reference only)."""
+
 COV_EPS = 1e-6
 """Covariance-aware selection adds ``log(||H_j − H̄||_F + COV_EPS)`` to the pooled scores (eq. 9)."""
 

@@ -55,15 +55,18 @@ def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", co
     from .. import alpha_table, calibration, spec
     from ..diffusers.calibrate import sample_rows
     from ..layout import block_floor
-    from ..qkv_file import read_qkv_file
+    from ..qkv_file import check_entry, read_qkv_file
 
     spec.check_settings(density=density, block_size=block_size, mode=mode)
     if mode not in spec.FIRST_ORDER_MODES:
         raise ValueError(f"mode must be one of {spec.FIRST_ORDER_MODES} (a mode with a first-order term), got {mode!r}")
+    device = check_device(device)
     f = read_qkv_file(path)
     entries = [e for e in f.entries if steps is None or e.step in set(steps)]
     if not entries:
         raise ValueError(f"{path} has no captured call at steps {sorted(steps) if steps else steps}")
+    for e in entries:  # every entry is checked before any fitting
+        check_entry(e)
     rng = random.Random(seed)
     fits: dict[str, dict[int, calibration.RowFit]] = {}
     cov = covariance_aware
@@ -89,6 +92,35 @@ def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", co
     settings = {"density": float(density), "mode": mode, "covariance_aware": bool(cov), "block_size": block_size}
     return alpha_table.from_fits(fits, settings=settings, over=fit, default=spec.DEFAULT_ALPHA,
                                  model=f.meta.get("model"), source=os.path.basename(str(path)))
+
+
+def check_device(device) -> "torch.device":
+    """``device`` as a ``torch.device`` that exists here; ValueError naming it otherwise."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be cpu or cuda[:N], got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA device is available here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be cpu or cuda[:N], got {device!r}")
+    return dev
+
+
+def check_out(path: str) -> None:
+    """ValueError unless ``path`` can be written (a new or existing file in a writable folder)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path!r} is a directory")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--out {path!r} is not writable")
 
 
 def print_table(table, console=None) -> None:
@@ -141,15 +173,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _cmd(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
+        import safetensors  # noqa: F401  (the capture format; not in the core install)
+    except ImportError:
+        print("pisa-attn calibrate: error: reading a capture needs safetensors (pip install safetensors)",
+              file=sys.stderr)
+        return 2
+    try:
+        check_out(args.out)
         table = calibrate_file(args.file, density=args.density, mode=args.mode, covariance_aware=args.covariance_aware,
                                block_size=args.block_size, rows=args.rows, fit=args.fit,
                                steps=args.steps, seed=args.seed, device=args.device,
                                progress=lambda name: print(f"  {name}", file=sys.stderr, flush=True))
-    except ValueError as e:
+    except (ValueError, TypeError, ModuleNotFoundError) as e:
         print(f"pisa-attn calibrate: error: {e}", file=sys.stderr)
         return 2
     print_table(table)
-    table.save(args.out)
+    try:
+        table.save(args.out)
+    except OSError as e:
+        print(f"pisa-attn calibrate: error: --out {args.out!r}: {e.strerror or e}", file=sys.stderr)
+        return 2
     n = sum(len(x) for x in table.transformers.values())
     print(f"wrote {args.out} ({n} layers) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
