@@ -350,6 +350,24 @@ def fit_rules(
     return out
 
 
+def choose_rules(fits: dict[str, dict[int, dict[bool, RowFit]]], *, over: str = "head", default: float = 1.0,
+                 bounds=FIT_BOUNDS) -> tuple[dict[str, dict[int, RowFit]], dict[str, dict[int, bool]]]:
+    """Per transformer and layer, the selection rule (covariance-aware or not) whose fit, at its own
+    clamped least-squares weights, leaves the smaller squared error on the fitted rows: ``(fits of
+    the chosen rules, {name: {layer: rule}})``. Ties keep top-k (no extra prepare pass)."""
+    chosen: dict[str, dict[int, RowFit]] = {}
+    rules: dict[str, dict[int, bool]] = {}
+    for name, layers in fits.items():
+        chosen[name], rules[name] = {}, {}
+        for layer, by_rule in layers.items():
+            def err(rule: bool) -> float:
+                st = by_rule[rule].stats
+                return float(st.residual(st.alpha(over, default=default, bounds=bounds)).sum())
+            rule = min(sorted(by_rule), key=err)  # False first: a tie keeps top-k
+            chosen[name][layer], rules[name][layer] = by_rule[rule], rule
+    return chosen, rules
+
+
 def _runs(pos: list[int], bs: int) -> list[tuple[int, int]]:
     """Sorted positions as ``[a, e)`` runs of consecutive positions that stay inside one block."""
     runs: list[list[int]] = []

@@ -46,10 +46,12 @@ def _transformer_of(entry_name: str) -> str:
 
 def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", covariance_aware: bool | None = None,
                    block_size: int = 64, rows: int = 512, fit: str = "head", steps=None, seed: int = 0,
-                   device: str = "cpu", progress=None):
+                   device: str = "cpu", progress=None, choose_selection: bool = True):
     """The :class:`~pisa_attn.alpha_table.AlphaTable` of a capture file (see the module docstring).
     ``rows``: query rows sampled per captured call (0: all); ``steps``: captured steps to use
-    (None: all); ``covariance_aware`` None: the capture's model's default selection."""
+    (None: all); ``covariance_aware`` None: the capture's model's default selection;
+    ``choose_selection``: fit under both selection rules (top-k and covariance-aware) and keep,
+    per layer, the one whose fitted weights leave the smaller squared error (stored per layer)."""
     import torch
 
     from .. import alpha_table, calibration, spec
@@ -68,7 +70,7 @@ def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", co
     for e in entries:  # every entry is checked before any fitting
         check_entry(e)
     rng = random.Random(seed)
-    fits: dict[str, dict[int, calibration.RowFit]] = {}
+    fits: dict[str, dict[int, dict[bool, calibration.RowFit]]] = {}
     cov = covariance_aware
     for e in entries:
         q, k, v = (x.to(device) for x in (e.q, e.k, e.v))
@@ -82,16 +84,20 @@ def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", co
         if e.layout is not None and e.layout.num_text_tokens:
             keep = e.layout.keep_blocks(block_size)[: spec.num_blocks(n, block_size)]
             keep = keep if bool(keep.any()) else None
-        rf = calibration.fit_rows(q[:, :, start:hi], k, v, density=density, rows=sampled,
-                                  measured=(lo - start, hi - start), block_size=block_size, mode=mode,
-                                  covariance_aware=cov, scale=e.info.get("scale"), keep_blocks=keep)
+        rules = (False, True) if choose_selection else (bool(cov),)
+        rf = calibration.fit_rules(q[:, :, start:hi], k, v, density=density, rows=sampled,
+                                   measured=(lo - start, hi - start), block_size=block_size, mode=mode,
+                                   rules=rules, scale=e.info.get("scale"), keep_blocks=keep)
         layers = fits.setdefault(_transformer_of(e.name), {})
-        layers[e.layer] = rf if e.layer not in layers else layers[e.layer] + rf
+        prev = layers.get(e.layer)
+        layers[e.layer] = rf if prev is None else {r: prev[r] + rf[r] for r in rf}
         if progress is not None:
             progress(e.name)
+    chosen, rule_of = calibration.choose_rules(fits, over=fit, default=spec.DEFAULT_ALPHA)
     settings = {"density": float(density), "mode": mode, "covariance_aware": bool(cov), "block_size": block_size}
-    return alpha_table.from_fits(fits, settings=settings, over=fit, default=spec.DEFAULT_ALPHA,
-                                 model=f.meta.get("model"), source=os.path.basename(str(path)))
+    return alpha_table.from_fits(chosen, settings=settings, over=fit, default=spec.DEFAULT_ALPHA,
+                                 model=f.meta.get("model"), source=os.path.basename(str(path)),
+                                 rules=rule_of if choose_selection else None)
 
 
 def check_device(device) -> "torch.device":
@@ -130,15 +136,17 @@ def print_table(table, console=None) -> None:
     console = console or Console(stderr=True)
     s = table.settings
     for name, layers in table.transformers.items():
-        t = Table(title=f"first-order weight α per layer ({name}; density {s.get('density')}, {s.get('mode')}, "
-                        f"{'covariance-aware' if s.get('covariance_aware') else 'top-k'} selection)",
-                  caption="residual vs paper: squared error at the fitted α over that at α = 1, on the fitted rows")
-        for col in ("layer", "α mean", "α min", "α max", "tail mass ρ", "rows", "residual vs paper"):
+        t = Table(title=f"first-order weight α and selection per layer ({name}; density {s.get('density')}, "
+                        f"{s.get('mode')})",
+                  caption="selection: cov = covariance-aware (eq. 9), top-k = pooled top-k; residual vs paper: "
+                          "squared error at the fitted α over that at α = 1, on the fitted rows")
+        for col in ("layer", "selection", "α mean", "α min", "α max", "tail mass ρ", "rows", "residual vs paper"):
             t.add_column(col, justify="right")
         for i, x in sorted(layers.items()):
             ratio = "-" if x.residual_vs_paper is None else f"{x.residual_vs_paper:.3f}"
-            t.add_row(str(i), f"{sum(x.alpha) / len(x.alpha):.3f}", f"{min(x.alpha):.3f}", f"{max(x.alpha):.3f}",
-                      f"{x.tail_mass:.3f}", str(x.rows), ratio)
+            rule = "cov" if table.covariance_aware(i, name) else "top-k"
+            t.add_row(str(i), rule, f"{sum(x.alpha) / len(x.alpha):.3f}", f"{min(x.alpha):.3f}",
+                      f"{max(x.alpha):.3f}", f"{x.tail_mass:.3f}", str(x.rows), ratio)
         console.print(t)
 
 
@@ -149,8 +157,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    "default 0.15)")
     p.add_argument("--mode", type=at.one_of(MODES), default="hybrid")
     p.add_argument("--covariance-aware", dest="covariance_aware", action="store_true", default=None,
-                   help="covariance-aware selection (default: the captured model's apply_pisa default)")
-    p.add_argument("--no-covariance-aware", dest="covariance_aware", action="store_false")
+                   help="covariance-aware selection for every layer (default: chosen per layer, see --fixed-selection)")
+    p.add_argument("--no-covariance-aware", dest="covariance_aware", action="store_false",
+                   help="pooled top-k selection for every layer")
     p.add_argument("--block-size", type=at.block_size, default=64)
     p.add_argument("--rows", type=at.int_at_least(0), default=512,
                    help="query rows sampled per captured call (0: all of them)")
@@ -181,6 +190,7 @@ def _cmd(args: argparse.Namespace) -> int:
     try:
         check_out(args.out)
         table = calibrate_file(args.file, density=args.density, mode=args.mode, covariance_aware=args.covariance_aware,
+                               choose_selection=args.covariance_aware is None,
                                block_size=args.block_size, rows=args.rows, fit=args.fit,
                                steps=args.steps, seed=args.seed, device=args.device,
                                progress=lambda name: print(f"  {name}", file=sys.stderr, flush=True))

@@ -38,11 +38,15 @@ class CalibrationConfig:
     """rows: query rows sampled per warm-up call and layer (runs of up to :data:`CHUNK`
     consecutive rows in distinct random query blocks: a block's rows share its exact set).
     fit: ``"head"`` (a weight per head) or ``"layer"`` (one per layer).
-    seed: the sampling's seed."""
+    seed: the sampling's seed.
+    choose_selection: also choose each layer's selection rule (top-k or covariance-aware), the
+    one whose fitted weights leave the smaller squared error on the sampled rows; both are fitted
+    from one dense pass of the rows (:func:`pisa_attn.calibration.fit_rules`)."""
 
     rows: int = 32
     fit: str = "head"
     seed: int = 0
+    choose_selection: bool = True
 
     def __post_init__(self):
         n = self.rows
@@ -52,6 +56,8 @@ class CalibrationConfig:
             raise ValueError(f"fit must be one of {cal.FIT_OVER}, got {self.fit!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if not isinstance(self.choose_selection, bool):
+            raise TypeError(f"choose_selection must be True or False, got {self.choose_selection!r}")
 
 
 CHUNK = 16
@@ -90,9 +96,10 @@ class Calibrator:
         self.schedule = schedule
         self.default = float(default)
         self.rng = random.Random(config.seed)
-        self.fits: dict[int, cal.RowFit] = {}
+        self.fits: dict[int, dict[bool, cal.RowFit]] = {}  # layer -> selection rule -> pooled fit
         self.settings: dict = {}
         self.frozen: dict[int, Tensor] | None = None
+        self.frozen_rules: dict[int, bool] | None = None
         self.calls = 0  # calibrated calls this generation
         self._last_step = -1
         self._remove = None
@@ -109,6 +116,7 @@ class Calibrator:
         """A new generation: forget the fits and the frozen weights."""
         self.fits.clear()
         self.frozen = None
+        self.frozen_rules = None
         self.calls = 0
         self._last_step = -1
 
@@ -135,15 +143,15 @@ class Calibrator:
         if call.keep_blocks is not None:
             keep = call.keep_blocks[: spec.num_blocks(n, bs)]
             keep = keep if bool(keep.any()) else None
-        fit = cal.fit_rows(call.q[b : b + 1, :, start:hi], call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n],
-                           density=call.density, rows=rows, measured=(lo - start, hi - start), block_size=bs,
-                           mode=call.mode, covariance_aware=call.covariance_aware, scale=call.scale,
-                           keep_blocks=keep)
+        rules = (False, True) if self.config.choose_selection else (bool(call.covariance_aware),)
+        fit = cal.fit_rules(call.q[b : b + 1, :, start:hi], call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n],
+                            density=call.density, rows=rows, measured=(lo - start, hi - start), block_size=bs,
+                            mode=call.mode, rules=rules, scale=call.scale, keep_blocks=keep)
         self.calls += 1
         self.settings = {"density": call.density, "mode": call.mode, "covariance_aware": call.covariance_aware,
                          "block_size": bs}
         prev = self.fits.get(call.layer)
-        self.fits[call.layer] = fit if prev is None else prev + fit
+        self.fits[call.layer] = fit if prev is None else {r: prev[r] + fit[r] for r in fit}
 
     def freeze(self) -> dict[int, Tensor]:
         """The weights of this generation (fitted now on the first call, then kept): ``{layer:
@@ -151,9 +159,16 @@ class Calibrator:
         if self.frozen is None:
             table = self.table()
             self.frozen = {i: torch.tensor(x.alpha, dtype=torch.float64) for i, x in table.layers().items()}
+            self.frozen_rules = {i: table.covariance_aware(i) for i in table.layers()}
         return self.frozen
 
+    def selection(self) -> dict[int, bool]:
+        """``{layer: covariance_aware}`` chosen this generation (frozen with the weights)."""
+        self.freeze()
+        return dict(self.frozen_rules or {})
+
     def table(self, name: str = "transformer") -> AlphaTable:
-        """The current fits as a table (the weights, tail mass and rows per layer)."""
-        return from_fits({name: self.fits}, settings=self.settings, over=self.config.fit, default=self.default,
-                         source="calibrate=True (dense warm-up)")
+        """The current fits as a table (the weights, selection rule, tail mass and rows per layer)."""
+        fits, rules = cal.choose_rules({name: self.fits}, over=self.config.fit, default=self.default)
+        return from_fits(fits, settings=self.settings, over=self.config.fit, default=self.default,
+                         source="calibrate=True (dense warm-up)", rules=rules if self.config.choose_selection else None)

@@ -161,7 +161,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale, enable_g
     if reason is not None:
         out = dense_attention(q, k, v, mask, scale, enable_gqa)
     else:
-        settings = (cfg.density, cfg.mode, cfg.covariance_aware, cfg.block_size)
+        settings = (cfg.density, cfg.mode, state.covariance_for(layer), cfg.block_size)
         out = sparse_attention(q, k, v, seq, lens, scale, settings, alpha=state.alpha_for(layer))
     state.stats["sparse" if reason is None else "dense"] += 1
     if reason is not None:
@@ -202,7 +202,7 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, o
         dense=reason is not None,
         density=cfg.density,
         mode=cfg.mode,
-        covariance_aware=cfg.covariance_aware,
+        covariance_aware=state.covariance_for(layer, freeze=False),
         block_size=cfg.block_size,
         keep_blocks=seq.keep,
         scale=scale,  # None (the dispatcher's default) becomes 1/sqrt(D), what SDPA and PISA used

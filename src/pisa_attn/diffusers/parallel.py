@@ -124,7 +124,7 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, mask, scale, enable_gqa:
     if reason is not None:
         out = _dense(q, k, v, scale, enable_gqa, groups, list(lens))
     else:
-        settings = (cfg.density, cfg.mode, cfg.covariance_aware, cfg.block_size)
+        settings = (cfg.density, cfg.mode, state.covariance_for(layer), cfg.block_size)
         alpha = state.alpha_for(layer)
         if groups.ring is not None:
             out = _ring_sparse(q, k, v, seq, scale, settings, groups, list(lens), alpha)

@@ -159,6 +159,7 @@ class PisaState:
     runs: list = field(default_factory=list)  # (context token, run) of forwards in progress
     blocks: tuple[int, ...] = ()  # transformer block of each managed attention module, forward order
     alphas: dict = field(default_factory=dict)  # layer -> CPU [H] first-order weights (a loaded table)
+    rules: dict = field(default_factory=dict)  # layer -> covariance_aware chosen by a loaded table
     calibrator: Any = None  # a .calibrate.Calibrator when apply_pisa(calibrate=...)
     handle: int = field(init=False)  # how the opaque ops (ints in a graph) find this state
     tiling: tuple | None = None  # (perm, inv_perm) of the forward being run or traced
@@ -194,6 +195,17 @@ class PisaState:
             return self.alphas[layer]
         a = self.config.alpha
         return torch.tensor(a, dtype=torch.float64) if isinstance(a, tuple) else a
+
+    def covariance_for(self, layer: int, freeze: bool = True) -> bool:
+        """The selection rule of managed layer ``layer``: the one calibration chose for it (this
+        generation's, frozen with the weights), else a loaded table's, else the configured one."""
+        cal = self.calibrator
+        if cal is not None and self.config.mode in spec.FIRST_ORDER_MODES:
+            if freeze:
+                cal.freeze()
+            if cal.frozen_rules is not None and layer in cal.frozen_rules:
+                return cal.frozen_rules[layer]
+        return self.rules.get(layer, self.config.covariance_aware)
 
     def alpha_values(self, layer: int, heads: int) -> tuple[float, ...] | None:
         """:meth:`alpha_for` (without freezing) as ``heads`` floats; None without a first-order term."""
