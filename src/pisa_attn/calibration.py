@@ -39,8 +39,9 @@ CORRECTION_MODES = spec.FIRST_ORDER_MODES
 FIT_OVER = ("head", "layer")
 FIT_BOUNDS = (0.0, 1.0)
 """Where a fitted weight is clamped by the calibration tools: at most the paper's full term, never
-its opposite. On real attention the clamp changes no held-out error; it keeps a fit from few
-sampled rows sane."""
+its opposite. It matters on some real attention: on a diffusion UNet's layers unclamped
+per-head fits reached 11.7 and doubled the held-out error (mean rel-L1 0.295 clamped, 0.531 not);
+on DINOv2 it changes no held-out error. It also keeps a fit from few sampled rows sane."""
 
 
 @dataclass
