@@ -274,3 +274,26 @@ def test_reference_alpha_equals_the_split_terms():
                                     block_size=32, alpha=w)
         torch.testing.assert_close(out, t.output(w), rtol=0, atol=1e-13)
         torch.testing.assert_close(lse, t.lse, rtol=0, atol=0)
+
+
+def test_fit_rules_reads_nothing_back_from_the_device():
+    """No host synchronisation in a fit (what a warm-up call on a GPU would wait for): no op that
+    reads a value back (item, nonzero, is_nonzero, equal) runs, with kept blocks and both rules."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
+             "aten.equal.default", "aten.item.default"}
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = make_qkv(1, 4, 2, 256, 32, seed=13)
+    keep = torch.zeros(8, dtype=torch.bool)
+    keep[0] = True
+    with Watch():
+        cal.fit_rules(q, k, v, density=0.25, block_size=32, rows=list(range(40, 56)) + list(range(200, 216)),
+                      keep_blocks=keep)
+    assert seen and not reads & set(seen)

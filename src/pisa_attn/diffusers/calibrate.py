@@ -139,10 +139,8 @@ class Calibrator:
         lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
         start = block_floor(lo, bs)  # the query blocks the backend runs (see layout.block_floor)
         rows = sample_rows(self.rng, lo - start, hi - start, bs, self.config.rows)
-        keep = None
-        if call.keep_blocks is not None:
-            keep = call.keep_blocks[: spec.num_blocks(n, bs)]
-            keep = keep if bool(keep.any()) else None
+        # An all-False mask selects as None does: no device read to find out.
+        keep = None if call.keep_blocks is None else call.keep_blocks[: spec.num_blocks(n, bs)]
         rules = (False, True) if self.config.choose_selection else (bool(call.covariance_aware),)
         fit = cal.fit_rules(call.q[b : b + 1, :, start:hi], call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n],
                             density=call.density, rows=rows, measured=(lo - start, hi - start), block_size=bs,
