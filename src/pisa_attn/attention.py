@@ -1,7 +1,12 @@
-"""Public entry point: validation, layout handling and backend dispatch for PISA attention.
+"""The public API: :func:`plan` / :func:`run` (FlashInfer-style) and :func:`pisa_attention`.
 
-``pisa_attention`` = :func:`validate` -> :func:`make_plan` (shape-only) -> :func:`run`, which is
-prepare -> select -> attend of the chosen backend (:mod:`pisa_attn.ops.stages`).
+``plan(q, k, settings)`` makes every shape-only decision once (backend, block counts, the number
+of exact blocks, the selection width) and owns a workspace sized for the shape (statistics,
+selection, pair stream, log-sum-exp); ``run(plan, q, k, v)`` then checks only that the tensors are
+the ones planned for (shapes, dtypes, device) and issues prepare -> select -> attend of the chosen
+backend (:mod:`pisa_attn.ops.stages`) into that workspace: no allocation but the output, no host
+synchronisation. :func:`pisa_attention` is settings (cached by its keyword arguments) -> a cached
+plan -> run.
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ import torch
 from torch import Tensor
 
 from . import spec, tail_weight
-from .ops.stages import Backend
+from .ops.selection import Selection
+from .ops.stages import Backend, run_planned
+from .settings import BACKENDS, LAYOUTS, PisaSettings
 
 log = logging.getLogger("pisa_attn")
 
-LAYOUTS = ("bhsd", "bshd")
-BACKENDS = ("auto", "hopper", "triton", "reference")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 INFERENCE_ONLY = ("hopper", "triton")  # backends whose kernels have no backward
@@ -31,31 +36,6 @@ def _log_once(msg: str, level: int = logging.INFO) -> None:
     if msg not in _logged:
         _logged.add(msg)
         log.log(level, msg)
-
-
-@dataclass(frozen=True)
-class PisaPlan:
-    """Shape-only facts of one call (cheap, no device work): what :func:`pisa_attention` will run.
-
-    Everything data-dependent (statistics, selection, attention) happens in the run step, which
-    issues no host synchronisation, so a call can be captured in a CUDA graph.
-    """
-
-    batch: int
-    heads: int
-    kv_heads: int
-    q_len: int
-    kv_len: int
-    head_dim: int
-    block_size: int
-    n_q_blocks: int
-    n_kv_blocks: int
-    n_select: int
-    mode: str
-    covariance_aware: bool
-    scale: float
-    query_block: int  # tokens per selection row (block_size: the paper's per-block selection)
-    backend: str  # "hopper", "triton" or "reference": what actually runs
 
 
 def _check_tensor(name: str, x) -> None:
@@ -195,11 +175,295 @@ def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int) -> str:
 
 
 def _check_inference_only(backend: str, tensors) -> None:
-    if backend in INFERENCE_ONLY and torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+    if backend in INFERENCE_ONLY and torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in tensors):
         raise ValueError(
-            f"the {backend} backend is inference-only (its kernels have no backward), but q/k/v require grad: "
+            f"the {backend} backend is inference-only (its kernels have no backward), but q/k/v or alpha require "
+            "grad: "
             "call under torch.no_grad() / torch.inference_mode(), or pass backend='reference' for gradients"
         )
+
+
+# ---------------------------------------------------------------- plan
+@dataclass(frozen=True, eq=False)
+class PisaPlan:
+    """One planned attention shape: the shape-only facts of a call and the workspace it runs in.
+
+    Made by :func:`plan`; run by :func:`run`. ``q_shape``/``kv_shape`` are in the settings' layout
+    (``[B, H, L, D]`` for ``"bhsd"``, ``[B, L, H, D]`` for ``"bshd"``). The workspace (statistics,
+    selection, pair stream, log-sum-exp) is reused by every run of the plan: runs of one plan are
+    ordered on one CUDA stream (a plan is not for concurrent use from several streams).
+    """
+
+    settings: PisaSettings
+    q_shape: tuple[int, ...]
+    kv_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    block_size: int
+    n_q_blocks: int
+    n_kv_blocks: int
+    n_select: int
+    mode: str
+    covariance_aware: bool
+    scale: float
+    query_block: int  # tokens per selection row (block_size: the paper's per-block selection)
+    backend: str  # "hopper", "triton" or "reference": what actually runs
+    max_keep: int = 0  # the most always-exact blocks (keep_blocks) of any row a run may bring
+    width: int = 1  # static width of the selection's index list: n_select + max_keep, at most Nk
+    alpha: Tensor | None = None  # [H] weights of the first-order term from the settings (None: no such term)
+    workspace: object = None  # the backend's buffers (None: the backend allocates per call)
+
+    @property
+    def layout(self) -> str:
+        return self.settings.layout
+
+
+def _shape_of(name: str, x) -> tuple[int, ...]:
+    if isinstance(x, Tensor):
+        _check_tensor(name, x)
+        return tuple(x.shape)
+    if isinstance(x, torch.Size) or (isinstance(x, (tuple, list)) and all(
+            isinstance(n, int) and not isinstance(n, bool) for n in x)):
+        shape = tuple(int(n) for n in x)
+        if len(shape) != 4:
+            raise ValueError(f"{name} must have rank 4 ([B, H, L, D] or [B, L, H, D]), got shape {shape}")
+        return shape
+    raise TypeError(f"{name} must be a torch.Tensor or a shape (4 ints), got {type(x).__name__}")
+
+
+def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of ``shape`` backed by one element: what the backend checks read (dtype, device,
+    head dim), without allocating the shape."""
+    return torch.empty_strided(shape, (0,) * len(shape), dtype=dtype, device=device)
+
+
+def plan(q, k, settings: PisaSettings | None = None, *, dtype: torch.dtype | None = None, device=None,
+         max_keep: int = 0, workspace: bool = True) -> PisaPlan:
+    """Plan attention for one shape: every shape-only decision, and a workspace sized for it.
+
+    Args:
+        q: the query tensor or its shape, ``[B, H, Lq, D]`` (``layout="bhsd"``) or ``[B, Lq, H, D]``
+            (``"bshd"``).
+        k: the key tensor or its shape (``[B, Hk, Lk, D]`` / ``[B, Lk, Hk, D]``; ``v`` has the same).
+        settings: a :class:`PisaSettings` (default ``PisaSettings()``).
+        dtype, device: of q, k and v; default those of ``q`` when it is a tensor (required with shapes).
+        max_keep: the most always-exact blocks (``keep_blocks``) of any query row that a run will
+            pass; sizes the selection's index list. 0: runs take no ``keep_blocks``.
+        workspace: allocate the workspace now (False: a plan whose runs allocate their buffers).
+
+    Returns:
+        a :class:`PisaPlan` for :func:`run`. ValueError/TypeError naming the argument for bad input.
+    """
+    if settings is None:
+        settings = PisaSettings()
+    if not isinstance(settings, PisaSettings):
+        raise TypeError(f"settings must be a PisaSettings, got {type(settings).__name__}")
+    q_shape, kv_shape = _shape_of("q", q), _shape_of("k", k)
+    if dtype is None:
+        if not isinstance(q, Tensor):
+            raise TypeError("dtype must be given when q is a shape")
+        dtype = q.dtype
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
+    if device is None:
+        if not isinstance(q, Tensor):
+            raise TypeError("device must be given when q is a shape")
+        device = q.device
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must name a torch device, got {device!r} ({e})") from None
+    if isinstance(q, Tensor) and (q.dtype != dtype or q.device != device):
+        raise ValueError(f"q is {q.dtype} on {q.device}, but the plan was asked for {dtype} on {device}")
+    for name, x in (("k", k),):
+        if isinstance(x, Tensor) and (x.dtype != dtype or x.device != device):
+            raise ValueError(f"{name} is {x.dtype} on {x.device}, but q is {dtype} on {device}")
+    max_keep = spec_int("max_keep", max_keep)
+    lay = settings.layout
+    qh, kh = (_stand_in(to_bhsd_shape(s, lay), dtype, device) for s in (q_shape, kv_shape))
+    _validate_shapes(qh, kh, kh)
+    return _make_plan(settings, q_shape, kv_shape, qh, kh, max_keep, workspace and not torch.compiler.is_compiling())
+
+
+def spec_int(name: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        import numbers
+
+        if isinstance(x, numbers.Integral) and not isinstance(x, bool) and int(x) >= 0:
+            return int(x)
+        raise ValueError(f"{name} must be a non-negative int, got {x!r} ({type(x).__name__})")
+    return x
+
+
+def to_bhsd_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    return shape if layout == "bhsd" else (shape[0], shape[2], shape[1], shape[3])
+
+
+def _make_plan(s: PisaSettings, q_shape, kv_shape, qh: Tensor, kh: Tensor, max_keep: int,
+               with_workspace: bool) -> PisaPlan:
+    """The plan of validated ``[B, H, L, D]`` inputs ``qh``/``kh`` (tensors or stand-ins)."""
+    b, h, lq, d = qh.shape
+    hk, lk = kh.shape[1], kh.shape[2]
+    bs = s.block_size
+    nk = spec.num_blocks(lk, bs)
+    n_select = spec.num_selected(s.density, nk)
+    backend = _choose_backend(s.backend, qh, s.mode, bs)
+    alpha_values = s.alpha_values(h)
+    alpha_dtype = torch.float64 if qh.dtype == torch.float64 else torch.float32
+    alpha = None if alpha_values is None or torch.compiler.is_compiling() else \
+        tail_weight.weights(alpha_values, qh.device, alpha_dtype)
+    p = PisaPlan(
+        settings=s, q_shape=tuple(q_shape), kv_shape=tuple(kv_shape), dtype=qh.dtype, device=qh.device,
+        batch=b, heads=h, kv_heads=hk, q_len=lq, kv_len=lk, head_dim=d, block_size=bs,
+        n_q_blocks=spec.num_blocks(lq, bs), n_kv_blocks=nk, n_select=n_select, mode=s.mode,
+        covariance_aware=s.covariance_aware, scale=float(d**-0.5 if s.scale is None else s.scale),
+        query_block=bs * s.query_factor, backend=backend, max_keep=max_keep,
+        width=spec.selection_width(nk, n_select, max_keep), alpha=alpha,
+    )  # fmt: skip
+    if with_workspace:
+        be = get_backend(backend)
+        if be.workspace is not None:
+            object.__setattr__(p, "workspace", be.workspace(p, qh, kh))
+    return p
+
+
+def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware, scale, backend,
+              query_block=None) -> PisaPlan:
+    """A plan without a workspace from ``[B, H, L, D]`` tensors and loose settings (what the tools
+    use to learn which backend a call runs)."""
+    s = PisaSettings(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
+                     scale=scale, backend=backend, query_block=query_block)
+    return _make_plan(s, tuple(q.shape), tuple(k.shape), q, k, 0, False)
+
+
+# ---------------------------------------------------------------- run
+def run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor | None = None, lse: Tensor | None = None,
+        keep_blocks: Tensor | None = None, selection: Selection | None = None, alpha=None,
+        return_lse: bool = False, return_selection: bool = False):
+    """Attention on a plan: ``q, k, v`` of the planned shapes, dtype, device and layout.
+
+    Args:
+        p: from :func:`plan`.
+        q, k, v: ``[B, H, Lq, D]`` / ``[B, Hk, Lk, D]`` (``"bhsd"``) or ``[B, Lq, H, D]`` /
+            ``[B, Lk, Hk, D]`` (``"bshd"``), exactly the planned shapes.
+        out: optional output (q's shape, layout and dtype) to write into; else one is allocated.
+        lse: optional float32 ``[B, H, Lq]`` to write the log-sum-exp into.
+        keep_blocks: bool ``[Nk]`` or ``[B|1, H|1, Nk]``, always-exact key blocks; at most
+            ``p.max_keep`` per row (the plan's selection width).
+        selection: a :class:`pisa_attn.ops.selection.Selection` (e.g. returned by an earlier run)
+            to attend under instead of selecting: ``idx [B, H, Nq, W]``, ``cnt [B, H, Nq]``,
+            ``bits [B, H, Nq, ceil(Nk / 32)]``, int32 on the plan's device.
+        alpha: per-call weight of the first-order term (float or ``[H]`` tensor), overriding the
+            settings' (default: the settings' alpha, itself :data:`pisa_attn.spec.DEFAULT_ALPHA`
+            when unset).
+        return_lse, return_selection: also return the lse / a copy of the selection used.
+
+    Returns:
+        ``out``; or a tuple ``(out, lse)``, ``(out, selection)`` or ``(out, lse, selection)``.
+
+    ValueError/TypeError naming the argument when a tensor does not match the plan. The kernel
+    backends issue no host synchronisation and allocate nothing but ``out`` (and ``lse`` when it
+    is asked for and not given); the returned selection is a copy.
+    """
+    if not isinstance(p, PisaPlan):
+        raise TypeError(f"plan must be a PisaPlan (from pisa_attn.plan), got {type(p).__name__}")
+    for name, x, shape in (("q", q, p.q_shape), ("k", k, p.kv_shape), ("v", v, p.kv_shape)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, the plan was made for {shape} "
+                             f"(layout {p.layout!r}): make a plan for this shape")
+        if x.dtype != p.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype}, the plan was made for {p.dtype}")
+        if x.device != p.device:
+            raise ValueError(f"{name} is on {x.device}, the plan was made for {p.device}")
+    lay = p.layout
+    qh, kh, vh = (x if lay == "bhsd" else x.transpose(1, 2) for x in (q, k, v))
+    if out is not None:
+        _check_out("out", out, p.q_shape, p.dtype, p.device)
+        out = out if lay == "bhsd" else out.transpose(1, 2)
+    if lse is not None:
+        _check_out("lse", lse, (p.batch, p.heads, p.q_len), torch.float32, p.device)
+    keep = None
+    if keep_blocks is not None:
+        keep, n_keep = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, p.device)
+        if n_keep > p.max_keep and not torch.compiler.is_compiling():
+            raise ValueError(f"keep_blocks keeps up to {n_keep} blocks in a row, the plan was made for max_keep="
+                             f"{p.max_keep}: plan with max_keep >= {n_keep}")
+    if selection is not None:
+        _check_selection(selection, p)
+    weights = _weights(p, alpha)
+    _check_inference_only(p.backend, (q, k, v, weights))
+    o, l_, sel = _run(p, qh, kh, vh, out, lse, keep, weights, selection, return_lse)
+    o = o if lay == "bhsd" else o.transpose(1, 2)
+    if not (return_lse or return_selection):
+        return o
+    res = (o,) + ((l_,) if return_lse else ()) + ((Selection(*(x.clone() for x in sel)),) if return_selection else ())
+    return res
+
+
+def _weights(p: PisaPlan, alpha) -> Tensor | None:
+    """The ``[H]`` first-order weights of a run: the plan's (from its settings) unless ``alpha``
+    overrides them for this call."""
+    if alpha is None:
+        if p.alpha is not None or p.mode not in spec.FIRST_ORDER_MODES:
+            return p.alpha
+        # a plan made while tracing: the settings' values as a constant of the graph
+        return torch.tensor(p.settings.alpha_values(p.heads), device=p.device,
+                            dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+    return tail_weight.resolve(alpha, mode=p.mode, heads=p.heads, device=p.device,
+                               dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+
+
+def _check_out(name: str, x, shape, dtype, device) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape) or x.dtype != dtype or x.device != device:
+        raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} on {device}, got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+
+
+def _check_selection(sel, p: PisaPlan) -> None:
+    if not isinstance(sel, Selection):
+        raise TypeError(f"selection must be a pisa_attn.ops.selection.Selection, got {type(sel).__name__}")
+    rows = (p.batch, p.heads, p.n_q_blocks)
+    nw = -(-p.n_kv_blocks // 32)
+    for name, x, ok in (("idx", sel.idx, lambda s: s[:3] == rows and len(s) == 4 and s[3] >= 1),
+                        ("cnt", sel.cnt, lambda s: s == rows), ("bits", sel.bits, lambda s: s == (*rows, nw))):
+        if not isinstance(x, Tensor) or x.dtype != torch.int32 or x.device != p.device or not ok(tuple(x.shape)):
+            got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"selection.{name} does not fit the plan (rows [B, H, Nq] = {list(rows)}, "
+                             f"{nw} bitmask words, int32 on {p.device}): got {got}")
+
+
+def _run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, out, lse, keep, weights, selection, want_lse: bool):
+    """The hot path on ``[B, H, L, D]`` views already checked against the plan."""
+    be = _BACKENDS.get(p.backend) or get_backend(p.backend)
+    if torch.compiler.is_compiling():  # one registered op (its fake matches), no workspace in a graph
+        if selection is None and out is None and lse is None:
+            o, l_ = be.forward(q, k, v, p, keep, p.max_keep if keep is not None else 0, weights)
+            return o, l_, None
+    return run_planned(be, q, k, v, p, p.workspace, keep=keep, alpha=weights, out=out, lse=lse,
+                       selection=selection, want_lse=want_lse)
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+# ---------------------------------------------------------------- pisa_attention
+_PLANS: dict = {}
+_PLAN_LIMIT = 256
+
+
+def _stream_key(device: torch.device):
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
 
 
 def pisa_attention(
@@ -218,12 +482,14 @@ def pisa_attention(
     backend: str = "auto",
     query_block: int | None = None,
     alpha: float | Tensor | None = None,
+    settings: PisaSettings | None = None,
 ):
     """Piecewise Sparse Attention: a drop-in for ``F.scaled_dot_product_attention`` in DiTs.
 
     Every ``block_size`` query block computes its top-``k`` key blocks exactly and approximates the
     remaining (tail) blocks by a Taylor expansion around each block's centroid, inside one online
-    softmax (paper Algorithm 1).
+    softmax (paper Algorithm 1). A thin wrapper: :class:`PisaSettings` from the keyword arguments
+    (cached), a cached :func:`plan` per shape, then :func:`run`.
 
     Args:
         q: ``[B, H, Lq, D]`` (``layout="bhsd"``) or ``[B, Lq, H, D]`` (``layout="bshd"``).
@@ -245,7 +511,7 @@ def pisa_attention(
             (or ``apply_pisa(..., calibrate=True)``). Not allowed with ``"zeroth"``/``"drop"``.
             A CPU tensor or a number is read on the host and cached on the device (no sync; CUDA
             graph and ``torch.compile`` friendly); a device tensor's values are checked with one
-            host read.
+            host read. A tensor that requires grad is differentiated on the reference backend.
         scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
         layout: ``"bhsd"`` or ``"bshd"``; the output has ``q``'s layout.
         keep_blocks: optional bool ``[Nk]`` or broadcastable ``[B, H, Nk]``: key blocks always
@@ -260,6 +526,8 @@ def pisa_attention(
             kernels for supported CUDA inputs, else the reference), ``"hopper"`` (force the
             warp-specialised sm_90 kernel), ``"triton"`` (force the portable kernels; CPU tensors
             need ``TRITON_INTERPRET=1``), ``"reference"`` (force PyTorch).
+        settings: a :class:`PisaSettings` instead of the loose settings arguments above (which
+            must then keep their defaults; ``alpha`` may still be given per call).
 
     Returns:
         ``out`` with the shape and layout of ``q``, or ``(out, lse)`` when ``return_lse``.
@@ -267,71 +535,63 @@ def pisa_attention(
     The kernels (hopper, triton) are inference-only: a call that would run them on inputs requiring grad
     (with autograd enabled) raises ValueError; the reference backend is differentiable.
     """
-    qh, kh, vh = validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
-                          backend=backend, covariance_aware=covariance_aware, return_lse=return_lse,
-                          query_block=query_block, alpha=alpha)
-    p = _cached_plan(qh, kh, density, block_size, mode, covariance_aware, scale, backend, query_block)
-    _check_inference_only(p.backend, (q, k, v))
-    keep, n_keep_max = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, q.device)
-    weights = tail_weight.resolve(alpha, mode=mode, heads=p.heads, device=q.device,
-                                  dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
-    out, lse = run(qh, kh, vh, p, keep, n_keep_max, weights)
-    out = to_bhsd(out, layout)
+    if return_lse is not True and return_lse is not False:
+        spec.check_flag("return_lse", return_lse)
+    compiling = torch.compiler.is_compiling()
+    if settings is None:
+        key = (density, block_size, mode, covariance_aware, scale, layout, backend, query_block,
+               type(density), type(block_size), type(covariance_aware), type(scale), type(query_block))
+        settings = None if compiling else _SETTINGS.get(key)
+        if settings is None:
+            settings = _settings(key[:8])
+            if not compiling:
+                if len(_SETTINGS) >= _PLAN_LIMIT:
+                    _SETTINGS.clear()
+                _SETTINGS[key] = settings
+    elif not isinstance(settings, PisaSettings):
+        raise TypeError(f"settings must be a PisaSettings, got {type(settings).__name__}")
+    p = pkey = None
+    if keep_blocks is None and not compiling and isinstance(q, Tensor) and isinstance(k, Tensor) \
+            and isinstance(v, Tensor):
+        pkey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, settings, 0,
+                _stream_key(q.device))
+        p = _PLANS.get(pkey)
+    if p is None:  # a new shape (or kept blocks): the full checks
+        qh, kh, _ = _validate_call(q, k, v, settings)
+        n_keep = 0
+        if keep_blocks is not None:
+            keep_blocks, n_keep = normalize_keep_blocks(keep_blocks, qh.shape[0], qh.shape[1],
+                                                        spec.num_blocks(kh.shape[2], settings.block_size), q.device)
+            if not compiling:
+                pkey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, settings,
+                        n_keep, _stream_key(q.device))
+                p = _PLANS.get(pkey)
+        if p is None:
+            p = _make_plan(settings, tuple(q.shape), tuple(k.shape), qh, kh, n_keep, not compiling)
+            if not compiling:
+                if len(_PLANS) >= _PLAN_LIMIT:
+                    _PLANS.clear()
+                _PLANS[pkey] = p
+    weights = _weights(p, alpha)
+    _check_inference_only(p.backend, (q, k, v, weights))
+    lay = settings.layout
+    qh, kh, vh = (x if lay == "bhsd" else x.transpose(1, 2) for x in (q, k, v))
+    out, lse, _ = _run(p, qh, kh, vh, None, None, keep_blocks, weights, None, return_lse)
+    out = out if lay == "bhsd" else out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
 
-_PLANS: dict = {}
+_SETTINGS: dict = {}
 
 
-def _cached_plan(q: Tensor, k: Tensor, *settings) -> PisaPlan:
-    """:func:`make_plan` once per shape and settings (a DiT calls the same shapes every layer)."""
-    if torch.compiler.is_compiling():  # symbolic shapes: plan while tracing, nothing to cache
-        return make_plan(q, k, *settings)
-    key = (q.shape, k.shape, q.dtype, q.device, *settings)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = make_plan(q, k, *settings)
-        if len(_PLANS) >= 256:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
+def _settings(values) -> PisaSettings:
+    density, block_size, mode, covariance_aware, scale, layout, backend, query_block = values
+    return PisaSettings(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
+                        scale=scale, layout=layout, backend=backend, query_block=query_block)
 
 
-def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware, scale, backend,
-              query_block=None) -> PisaPlan:
-    """The cheap, shape-only planning step ([B, H, L, D] inputs, already validated)."""
-    b, h, lq, d = q.shape
-    hk, lk = k.shape[1], k.shape[2]
-    nk = spec.num_blocks(lk, block_size)
-    return PisaPlan(
-        batch=b,
-        heads=h,
-        kv_heads=hk,
-        q_len=lq,
-        kv_len=lk,
-        head_dim=d,
-        block_size=block_size,
-        n_q_blocks=spec.num_blocks(lq, block_size),
-        n_kv_blocks=nk,
-        n_select=spec.num_selected(float(density), nk),
-        mode=mode,
-        covariance_aware=bool(covariance_aware),
-        scale=float(d**-0.5 if scale is None else scale),
-        query_block=block_size * spec.query_block_factor(query_block, block_size),
-        backend=_choose_backend(backend, q, mode, block_size),
-    )
-
-
-def run(
-    q: Tensor, k: Tensor, v: Tensor, p: PisaPlan, keep: Tensor | None = None, n_keep_max: int = 0,
-    alpha: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The run step: the backend's prepare -> select -> attend on [B, H, L, D] views.
-
-    ``keep`` is a bool [B|1, H|1, Nk] on the device of ``q``; ``n_keep_max`` bounds its per-row
-    count (it sizes the static index list: at most ``n_select + n_keep_max`` exact blocks).
-    ``alpha``: the ``[H]`` weights of the first-order term as :func:`pisa_attn.tail_weight.resolve`
-    returns them (None: weight 1, the paper's term). Like ``keep``, data rather than a plan
-    setting: the plan stays shape-only and another value never re-plans or recompiles.
-    """
-    return get_backend(p.backend).forward(q, k, v, p, keep, n_keep_max, alpha)
+def _validate_call(q, k, v, s: PisaSettings):
+    """The full checks of a call's tensors (once per new shape: plan-cache misses only)."""
+    return validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale,
+                    layout=s.layout, backend=s.backend, covariance_aware=s.covariance_aware,
+                    query_block=s.query_block)

@@ -8,7 +8,8 @@ A kernel reads one float per query head from a ``[H]`` tensor, so a new value ne
 anything and a call stays capturable in a CUDA graph. Values given on the host (a number, or a CPU
 tensor) are checked there for free and live on the device once per (device, dtype, values): no
 copy and no host synchronisation after the first call with them. A tensor on the device is used as
-it is; checking its values costs one host read (skipped while compiling or capturing).
+it is; checking its values costs one host read (skipped while compiling or capturing). A tensor
+that requires grad (with autograd enabled) is used itself, so the weight is differentiated.
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def resolve(alpha, *, mode: str, heads: int, device, dtype: torch.dtype = torch.
         host_values(alpha, heads)
         return torch.full((heads,), float(alpha), dtype=dtype, device=device)
     values = host_values(alpha, heads)
+    if isinstance(alpha, Tensor) and alpha.requires_grad and torch.is_grad_enabled():
+        # differentiated (the reference backend; the kernels refuse it): the tensor itself, not its values
+        if alpha.device.type != "cpu" and alpha.device != device:
+            raise ValueError(f"alpha must be on the CPU or on q's device ({device}), got {alpha.device}")
+        return alpha.to(device=device, dtype=dtype).reshape(-1).expand(heads)
     if values is None:  # a tensor on a device
         if alpha.device != device:
             raise ValueError(f"alpha must be on the CPU or on q's device ({device}), got {alpha.device}")

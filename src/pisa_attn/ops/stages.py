@@ -74,6 +74,9 @@ class Backend:
     forward: Callable[..., tuple[Tensor, Tensor]]
     unsupported_reason: Callable[[Tensor, str, int], "str | None"]
     score_scratch: Callable[[Tensor, Tensor], "int | None"]
+    # workspace(plan, q, k) -> the buffers a planned run writes into (None: the backend allocates
+    # per call, as the reference does).
+    workspace: "Callable | None" = None
 
 
 def forward_width(plan, keep: Tensor | None, n_keep_max: int) -> int:
@@ -129,6 +132,46 @@ def run_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | 
         mode=plan.mode, scale=plan.scale, covariance_aware=plan.covariance_aware, keep=keep, lean=lean,
         query_block=plan.query_block, alpha=alpha,
     )  # fmt: skip
+
+
+def run_planned(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, ws, *, keep: Tensor | None = None,
+                alpha: Tensor | None = None, out: Tensor | None = None, lse: Tensor | None = None,
+                selection: Selection | None = None, want_lse: bool = False):
+    """A run of a :class:`pisa_attn.PisaPlan` on ``[B, H, L, D]`` views: ``(out, lse, selection)``.
+
+    ``ws`` is the plan's workspace (from ``be.workspace``): prepare, select and attend then write
+    into it and nothing is allocated but ``out`` (and ``lse`` when it is wanted and not given).
+    ``ws=None`` (a backend without one, or while tracing) runs the stages with their own buffers.
+    ``selection`` given: it is attended under and select is skipped.
+    """
+    bs = plan.block_size
+    if ws is None:
+        stats = be.prepare(q, k, v, bs, with_hdev=plan.covariance_aware and selection is None, lean=True,
+                           query_block=plan.query_block)
+        sel = selection if selection is not None else _select(be, stats, plan, keep, q, k, None)
+        o, l_ = be.attend(q, k, v, stats.for_attend(), sel, mode=plan.mode, scale=plan.scale, block_size=bs,
+                          n_select=plan.n_select, alpha=alpha)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        if lse is not None:
+            lse.copy_(l_)
+            l_ = lse
+        return o, l_, sel
+    stats = be.prepare(q, k, v, bs, with_hdev=plan.covariance_aware and selection is None, lean=True,
+                       query_block=plan.query_block, ws=ws.stats)
+    sel = selection if selection is not None else _select(be, stats, plan, keep, q, k, ws.selection)
+    if lse is None and not want_lse:
+        lse = ws.lse  # written, never returned: the next run overwrites it
+    return (*be.attend(q, k, v, stats, sel, mode=plan.mode, scale=plan.scale, block_size=bs, n_select=plan.n_select,
+                       alpha=alpha, out=out, lse=lse, ws=ws), sel)
+
+
+def _select(be: Backend, stats, plan, keep, q, k, ws):
+    kw = {} if ws is None else {"ws": ws}
+    return be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=plan.width, scale=plan.scale,
+                     hdev=stats.hdev, keep=keep, scratch_elems=be.score_scratch(q, k), repeat=plan.query_block //
+                     plan.block_size, n_q_blocks=plan.n_q_blocks, **kw)
 
 
 def slice_blocks(stats, lo: int, hi: int):

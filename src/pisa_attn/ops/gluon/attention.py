@@ -345,12 +345,13 @@ def attention(
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, n_select: int,
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
-    alpha: Tensor | None = None,
+    alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
     The stream is built from ``bits`` (``idx`` only gives the list width); both kernels take one
-    selection. ``alpha``: ``[H]`` float32 weights of the first-order term (None: 1)."""
+    selection. ``alpha``: ``[H]`` float32 weights of the first-order term (None: 1). ``pairs``:
+    (uidx, ucnt) buffers for the pair stream (:func:`pisa_attn.ops.triton.pairs.pair_union`)."""
     del cnt, n_select
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -360,7 +361,7 @@ def attention(
         out = _alloc_like_layout(q)
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
-    uidx, ucnt = pair_union(bits, nk, idx.shape[-1])
+    uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=pairs)
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
     st = stages or STAGES[d]

@@ -58,19 +58,31 @@ def attend(
     n_select: int | None = None,
     out_dtype: torch.dtype | None = None,
     alpha: Tensor | None = None,
+    out: Tensor | None = None,
+    lse: Tensor | None = None,
+    ws: _top.Workspace | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel under ``selection``: (out in ``out_dtype``, default q's, lse fp32).
 
     The pair kernel reads q, k, v through TMA and writes an output of q's dtype; a call it cannot
     serve that way (a float32 partial, a head dim that is not contiguous or a stride that is not a
     multiple of 16 bytes) runs the Triton kernel, which computes the same function.
+    ``out``/``lse``: buffers to write into; ``ws``: the plan's workspace (its pair stream buffers).
     """
-    if (out_dtype not in (None, q.dtype)) or _gattn.tma_unsupported_reason(q, k, v) is not None:
+    if out is None:
+        out = _tattn._alloc_like_layout(q, out_dtype)
+    if (out_dtype not in (None, q.dtype)) or _gattn.tma_unsupported_reason(q, k, v, out) is not None:
         return _top.attend(q, k, v, stats, selection, mode=mode, scale=scale, block_size=block_size,
-                           n_select=n_select, out_dtype=out_dtype, alpha=alpha)
-    out = _tattn._alloc_like_layout(q)
+                           n_select=n_select, out_dtype=out_dtype, alpha=alpha, out=out, lse=lse)
+    pairs = ws.pairs if ws is not None and selection.idx.shape[-1] == ws.selection.selection.idx.shape[-1] else None
     return _gattn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
-                            n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, alpha=alpha)
+                            n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, lse=lse,
+                            alpha=alpha, pairs=pairs)
+
+
+def workspace(plan, q: Tensor, k: Tensor) -> _top.Workspace:
+    """The Triton backend's workspace plus the pair stream's buffers."""
+    return _top.workspace(plan, q, k, pairs=True)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
@@ -81,4 +93,4 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n
 
 BACKEND = _fused.register(
     Backend("hopper", _top.prepare, _top.select, attend, _top.deviation, forward, unsupported_reason,
-            _top.score_scratch))
+            _top.score_scratch, workspace))

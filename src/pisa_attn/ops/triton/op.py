@@ -8,6 +8,8 @@ backward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -16,8 +18,9 @@ from ..selection import Selection
 from ..stages import Backend
 from . import attention as _attn
 from ._common import interpreting
-from .prepare import Stats, deviation, prepare
-from .select import select
+from .pairs import union_width
+from .prepare import Stats, deviation, prepare, stats_workspace
+from .select import SelectionWorkspace, select, selection_workspace
 
 HEAD_DIMS = (16, 32, 64, 128)
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -62,16 +65,49 @@ def attend(
     n_select: int | None = None,
     out_dtype: torch.dtype | None = None,
     alpha: Tensor | None = None,
+    out: Tensor | None = None,
+    lse: Tensor | None = None,
+    ws: Workspace | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The fused attention kernel under ``selection``: (out in ``out_dtype``, default q's, lse fp32).
 
     ``n_select`` (the top-k count; default the selection's width) only picks the tuned config.
     A float32 ``out_dtype`` keeps a shard's partial unrounded for the merge. ``alpha``: ``[H]``
-    float32 weights of the first-order term (None: 1).
+    float32 weights of the first-order term (None: 1). ``out``/``lse``: buffers to write into;
+    ``ws``: the plan's workspace (unused here: the kernel needs no buffer of its own).
     """
-    out = _attn._alloc_like_layout(q, out_dtype)
+    if out is None:
+        out = _attn._alloc_like_layout(q, out_dtype)
     return _attn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
-                           n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, alpha=alpha)
+                           n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, lse=lse,
+                           alpha=alpha)
+
+
+@dataclass
+class Workspace:
+    """The buffers of a planned call (:func:`pisa_attn.plan`): statistics, selection, the pair
+    stream of the Hopper kernel (None for the Triton kernel) and an lse nobody asked for."""
+
+    stats: Stats
+    selection: SelectionWorkspace
+    lse: Tensor
+    pairs: tuple[Tensor, Tensor] | None = None
+
+
+def workspace(plan, q: Tensor, k: Tensor, *, pairs: bool = False) -> Workspace:
+    """The workspace of ``plan`` (``q``/``k``: ``[B, H, L, D]`` tensors or stand-ins of its shapes)."""
+    b, h, lq = q.shape[:3]
+    dev = q.device
+    stats = stats_workspace(q.shape, k.shape, q.dtype, dev, block_size=plan.block_size,
+                            query_block=plan.query_block, with_hdev=plan.covariance_aware)
+    sel = selection_workspace(b, h, plan.n_q_blocks, plan.n_kv_blocks, plan.width, dev,
+                              n_q_rows=stats.qmean.shape[2], scratch_elems=score_scratch(q, k))
+    pair_bufs = None
+    if pairs:
+        nq2, w2 = -(-plan.n_q_blocks // 2), union_width(plan.n_kv_blocks, plan.width)
+        pair_bufs = (torch.empty(b, h, nq2, w2, device=dev, dtype=torch.int32),
+                     torch.empty(b, h, nq2, device=dev, dtype=torch.int32))
+    return Workspace(stats, sel, torch.empty(b, h, lq, device=dev, dtype=torch.float32), pair_bufs)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
@@ -81,4 +117,4 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n
 
 
 BACKEND = _fused.register(
-    Backend("triton", prepare, select, attend, deviation, forward, unsupported_reason, score_scratch))
+    Backend("triton", prepare, select, attend, deviation, forward, unsupported_reason, score_scratch, workspace))

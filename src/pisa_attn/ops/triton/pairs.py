@@ -70,14 +70,19 @@ def union_width(n_kv_blocks: int, width: int) -> int:
     return max(1, min(n_kv_blocks, 2 * width))
 
 
-def pair_union(bits: Tensor, n_kv_blocks: int, width: int) -> tuple[Tensor, Tensor]:
+def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *,
+               out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """(uidx, ucnt) of every pair of query blocks from the selection bitmask ``bits [B, H, Nq, NW]``
-    (contiguous); ``width`` is the selection's list width ``W``."""
+    (contiguous); ``width`` is the selection's list width ``W``. ``out``: (uidx, ucnt) buffers of
+    those shapes to write into (then nothing is allocated)."""
     b, h, nq, nw = bits.shape
     nq2 = -(-nq // 2)
     w2 = union_width(n_kv_blocks, width)
-    uidx = torch.empty(b, h, nq2, w2, device=bits.device, dtype=torch.int32)
-    ucnt = torch.empty(b, h, nq2, device=bits.device, dtype=torch.int32)
+    if out is None:
+        uidx = torch.empty(b, h, nq2, w2, device=bits.device, dtype=torch.int32)
+        ucnt = torch.empty(b, h, nq2, device=bits.device, dtype=torch.int32)
+    else:
+        uidx, ucnt = out
     nkp = max(32, next_pow2(n_kv_blocks))
     warps = max(1, min(8, nkp // 1024))
     r = max(1, min(32, 1024 * warps // nkp))

@@ -176,6 +176,8 @@ class Stats:
     hbar: Tensor | None  # [B, Hk, D, D] float32 (None after a lean prepare)
     hbar_lp: Tensor  # [B, Hk, D, D] input dtype: the attention kernel's operand for q·H̄
     hdev: Tensor | None  # [B, Hk, Nk] float32, ||H_j − H̄||_F (covariance-aware only)
+    kmax: Tensor | None = None  # [B, Hk] float32 scratch: the head's largest |k̄| (a workspace's)
+    vsum: Tensor | None = None  # [B, Hk, Nk, D] float32 scratch: value sums (a workspace's)
 
     BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "vbar": 2, "hdev": 2}
     # kbar is only meaningful with the kscale it was divided by: a shard keeps its own.
@@ -202,27 +204,54 @@ _launch_hbar = Launcher(_hbar_kernel)
 _launch_qmean = Launcher(_q_mean_kernel)
 
 
+def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size: int,
+                    query_block: int | None = None, with_hdev: bool = False) -> Stats:
+    """Every buffer :func:`prepare` writes for ``[B, H, Lq, D]`` queries and ``[B, Hk, Lk, D]``
+    keys/values, allocated once (pass it back as ``ws``)."""
+    b, h, lq, d = q_shape
+    hk, lk = kv_shape[1], kv_shape[2]
+    nk = -(-lk // block_size)
+    nqs = -(-lq // (query_block or block_size))
+    f32 = dict(device=device, dtype=torch.float32)
+    return Stats(
+        qmean=torch.empty(b, h, nqs, d, **f32),
+        kmean=torch.empty(b, hk, d, nk, **f32).transpose(2, 3),
+        kbar=torch.empty(b, hk, nk, d, device=device, dtype=torch.float16),
+        kscale=torch.ones(b, hk, **f32),
+        vbar=torch.empty(b, hk, nk, d, device=device, dtype=dtype),
+        hbar=torch.zeros(b, hk, d, d, **f32),
+        hbar_lp=torch.empty(b, hk, d, d, device=device, dtype=dtype),
+        hdev=torch.empty(b, hk, nk, **f32) if with_hdev else None,
+        kmax=torch.zeros(b, hk, **f32),
+        vsum=torch.empty(b, hk, nk, d, **f32),
+    )  # fmt: skip
+
+
 def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
-            lean: bool = False, query_block: int | None = None) -> Stats:
+            lean: bool = False, query_block: int | None = None, hbar_exclude: Tensor | None = None,
+            ws: Stats | None = None) -> Stats:
     """Block statistics of ``[B, H, L, D]`` views (any strides); the query means are over blocks of
     ``query_block`` rows (default ``block_size``). Issues no host synchronisation.
 
     ``lean`` frees the float32 ``H̄`` once its input-dtype copy exists (the fused path: at short
-    lengths these fixed ``D×D`` buffers dominate the extra memory).
+    lengths these fixed ``D×D`` buffers dominate the extra memory). ``ws`` (from
+    :func:`stats_workspace` for these shapes): write into it and allocate nothing.
+    ``hbar_exclude`` (key blocks left out of H̄'s mean) is not supported by these kernels.
     """
+    if hbar_exclude is not None:
+        raise ValueError("hbar_exclude is not supported by this prepare")
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     nq, nk = -(-lq // block_size), -(-lk // block_size)
     dev = q.device
-    kmean = torch.empty(b, hk, d, nk, device=dev, dtype=torch.float32).transpose(2, 3)
-    kbar = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float16)
-    kscale = torch.ones(b, hk, device=dev, dtype=torch.float32) if nk == 0 else \
-        torch.empty(b, hk, device=dev, dtype=torch.float32)
-    kmax = torch.zeros(b, hk, device=dev, dtype=torch.float32)
-    vbar = torch.empty(b, hk, nk, d, device=dev, dtype=v.dtype)
-    hbar = torch.zeros(b, hk, d, d, device=dev, dtype=torch.float32)
+    if ws is None:
+        ws = stats_workspace(q.shape, k.shape, k.dtype, dev, block_size=block_size, query_block=query_block,
+                             with_hdev=with_hdev)
+    else:
+        ws.kmax.zero_()
+        ws.hbar.zero_()
+    kmean, kbar, kscale, kmax, vbar, hbar, vsum = ws.kmean, ws.kbar, ws.kscale, ws.kmax, ws.vbar, ws.hbar, ws.vsum
     kv_per, kv_chunks = chunking(nk, b * hk, dev)
-    vsum = torch.empty(b, hk, nk, d, device=dev, dtype=torch.float32)  # scratch, freed below
     strides = (*k.stride(), *v.stride())
     cls = spec_class(k, v, *strides)
     _launch_means((k.dtype, block_size, d, cls), (nk, b * hk),
@@ -232,26 +261,24 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
                  (k, v, kmean, vsum, hbar, kmax, kbar, kscale, *strides, hk, lk, nk, kv_per, kv_chunks,
                   1.0 / max(nk, 1)),
                  dict(BS=block_size, D=d, F32=interpreting()), num_warps=warps)
-    hdev = _hdev(k, v, kmean, vsum, hbar, block_size) if with_hdev else None
-    del vsum
+    hdev = _hdev(k, v, kmean, vsum, hbar, block_size, out=ws.hdev) if with_hdev else None
     # Rounded once here instead of in every attention program (each would read 4·D² bytes).
-    hbar_lp = hbar.to(k.dtype)
-    if lean:
-        hbar = None
-    # Allocated last, after the float32 H̄ may be gone: lowers the peak at short lengths.
+    hbar_lp = ws.hbar_lp.copy_(hbar)
     qb = query_block or block_size
     nqs = -(-lq // qb)
-    qmean = torch.empty(b, h, nqs, d, device=dev, dtype=torch.float32)
+    qmean = ws.qmean
     _launch_qmean((q.dtype, qb, d, spec_class(q, *q.stride())), (nqs, b * h), (q, qmean, *q.stride(), h, lq, nqs),
                   dict(BS=qb, D=d), num_warps=4 if qb * d <= 8192 else 8)
-    return Stats(qmean=qmean, kmean=kmean, kbar=kbar, kscale=kscale, vbar=vbar, hbar=hbar, hbar_lp=hbar_lp, hdev=hdev)
+    return Stats(qmean=qmean, kmean=kmean, kbar=kbar, kscale=kscale, vbar=vbar, hbar=None if lean else hbar,
+                 hbar_lp=hbar_lp, hdev=hdev)
 
 
-def _hdev(k: Tensor, v: Tensor, kmean: Tensor, vsum: Tensor, hbar: Tensor, block_size: int) -> Tensor:
+def _hdev(k: Tensor, v: Tensor, kmean: Tensor, vsum: Tensor, hbar: Tensor, block_size: int,
+          out: Tensor | None = None) -> Tensor:
     b, hk, lk, d = k.shape
     nk = kmean.shape[2]
     kv_per, kv_chunks = chunking(nk, b * hk, k.device)
-    hdev = torch.empty(b, hk, nk, device=k.device, dtype=torch.float32)
+    hdev = torch.empty(b, hk, nk, device=k.device, dtype=torch.float32) if out is None else out
     _hdev_kernel[(b * hk * kv_chunks,)](
         k, v, kmean, vsum, hbar, hdev,
         *k.stride(), *v.stride(),

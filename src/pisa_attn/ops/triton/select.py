@@ -17,6 +17,8 @@ then the reference's chunked ``torch.topk`` selection produces it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -105,6 +107,30 @@ def _topk_kernel(
 _launch_topk = Launcher(_topk_kernel)
 
 
+class SelectionWorkspace(NamedTuple):
+    """The buffers :func:`select` writes: the selection and the score scratch of one chunk."""
+
+    selection: Selection
+    scratch: Tensor
+
+
+def _chunk_rows(b: int, h: int, nqs: int, nk: int, scratch_elems: int | None) -> int:
+    return max(1, nqs if scratch_elems is None else min(nqs, scratch_elems // max(1, b * h * nk)))
+
+
+def selection_workspace(b: int, h: int, nq: int, nk: int, width: int, device, *, n_q_rows: int | None = None,
+                        scratch_elems: int | None = None) -> SelectionWorkspace:
+    """The buffers of :func:`select` for ``B x H x nq`` query blocks over ``nk`` key blocks and an
+    index list of ``width`` (``n_q_rows``: rows of ``qmean``, default ``nq``; ``scratch_elems`` as
+    :func:`select` takes it), allocated once (pass it back as ``ws``)."""
+    nqs = nq if n_q_rows is None else n_q_rows
+    i32 = dict(device=device, dtype=torch.int32)
+    sel = Selection(torch.empty(b, h, nq, width, **i32), torch.empty(b, h, nq, **i32),
+                    torch.empty(b, h, nq, -(-nk // 32), **i32))
+    cq = _chunk_rows(b, h, nqs, nk, scratch_elems)
+    return SelectionWorkspace(sel, torch.empty(b * h * cq * nk, device=device, dtype=torch.float32))
+
+
 def select(
     qmean: Tensor,
     kmean: Tensor,
@@ -117,12 +143,15 @@ def select(
     scratch_elems: int | None = None,
     repeat: int = 1,
     n_q_blocks: int | None = None,
+    ws: SelectionWorkspace | None = None,
 ) -> Selection:
     """The :class:`Selection` from ``qmean [B,H,Nq,D]`` (contiguous) and ``kmean [B,Hk,Nk,D]``
     (float32, ideally the transposed view :func:`prepare.prepare` returns); ``keep`` bool
     ``[B|1, H|1, Nk]``. ``scratch_elems`` bounds the score buffer (default: the whole matrix in
     one chunk). ``repeat``: each row of ``qmean`` selects for that many consecutive query blocks
-    (means of ``query_block`` rows), ``n_q_blocks`` of them in all. Issues no host synchronisation."""
+    (means of ``query_block`` rows), ``n_q_blocks`` of them in all. ``ws``: the buffers from
+    :func:`selection_workspace` for these sizes (then nothing is allocated). Issues no host
+    synchronisation."""
     b, h, nqs, d = qmean.shape
     hk, nk = kmean.shape[1], kmean.shape[2]
     n_sel = min(n_select, nk)
@@ -135,12 +164,11 @@ def select(
     dev = qmean.device
     g = h // hk
     nw = -(-nk // 32)
-    idx = torch.empty(b, h, nq, width, device=dev, dtype=torch.int32)
-    cnt = torch.empty(b, h, nq, device=dev, dtype=torch.int32)
-    bits = torch.empty(b, h, nq, nw, device=dev, dtype=torch.int32)
+    if ws is None:
+        ws = selection_workspace(b, h, nq, nk, width, dev, n_q_rows=nqs, scratch_elems=scratch_elems)
+    (idx, cnt, bits), scratch = ws
     kmean_t = kmean.transpose(2, 3)  # [B, Hk, D, Nk]
-    cq = max(1, nqs if scratch_elems is None else min(nqs, scratch_elems // max(1, b * h * nk)))
-    scratch = torch.empty(b * h * cq * nk, device=dev, dtype=torch.float32)
+    cq = _chunk_rows(b, h, nqs, nk, scratch_elems)
     nkp = max(32, next_pow2(nk))
     warps = max(TOPK_WARPS["warps"], nkp // 1024)  # at most 32 scores per thread (no spills)
     r = max(1, min(64, 1024 * warps // nkp))

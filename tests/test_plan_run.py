@@ -1,0 +1,189 @@
+"""plan/run: the same results as pisa_attention, a workspace reused, selections in and out, and
+runs whose tensors do not match their plan refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pisa_attn import PisaPlan, PisaSettings, pisa_attention, plan, run, spec
+from pisa_attn.ops.selection import Selection
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# The Triton kernels take fp16/bf16; the reference every float dtype.
+CASES = [("reference", torch.float32), ("triton", torch.bfloat16)]
+# Shapes stay tiny: on the CPU the Triton kernels run through Triton's (slow) interpreter.
+
+
+def make_qkv(b, h, hk, lq, lk, d, dtype, layout="bhsd", seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def t(heads, n):
+        shape = (b, heads, n, d) if layout == "bhsd" else (b, n, heads, d)
+        return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+    return t(h, lq), t(hk, lk), t(hk, lk)
+
+
+@pytest.mark.parametrize("backend,dtype", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("mode", ["hybrid", "drop"])
+def test_run_equals_pisa_attention_bit_for_bit_B1_H2_Hk1_Lq40_Lk48_D16(backend, dtype, layout, mode):
+    q, k, v = make_qkv(1, 2, 1, 40, 48, 16, dtype, layout)
+    s = PisaSettings(density=0.3, block_size=16, mode=mode, backend=backend, layout=layout)
+    p = plan(q, k, s)
+    assert p.backend == backend and p.workspace is not None or backend == "reference"
+    want, want_lse = pisa_attention(q, k, v, density=0.3, block_size=16, mode=mode, backend=backend, layout=layout,
+                                    return_lse=True)
+    for _ in range(2):  # the workspace is reused: a second run gives the same bits
+        out, lse = run(p, q, k, v, return_lse=True)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("backend,dtype", CASES, ids=[c[0] for c in CASES])
+def test_plan_from_shapes_equals_plan_from_tensors(backend, dtype):
+    q, k, v = make_qkv(1, 2, 1, 64, 64, 16, dtype)
+    s = PisaSettings(density=0.25, block_size=16, backend=backend)
+    p = plan(tuple(q.shape), k.shape, s, dtype=dtype, device=DEV)
+    assert isinstance(p, PisaPlan) and (p.n_kv_blocks, p.n_select, p.width) == (4, 1, 1)
+    assert torch.equal(run(p, q, k, v), run(plan(q, k, s), q, k, v))
+
+
+@pytest.mark.parametrize("backend,dtype", CASES, ids=[c[0] for c in CASES])
+def test_selection_returned_and_passed_in(backend, dtype):
+    q, k, v = make_qkv(1, 2, 1, 64, 96, 16, dtype, seed=3)
+    p = plan(q, k, PisaSettings(density=0.34, block_size=16, backend=backend))
+    out, sel = run(p, q, k, v, return_selection=True)
+    assert isinstance(sel, Selection) and sel.idx.shape == (1, 2, 4, p.width)
+    assert torch.equal(sel.cnt, torch.full_like(sel.cnt, spec.num_selected(0.34, 6)))
+    again, sel2 = run(p, q, k, v, selection=sel, return_selection=True)
+    assert torch.equal(again, out) and all(torch.equal(a, b) for a, b in zip(sel, sel2))
+    # a different selection (every block exact) changes the output to dense attention
+    dense = Selection.from_mask(torch.ones(1, 2, 4, 6, dtype=torch.bool, device=DEV), p.n_kv_blocks)
+    got = run(p, q, k, v, selection=dense)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float().repeat(1, 2, 1, 1),
+                                                           v.float().repeat(1, 2, 1, 1))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((got.float() - ref).abs().mean() / ref.abs().mean()).item() < tol
+
+
+@pytest.mark.parametrize("backend,dtype", CASES, ids=[c[0] for c in CASES])
+def test_out_and_lse_buffers_are_written(backend, dtype):
+    q, k, v = make_qkv(1, 2, 1, 48, 48, 16, dtype, seed=4)
+    p = plan(q, k, PisaSettings(density=0.5, block_size=16, backend=backend))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((1, 2, 48), float("nan"), device=DEV)
+    got, got_lse = run(p, q, k, v, out=out, lse=lse, return_lse=True)
+    assert got.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    want, want_lse = run(p, q, k, v, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("backend,dtype", CASES, ids=[c[0] for c in CASES])
+def test_alpha_default_is_the_same_in_run_and_pisa_attention(backend, dtype):
+    q, k, v = make_qkv(1, 2, 1, 32, 32, 16, dtype, seed=5)
+    p = plan(q, k, PisaSettings(density=0.5, block_size=16, backend=backend))
+    default = run(p, q, k, v)
+    assert torch.equal(default, pisa_attention(q, k, v, density=0.5, block_size=16, backend=backend))
+    assert torch.equal(default, run(p, q, k, v, alpha=spec.DEFAULT_ALPHA))
+    per_head = plan(q, k, PisaSettings(density=0.5, block_size=16, backend=backend, alpha=(0.5, 1.0)))
+    assert torch.equal(run(per_head, q, k, v), run(p, q, k, v, alpha=torch.tensor([0.5, 1.0])))
+    if backend == "reference":
+        assert not torch.equal(default, run(p, q, k, v, alpha=1.0))
+
+
+def _bad_runs():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, torch.float32)
+    p = plan(q, k, PisaSettings(density=0.25, block_size=16, backend="reference"))
+    sel = run(p, q, k, v, return_selection=True)[1]
+    return p, q, k, v, sel
+
+
+BAD_RUNS = [
+    ("q-longer", lambda p, q, k, v, s: dict(q=torch.cat([q, q], 2)), ValueError, r"\bq\b has shape"),
+    ("k-shorter", lambda p, q, k, v, s: dict(k=k[:, :, :32], v=v[:, :, :32]), ValueError, r"\bk\b has shape"),
+    ("v-heads", lambda p, q, k, v, s: dict(v=v[:, :1]), ValueError, r"\bv\b has shape"),
+    ("layout", lambda p, q, k, v, s: dict(q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2)),
+     ValueError, "layout"),
+    ("dtype", lambda p, q, k, v, s: dict(q=q.double(), k=k.double(), v=v.double()), TypeError, r"\bq\b has dtype"),
+    ("v-dtype", lambda p, q, k, v, s: dict(v=v.half()), TypeError, r"\bv\b has dtype"),
+    ("device", lambda p, q, k, v, s: dict(q=q.to("meta")), ValueError, r"\bq\b is on meta"),
+    ("not-tensor", lambda p, q, k, v, s: dict(k=k.tolist()), TypeError, r"\bk\b must be a torch.Tensor"),
+    ("out-shape", lambda p, q, k, v, s: dict(out=q[:, :, :32]), ValueError, r"\bout\b must be"),
+    ("out-dtype", lambda p, q, k, v, s: dict(out=q.double()), ValueError, r"\bout\b must be"),
+    ("lse-shape", lambda p, q, k, v, s: dict(lse=torch.empty(1, 2, 63)), ValueError, r"\blse\b must be"),
+    ("keep-beyond-plan", lambda p, q, k, v, s: dict(keep_blocks=torch.ones(4, dtype=torch.bool)), ValueError,
+     "max_keep"),
+    ("selection-rows", lambda p, q, k, v, s: dict(selection=Selection(*(x[:, :1] for x in s))), ValueError,
+     r"selection\.idx"),
+    ("selection-dtype", lambda p, q, k, v, s: dict(selection=Selection(s.idx.long(), s.cnt, s.bits)), ValueError,
+     r"selection\.idx"),
+    ("selection-tuple", lambda p, q, k, v, s: dict(selection=(1, 2, 3)), TypeError, "selection"),
+    ("alpha-shape", lambda p, q, k, v, s: dict(alpha=torch.ones(3)), ValueError, "alpha"),
+]
+
+
+@pytest.mark.parametrize("change,exc,pattern", [b[1:] for b in BAD_RUNS], ids=[b[0] for b in BAD_RUNS])
+def test_run_refuses_tensors_that_do_not_match_the_plan(change, exc, pattern):
+    p, q, k, v, sel = _bad_runs()
+    kw = dict(q=q, k=k, v=v)
+    kw.update(change(p, q, k, v, sel))
+    with pytest.raises(exc, match=pattern):
+        run(p, kw.pop("q"), kw.pop("k"), kw.pop("v"), **kw)
+
+
+def test_run_refuses_a_non_plan_and_plan_refuses_bad_input():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, torch.float32)
+    with pytest.raises(TypeError, match="plan"):
+        run("plan", q, k, v)
+    with pytest.raises(TypeError, match="settings"):
+        plan(q, k, dict(density=0.5))
+    with pytest.raises(TypeError, match="dtype"):
+        plan((1, 2, 64, 32), (1, 2, 64, 32), device="cpu")
+    with pytest.raises(ValueError, match=r"\bq\b.*rank 4"):
+        plan((1, 2, 64), (1, 2, 64, 32), dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="head dim"):
+        plan(q, k[..., :16])
+    with pytest.raises(ValueError, match="max_keep"):
+        plan(q, k, max_keep=-1)
+
+
+def test_keep_blocks_within_the_planned_width():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, torch.float32, seed=6)
+    keep = torch.tensor([True, False, False, True])
+    p = plan(q, k, PisaSettings(density=0.25, block_size=16, backend="reference"), max_keep=2)
+    want = pisa_attention(q, k, v, density=0.25, block_size=16, backend="reference", keep_blocks=keep)
+    assert torch.equal(run(p, q, k, v, keep_blocks=keep), want)
+
+
+def test_alpha_requiring_grad_is_differentiated_on_the_reference():
+    """The output is affine in alpha: d(sum out)/d alpha_h is the head's first-order term summed,
+    i.e. out(alpha=1) - out(alpha=0) summed over the head."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, torch.float64, seed=7)
+    a = torch.tensor([0.3, 0.8], dtype=torch.float64, requires_grad=True)
+    out = pisa_attention(q, k, v, density=0.25, block_size=16, backend="reference", alpha=a)
+    out.sum().backward()
+    one = pisa_attention(q, k, v, density=0.25, block_size=16, backend="reference", alpha=1.0)
+    zero = pisa_attention(q, k, v, density=0.25, block_size=16, backend="reference", alpha=0.0)
+    torch.testing.assert_close(a.grad, (one - zero).sum(dim=(0, 2, 3)), rtol=1e-9, atol=1e-9)
+    # float32 input, float32 alpha: flows as well
+    a32 = torch.tensor([0.3, 0.8], requires_grad=True)
+    pisa_attention(q.float(), k.float(), v.float(), density=0.25, block_size=16, alpha=a32).sum().backward()
+    assert a32.grad is not None and torch.isfinite(a32.grad).all()
+
+
+def test_alpha_requiring_grad_is_refused_by_the_kernels():
+    q, k, v = make_qkv(1, 2, 1, 32, 32, 16, torch.bfloat16, seed=8)
+    a = torch.tensor([0.3, 0.8], requires_grad=True)
+    with pytest.raises(ValueError, match="inference-only"):
+        pisa_attention(q, k, v, density=0.25, block_size=16, backend="triton", alpha=a)
+    with torch.no_grad():
+        pisa_attention(q, k, v, density=0.25, block_size=16, backend="triton", alpha=a)
+
+
+def test_pisa_attention_takes_a_settings_object():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, torch.float32, seed=9)
+    s = PisaSettings(density=0.5, block_size=16, mode="zeroth")
+    assert torch.equal(pisa_attention(q, k, v, settings=s),
+                       pisa_attention(q, k, v, density=0.5, block_size=16, mode="zeroth"))

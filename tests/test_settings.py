@@ -1,0 +1,101 @@
+"""PisaSettings: one frozen, validated, hashable object; numpy scalars accepted and normalised."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pisa_attn import spec
+from pisa_attn.settings import PisaSettings
+
+
+def test_defaults_match_pisa_attention():
+    s = PisaSettings()
+    assert (s.density, s.mode, s.alpha, s.block_size, s.query_block) == (0.125, "hybrid", None, 64, None)
+    assert s.alpha_values(3) == (spec.DEFAULT_ALPHA,) * 3
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("block_size", np.int64(32), 32),
+    ("block_size", np.int32(64), 64),
+    ("density", np.float32(0.25), 0.25),
+    ("density", np.float64(0.5), 0.5),
+    ("scale", np.float32(0.125), 0.125),
+    ("covariance_aware", np.True_, True),
+    ("covariance_aware", np.False_, False),
+    ("query_block", np.int64(128), 128),
+    ("alpha", np.float32(0.5), 0.5),
+])
+def test_numpy_scalars_are_normalised_to_python(field, value, expected):
+    s = PisaSettings(**{field: value})
+    got = getattr(s, field)
+    assert got == expected and type(got) is type(expected)
+    hash(s)
+
+
+@pytest.mark.parametrize("alpha,expected", [
+    ([1.0, 0.5], (1.0, 0.5)),
+    ((np.float64(0.25), 1), (0.25, 1.0)),
+    (torch.tensor([0.5, 1.0]), (0.5, 1.0)),
+    (torch.tensor(0.5), 0.5),
+    (1, 1.0),
+])
+def test_alpha_normalised_to_hashable_floats(alpha, expected):
+    s = PisaSettings(alpha=alpha)
+    assert s.alpha == expected
+    assert PisaSettings(alpha=alpha) == s and hash(PisaSettings(alpha=alpha)) == hash(s)
+
+
+BAD = [
+    ("density-str", dict(density="0.5"), TypeError, r"density.*'0.5' \(str\)"),
+    ("density-tensor", dict(density=torch.tensor(0.5)), TypeError, "density"),
+    ("density-bool", dict(density=True), TypeError, "density"),
+    ("density-0", dict(density=0.0), ValueError, "density"),
+    ("density-nan", dict(density=np.float32("nan")), ValueError, "density"),
+    ("block-float", dict(block_size=64.0), ValueError, r"block_size.*\(float\)"),
+    ("block-np-float", dict(block_size=np.float64(64)), ValueError, r"block_size.*float64"),
+    ("block-24", dict(block_size=np.int64(24)), ValueError, "block_size"),
+    ("block-bool", dict(block_size=True), ValueError, "block_size"),
+    ("query-block-96", dict(query_block=96), ValueError, "query_block"),
+    ("query-block-float", dict(query_block=128.0), ValueError, r"query_block.*\(float\)"),
+    ("cov-int", dict(covariance_aware=1), TypeError, r"covariance_aware.*\(int\)"),
+    ("cov-str", dict(covariance_aware="no"), TypeError, "covariance_aware"),
+    ("scale-neg", dict(scale=np.float32(-1)), ValueError, "scale"),
+    ("scale-str", dict(scale="1"), ValueError, r"scale.*\(str\)"),
+    ("mode", dict(mode="second"), ValueError, "mode"),
+    ("backend", dict(backend="cuda"), ValueError, "backend"),
+    ("layout", dict(layout="bsdh"), ValueError, "layout"),
+    ("alpha-in-drop", dict(mode="drop", alpha=1.0), ValueError, "alpha"),
+    ("alpha-in-zeroth", dict(mode="zeroth", alpha=0.5), ValueError, "alpha"),
+    ("alpha-nan", dict(alpha=float("nan")), ValueError, "alpha"),
+    ("alpha-str", dict(alpha="1"), TypeError, "alpha"),
+    ("alpha-empty", dict(alpha=()), ValueError, "alpha"),
+    ("alpha-int-tensor", dict(alpha=torch.ones(2, dtype=torch.int64)), TypeError, "alpha"),
+    ("alpha-requires-grad", dict(alpha=torch.ones(2, requires_grad=True)), TypeError, "alpha.*per call"),
+    ("alpha-meta", dict(alpha=torch.ones(2, device="meta")), TypeError, "alpha.*per call"),
+    ("alpha-rank2", dict(alpha=torch.ones(2, 2)), ValueError, "alpha"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,pattern", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_settings_raise_naming_the_field(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        PisaSettings(**kwargs)
+
+
+def test_frozen_and_replace_revalidates():
+    s = PisaSettings()
+    with pytest.raises(AttributeError):
+        s.density = 0.5  # type: ignore[misc]
+    assert s.replace(density=np.float32(0.5)).density == 0.5
+    with pytest.raises(ValueError, match="density"):
+        s.replace(density=2.0)
+
+
+def test_alpha_values_per_head_count_checked():
+    s = PisaSettings(alpha=(0.5, 1.0))
+    assert s.alpha_values(2) == (0.5, 1.0)
+    with pytest.raises(ValueError, match="alpha.*4 query heads"):
+        s.alpha_values(4)
+    assert PisaSettings(mode="drop").alpha_values(4) is None
