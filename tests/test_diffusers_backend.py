@@ -400,7 +400,7 @@ def test_image_query_blocks_follow_the_key_tile_grid():
     for mode in ("zeroth", "hybrid"):
         out = pisa_calls.sparse_attention(q, k, v, seq, None, None, (0.25, mode, False, TILE_BLOCK))
         whole = pisa_attention(q, k, v, density=0.25, mode=mode, block_size=TILE_BLOCK, layout="bshd",
-                               keep_blocks=seq.keep)  # fmt: skip
+                               keep_blocks=seq.keep, covariance_aware=False)  # fmt: skip
         torch.testing.assert_close(out[:, lo:hi], whole[:, lo:hi], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out[:, :lo], pisa_calls.dense_attention(q[:, :lo], k, v, None, None, False))
 

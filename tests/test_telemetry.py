@@ -95,7 +95,7 @@ def _call(dense: bool, grid=(2, 16, 16), text: int = 64, scale=None):
     lo, hi = g.token_layout.text_mask_tokens().logical_not().nonzero()[[0, -1], 0].tolist()
     assert hi + 1 - lo == g.token_layout.num_tokens - text
     q = g.q[:, :, lo:hi + 1]
-    kw = dict(density=0.25, block_size=64, mode="hybrid", keep_blocks=keep, scale=scale)
+    kw = dict(density=0.25, block_size=64, mode="hybrid", covariance_aware=False, keep_blocks=keep, scale=scale)
     dense_out = torch.nn.functional.scaled_dot_product_attention(g.q, g.k, g.v, scale=scale)
     out = dense_out.clone()
     if not dense:

@@ -43,7 +43,7 @@ def _empty_bshd(q: Tensor, v: Tensor) -> Tensor:
 class BackendDefaults:
     density: float = 0.15
     mode: str = "hybrid"
-    covariance_aware: bool = False
+    covariance_aware: bool = spec.DEFAULT_COVARIANCE_AWARE
     block_size: int = 64
     min_kv_len: int = DEFAULT_MIN_KV_LEN
     alpha: float | None = None
