@@ -329,8 +329,9 @@ def fit_rules(
     qmean = ref.block_means(qblocks, bs, dtype)
     keep = None if keep_blocks is None else keep_blocks.to(dev, non_blocking=True)
     n_sel = spec.num_selected(density, nk)
-    sels = {r: ref.select(qmean, stats.kmean, n_select=n_sel, scale=scale, hdev=stats.hdev if r else None,
-                          keep=keep).to_mask(nk) for r in dict.fromkeys(rules)}  # [B, H, blocks, Nk]
+    # The reference select stage's scores and top-k, as masks (no index-list round trip).
+    sels = {r: ref.select_blocks(ref.selection_scores(qmean, stats.kmean, scale, stats.hdev if r else None), n_sel,
+                                 keep) for r in dict.fromkeys(rules)}  # [B, H, blocks, Nk]
     # The rows as runs of consecutive rows inside one block: views and fills, no index tensor to
     # copy to the device (no host synchronisation).
     runs = _runs(pos, bs)
