@@ -223,3 +223,15 @@ def test_measure_follows_the_backend_when_the_image_starts_mid_block():
         as_dense = tm.measure(hooks.AttentionCall(**{**call.__dict__, "dense": True}))
         for key in ("tail_mass", "rel_l1_pisa", "rel_l1_drop"):
             assert sparse[key] == pytest.approx(as_dense[key], rel=1e-5), key
+
+
+def test_measure_reports_the_selection_rule_and_the_signed_bias():
+    sparse, q, g, kw, dense = _call(dense=False)
+    r = tm.measure(sparse)
+    lo, hi = sparse.meta["image_range"]
+    e = sparse.out[:, :, lo:hi].double() - dense.double()
+    want = float(e.mean(dim=2).abs().mean() / dense.double().abs().mean())
+    assert r["covariance_aware"] is False
+    assert r["bias_pisa"] == pytest.approx(want, rel=1e-6) and 0 < r["bias_pisa"] < r["rel_l1_pisa"]
+    assert tm._selection([False, False]) == "top-k" and tm._selection([True]) == "cov"
+    assert tm._selection([True, False]) == "mixed" and tm._selection([None]) == "-"
