@@ -109,10 +109,11 @@ def tail_terms(
     if (density is None) == (selected is None):
         raise ValueError("give exactly one of density and selected")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    given = stats
     if stats is None or (covariance_aware and stats.hdev is None):
-        stats = ref.block_stats(k, v, block_size, with_hdev=covariance_aware)
+        stats = ref.prepare(q, k, v, block_size, with_hdev=covariance_aware)  # the prepare stage
     if selected is None:
-        qmean = ref.block_means(q, block_size, stats.kmean.dtype)
+        qmean = stats.qmean if stats is not given else ref.block_means(q, block_size, stats.kmean.dtype)
         nk = stats.kmean.shape[2]
         keep = None if keep_blocks is None else keep_blocks.to(q.device)
         selected = ref.select(qmean, stats.kmean, n_select=spec.num_selected(density, nk), scale=scale,

@@ -59,9 +59,10 @@ def select(
     """PISA's block selection, by the reference's select stage (the kernels are tested to match
     it); ``stats`` of k/v may be passed in to share them between calls."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    given = stats
     if stats is None or (covariance_aware and stats.hdev is None):
-        stats = ref.block_stats(k, v, block_size, with_hdev=covariance_aware)
-    qmean = ref.block_means(q, block_size, stats.kmean.dtype)
+        stats = ref.prepare(q, k, v, block_size, with_hdev=covariance_aware)  # the prepare stage
+    qmean = stats.qmean if stats is not given else ref.block_means(q, block_size, stats.kmean.dtype)
     nk = stats.kmean.shape[2]
     keep = None if keep_blocks is None else keep_blocks.to(q.device)
     sel = ref.select(qmean, stats.kmean, n_select=spec.num_selected(density, nk), scale=scale,
