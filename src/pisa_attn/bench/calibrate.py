@@ -4,8 +4,12 @@ Reads a :func:`pisa_attn.diffusers.capture_qkv` file, samples query rows of ever
 (image queries, text key blocks kept exact, the call's softmax scale, as the diffusers backend
 runs them), fits the least-squares weight of the first-order tail term against dense attention
 per layer and head, pooled over the captured steps, and writes the JSON table
-``apply_pisa(..., alpha_table=PATH)`` loads (:mod:`pisa_attn.alpha_table`). Fit under the
-settings you will run with (density, selection): a weight depends on both.
+``apply_pisa(..., alpha_table=PATH)`` loads (:mod:`pisa_attn.alpha_table`). Unless
+``--covariance-aware`` / ``--no-covariance-aware`` fixes it, each layer's selection rule is chosen
+too: both rules are fitted on the same rows and the one whose fitted weights leave the smaller
+squared error is stored with the layer. Fit at the density you will run with: a weight depends on
+it. Every captured entry is checked (finite floating [B, H, L, D] tensors, k and v of one shape)
+and ``--out`` is checked before any fitting.
 
 Run as ``pisa-attn calibrate ...`` or ``python -m pisa_attn.bench.calibrate ...``.
 """

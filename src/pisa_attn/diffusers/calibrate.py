@@ -5,16 +5,20 @@ there. On each warm-up call of a layer that will later run sparse, :class:`Calib
 observer of the managed calls) samples a few query rows of one batch row and computes on those
 rows only, in float32 with the reference's arithmetic, the zeroth-order output, the first-order
 correction and the dense output (:func:`pisa_attn.calibration.fit_rows`); it adds their
-least-squares statistics per layer and head. The first sparse call of a generation freezes the weights: per layer and head
-the pooled least-squares fit, clamped to :data:`pisa_attn.calibration.FIT_BOUNDS`; a layer without
-samples keeps the weight it has without calibration. Each generation fits anew, on its own
-warm-up (the input being generated is the best calibration input there is).
+least-squares statistics per layer and head, under both selection rules (top-k and
+covariance-aware; :func:`pisa_attn.calibration.fit_rules`, one dense pass of the rows). The first
+sparse call of a generation freezes the weights and the rules: per layer the rule whose clamped
+fit (:data:`pisa_attn.calibration.FIT_BOUNDS`) leaves the smaller squared error, and its weights
+per head; a layer without samples keeps the weight and rule it has without calibration. Each
+generation fits anew, on its own warm-up (the input being generated is the best calibration input
+there is).
 
-Cost per calibrated call: the key statistics (``O(Lk·D²)`` per head, as PISA's prepare) and about
-ten passes over one ``rows x Lk`` score matrix, against the call's ``O(Lq·Lk·D)`` dense attention:
-measured on CPU, one sampled row costs about five rows of fused dense attention, so a call adds
-about ``5·rows/Lq`` of its attention plus a fixed ~40 small operations (1% at 32K tokens with
-the default 32 rows; ``benchmarks/calibration_cost.py`` times it per warm-up step).
+Cost per calibrated call: the key statistics (``O(Lk·D²)`` per head, as PISA's prepare, plus the
+covariance deviations) and a few passes over ``rows x Lk`` score matrices (one dense, one per
+rule), against the call's ``O(Lq·Lk·D)`` dense attention, with no value read back to the host.
+The fixed part is a count of small operations (CPU, 1024 tokens, 32 rows: 118 non-view aten ops
+with one rule, 204 choosing the rule; ``benchmarks/calibration_cost.py --count-ops``), which on a
+GPU is launch time: ``benchmarks/calibration_cost.py`` times it per warm-up step.
 """
 
 from __future__ import annotations
