@@ -170,7 +170,7 @@ def test_hunyuan_padded_text_keys_masked(models):
         keep = c.keep_blocks[: -(-(n - 3) // TILE_BLOCK)]
         img = pisa_attention(
             c.q[:, :, : n - 8], c.k[:, :, : n - 3], c.v[:, :, : n - 3], density=0.25, block_size=TILE_BLOCK,
-            keep_blocks=keep,
+            keep_blocks=keep, covariance_aware=c.covariance_aware,
         )
         torch.testing.assert_close(c.out[:, :, : n - 8], img, rtol=1e-5, atol=1e-6)
 

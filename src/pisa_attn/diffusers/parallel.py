@@ -127,7 +127,7 @@ def parallel_attention(state, layer: int, q: Tensor, k: Tensor, v: Tensor, mask,
     if reason is not None:
         out = _dense(q, k, v, scale, enable_gqa, groups, list(lens))
     else:
-        settings = cfg.call_settings
+        settings = state.settings_for(layer)
         if settings.query_block is not None:
             raise ValueError("apply_pisa(query_block=...) runs on one process only: under context parallelism PISA "
                              "selects per block; apply it without query_block")

@@ -155,11 +155,13 @@ class PisaState:
     runs: list = field(default_factory=list)  # (context token, run) of forwards in progress
     blocks: tuple[int, ...] = ()  # transformer block of each managed layer (layer index -> block)
     alphas: dict = field(default_factory=dict)  # layer -> CPU [H] first-order weights (a loaded table)
+    rules: dict = field(default_factory=dict)  # layer -> covariance_aware chosen by a loaded table
     calibrator: Any = None  # a .calibrate.Calibrator when apply_pisa(calibrate=...)
     handle: int = field(init=False)  # how the opaque ops (ints in a graph) find this state
     tiling: tuple | None = None  # (perm, inv_perm) of the forward being run or traced
     generation: int = -1  # the tracker's generation this state's stats and fits belong to
     plans: dict = field(default_factory=dict)  # the attention plan of each call shape (layers share them)
+    variants: dict = field(default_factory=dict)  # (covariance_aware, scale) -> settings (see settings_for)
 
     def __post_init__(self) -> None:
         self.handle = next(_HANDLES)
@@ -188,6 +190,31 @@ class PisaState:
             return self.alphas[layer]
         a = self.config.alpha
         return torch.tensor(a, dtype=torch.float64) if isinstance(a, tuple) else a
+
+    def covariance_for(self, layer: int, freeze: bool = True) -> bool:
+        """The selection rule of managed layer ``layer``: the one calibration chose for it (this
+        generation's, frozen with the weights), else a loaded table's, else the configured one."""
+        cal = self.calibrator
+        if cal is not None and self.config.mode in spec.FIRST_ORDER_MODES:
+            if freeze:
+                cal.freeze()
+            if cal.frozen_rules is not None and layer in cal.frozen_rules:
+                return cal.frozen_rules[layer]
+        return self.rules.get(layer, self.config.covariance_aware)
+
+    def settings_for(self, layer: int, scale: float | None = None) -> PisaSettings:
+        """The settings a sparse call of managed layer ``layer`` runs with: the transformer's
+        (:attr:`PisaConfig.call_settings`) with the layer's selection rule (:meth:`covariance_for`)
+        and, when given, the call's softmax ``scale``. Each variant is made once."""
+        s = self.config.call_settings
+        cov = self.covariance_for(layer)
+        scale = s.scale if scale is None else float(scale)
+        if cov == s.covariance_aware and scale == s.scale:
+            return s
+        key = (cov, scale)
+        if key not in self.variants:
+            self.variants[key] = s.replace(covariance_aware=cov, scale=scale)
+        return self.variants[key]
 
     def alpha_values(self, layer: int, heads: int) -> tuple[float, ...] | None:
         """:meth:`alpha_for` (without freezing) as ``heads`` floats; None without a first-order term."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .. import spec
 from ..attention import validate
 from .comm import group_info
 from .ring import ring_pisa_attention
@@ -27,7 +28,7 @@ def unified_pisa_attention(
     density: float = 0.125,
     block_size: int = 64,
     mode: str = "hybrid",
-    covariance_aware: bool = False,
+    covariance_aware: bool = spec.DEFAULT_COVARIANCE_AWARE,
     scale: float | None = None,
     layout: str = "bhsd",
     keep_blocks: Tensor | None = None,
