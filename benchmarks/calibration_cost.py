@@ -7,6 +7,13 @@ query rows per call and fits the first-order weight on them in float32, see
 
     python benchmarks/calibration_cost.py --tiny                 # CPU: a small Wan-like model, several lengths
     python benchmarks/calibration_cost.py                        # GPU: Wan2.1-1.3B (32,760 tokens), FLUX.1 (4,608)
+    python benchmarks/calibration_cost.py --tiny --count-ops     # ops and host reads per calibrated layer call
+
+``rN`` is the default calibration (``N`` rows, the selection rule chosen per layer: both rules
+fitted from one dense pass of the rows), ``rNf`` the same with the run's rule only
+(``CalibrationConfig(choose_selection=False)``). ``--count-ops`` counts, per calibrated call
+(``Calibrator.observe``), the aten ops dispatched, those that are not views (what launches
+kernels on a GPU) and those that read a value back to the host (a synchronisation on a GPU).
 
 Random weights from the real configs (``pisa_attn.bench.model_configs``), bf16 on the GPU, float32
 on the CPU. Writes ``calibration_cost.json`` to ``--out`` (default ``$OUT`` or ``./out``) and
@@ -89,7 +96,8 @@ def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
     model = build(kind, cfg, device, dtype)
     x = inputs(kind, cfg, grid, text, device, dtype)
     common = dict(density=args.density, dense_steps=1 << 30, dense_layers=0, min_kv_len=0)
-    settings = {"base": None, **{f"r{n}": pd.CalibrationConfig(rows=n) for n in args.rows}}
+    settings = {"base": None, **{f"r{n}": pd.CalibrationConfig(rows=n) for n in args.rows},
+                **{f"r{n}f": pd.CalibrationConfig(rows=n, choose_selection=False) for n in args.rows}}
     times = {name: [] for name in settings}
     layers = 0
     for i in range(args.warmup + args.iters):
@@ -105,14 +113,67 @@ def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
     row = {"model": kind, "grid": list(grid), "text": text, "step_ms": base, "layers": layers,
            "times_ms": times}
     for n in args.rows:
-        row[f"calibrated_ms_r{n}"] = min(times[f"r{n}"])
-        row[f"overhead_r{n}"] = row[f"calibrated_ms_r{n}"] / base - 1
+        for tag in (f"r{n}", f"r{n}f"):
+            row[f"calibrated_ms_{tag}"] = min(times[tag])
+            row[f"overhead_{tag}"] = row[f"calibrated_ms_{tag}"] / base - 1
     row["tokens"] = int(torch.tensor(grid).prod()) // (4 if kind == "wan" else 1) + (text if kind == "flux" else 0)
     row["heads"], row["head_dim"] = model.config.num_attention_heads, model.config.attention_head_dim
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+VIEW_OPS = ("view", "permute", "unsqueeze", "squeeze", "alias", "slice", "select", "expand", "transpose",
+            "t.default", "narrow", "unbind", "split", "as_strided", "reshape", "detach", "_unsafe_view")
+HOST_READS = ("_local_scalar_dense", "nonzero", "is_nonzero", "item", "equal")
+
+
+def count_ops(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
+    """Ops per calibrated layer call of one warm-up forward, with and without the rule choice."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import pisa_attn.diffusers as pd
+    from pisa_attn.diffusers.calibrate import Calibrator
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            self.ops[str(func)] += 1
+            return func(*a, **(kw or {}))
+
+    model = build(kind, cfg, device, dtype)
+    x = inputs(kind, cfg, grid, text, device, dtype)
+    out = {}
+    observe = Calibrator.observe
+    for tag, choose in (("choose", True), ("fixed", False)):
+        seen = []
+
+        def counted(self, call, _seen=seen):
+            with Count() as c:
+                observe(self, call)
+            _seen.append(c.ops)
+
+        Calibrator.observe = counted
+        try:
+            pd.apply_pisa(model, calibrate=pd.CalibrationConfig(rows=args.rows[0], choose_selection=choose),
+                          density=args.density, dense_steps=1 << 30, dense_layers=0, min_kv_len=0)
+            forward_ms(model, x, device)
+            pd.remove_pisa(model)
+        finally:
+            Calibrator.observe = observe
+        calls = [c for c in seen if c]
+        total = [sum(c.values()) for c in calls]
+        kernels = [sum(v for k, v in c.items() if not any(f"aten.{o}" in k for o in VIEW_OPS)) for c in calls]
+        reads = [sum(v for k, v in c.items() if any(f"aten.{o}." in k for o in HOST_READS)) for c in calls]
+        out[tag] = {"calls": len(calls), "ops_per_call": max(total, default=0),
+                    "non_view_ops_per_call": max(kernels, default=0), "host_reads_per_call": max(reads, default=0)}
+    return {"model": kind, "grid": list(grid), "rows": args.rows[0], **out}
 
 
 def main(argv=None) -> int:
@@ -127,8 +188,15 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--out", default=os.environ.get("OUT", "./out"))
+    p.add_argument("--count-ops", action="store_true", help="count ops and host reads per calibrated call instead")
     args = p.parse_args(argv)
     args.rows = [int(x) for x in args.rows.split(",")]
+    if args.count_ops:
+        torch.set_num_threads(args.threads)
+        n = int(args.lengths.split(",")[0])
+        res = count_ops("wan", WAN_CPU, CPU_GRIDS[n], 16, torch.device("cpu"), torch.float32, args)
+        print(json.dumps(res, indent=1))
+        return 0
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -153,11 +221,12 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "calibration_cost.json"), "w") as f:
         json.dump({"environment": env, "density": args.density, "rows": rows}, f, indent=1)
     print(f"\n=== calibration cost per dense warm-up step ({env['device']}) ===")
+    tags = [t for n in args.rows for t in (f"r{n}", f"r{n}f")]
     head = f"{'model':6s} {'tokens':>7s} {'H x D':>8s} {'step ms':>9s} " + " ".join(
-        f"{'r' + str(n) + ' ms':>9s} {'+%':>6s}" for n in args.rows)
+        f"{t + ' ms':>9s} {'+%':>6s}" for t in tags)
     print(head)
     for r in rows:
-        cells = " ".join(f"{r[f'calibrated_ms_r{n}']:9.1f} {100 * r[f'overhead_r{n}']:5.1f}%" for n in args.rows)
+        cells = " ".join(f"{r[f'calibrated_ms_{t}']:9.1f} {100 * r[f'overhead_{t}']:5.1f}%" for t in tags)
         print(f"{r['model']:6s} {r['tokens']:7d} {r['heads']:>3d}x{r['head_dim']:<4d} {r['step_ms']:9.1f} {cells}")
     return 0
 

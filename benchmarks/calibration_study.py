@@ -156,7 +156,7 @@ def measure_entry(q, k, v, keep_cls) -> dict:
 
 
 def cmd_run(a) -> int:
-    from pisa_attn.diffusers.capture import read_qkv_file
+    from pisa_attn.qkv_file import read_qkv_file
 
     torch.set_num_threads(a.threads)
     files = sorted(glob.glob(os.path.join(a.data, "*.safetensors")))

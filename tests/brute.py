@@ -35,9 +35,10 @@ def _blocks(x: Tensor, block_size: int) -> list[Tensor]:
 
 
 def paper(mode: str) -> dict:
-    """``pisa_attention`` keyword arguments for the paper's equations in ``mode`` (weight 1 on the
-    first-order term; the API's default weight is ``spec.DEFAULT_ALPHA``)."""
-    return {"alpha": 1.0} if mode in ("hybrid", "first") else {}
+    """``pisa_attention`` keyword arguments for the paper's equations in ``mode``: pooled top-k
+    selection and weight 1 on the first-order term (the API's defaults are
+    ``spec.DEFAULT_COVARIANCE_AWARE`` and ``spec.DEFAULT_ALPHA``)."""
+    return {"covariance_aware": False, **({"alpha": 1.0} if mode in ("hybrid", "first") else {})}
 
 
 def brute_pisa(

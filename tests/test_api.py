@@ -138,9 +138,9 @@ def test_bshd_equals_transposed_bhsd_B2_H4_Hk2_Lq100_Lk77_D32(mode):
 @pytest.mark.parametrize("hk", [2, 1], ids=["Hk2", "Hk1"])
 def test_gqa_equals_repeated_kv_heads_B1_H4_L96_D32(hk, mode):
     q, k, v = make_qkv(1, 4, hk, 96, 96, 32, seed=2)
-    out = pisa_attention(q, k, v, density=0.25, block_size=16, mode=mode)
+    out = pisa_attention(q, k, v, covariance_aware=False, density=0.25, block_size=16, mode=mode)
     rep = 4 // hk
-    want = pisa_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), density=0.25, block_size=16, mode=mode)
+    want = pisa_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), covariance_aware=False, density=0.25, block_size=16, mode=mode)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
     sel = brute_selection(q, k, density=0.25, block_size=16)
     want = brute_pisa(q, k, v, sel, mode=mode, block_size=16, alpha=spec.DEFAULT_ALPHA)[0]  # the default weight
@@ -153,7 +153,7 @@ LQ_LK = [(40, 200), (200, 40), (1, 33), (33, 1)]
 @pytest.mark.parametrize("lq,lk", LQ_LK, ids=[f"B2-H2-Lq{a}-Lk{b}-D32" for a, b in LQ_LK])
 def test_lq_differs_from_lk(lq, lk):
     q, k, v = make_qkv(2, 2, 2, lq, lk, 32, seed=3)
-    out, lse = pisa_attention(q, k, v, density=0.5, block_size=16, return_lse=True)
+    out, lse = pisa_attention(q, k, v, covariance_aware=False, density=0.5, block_size=16, return_lse=True)
     assert out.shape == q.shape and lse.shape == (2, 2, lq)
     sel = brute_selection(q, k, density=0.5, block_size=16)
     want = brute_pisa(q, k, v, sel, mode="hybrid", block_size=16, alpha=spec.DEFAULT_ALPHA)[0]
@@ -192,7 +192,7 @@ def test_lse_at_density_one_is_logsumexp_of_scaled_scores_B2_H4_Hk2_L150_D64(lay
 
 def test_lse_of_sparse_call_is_log_of_approximate_denominator():
     q, k, v = make_qkv(1, 2, 1, 100, 120, 32, seed=7)
-    _, lse = pisa_attention(q, k, v, density=0.25, block_size=16, mode="zeroth", return_lse=True)
+    _, lse = pisa_attention(q, k, v, covariance_aware=False, density=0.25, block_size=16, mode="zeroth", return_lse=True)
     sel = brute_selection(q, k, density=0.25, block_size=16)
     torch.testing.assert_close(lse.double(), brute_pisa(q, k, v, sel, mode="zeroth", block_size=16)[1], atol=1e-5, rtol=1e-6)
 
@@ -276,13 +276,13 @@ def test_alpha_per_query_head_matches_brute_B2_H4_Lq90_Lk110_D32(mode, hk):
     forms, against the brute force with the same weights."""
     q, k, v = make_qkv(2, 4, hk, 90, 110, 32, dtype=torch.float64, seed=21)
     w = torch.tensor([0.0, 0.4, 1.0, -0.3], dtype=torch.float64)
-    out = pisa_attention(q, k, v, density=0.3, block_size=16, mode=mode, alpha=w, backend="reference")
+    out = pisa_attention(q, k, v, covariance_aware=False, density=0.3, block_size=16, mode=mode, alpha=w, backend="reference")
     sel = brute_selection(q, k, density=0.3, block_size=16)
     torch.testing.assert_close(out, brute_pisa(q, k, v, sel, mode=mode, block_size=16, alpha=w)[0], atol=1e-11, rtol=1e-11)
     # A float is the same weight for every head; a 0-d tensor is a float.
-    one = pisa_attention(q, k, v, density=0.3, block_size=16, mode=mode, alpha=0.4, backend="reference")
+    one = pisa_attention(q, k, v, covariance_aware=False, density=0.3, block_size=16, mode=mode, alpha=0.4, backend="reference")
     torch.testing.assert_close(one[:, 1], out[:, 1], atol=0, rtol=0)
-    assert torch.equal(one, pisa_attention(q, k, v, density=0.3, block_size=16, mode=mode, alpha=torch.tensor(0.4, dtype=torch.float64)))
+    assert torch.equal(one, pisa_attention(q, k, v, covariance_aware=False, density=0.3, block_size=16, mode=mode, alpha=torch.tensor(0.4, dtype=torch.float64)))
 
 
 def test_alpha_endpoints_are_zeroth_and_the_paper_bit_for_bit():
@@ -291,7 +291,8 @@ def test_alpha_endpoints_are_zeroth_and_the_paper_bit_for_bit():
     zeroth = pisa_attention(q, k, v, mode="zeroth", **kw)
     a0 = pisa_attention(q, k, v, alpha=0.0, **kw)
     assert torch.equal(a0[0], zeroth[0]) and torch.equal(a0[1], zeroth[1])
-    out, lse, _ = ref.pisa_reference(q, k, v, density=0.25, block_size=32)  # no weight: the paper's term
+    out, lse, _ = ref.pisa_reference(q, k, v, covariance_aware=spec.DEFAULT_COVARIANCE_AWARE, density=0.25,
+                                     block_size=32)  # no weight: the paper's term
     a1 = pisa_attention(q, k, v, alpha=1.0, **kw)
     assert torch.equal(a1[0], out) and torch.equal(a1[1], lse)
     default = pisa_attention(q, k, v, **kw)

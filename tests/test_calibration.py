@@ -200,14 +200,31 @@ def test_fit_rows_is_the_fit_restricted_to_those_rows(shape, mode):
     torch.testing.assert_close(whole.stats.alpha(), cal.fit_alpha(t, dense.out), rtol=1e-9, atol=1e-12)
 
 
-def test_fit_rows_chunks_heads_like_one_pass(monkeypatch):
+def test_fit_rows_chunks_rows_like_one_pass(monkeypatch):
     q, k, v = make_qkv(1, 4, 2, 150, 32, seed=11)
     kw = dict(density=0.25, block_size=32, rows=range(20, 90))
     whole = cal.fit_rows(q, k, v, **kw)
-    monkeypatch.setattr(cal, "_FIT_SLAB", 1)  # one kv head per pass
+    monkeypatch.setattr(ref, "_SLAB_ELEMS", 1)  # the reference's row terms one row at a time
+    monkeypatch.setattr(metrics, "_SLAB", 1)
     part = cal.fit_rows(q, k, v, **kw)
     torch.testing.assert_close(part.stats.cr, whole.stats.cr, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(part.tail_mass, whole.tail_mass, rtol=1e-12, atol=0)
+
+
+def test_fit_rules_share_one_dense_pass_and_equal_single_rule_fits(monkeypatch):
+    q, k, v = make_qkv(1, 4, 2, 150, 32, seed=12)
+    kw = dict(density=0.25, block_size=32, rows=range(10, 120))
+    calls = []
+    dense_pass = metrics.dense_pass
+    monkeypatch.setattr(metrics, "dense_pass", lambda *a, **k: calls.append(1) or dense_pass(*a, **k))
+    both = cal.fit_rules(q, k, v, rules=(False, True), **kw)
+    assert len(calls) == 1 and set(both) == {False, True}
+    for rule in (False, True):
+        one = cal.fit_rows(q, k, v, covariance_aware=rule, **kw)
+        torch.testing.assert_close(both[rule].stats.cr, one.stats.cr, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(both[rule].stats.rr, one.stats.rr, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="rules"):
+        cal.fit_rules(q, k, v, rules=(), **kw)
 
 
 def test_fit_rows_low_precision_inputs_fit_in_float32():
@@ -257,3 +274,26 @@ def test_reference_alpha_equals_the_split_terms():
                                     block_size=32, alpha=w)
         torch.testing.assert_close(out, t.output(w), rtol=0, atol=1e-13)
         torch.testing.assert_close(lse, t.lse, rtol=0, atol=0)
+
+
+def test_fit_rules_reads_nothing_back_from_the_device():
+    """No host synchronisation in a fit (what a warm-up call on a GPU would wait for): no op that
+    reads a value back (item, nonzero, is_nonzero, equal) runs, with kept blocks and both rules."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
+             "aten.equal.default", "aten.item.default"}
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = make_qkv(1, 4, 2, 256, 32, seed=13)
+    keep = torch.zeros(8, dtype=torch.bool)
+    keep[0] = True
+    with Watch():
+        cal.fit_rules(q, k, v, density=0.25, block_size=32, rows=list(range(40, 56)) + list(range(200, 216)),
+                      keep_blocks=keep)
+    assert seen and not reads & set(seen)

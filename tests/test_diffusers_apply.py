@@ -94,6 +94,8 @@ BAD = [
     (dict(calibrate=True, dense_steps=1, mode="zeroth"), ValueError, "calibrate"),
     (dict(calibrate="yes"), TypeError, "calibrate"),
     (dict(alpha_table={"format": "nope"}), ValueError, "alpha_table"),
+    (dict(query_block=24), ValueError, "query_block"),
+    (dict(backend="cuda"), ValueError, "backend"),
     (dict(calibrate=True, dense_steps=1, alpha_table={"format": "nope"}), ValueError, "alpha_table"),
 ]
 

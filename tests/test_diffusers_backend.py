@@ -288,12 +288,12 @@ def test_image_query_blocks_follow_the_key_tile_grid():
     lo, hi = seq.image_lo, seq.image_hi
     assert lo % TILE_BLOCK
     for mode in ("zeroth", "hybrid"):
-        settings = PisaSettings(density=0.25, mode=mode, block_size=TILE_BLOCK, layout="bshd")
+        settings = PisaSettings(density=0.25, mode=mode, block_size=TILE_BLOCK, layout="bshd", covariance_aware=False)
         out = pisa_calls.sparse_attention(q, k, v, seq, None, settings)
         torch.testing.assert_close(pisa_calls.sparse_attention(q, k, v, seq, None, settings, plans={}), out,
                                    rtol=0, atol=0)  # on a plan: the same
         whole = pisa_attention(q, k, v, density=0.25, mode=mode, block_size=TILE_BLOCK, layout="bshd",
-                               keep_blocks=seq.keep)  # fmt: skip
+                               keep_blocks=seq.keep, covariance_aware=False)  # fmt: skip
         torch.testing.assert_close(out[:, lo:hi], whole[:, lo:hi], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out[:, :lo], pisa_calls.dense_attention(q[:, :lo], k, v, None, None, False))
 

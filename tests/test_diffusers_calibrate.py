@@ -72,7 +72,7 @@ def test_calibration_is_the_fit_of_the_warmup_rows():
     call (image queries, text key blocks kept exact, the call's scale and selection: FLUX's default
     is covariance-aware)."""
     pipe = tiny_pipeline("flux")
-    pd.apply_pisa(pipe, calibrate=pd.CalibrationConfig(rows=10**6), **RUN)
+    pd.apply_pisa(pipe, calibrate=pd.CalibrationConfig(rows=10**6, choose_selection=False), **RUN)
     calls = _Calls(pipe.transformer)
     _generate(pipe, "flux")
     frozen = pd.pisa_state(pipe.transformer).calibrator.frozen
@@ -85,6 +85,33 @@ def test_calibration_is_the_fit_of_the_warmup_rows():
         want = fit.stats.alpha(default=spec.DEFAULT_ALPHA, bounds=cal.FIT_BOUNDS)
         assert call.covariance_aware
         torch.testing.assert_close(frozen[layer], want, rtol=1e-6, atol=1e-6)
+    pd.remove_pisa(pipe)
+
+
+def test_calibration_chooses_the_selection_rule_per_layer_and_sparse_calls_use_it():
+    """With choose_selection (the default) both rules are fitted on the same warm-up rows; each
+    layer keeps the rule of the smaller squared error at its fitted weights, the sparse calls run
+    it, the table stores it and a run loading that table reproduces the calibrated run."""
+    pipe = tiny_pipeline("flux")
+    pd.apply_pisa(pipe, calibrate=pd.CalibrationConfig(rows=10**6), **RUN)
+    calls = _Calls(pipe.transformer)
+    out = _generate(pipe, "flux")
+    state = pd.pisa_state(pipe.transformer)
+    cal_ = state.calibrator
+    rules = cal_.selection()
+    assert sorted(rules) == sorted(cal_.frozen)
+    for layer, by_rule in cal_.fits.items():
+        assert set(by_rule) == {False, True}
+        err = {r: float(f.stats.residual(f.stats.alpha(default=spec.DEFAULT_ALPHA, bounds=cal.FIT_BOUNDS)).sum())
+               for r, f in by_rule.items()}
+        assert rules[layer] == (err[True] < err[False])
+    table = pd.alpha_table(pipe)
+    assert {i: x.covariance_aware for i, x in table.layers().items()} == rules
+    calls.remove()
+    pd.remove_pisa(pipe)
+    pd.apply_pisa(pipe, alpha_table=table.to_json(), **RUN)
+    assert pd.pisa_state(pipe.transformer).rules == rules
+    torch.testing.assert_close(_generate(pipe, "flux"), out, rtol=0, atol=0)
     pd.remove_pisa(pipe)
 
 
@@ -204,17 +231,24 @@ def test_calibrate_command_fits_a_capture_and_apply_loads_it(tmp_path, capsys):
     assert table.model == "flux" and sorted(table.layers()) == [0, 1, 2, 3]
     assert table.settings == {"density": 0.25, "mode": "hybrid", "covariance_aware": True,  # FLUX's default
                               "block_size": TILE_BLOCK}
-    # Every block of both steps: the pooled least-squares fit of each layer's two calls.
+    # Every block of both steps: the pooled least-squares fit of each layer's two calls, under the
+    # selection rule chosen for the layer (the one of the smaller squared error at its fit).
     f = read_qkv_file(str(cap))
     for layer in range(4):
-        fits = []
+        fits = {False: [], True: []}
         for e in (x for x in f.entries if x.layer == layer):
             lo, hi = e.info["image_range"]
             start = block_floor(lo, TILE_BLOCK)
-            fits.append(cal.fit_rows(e.q[:, :, start:hi], e.k, e.v, density=0.25, block_size=TILE_BLOCK,
-                                     measured=(lo - start, hi - start), covariance_aware=True, scale=e.info["scale"],
-                                     keep_blocks=e.layout.keep_blocks(TILE_BLOCK)))
-        want = (fits[0] + fits[1]).stats.alpha(default=spec.DEFAULT_ALPHA, bounds=cal.FIT_BOUNDS)
+            for rule in (False, True):
+                fits[rule].append(cal.fit_rows(e.q[:, :, start:hi], e.k, e.v, density=0.25, block_size=TILE_BLOCK,
+                                               measured=(lo - start, hi - start), covariance_aware=rule,
+                                               scale=e.info["scale"], keep_blocks=e.layout.keep_blocks(TILE_BLOCK)))
+        pooled = {r: (x[0] + x[1]).stats for r, x in fits.items()}
+        err = {r: float(st.residual(st.alpha(default=spec.DEFAULT_ALPHA, bounds=cal.FIT_BOUNDS)).sum())
+               for r, st in pooled.items()}
+        rule = err[True] < err[False]
+        assert table.layers()[layer].covariance_aware == rule
+        want = pooled[rule].alpha(default=spec.DEFAULT_ALPHA, bounds=cal.FIT_BOUNDS)
         torch.testing.assert_close(torch.tensor(table.layers()[layer].alpha, dtype=torch.float64), want,
                                    rtol=1e-9, atol=1e-12)
     pd.apply_pisa(pipe, alpha_table=str(out), **RUN)  # the settings match: no warning

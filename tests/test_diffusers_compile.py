@@ -105,3 +105,22 @@ def test_compile_repeated_blocks_still_works(family):
         torch._dynamo.reset()
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     torch.testing.assert_close(again, eager, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_inductor_whole_model_compiles_once(fresh_dynamo):
+    # The real compiler (C++ through inductor): no recompile across the dense -> sparse switch and a
+    # second generation (error_on_recompile), output within float tolerance of eager.
+    pipe = tiny_pipeline("wan")
+    pipe.set_progress_bar_config(disable=True)
+    pd.apply_pisa(pipe, **SETTINGS)
+    try:
+        eager = _generate(pipe, "wan")
+        pipe.transformer = torch.compile(pipe.transformer, fullgraph=True)
+        compiled = _generate(pipe, "wan")
+        again = _generate(pipe, "wan")
+        assert pd.stats(pipe.transformer) == {"dense": 8, "warmup_step": 4, "warmup_layer": 4, "sparse": 4}
+    finally:
+        pd.remove_pisa(pipe)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, compiled, rtol=0, atol=0)

@@ -170,7 +170,7 @@ def test_hunyuan_padded_text_keys_masked(models):
         keep = c.keep_blocks[: -(-(n - 3) // TILE_BLOCK)]
         img = pisa_attention(
             c.q[:, :, : n - 8], c.k[:, :, : n - 3], c.v[:, :, : n - 3], density=0.25, block_size=TILE_BLOCK,
-            keep_blocks=keep,
+            keep_blocks=keep, covariance_aware=c.covariance_aware,
         )
         torch.testing.assert_close(c.out[:, :, : n - 8], img, rtol=1e-5, atol=1e-6)
 
@@ -298,3 +298,23 @@ def test_telemetry_attached_and_detached(models):
     finally:
         pd.remove_pisa(tr)
     assert not tel.active and pd.hooks.observers(tr) == []
+
+
+def test_settings_reach_the_sparse_calls_and_plans_are_shared(models):
+    # One PisaSettings per transformer: query_block reaches the calls (a coarser selection changes
+    # the output), numpy scalars are accepted, and layers of one shape share one plan.
+    import numpy as np
+
+    tr, inputs = models["wan"], forward_inputs("wan")
+    outs = {}
+    for qb in (None, 2 * TILE_BLOCK):
+        pd.apply_pisa(tr, **{**SPARSE, "density": np.float32(0.25), "block_size": np.int64(TILE_BLOCK)},
+                      query_block=qb)
+        try:
+            state = pd.pisa_state(tr)
+            assert state.config.settings.query_block == qb and state.config.settings.layout == "bshd"
+            outs[qb] = _run(tr, inputs)
+            assert pd.stats(tr) == {"sparse": 2} and len(state.plans) == 1  # two layers, one plan
+        finally:
+            pd.remove_pisa(tr)
+    assert not torch.equal(outs[None], outs[2 * TILE_BLOCK])

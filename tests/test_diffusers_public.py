@@ -18,7 +18,7 @@ pytest.importorskip("diffusers")
 import pisa_attn.diffusers as pd  # noqa: E402
 from pisa_attn.diffusers import apply as pisa_apply  # noqa: E402
 from pisa_attn.diffusers import telemetry as tm  # noqa: E402
-from diffusers_tiny import FAMILIES, TILE_BLOCK, forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
+from diffusers_tiny import FAMILIES, TILE_BLOCK, forward_inputs, tiny_pipeline, tiny_transformer  # noqa: E402
 from test_diffusers_apply import assert_same, snapshot  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -191,7 +191,8 @@ def test_capture_refuses_bad_path_and_layers_at_the_call(tmp_path, kwargs, match
 
 @pytest.mark.parametrize(
     "heatmap, match",
-    [("/nonexistent_pisa_dir/h.png", "does not exist"), ("{tmp}/h.unknownformat", "image format"), ("{tmp}", "directory")],
+    [("/nonexistent_pisa_dir/h.png", "does not exist"), ("{tmp}/h.unknownformat", "image format"),
+     ("{tmp}", "directory")],
 )
 def test_report_checks_heatmap_before_printing(tmp_path, heatmap, match):
     from rich.console import Console

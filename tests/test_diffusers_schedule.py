@@ -134,7 +134,13 @@ def test_two_transformers_share_one_step_count():
         with torch.no_grad():
             pipe.transformer(**forward_inputs("wan", timestep=0.9))
             pipe.transformer_2(**forward_inputs("wan", timestep=0.5))
-        assert steps == [1, 1]
+            assert steps == [1, 1]
+            assert pd.stats(pipe.transformer) == pd.stats(pipe.transformer_2) == {"sparse": 2}
+            # A new generation, seen first by transformer: transformer_2's counts restart too.
+            pipe.transformer(**forward_inputs("wan", timestep=0.9))
+            pipe.transformer_2(**forward_inputs("wan", timestep=0.4))
+        assert steps == [1, 1, 1, 1]
+        assert pd.stats(pipe.transformer) == pd.stats(pipe.transformer_2) == {"sparse": 2}
     finally:
         pd.remove_pisa(pipe)
     assert pd.pisa_state(pipe.transformer_2) is None

@@ -27,7 +27,7 @@ def test_query_block_shares_one_selection_per_pooled_block(mode):
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, n, 32, generator=g, dtype=torch.float64) for n in (230, 300, 300))
     alpha = {"alpha": 1.0} if mode == "hybrid" else {}  # the paper's term, as pisa_forward computes it
-    out, lse = pisa_attention(q, k, v, density=0.3, block_size=32, mode=mode, query_block=64, return_lse=True, **alpha)
+    out, lse = pisa_attention(q, k, v, covariance_aware=False, density=0.3, block_size=32, mode=mode, query_block=64, return_lse=True, **alpha)
     # the definition: top-k of the pooled 64-row means, used by both 32-row halves
     stats = ref.block_stats(k, v, 32)
     scores = ref.selection_scores(ref.block_means(q, 64, torch.float64), stats.kmean, 32**-0.5)

@@ -156,9 +156,9 @@ def test_chunking_gives_identical_results(monkeypatch, covariance_aware):
     rows = []
     chunk = ref._chunk
 
-    def spy(qc, kx, *args):
+    def spy(qc, kx, *args, **kw):
         rows.append(qc.shape[2])
-        return chunk(qc, kx, *args)
+        return chunk(qc, kx, *args, **kw)
 
     monkeypatch.setattr(ref, "_chunk", spy)
     monkeypatch.setattr(ref, "_SLAB_ELEMS", b * h * lk * 2 * bs)  # two query blocks per chunk
@@ -181,7 +181,7 @@ def test_long_sequence_chunks_stay_bounded(monkeypatch):
     (checked on the chunk plan at L=32K without running the O(L²) work)."""
     seen = []
 
-    def fake_chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha=None):
+    def fake_chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha=None, **kw):
         seen.append(qc.shape[0] * qc.shape[1] * qc.shape[2] * kx.shape[2])
         return torch.zeros_like(qc), torch.zeros(qc.shape[:3], dtype=qc.dtype)
 
@@ -201,7 +201,7 @@ def test_large_magnitude_inputs_never_nan(mode, dtype):
     q, k, v = make_qkv(1, 2, 1, 130, 100, 32, dtype=torch.float32, seed=7)
     q = (q * 30).to(dtype)
     k, v = k.to(dtype), v.to(dtype)
-    out, lse = pisa_attention(q, k, v, density=0.25, block_size=16, mode=mode, return_lse=True)
+    out, lse = pisa_attention(q, k, v, covariance_aware=False, density=0.25, block_size=16, mode=mode, return_lse=True)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     sel = brute_selection(q, k, density=0.25, block_size=16)
     want, _ = brute_pisa(q, k, v, sel, mode=mode, block_size=16, alpha=spec.DEFAULT_ALPHA)  # the API's default
@@ -292,3 +292,87 @@ def test_select_stage_chunks_bounded_by_scratch():
     chunked = ref.select(stats.qmean, stats.kmean, scratch_elems=3 * 2 * 19, **kw)
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
     assert (whole.cnt == 6).all()
+
+
+def _block_h(k, v, bs):
+    """H_j per key block, explicitly: [B, Hk, N, D, D] (float64)."""
+    n = -(-k.shape[2] // bs)
+    out = []
+    for j in range(n):
+        kk, vv = k[:, :, j * bs : (j + 1) * bs].double(), v[:, :, j * bs : (j + 1) * bs].double()
+        out.append(torch.einsum("bhnd,bhne->bhde", kk - kk.mean(2, keepdim=True), vv))
+    return torch.stack(out, 2)
+
+
+def test_hbar_exclude_is_the_mean_over_the_other_blocks():
+    q, k, v = make_qkv(2, 4, 2, 150, 150, 16, seed=31)  # 10 blocks of 16, the last ragged
+    excl = torch.zeros(2, 2, 10, dtype=torch.bool)
+    excl[0, 0, 3] = excl[1, 1, [0, 9]] = True
+    excl[1, 0] = True  # every block excluded: H̄ = 0
+    st = ref.block_stats(k, v, 16, with_hdev=True, hbar_exclude=excl)
+    hj, inc = _block_h(k, v, 16), (~excl).double()
+    want = (hj * inc[..., None, None]).sum(2) / inc.sum(-1).clamp_min(1)[..., None, None]
+    torch.testing.assert_close(st.hbar, want, rtol=1e-12, atol=1e-12)
+    assert bool((st.hbar[1, 0] == 0).all())
+    torch.testing.assert_close(st.hdev, torch.linalg.matrix_norm(hj - want[:, :, None]), rtol=1e-12, atol=1e-12)
+    same = ref.block_stats(k, v, 16, hbar_exclude=torch.zeros(10, dtype=torch.bool))
+    torch.testing.assert_close(same.hbar, ref.block_stats(k, v, 16).hbar, rtol=1e-12, atol=1e-13)
+    with pytest.raises(ValueError, match="hbar_exclude"):
+        ref.block_stats(k, v, 16, hbar_exclude=torch.zeros(9, dtype=torch.bool))
+    with pytest.raises(TypeError, match="hbar_exclude"):
+        ref.block_stats(k, v, 16, hbar_exclude=torch.zeros(10))
+
+
+@pytest.mark.parametrize("exclude", [False, True], ids=["all", "excl"])
+def test_row_scope_hbar_is_each_rows_own_tail_mean(exclude):
+    """hbar_scope="row": the hybrid term of row t uses the mean of H_j over its own tail blocks
+    (less the excluded ones), checked against explicit H_j; "global" is unchanged by the option."""
+    b, h, hk, length, d, bs = 1, 4, 2, 150, 16, 16
+    q, k, v = make_qkv(b, h, hk, length, length, d, seed=32)
+    excl = None
+    if exclude:
+        excl = torch.zeros(1, hk, 10, dtype=torch.bool)
+        excl[0, 0, 2] = excl[0, 1, [5, 6]] = True
+    st = ref.block_stats(k, v, bs, hbar_exclude=excl)
+    scale = d**-0.5
+    sel = ref.select_blocks(ref.selection_scores(ref.block_means(q, bs, torch.float64), st.kmean, scale), 3)
+    o0, _ = ref.pisa_forward(q, k, v, st, sel, mode="zeroth", scale=scale, block_size=bs)
+    o_row, _ = ref.pisa_forward(q, k, v, st, sel, mode="hybrid", scale=scale, block_size=bs, hbar_scope="row")
+    o0_r, c_r, _ = ref.row_terms(q, k, v, st, sel.index_select(2, torch.arange(length) // bs), mode="hybrid",
+                                 scale=scale, block_size=bs, hbar_scope="row")
+    torch.testing.assert_close(o0_r + c_r, o_row, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(o0_r, o0, rtol=1e-12, atol=1e-12)
+    hj = _block_h(k, v, bs).repeat_interleave(h // hk, 1)[0]  # [H, N, D, D]
+    inc = torch.ones(h, 10, dtype=torch.float64) if excl is None else (~excl[0]).double().repeat_interleave(2, 0)
+    km = st.kmean.repeat_interleave(h // hk, 1)[0]
+    kx = k.repeat_interleave(h // hk, 1)[0]
+    tok = torch.arange(length) // bs
+    for t in range(0, length, 7):
+        tail = ~sel[0, :, t // bs]  # [H, N]
+        w = tail.double() * inc
+        hrow = (hj * w[..., None, None]).sum(1) / w.sum(-1).clamp_min(1)[:, None, None]
+        c = torch.einsum("hd,hnd->hn", q[0, :, t], km) * scale
+        s = torch.einsum("hd,hld->hl", q[0, :, t], kx) * scale
+        ex = ~tail[:, tok]
+        mx = torch.maximum(s.masked_fill(~ex, -torch.inf).amax(-1), c.masked_fill(~tail, -torch.inf).amax(-1))
+        a = torch.exp(c.masked_fill(~tail, -torch.inf) - mx[:, None])
+        den = torch.exp(s.masked_fill(~ex, -torch.inf) - mx[:, None]).sum(-1) + a @ st.counts
+        corr = a.sum(-1)[:, None] * scale * torch.einsum("hd,hde->he", q[0, :, t], hrow) / den[:, None]
+        torch.testing.assert_close(o_row[0, :, t] - o0[0, :, t], corr, rtol=1e-10, atol=1e-12)
+    glob, _ = ref.pisa_forward(q, k, v, st, sel, mode="hybrid", scale=scale, block_size=bs)
+    assert not torch.allclose(glob, o_row)
+    with pytest.raises(ValueError, match="hbar_scope"):
+        ref.pisa_forward(q, k, v, st, sel, mode="hybrid", scale=scale, block_size=bs, hbar_scope="tail")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_row_terms_of_all_rows_are_the_forward(mode):
+    q, k, v = make_qkv(2, 4, 2, 100, 120, 32, seed=33)
+    st = ref.block_stats(k, v, 16)
+    sel = ref.select_blocks(ref.selection_scores(ref.block_means(q, 16, torch.float64), st.kmean, 32**-0.5), 2)
+    out, lse = ref.pisa_forward(q, k, v, st, sel, mode=mode, scale=32**-0.5, block_size=16)
+    o0, c, lse_r = ref.row_terms(q, k, v, st, sel.index_select(2, torch.arange(100) // 16), mode=mode,
+                                 scale=32**-0.5, block_size=16)
+    assert (c is None) == (mode in ("zeroth", "drop"))
+    torch.testing.assert_close(o0 if c is None else o0 + c, out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse_r, lse)

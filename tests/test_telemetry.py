@@ -95,7 +95,7 @@ def _call(dense: bool, grid=(2, 16, 16), text: int = 64, scale=None):
     lo, hi = g.token_layout.text_mask_tokens().logical_not().nonzero()[[0, -1], 0].tolist()
     assert hi + 1 - lo == g.token_layout.num_tokens - text
     q = g.q[:, :, lo:hi + 1]
-    kw = dict(density=0.25, block_size=64, mode="hybrid", keep_blocks=keep, scale=scale)
+    kw = dict(density=0.25, block_size=64, mode="hybrid", covariance_aware=False, keep_blocks=keep, scale=scale)
     dense_out = torch.nn.functional.scaled_dot_product_attention(g.q, g.k, g.v, scale=scale)
     out = dense_out.clone()
     if not dense:
@@ -223,3 +223,15 @@ def test_measure_follows_the_backend_when_the_image_starts_mid_block():
         as_dense = tm.measure(hooks.AttentionCall(**{**call.__dict__, "dense": True}))
         for key in ("tail_mass", "rel_l1_pisa", "rel_l1_drop"):
             assert sparse[key] == pytest.approx(as_dense[key], rel=1e-5), key
+
+
+def test_measure_reports_the_selection_rule_and_the_signed_bias():
+    sparse, q, g, kw, dense = _call(dense=False)
+    r = tm.measure(sparse)
+    lo, hi = sparse.meta["image_range"]
+    e = sparse.out[:, :, lo:hi].double() - dense.double()
+    want = float(e.mean(dim=2).abs().mean() / dense.double().abs().mean())
+    assert r["covariance_aware"] is False
+    assert r["bias_pisa"] == pytest.approx(want, rel=1e-6) and 0 < r["bias_pisa"] < r["rel_l1_pisa"]
+    assert tm._selection([False, False]) == "top-k" and tm._selection([True]) == "cov"
+    assert tm._selection([True, False]) == "mixed" and tm._selection([None]) == "-"

@@ -12,7 +12,9 @@ of :func:`pisa_attn.diffusers.capture_qkv`), per transformer of a pipeline::
                                             "rows": 2048, "residual_vs_paper": 0.81}, ...}}}
 
 ``settings`` are those the weights were fitted under (a weight depends on the density and the
-selection); ``tail_mass`` (mean dense softmax mass on the approximated blocks), ``rows`` (query
+selection). A layer may carry its own ``"covariance_aware": true|false``: the selection rule
+calibration chose for it (it overrides ``settings`` for that layer; absent: ``settings``').
+``tail_mass`` (mean dense softmax mass on the approximated blocks), ``rows`` (query
 rows fitted on) and ``residual_vs_paper`` (squared error at the fitted weight over that at weight
 1, on the fitted rows) are information only.
 """
@@ -23,6 +25,8 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+
+import torch
 
 from . import calibration as cal
 
@@ -36,6 +40,7 @@ class LayerAlpha:
     tail_mass: float | None = None
     rows: int | None = None
     residual_vs_paper: float | None = None
+    covariance_aware: bool | None = None  # the layer's selection rule (None: the table's settings)
 
 
 @dataclass
@@ -56,10 +61,17 @@ class AlphaTable:
             return next(iter(self.transformers.values()))
         raise ValueError(f"alpha_table has no weights for {name!r} (it has {sorted(self.transformers)})")
 
+    def covariance_aware(self, layer: int, name: str = "transformer") -> bool:
+        """The selection rule of ``layer``: its own when calibration chose one, else the settings'."""
+        x = self.layers(name).get(layer)
+        if x is not None and x.covariance_aware is not None:
+            return x.covariance_aware
+        return bool(self.settings.get("covariance_aware", False))
+
     def to_json(self) -> dict:
         def layer(x: LayerAlpha) -> dict:
             d = {"alpha": list(x.alpha)}
-            for key in ("tail_mass", "rows", "residual_vs_paper"):
+            for key in ("tail_mass", "rows", "residual_vs_paper", "covariance_aware"):
                 if getattr(x, key) is not None:
                     d[key] = getattr(x, key)
             return d
@@ -91,8 +103,8 @@ def from_json(d) -> AlphaTable:
         raise _bad("has no 'transformers' with weights")
     out: dict[str, dict[int, LayerAlpha]] = {}
     for name, layers in ts.items():
-        if not isinstance(layers, dict):
-            raise _bad(f"entry {name!r} must map layer indices to weights")
+        if not isinstance(layers, dict) or not layers:
+            raise _bad(f"entry {name!r} must map layer indices to weights (a non-empty object), got {layers!r}")
         parsed = {}
         for key, entry in layers.items():
             try:
@@ -106,8 +118,11 @@ def from_json(d) -> AlphaTable:
                     or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
                            for x in values)):
                 raise _bad(f"layer {key} of {name!r} needs 'alpha': a non-empty list of finite numbers, got {values!r}")
+            cov = entry.get("covariance_aware")
+            if cov is not None and not isinstance(cov, bool):
+                raise _bad(f"layer {key} of {name!r}: 'covariance_aware' must be true or false, got {cov!r}")
             parsed[index] = LayerAlpha(tuple(float(x) for x in values), entry.get("tail_mass"), entry.get("rows"),
-                                       entry.get("residual_vs_paper"))
+                                       entry.get("residual_vs_paper"), cov)
         out[str(name)] = parsed
     settings = d.get("settings") or {}
     if not isinstance(settings, dict):
@@ -133,17 +148,23 @@ def load(table) -> AlphaTable:
 
 def from_fits(fits: dict[str, dict[int, cal.RowFit]], *, settings: dict, over: str = "head",
               default: float = 1.0, bounds=cal.FIT_BOUNDS, model: str | None = None,
-              source: str | None = None) -> AlphaTable:
+              source: str | None = None, rules: dict[str, dict[int, bool]] | None = None) -> AlphaTable:
     """The table of least-squares weights of pooled fits (per transformer and layer); a head with
-    no tail on the fitted rows gets ``default``."""
+    no tail on the fitted rows gets ``default``. ``rules``: the selection rule (covariance-aware or
+    not) chosen per layer, stored with it. ValueError if a fit gives a non-finite weight (a fit
+    of non-finite statistics): no NaN is ever written to a table."""
     out: dict[str, dict[int, LayerAlpha]] = {}
     for name, layers in fits.items():
         out[name] = {}
         for layer, fit in sorted(layers.items()):
             heads = fit.stats.cr.numel()
             w = fit.stats.alpha(over, default=default, bounds=bounds).double().reshape(-1).expand(heads)
+            if not bool(torch.isfinite(w).all()) or not bool(torch.isfinite(fit.stats.rr).all()):
+                raise ValueError(f"the fit of layer {layer} of {name!r} is not finite (non-finite attention "
+                                 "statistics): no table written")
             paper = float(fit.stats.residual(1.0).sum())
             ratio = float(fit.stats.residual(w).sum()) / paper if paper > 0 else None
+            cov = None if rules is None else rules.get(name, {}).get(layer)
             out[name][layer] = LayerAlpha(tuple(float(x) for x in w.tolist()),
-                                          float(fit.mean_tail_mass().mean()), int(fit.rows), ratio)
+                                          float(fit.mean_tail_mass().mean()), int(fit.rows), ratio, cov)
     return AlphaTable(out, dict(settings), over, model, source)

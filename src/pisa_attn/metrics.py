@@ -59,9 +59,10 @@ def select(
     """PISA's block selection, by the reference's select stage (the kernels are tested to match
     it); ``stats`` of k/v may be passed in to share them between calls."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    given = stats
     if stats is None or (covariance_aware and stats.hdev is None):
-        stats = ref.block_stats(k, v, block_size, with_hdev=covariance_aware)
-    qmean = ref.block_means(q, block_size, stats.kmean.dtype)
+        stats = ref.prepare(q, k, v, block_size, with_hdev=covariance_aware)  # the prepare stage
+    qmean = stats.qmean if stats is not given else ref.block_means(q, block_size, stats.kmean.dtype)
     nk = stats.kmean.shape[2]
     keep = None if keep_blocks is None else keep_blocks.to(q.device)
     sel = ref.select(qmean, stats.kmean, n_select=spec.num_selected(density, nk), scale=scale,
@@ -96,9 +97,12 @@ def dense_pass(
     masks: tuple[Tensor, ...] = (),
     scale: float | None = None,
     kmean: Tensor | None = None,
+    row_blocks: Tensor | None = None,
 ) -> DensePass:
     """Exact softmax attention over query-row chunks, measuring each mask's tail mass on the way
-    (and its 0th-order estimate when ``kmean``, the ``[B, Hk, Nk, D]`` key-block means, is given)."""
+    (and its 0th-order estimate when ``kmean``, the ``[B, Hk, Nk, D]`` key-block means, is given).
+    ``row_blocks`` (``[Lq]`` long): the mask row of each query row (default: ``row // block_size``),
+    for rows sampled out of order."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, lq, d = q.shape
@@ -129,7 +133,8 @@ def dense_pass(
         block_mass = p.reshape(b, h, r1 - r0, nk, block_size).sum(-1)  # [B, H, rows, Nk]
         # A centroid score is a mean of its block's token scores, so exp(c - m) <= 1: no overflow.
         approx = None if km is None else counts * torch.exp(torch.einsum("bhrd,bhjd->bhrj", qc, km) * scale - m) / z
-        row_block = torch.arange(r0, r1, device=q.device) // block_size
+        row_block = (torch.arange(r0, r1, device=q.device) // block_size if row_blocks is None
+                     else row_blocks[r0:r1])
         for i, mask in enumerate(masks):
             sel = mask.index_select(2, row_block)
             tails[i][:, :, r0:r1] = block_mass.masked_fill(sel, 0.0).sum(-1)

@@ -117,11 +117,12 @@ class QKVFile:
 
 
 def read_qkv_file(path: str) -> QKVFile:
-    """Open a capture file (metadata now, tensors lazily)."""
+    """Open a capture file (metadata now, tensors lazily; :func:`check_entry` checks them).
+    ValueError naming the file or entry on a malformed one."""
     try:
         from safetensors import SafetensorError, safe_open
-    except ImportError as e:
-        raise RuntimeError("reading captures needs safetensors: pip install safetensors") from e
+    except ImportError:
+        raise ModuleNotFoundError("reading captures needs safetensors: pip install safetensors") from None
     try:
         with safe_open(str(path), framework="pt") as f:
             raw = f.metadata() or {}
@@ -137,13 +138,56 @@ def read_qkv_file(path: str) -> QKVFile:
     if meta.get("version") != VERSION:
         raise ValueError(f"capture {str(path)!r} has format version {meta.get('version')!r}, "
                          f"this reader needs {VERSION}")
+    listed = meta.get("entries")
+    if not isinstance(listed, dict):
+        raise ValueError(f"capture {str(path)!r} needs metadata 'entries': an object of entry name -> info, "
+                         f"got {type(listed).__name__}")
     entries = []
-    for name, info in meta["entries"].items():
+    for name, info in listed.items():
         missing = [p for p in "qkv" if f"{name}.{p}" not in keys]
         if missing:
             raise ValueError(f"capture {str(path)!r} lists entry {name!r} but lacks its tensors {missing}")
+        if not isinstance(info, dict):
+            raise ValueError(f"capture {str(path)!r}: entry {name!r} needs an info object, got {type(info).__name__}")
+        for key in ("step", "layer"):
+            x = info.get(key)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+                raise ValueError(f"capture {str(path)!r}: entry {name!r} needs {key!r} (a non-negative int), got {x!r}")
         entries.append(QKVEntry(name, str(path), info))
     return QKVFile(str(path), meta, entries)
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_entry(e: QKVEntry) -> None:
+    """ValueError naming the entry unless its q/k/v are floating ``[B, H, L, D]`` tensors of one
+    call (k and v of one shape, q's batch and head dim, heads a multiple of k's, finite values, an
+    image range inside q's rows). Loads the tensors without keeping them."""
+    where = f"capture {e.path!r}, entry {e.name!r}"
+    q, k, v = (e._load(p) for p in "qkv")
+    for part, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{where}: {part} must be a floating tensor, got {x.dtype}")
+        if x.dim() != 4:
+            raise ValueError(f"{where}: {part} must have rank 4 [B, H, L, D], got shape {tuple(x.shape)}")
+        if x.numel() == 0:
+            raise ValueError(f"{where}: {part} is empty, shape {tuple(x.shape)}")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{where}: {part} holds NaN or infinite values")
+    if k.shape != v.shape:
+        raise ValueError(f"{where}: k and v must have one shape (key lengths), got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{where}: q {tuple(q.shape)} does not fit k {tuple(k.shape)} (batch, heads, head dim)")
+    rng = e.info.get("image_range")
+    if rng is not None:
+        ok = isinstance(rng, (list, tuple)) and len(rng) == 2 and all(isinstance(x, int) for x in rng)
+        if not ok or not 0 <= rng[0] < rng[1] <= q.shape[2]:
+            raise ValueError(f"{where}: image_range must be [lo, hi) inside q's {q.shape[2]} rows, got {rng!r}")
+    scale = e.info.get("scale")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0
+                              or scale == float("inf")):
+        raise ValueError(f"{where}: scale must be a positive finite number, got {scale!r}")
 
 
 def write_qkv_file(path: str, tensors: dict[str, Tensor], entries: dict[str, dict], model: str, dtype: str) -> None:

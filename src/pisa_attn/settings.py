@@ -113,7 +113,7 @@ class PisaSettings:
     alpha: float | tuple[float, ...] | None = None
     block_size: int = 64
     query_block: int | None = None
-    covariance_aware: bool = False
+    covariance_aware: bool = spec.DEFAULT_COVARIANCE_AWARE
     scale: float | None = None
     backend: str = "auto"
     layout: str = "bhsd"

@@ -4,8 +4,12 @@ Reads a :func:`pisa_attn.diffusers.capture_qkv` file, samples query rows of ever
 (image queries, text key blocks kept exact, the call's softmax scale, as the diffusers backend
 runs them), fits the least-squares weight of the first-order tail term against dense attention
 per layer and head, pooled over the captured steps, and writes the JSON table
-``apply_pisa(..., alpha_table=PATH)`` loads (:mod:`pisa_attn.alpha_table`). Fit under the
-settings you will run with (density, selection): a weight depends on both.
+``apply_pisa(..., alpha_table=PATH)`` loads (:mod:`pisa_attn.alpha_table`). Unless
+``--covariance-aware`` / ``--no-covariance-aware`` fixes it, each layer's selection rule is chosen
+too: both rules are fitted on the same rows and the one whose fitted weights leave the smaller
+squared error is stored with the layer. Fit at the density you will run with: a weight depends on
+it. Every captured entry is checked (finite floating [B, H, L, D] tensors, k and v of one shape)
+and ``--out`` is checked before any fitting.
 
 Run as ``pisa-attn calibrate ...`` or ``python -m pisa_attn.bench.calibrate ...``.
 """
@@ -46,26 +50,31 @@ def _transformer_of(entry_name: str) -> str:
 
 def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", covariance_aware: bool | None = None,
                    block_size: int = 64, rows: int = 512, fit: str = "head", steps=None, seed: int = 0,
-                   device: str = "cpu", progress=None):
+                   device: str = "cpu", progress=None, choose_selection: bool = True):
     """The :class:`~pisa_attn.alpha_table.AlphaTable` of a capture file (see the module docstring).
     ``rows``: query rows sampled per captured call (0: all); ``steps``: captured steps to use
-    (None: all); ``covariance_aware`` None: the capture's model's default selection."""
+    (None: all); ``covariance_aware`` None: the capture's model's default selection;
+    ``choose_selection``: fit under both selection rules (top-k and covariance-aware) and keep,
+    per layer, the one whose fitted weights leave the smaller squared error (stored per layer)."""
     import torch
 
     from .. import alpha_table, calibration, spec
     from ..diffusers.calibrate import sample_rows
     from ..layout import block_floor
-    from ..qkv_file import read_qkv_file
+    from ..qkv_file import check_entry, read_qkv_file
 
     spec.check_settings(density=density, block_size=block_size, mode=mode)
     if mode not in spec.FIRST_ORDER_MODES:
         raise ValueError(f"mode must be one of {spec.FIRST_ORDER_MODES} (a mode with a first-order term), got {mode!r}")
+    device = check_device(device)
     f = read_qkv_file(path)
     entries = [e for e in f.entries if steps is None or e.step in set(steps)]
     if not entries:
         raise ValueError(f"{path} has no captured call at steps {sorted(steps) if steps else steps}")
+    for e in entries:  # every entry is checked before any fitting
+        check_entry(e)
     rng = random.Random(seed)
-    fits: dict[str, dict[int, calibration.RowFit]] = {}
+    fits: dict[str, dict[int, dict[bool, calibration.RowFit]]] = {}
     cov = covariance_aware
     for e in entries:
         q, k, v = (x.to(device) for x in (e.q, e.k, e.v))
@@ -79,16 +88,49 @@ def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", co
         if e.layout is not None and e.layout.num_text_tokens:
             keep = e.layout.keep_blocks(block_size)[: spec.num_blocks(n, block_size)]
             keep = keep if bool(keep.any()) else None
-        rf = calibration.fit_rows(q[:, :, start:hi], k, v, density=density, rows=sampled,
-                                  measured=(lo - start, hi - start), block_size=block_size, mode=mode,
-                                  covariance_aware=cov, scale=e.info.get("scale"), keep_blocks=keep)
+        rules = (False, True) if choose_selection else (bool(cov),)
+        rf = calibration.fit_rules(q[:, :, start:hi], k, v, density=density, rows=sampled,
+                                   measured=(lo - start, hi - start), block_size=block_size, mode=mode,
+                                   rules=rules, scale=e.info.get("scale"), keep_blocks=keep)
         layers = fits.setdefault(_transformer_of(e.name), {})
-        layers[e.layer] = rf if e.layer not in layers else layers[e.layer] + rf
+        prev = layers.get(e.layer)
+        layers[e.layer] = rf if prev is None else {r: prev[r] + rf[r] for r in rf}
         if progress is not None:
             progress(e.name)
+    chosen, rule_of = calibration.choose_rules(fits, over=fit, default=spec.DEFAULT_ALPHA)
     settings = {"density": float(density), "mode": mode, "covariance_aware": bool(cov), "block_size": block_size}
-    return alpha_table.from_fits(fits, settings=settings, over=fit, default=spec.DEFAULT_ALPHA,
-                                 model=f.meta.get("model"), source=os.path.basename(str(path)))
+    return alpha_table.from_fits(chosen, settings=settings, over=fit, default=spec.DEFAULT_ALPHA,
+                                 model=f.meta.get("model"), source=os.path.basename(str(path)),
+                                 rules=rule_of if choose_selection else None)
+
+
+def check_device(device) -> "torch.device":
+    """``device`` as a ``torch.device`` that exists here; ValueError naming it otherwise."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be cpu or cuda[:N], got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA device is available here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be cpu or cuda[:N], got {device!r}")
+    return dev
+
+
+def check_out(path: str) -> None:
+    """ValueError unless ``path`` can be written (a new or existing file in a writable folder)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path!r} is a directory")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--out {path!r} is not writable")
 
 
 def print_table(table, console=None) -> None:
@@ -98,15 +140,17 @@ def print_table(table, console=None) -> None:
     console = console or Console(stderr=True)
     s = table.settings
     for name, layers in table.transformers.items():
-        t = Table(title=f"first-order weight α per layer ({name}; density {s.get('density')}, {s.get('mode')}, "
-                        f"{'covariance-aware' if s.get('covariance_aware') else 'top-k'} selection)",
-                  caption="residual vs paper: squared error at the fitted α over that at α = 1, on the fitted rows")
-        for col in ("layer", "α mean", "α min", "α max", "tail mass ρ", "rows", "residual vs paper"):
+        t = Table(title=f"first-order weight α and selection per layer ({name}; density {s.get('density')}, "
+                        f"{s.get('mode')})",
+                  caption="selection: cov = covariance-aware (eq. 9), top-k = pooled top-k; residual vs paper: "
+                          "squared error at the fitted α over that at α = 1, on the fitted rows")
+        for col in ("layer", "selection", "α mean", "α min", "α max", "tail mass ρ", "rows", "residual vs paper"):
             t.add_column(col, justify="right")
         for i, x in sorted(layers.items()):
             ratio = "-" if x.residual_vs_paper is None else f"{x.residual_vs_paper:.3f}"
-            t.add_row(str(i), f"{sum(x.alpha) / len(x.alpha):.3f}", f"{min(x.alpha):.3f}", f"{max(x.alpha):.3f}",
-                      f"{x.tail_mass:.3f}", str(x.rows), ratio)
+            rule = "cov" if table.covariance_aware(i, name) else "top-k"
+            t.add_row(str(i), rule, f"{sum(x.alpha) / len(x.alpha):.3f}", f"{min(x.alpha):.3f}",
+                      f"{max(x.alpha):.3f}", f"{x.tail_mass:.3f}", str(x.rows), ratio)
         console.print(t)
 
 
@@ -117,8 +161,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    "default 0.15)")
     p.add_argument("--mode", type=at.one_of(MODES), default="hybrid")
     p.add_argument("--covariance-aware", dest="covariance_aware", action="store_true", default=None,
-                   help="covariance-aware selection (default: the captured model's apply_pisa default)")
-    p.add_argument("--no-covariance-aware", dest="covariance_aware", action="store_false")
+                   help="covariance-aware selection for every layer (default: chosen per layer, see --fixed-selection)")
+    p.add_argument("--no-covariance-aware", dest="covariance_aware", action="store_false",
+                   help="pooled top-k selection for every layer")
     p.add_argument("--block-size", type=at.block_size, default=64)
     p.add_argument("--rows", type=at.int_at_least(0), default=512,
                    help="query rows sampled per captured call (0: all of them)")
@@ -141,15 +186,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _cmd(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
+        import safetensors  # noqa: F401  (the capture format; not in the core install)
+    except ImportError:
+        print("pisa-attn calibrate: error: reading a capture needs safetensors (pip install safetensors)",
+              file=sys.stderr)
+        return 2
+    try:
+        check_out(args.out)
         table = calibrate_file(args.file, density=args.density, mode=args.mode, covariance_aware=args.covariance_aware,
+                               choose_selection=args.covariance_aware is None,
                                block_size=args.block_size, rows=args.rows, fit=args.fit,
                                steps=args.steps, seed=args.seed, device=args.device,
                                progress=lambda name: print(f"  {name}", file=sys.stderr, flush=True))
-    except ValueError as e:
+    except (ValueError, TypeError, ModuleNotFoundError) as e:
         print(f"pisa-attn calibrate: error: {e}", file=sys.stderr)
         return 2
     print_table(table)
-    table.save(args.out)
+    try:
+        table.save(args.out)
+    except OSError as e:
+        print(f"pisa-attn calibrate: error: --out {args.out!r}: {e.strerror or e}", file=sys.stderr)
+        return 2
     n = sum(len(x) for x in table.transformers.values())
     print(f"wrote {args.out} ({n} layers) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0

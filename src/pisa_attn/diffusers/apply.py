@@ -73,7 +73,8 @@ def alpha_table(pipe_or_transformer) -> at.AlphaTable:
         if state.calibrator is not None and state.calibrator.fits:
             layers = dict(state.calibrator.table(name).layers(name))
         for i, a in state.alphas.items():
-            layers.setdefault(i, at.LayerAlpha(tuple(float(x) for x in a.tolist())))
+            layers.setdefault(i, at.LayerAlpha(tuple(float(x) for x in a.tolist()),
+                                               covariance_aware=state.rules.get(i)))
         out[name] = layers
     if not any(out.values()):
         raise ValueError("no calibrated or loaded first-order weights: use apply_pisa(..., calibrate=True) and run "
@@ -117,6 +118,7 @@ class _Plan:
     config: PisaConfig
     modules: list[tuple[str, Any]]  # the managed self-attention modules (name, module)
     alphas: dict  # layer -> CPU float64 [H] weights from an alpha table
+    rules: dict  # layer -> covariance_aware chosen for it in an alpha table
     calibration: CalibrationConfig | None
 
     @property
@@ -172,7 +174,7 @@ def _plan(name: str, transformer, settings: dict, table: at.AlphaTable | None, c
     if calibration is not None and config.schedule.dense_steps < 1:
         raise ValueError("calibrate fits the first-order weight on the dense warm-up steps, but this run has "
                          "dense_steps=0: pass dense_steps >= 1 (or load weights with alpha_table=...)")
-    alphas = {}
+    alphas, rules = {}, {}
     if table is not None:
         _check_table_settings(table, config)
         for layer, entry in table.layers(name).items():
@@ -184,7 +186,9 @@ def _plan(name: str, transformer, settings: dict, table: at.AlphaTable | None, c
                 raise ValueError(f"alpha_table layer {layer} has {len(entry.alpha)} weights; the layer "
                                  f"({modules[layer][0]}) has {heads} heads")
             alphas[layer] = torch.tensor(entry.alpha, dtype=torch.float64)
-    return _Plan(transformer, adapter, config, modules, alphas, calibration)
+            if entry.covariance_aware is not None:
+                rules[layer] = entry.covariance_aware
+    return _Plan(transformer, adapter, config, modules, alphas, rules, calibration)
 
 
 def _check_table_settings(table: at.AlphaTable, config: PisaConfig) -> None:
@@ -341,7 +345,8 @@ def apply_pisa(
         for plan in plans:
             tr = plan.transformer
             remove_pisa(tr)
-            state = PisaState(tr, plan.adapter, plan.config, tracker, blocks=plan.blocks, alphas=plan.alphas)
+            state = PisaState(tr, plan.adapter, plan.config, tracker, blocks=plan.blocks, alphas=plan.alphas,
+                              rules=plan.rules)
             if plan.calibration is not None:
                 default = plan.config.alpha if isinstance(plan.config.alpha, float) else spec.DEFAULT_ALPHA
                 state.calibrator = Calibrator(plan.calibration, plan.config.schedule, default)

@@ -62,7 +62,9 @@ def attention(handle: int, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Te
 # graph guards. Its output is always a contiguous [B, L, H, D] tensor, as the fake kernel declares
 # (the layout the processors' flatten(2, 3) reads without a copy).
 @torch.library.custom_op("pisa_attn::diffusers_attention", mutates_args=())
-def _attention_op(handle: int, layer: int, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None) -> Tensor:
+def _attention_op(
+    handle: int, layer: int, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None
+) -> Tensor:
     return attend(state_of(handle), layer, query, key, value, attn_mask).contiguous()
 
 

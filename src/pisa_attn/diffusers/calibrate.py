@@ -5,16 +5,20 @@ there. On each warm-up call of a layer that will later run sparse, :class:`Calib
 observer of the managed calls) samples a few query rows of one batch row and computes on those
 rows only, in float32 with the reference's arithmetic, the zeroth-order output, the first-order
 correction and the dense output (:func:`pisa_attn.calibration.fit_rows`); it adds their
-least-squares statistics per layer and head. The first sparse call of a generation freezes the weights: per layer and head
-the pooled least-squares fit, clamped to :data:`pisa_attn.calibration.FIT_BOUNDS`; a layer without
-samples keeps the weight it has without calibration. Each generation fits anew, on its own
-warm-up (the input being generated is the best calibration input there is).
+least-squares statistics per layer and head, under both selection rules (top-k and
+covariance-aware; :func:`pisa_attn.calibration.fit_rules`, one dense pass of the rows). The first
+sparse call of a generation freezes the weights and the rules: per layer the rule whose clamped
+fit (:data:`pisa_attn.calibration.FIT_BOUNDS`) leaves the smaller squared error, and its weights
+per head; a layer without samples keeps the weight and rule it has without calibration. Each
+generation fits anew, on its own warm-up (the input being generated is the best calibration input
+there is).
 
-Cost per calibrated call: the key statistics (``O(Lk·D²)`` per head, as PISA's prepare) and about
-ten passes over one ``rows x Lk`` score matrix, against the call's ``O(Lq·Lk·D)`` dense attention:
-measured on CPU, one sampled row costs about five rows of fused dense attention, so a call adds
-about ``5·rows/Lq`` of its attention plus a fixed ~40 small operations (1% at 32K tokens with
-the default 32 rows; ``benchmarks/calibration_cost.py`` times it per warm-up step).
+Cost per calibrated call: the key statistics (``O(Lk·D²)`` per head, as PISA's prepare, plus the
+covariance deviations) and a few passes over ``rows x Lk`` score matrices (one dense, one per
+rule), against the call's ``O(Lq·Lk·D)`` dense attention, with no value read back to the host.
+The fixed part is a count of small operations (CPU, 1024 tokens, 32 rows: 118 non-view aten ops
+with one rule, 204 choosing the rule; ``benchmarks/calibration_cost.py --count-ops``), which on a
+GPU is launch time: ``benchmarks/calibration_cost.py`` times it per warm-up step.
 """
 
 from __future__ import annotations
@@ -38,11 +42,15 @@ class CalibrationConfig:
     """rows: query rows sampled per warm-up call and layer (runs of up to :data:`CHUNK`
     consecutive rows in distinct random query blocks: a block's rows share its exact set).
     fit: ``"head"`` (a weight per head) or ``"layer"`` (one per layer).
-    seed: the sampling's seed."""
+    seed: the sampling's seed.
+    choose_selection: also choose each layer's selection rule (top-k or covariance-aware), the
+    one whose fitted weights leave the smaller squared error on the sampled rows; both are fitted
+    from one dense pass of the rows (:func:`pisa_attn.calibration.fit_rules`)."""
 
     rows: int = 32
     fit: str = "head"
     seed: int = 0
+    choose_selection: bool = True
 
     def __post_init__(self):
         n = self.rows
@@ -52,6 +60,8 @@ class CalibrationConfig:
             raise ValueError(f"fit must be one of {cal.FIT_OVER}, got {self.fit!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if not isinstance(self.choose_selection, bool):
+            raise TypeError(f"choose_selection must be True or False, got {self.choose_selection!r}")
 
 
 CHUNK = 16
@@ -90,9 +100,10 @@ class Calibrator:
         self.schedule = schedule
         self.default = float(default)
         self.rng = random.Random(config.seed)
-        self.fits: dict[int, cal.RowFit] = {}
+        self.fits: dict[int, dict[bool, cal.RowFit]] = {}  # layer -> selection rule -> pooled fit
         self.settings: dict = {}
         self.frozen: dict[int, Tensor] | None = None
+        self.frozen_rules: dict[int, bool] | None = None
         self.calls = 0  # calibrated calls this generation
         self._last_step = -1
         self._remove = None
@@ -109,6 +120,7 @@ class Calibrator:
         """A new generation: forget the fits and the frozen weights."""
         self.fits.clear()
         self.frozen = None
+        self.frozen_rules = None
         self.calls = 0
         self._last_step = -1
 
@@ -131,19 +143,17 @@ class Calibrator:
         lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
         start = block_floor(lo, bs)  # the query blocks the backend runs (see layout.block_floor)
         rows = sample_rows(self.rng, lo - start, hi - start, bs, self.config.rows)
-        keep = None
-        if call.keep_blocks is not None:
-            keep = call.keep_blocks[: spec.num_blocks(n, bs)]
-            keep = keep if bool(keep.any()) else None
-        fit = cal.fit_rows(call.q[b : b + 1, :, start:hi], call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n],
-                           density=call.density, rows=rows, measured=(lo - start, hi - start), block_size=bs,
-                           mode=call.mode, covariance_aware=call.covariance_aware, scale=call.scale,
-                           keep_blocks=keep)
+        # An all-False mask selects as None does: no device read to find out.
+        keep = None if call.keep_blocks is None else call.keep_blocks[: spec.num_blocks(n, bs)]
+        rules = (False, True) if self.config.choose_selection else (bool(call.covariance_aware),)
+        fit = cal.fit_rules(call.q[b : b + 1, :, start:hi], call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n],
+                            density=call.density, rows=rows, measured=(lo - start, hi - start), block_size=bs,
+                            mode=call.mode, rules=rules, scale=call.scale, keep_blocks=keep)
         self.calls += 1
         self.settings = {"density": call.density, "mode": call.mode, "covariance_aware": call.covariance_aware,
                          "block_size": bs}
         prev = self.fits.get(call.layer)
-        self.fits[call.layer] = fit if prev is None else prev + fit
+        self.fits[call.layer] = fit if prev is None else {r: prev[r] + fit[r] for r in fit}
 
     def freeze(self) -> dict[int, Tensor]:
         """The weights of this generation (fitted now on the first call, then kept): ``{layer:
@@ -151,9 +161,16 @@ class Calibrator:
         if self.frozen is None:
             table = self.table()
             self.frozen = {i: torch.tensor(x.alpha, dtype=torch.float64) for i, x in table.layers().items()}
+            self.frozen_rules = {i: table.covariance_aware(i) for i in table.layers()}
         return self.frozen
 
+    def selection(self) -> dict[int, bool]:
+        """``{layer: covariance_aware}`` chosen this generation (frozen with the weights)."""
+        self.freeze()
+        return dict(self.frozen_rules or {})
+
     def table(self, name: str = "transformer") -> AlphaTable:
-        """The current fits as a table (the weights, tail mass and rows per layer)."""
-        return from_fits({name: self.fits}, settings=self.settings, over=self.config.fit, default=self.default,
-                         source="calibrate=True (dense warm-up)")
+        """The current fits as a table (the weights, selection rule, tail mass and rows per layer)."""
+        fits, rules = cal.choose_rules({name: self.fits}, over=self.config.fit, default=self.default)
+        return from_fits(fits, settings=self.settings, over=self.config.fit, default=self.default,
+                         source="calibrate=True (dense warm-up)", rules=rules if self.config.choose_selection else None)

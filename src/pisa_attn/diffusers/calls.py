@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -128,8 +127,7 @@ def attend(state: PisaState, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: 
     if reason is not None:
         out = dense_attention(q, k, v, mask, scale, q.shape[2] != k.shape[2])
     else:
-        settings = cfg.call_settings
-        settings = settings if scale is None or scale == settings.scale else settings.replace(scale=scale)
+        settings = state.settings_for(layer, scale)
         out = sparse_attention(q, k, v, seq, lens, settings, alpha=state.alpha_for(layer), plans=state.plans)
     state.stats["sparse" if reason is None else "dense"] += 1
     if reason is not None:
@@ -161,10 +159,10 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, o
         dense=reason is not None,
         density=cfg.density,
         mode=cfg.mode,
-        covariance_aware=cfg.covariance_aware,
+        covariance_aware=state.covariance_for(layer, freeze=False),
         block_size=cfg.block_size,
         keep_blocks=seq.keep,
-        scale=scale,  # None (the dispatcher's default) becomes 1/sqrt(D), what SDPA and PISA used
+        scale=scale,  # None (the processors' default) becomes 1/sqrt(D), what SDPA and PISA used
         alpha=state.alpha_values(layer, q.shape[2]),
         meta={
             "token_layout": seq.layout,

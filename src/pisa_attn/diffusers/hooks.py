@@ -1,7 +1,7 @@
-"""Observer hooks on PISA-managed attention calls (the contract between the diffusers backend and
+"""Observer hooks on PISA-managed attention calls (the contract between PISA's attention processors and
 the tools that watch it: Q/K/V capture and per-layer error telemetry).
 
-The backend builds an :class:`AttentionCall` only when a model has observers, so watching costs
+A managed call builds an :class:`AttentionCall` only when a model has observers, so watching costs
 nothing when nobody watches.
 """
 

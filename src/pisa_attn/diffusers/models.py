@@ -27,7 +27,7 @@ class CallShape(NamedTuple):
 
 @dataclass(frozen=True)
 class CallInfo:
-    """One forward call as the attention backend sees it (read when the call runs)."""
+    """One forward call as PISA's attention sees it (read when the call runs)."""
 
     grid: tuple[int, ...]  # token grid after patchification: (h, w) or (t, h, w)
     text_len: int  # text tokens in the joint self-attention sequence (0: no joint text)
@@ -239,7 +239,7 @@ HUNYUAN = ModelAdapter(
     rope_module="rope",
     rope_dim=0,
     rope_text_before=False,
-    # Not context_embedder.token_refiner: the text-only refiner stays dense on its own backend.
+    # Not context_embedder.token_refiner: the text-only refiner keeps its own processor (dense).
     attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
     read_shape=_hunyuan_shape,
     defaults=lambda config: {"dense_layers": 1, "dense_steps": 10, "covariance_aware": False},

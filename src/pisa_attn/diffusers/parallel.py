@@ -94,12 +94,12 @@ def parallel_attention(state, layer: int, q: Tensor, k: Tensor, v: Tensor, mask,
     scale, enable_gqa = None, q.shape[2] != k.shape[2]
     cp = getattr(parallel_config, "context_parallel_config", None)
     if cp is None:
-        raise ValueError("the pisa backend supports diffusers context parallelism only (no other parallel_config)")
+        raise ValueError("PISA's attention supports diffusers context parallelism only (no other parallel_config)")
     if mask is not None:
-        raise ValueError("the pisa backend does not support attention masks under context parallelism")
+        raise ValueError("PISA's attention does not support attention masks under context parallelism")
     if q.shape[1] != k.shape[1]:
         raise ValueError(
-            f"the pisa backend supports only self-attention under context parallelism (q has {q.shape[1]} local "
+            f"PISA's attention supports only self-attention under context parallelism (q has {q.shape[1]} local "
             f"tokens, k {k.shape[1]})"
         )
     groups = _Groups.of(cp)
@@ -127,7 +127,7 @@ def parallel_attention(state, layer: int, q: Tensor, k: Tensor, v: Tensor, mask,
     if reason is not None:
         out = _dense(q, k, v, scale, enable_gqa, groups, list(lens))
     else:
-        settings = cfg.call_settings
+        settings = state.settings_for(layer)
         if settings.query_block is not None:
             raise ValueError("apply_pisa(query_block=...) runs on one process only: under context parallelism PISA "
                              "selects per block; apply it without query_block")
@@ -142,7 +142,8 @@ def parallel_attention(state, layer: int, q: Tensor, k: Tensor, v: Tensor, mask,
             def single_process(qf, kf, vf):  # [B, h, L, D] in PISA order
                 qs, ks, vs = (x.transpose(1, 2) for x in (qf, kf, vf))
                 with phase("attend", qf.device):
-                    return sparse_attention(qs, ks, vs, seq, None, settings, alpha=alpha, plans=state.plans).transpose(1, 2)
+                    out = sparse_attention(qs, ks, vs, seq, None, settings, alpha=alpha, plans=state.plans)
+                    return out.transpose(1, 2)
 
             out = ulysses_attention(
                 q, k, v, single_process, group=groups.ulysses, layout="bshd", perm=perm, seq_lens=list(lens)
@@ -260,7 +261,7 @@ def _pisa_order(layout, image_lo: int, image_hi: int, lens: tuple[int, ...]) -> 
     if got != list(lens):
         text = [b - a for a, b in runs if (a, b) != (image_lo, image_hi)]
         raise ValueError(
-            f"context-parallel shards hold {list(lens)} tokens per rank; the pisa backend expects each token "
+            f"context-parallel shards hold {list(lens)} tokens per rank; PISA expects each token "
             f"stream (text {text}, image {image_hi - image_lo}) split evenly over the ranks, i.e. {got}"
         )
     model_of_gathered = torch.cat(per_rank)

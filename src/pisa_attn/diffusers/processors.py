@@ -45,6 +45,10 @@ def _heads(x: Tensor, heads: int) -> Tensor:
     return x.unflatten(-1, (heads, -1))
 
 
+def _added_projections(attn) -> tuple:
+    return attn.add_q_proj, attn.add_k_proj, attn.add_v_proj
+
+
 def _rope(x: Tensor, rotary) -> Tensor:
     from diffusers.models.embeddings import apply_rotary_emb
 
@@ -63,7 +67,7 @@ class FluxProcessor(PisaProcessor):
         q, k, v = (_heads(p(hidden_states), h) for p in (attn.to_q, attn.to_k, attn.to_v))
         q, k = attn.norm_q(q), attn.norm_k(k)
         if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
-            eq, ek, ev = (_heads(p(encoder_hidden_states), h) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            eq, ek, ev = (_heads(p(encoder_hidden_states), h) for p in _added_projections(attn))
             eq, ek = attn.norm_added_q(eq), attn.norm_added_k(ek)
             q, k, v = torch.cat([eq, q], dim=1), torch.cat([ek, k], dim=1), torch.cat([ev, v], dim=1)
         if image_rotary_emb is not None:
@@ -90,7 +94,7 @@ class JointProcessor(PisaProcessor):
         q = q if attn.norm_q is None else attn.norm_q(q)
         k = k if attn.norm_k is None else attn.norm_k(k)
         if encoder_hidden_states is not None:
-            eq, ek, ev = (_heads(p(encoder_hidden_states), h) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            eq, ek, ev = (_heads(p(encoder_hidden_states), h) for p in _added_projections(attn))
             eq = eq if attn.norm_added_q is None else attn.norm_added_q(eq)
             ek = ek if attn.norm_added_k is None else attn.norm_added_k(ek)
             q, k, v = torch.cat([q, eq], dim=1), torch.cat([k, ek], dim=1), torch.cat([v, ev], dim=1)
@@ -155,7 +159,7 @@ class HunyuanProcessor(PisaProcessor):
             else:
                 q, k = _rope(q, image_rotary_emb), _rope(k, image_rotary_emb)
         if attn.add_q_proj is not None and encoder_hidden_states is not None:
-            eq, ek, ev = (_heads(p(encoder_hidden_states), h) for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            eq, ek, ev = (_heads(p(encoder_hidden_states), h) for p in _added_projections(attn))
             eq = eq if attn.norm_added_q is None else attn.norm_added_q(eq)
             ek = ek if attn.norm_added_k is None else attn.norm_added_k(ek)
             q, k, v = torch.cat([q, eq], dim=1), torch.cat([k, ek], dim=1), torch.cat([v, ev], dim=1)

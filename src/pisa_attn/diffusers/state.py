@@ -1,9 +1,8 @@
-"""State shared by the hooks and the backend: per-transformer settings and per-forward runs.
+"""State shared by the hooks and the processors: per-transformer settings and per-forward runs.
 
 Each forward call of a managed transformer opens a :class:`Run` (its step, grid and layouts) when
-it starts running and publishes it in a context
-variable; the attention backend, called deep inside the model by diffusers' dispatcher, reads it
-from there. Runs are opened and closed by opaque ops (see :mod:`.tiling`), so under
+it starts running and publishes it in a context variable; PISA's attention processors, called deep
+inside the model, read it from there. Runs are opened and closed by opaque ops (see :mod:`.tiling`), so under
 ``torch.compile`` this happens when the graph runs, never while it is traced.
 """
 
@@ -156,11 +155,13 @@ class PisaState:
     runs: list = field(default_factory=list)  # (context token, run) of forwards in progress
     blocks: tuple[int, ...] = ()  # transformer block of each managed layer (layer index -> block)
     alphas: dict = field(default_factory=dict)  # layer -> CPU [H] first-order weights (a loaded table)
+    rules: dict = field(default_factory=dict)  # layer -> covariance_aware chosen by a loaded table
     calibrator: Any = None  # a .calibrate.Calibrator when apply_pisa(calibrate=...)
     handle: int = field(init=False)  # how the opaque ops (ints in a graph) find this state
     tiling: tuple | None = None  # (perm, inv_perm) of the forward being run or traced
     generation: int = -1  # the tracker's generation this state's stats and fits belong to
     plans: dict = field(default_factory=dict)  # the attention plan of each call shape (layers share them)
+    variants: dict = field(default_factory=dict)  # (covariance_aware, scale) -> settings (see settings_for)
 
     def __post_init__(self) -> None:
         self.handle = next(_HANDLES)
@@ -189,6 +190,31 @@ class PisaState:
             return self.alphas[layer]
         a = self.config.alpha
         return torch.tensor(a, dtype=torch.float64) if isinstance(a, tuple) else a
+
+    def covariance_for(self, layer: int, freeze: bool = True) -> bool:
+        """The selection rule of managed layer ``layer``: the one calibration chose for it (this
+        generation's, frozen with the weights), else a loaded table's, else the configured one."""
+        cal = self.calibrator
+        if cal is not None and self.config.mode in spec.FIRST_ORDER_MODES:
+            if freeze:
+                cal.freeze()
+            if cal.frozen_rules is not None and layer in cal.frozen_rules:
+                return cal.frozen_rules[layer]
+        return self.rules.get(layer, self.config.covariance_aware)
+
+    def settings_for(self, layer: int, scale: float | None = None) -> PisaSettings:
+        """The settings a sparse call of managed layer ``layer`` runs with: the transformer's
+        (:attr:`PisaConfig.call_settings`) with the layer's selection rule (:meth:`covariance_for`)
+        and, when given, the call's softmax ``scale``. Each variant is made once."""
+        s = self.config.call_settings
+        cov = self.covariance_for(layer)
+        scale = s.scale if scale is None else float(scale)
+        if cov == s.covariance_aware and scale == s.scale:
+            return s
+        key = (cov, scale)
+        if key not in self.variants:
+            self.variants[key] = s.replace(covariance_aware=cov, scale=scale)
+        return self.variants[key]
 
     def alpha_values(self, layer: int, heads: int) -> tuple[float, ...] | None:
         """:meth:`alpha_for` (without freezing) as ``heads`` floats; None without a first-order term."""
@@ -252,7 +278,7 @@ def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
         m = m[:, 0, 0]
     if m.dim() != 2 or m.shape[-1] != kv_len or m.shape[0] not in (1, batch):
         raise ValueError(
-            f"the pisa backend supports only key-padding attention masks ([B, Lk] or [B, 1, 1, Lk]) on sparse "
+            f"PISA's attention supports only key-padding attention masks ([B, Lk] or [B, 1, 1, Lk]) on sparse "
             f"calls and on calls observers (capture, telemetry) watch, got shape {tuple(mask.shape)} for {batch} "
             f"rows and {kv_len} keys"
         )
@@ -262,7 +288,7 @@ def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
     lens_list, ok = lens.tolist(), bool((prefix == valid).all())
     if not ok:
         raise ValueError(
-            "the pisa backend supports attention masks whose valid keys form a prefix of each row in the order "
+            "PISA's attention supports attention masks whose valid keys form a prefix of each row in the order "
             "PISA runs the tokens in (after its token tiling when apply_pisa manages the model): the sparse kernel "
             "reads a key count per row, not a mask"
         )

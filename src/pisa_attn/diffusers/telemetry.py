@@ -130,17 +130,18 @@ def get(transformer) -> Telemetry | None:
 @torch.no_grad()
 def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
     """Tail mass and errors of one call, on the queries PISA handles (the image queries) and the
-    valid keys of each batch row and the softmax scale, as the diffusers backend runs them."""
+    valid keys of each batch row and the softmax scale, as the managed calls run them."""
     lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
     lens = call.meta.get("key_lens")
     bs = call.block_size
-    start = block_floor(lo, bs)  # query blocks on the key blocks' grid, as the backend runs them
+    start = block_floor(lo, bs)  # query blocks on the key blocks' grid, as the managed calls run them
     cut = lo - start  # leading rows (text) computed for the blocks' sake, not measured
     heads = call.q.shape[1]
     groups = defaultdict(list)
     for row in range(call.q.shape[0]):
         groups[call.k.shape[2] if not lens else int(lens[row])].append(row)
     err = {"pisa": [0.0, 0.0], "drop": [0.0, 0.0]}
+    bias = [0.0, 0, 0]  # Σ_{b,h,c} |mean_t (pisa − dense)|, its count, the element count
     tail_sum = torch.zeros(heads, dtype=torch.float64)
     n_rows = 0
     for n, rows in groups.items():
@@ -167,6 +168,10 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
         for name, o in outs.items():
             err[name][0] += float((o.double() - d).abs().sum())
             err[name][1] += float(d.abs().sum())
+        e = pisa.double() - d  # the signed error's offset shared by the rows (what adds up over layers)
+        bias[0] += float(e.mean(dim=2).abs().sum())
+        bias[1] += e.shape[0] * e.shape[1] * e.shape[3]
+        bias[2] += e.numel()
         tail_sum += dense.tail_mass[0][:, :, cut:].double().sum(dim=(0, 2)).cpu()
         n_rows += len(rows) * (hi - lo)
     per_head = (tail_sum / max(1, n_rows)).tolist()
@@ -177,6 +182,8 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
         "alpha": None if call.alpha is None else sum(call.alpha) / len(call.alpha),
         "alpha_per_head": None if call.alpha is None else list(call.alpha),
         "rel_l1_pisa": err["pisa"][0] / max(err["pisa"][1], 1e-300),
+        "bias_pisa": (bias[0] / max(bias[1], 1)) / max(err["pisa"][1] / max(bias[2], 1), 1e-300),
+        "covariance_aware": call.covariance_aware,
         "rel_l1_drop": err["drop"][0] / max(err["drop"][1], 1e-300) if drop else None,
     }
 
@@ -185,6 +192,12 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
 def _mean(xs) -> float:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else math.nan
+
+
+def _selection(rules) -> str:
+    """The selection rule of a layer's records: ``cov`` (covariance-aware), ``top-k`` or ``mixed``."""
+    seen = {bool(x) for x in rules if x is not None}
+    return "-" if not seen else "mixed" if len(seen) > 1 else ("cov" if seen.pop() else "top-k")
 
 
 def summarize(tel: Telemetry) -> dict:
@@ -201,7 +214,8 @@ def summarize(tel: Telemetry) -> dict:
         rows.append({
             "layer": layer, "samples": len(rs), "dense_fraction": _mean([float(r["dense"]) for r in rs]),
             "tail_mass": _mean([r["tail_mass"] for r in rs]), "alpha": _mean([r.get("alpha") for r in rs]),
-            "rel_l1_pisa": _mean([r["rel_l1_pisa"] for r in rs]),
+            "rel_l1_pisa": _mean([r["rel_l1_pisa"] for r in rs]), "bias_pisa": _mean([r.get("bias_pisa") for r in rs]),
+            "selection": _selection([r.get("covariance_aware") for r in rs]),
             "rel_l1_pisa_max": max(r["rel_l1_pisa"] for r in rs), "rel_l1_drop": _mean([r["rel_l1_drop"] for r in rs]),
         })
 
@@ -237,14 +251,14 @@ def report(pipe_or_transformer, heatmap: str | None = None, *, console=None) -> 
     for name, s in out.items():
         t = Table(title=f"PISA telemetry, {name}: {s['records']} measured of {s['calls']} calls "
                         f"(density {_densities(found, name)})")
-        for col in ("layer", "samples", "dense", "tail mass ρ", "α (mean)", "rel-L1 PISA", "max", "rel-L1 drop",
-                    "PISA/drop"):
+        for col in ("layer", "samples", "dense", "selection", "tail mass ρ", "α (mean)", "rel-L1 PISA", "max",
+                    "bias PISA", "rel-L1 drop", "PISA/drop"):
             t.add_column(col, justify="right")
         for r in s["layers"]:
             ratio = r["rel_l1_pisa"] / r["rel_l1_drop"] if r["rel_l1_drop"] and r["rel_l1_drop"] > 0 else math.nan
-            t.add_row(str(r["layer"]), str(r["samples"]), f"{r['dense_fraction']:.0%}", f"{r['tail_mass']:.4f}",
-                      _fmt(r.get("alpha"), 3), f"{r['rel_l1_pisa']:.4f}", f"{r['rel_l1_pisa_max']:.4f}",
-                      _fmt(r["rel_l1_drop"]), _fmt(ratio, 2))
+            t.add_row(str(r["layer"]), str(r["samples"]), f"{r['dense_fraction']:.0%}", r.get("selection", "-"),
+                      f"{r['tail_mass']:.4f}", _fmt(r.get("alpha"), 3), f"{r['rel_l1_pisa']:.4f}",
+                      f"{r['rel_l1_pisa_max']:.4f}", _fmt(r.get("bias_pisa")), _fmt(r["rel_l1_drop"]), _fmt(ratio, 2))
         console.print(t)
     if heatmap is not None:
         save_heatmap(out, heatmap)

@@ -10,7 +10,7 @@ module's hook calls ``pisa_attn::diffusers_end_forward``, which puts the tokens 
 run. Text tokens are never moved, so the joint sequence is ``[text_before][tiled image][text_after]``.
 
 Everything that depends on values (the timestep and so the denoising step, FLUX's grid from
-``img_ids``, the layouts, the :class:`~.state.Run` the attention backend reads) happens inside the
+``img_ids``, the layouts, the :class:`~.state.Run` the attention processors read) happens inside the
 two ops, when they run: under ``torch.compile(transformer, fullgraph=True)`` the graph holds the ops
 and ``index_select`` calls with their outputs, and nothing in it changes from step to step.
 """
@@ -86,7 +86,9 @@ def begin_forward(state: PisaState, timestep: Tensor, shape: list[int], grid_ids
 
 
 @torch.library.custom_op("pisa_attn::diffusers_begin_forward", mutates_args=())
-def _begin_op(handle: int, x: Tensor, timestep: Tensor, shape: list[int], grid_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+def _begin_op(
+    handle: int, x: Tensor, timestep: Tensor, shape: list[int], grid_ids: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """(perm, inv_perm) of the image tokens on ``x``'s device, after :func:`begin_forward`."""
     image = begin_forward(state_of(handle), timestep, shape, grid_ids).layouts.image
     # Copies: the cached permutations must not become buffers a compiled graph may reuse.

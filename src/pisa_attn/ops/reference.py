@@ -7,7 +7,9 @@ Notation (paper, Sec. 3.2-3.3, with the softmax scale ``s`` written out):
 
 * key blocks ``j = 0..N-1`` of ``B`` tokens; the last block may hold ``n_j < B`` tokens (ragged);
 * centroid ``k̄_j = mean_n k_jn``, value sum ``V̂_j = Σ_n v_jn``;
-* ``H_j = Σ_n (k_jn - k̄_j)ᵀ v_jn`` and ``H̄ = (1/N) Σ_j H_j`` (mean over *all* key blocks);
+* ``H_j = Σ_n (k_jn - k̄_j)ᵀ v_jn`` and ``H̄ = (1/N) Σ_j H_j`` (the paper: mean over *all* key
+  blocks; with ``hbar_exclude`` the mean over the blocks not excluded, e.g. sink blocks that every
+  row computes exactly, whose ``H_j`` would otherwise dominate a term applied to the others);
 * ``α_tj = exp(s q_t·k̄_j)``.
 
 For query block ``i`` with exact set ``S_i`` and tail ``U_i``::
@@ -15,7 +17,9 @@ For query block ``i`` with exact set ``S_i`` and tail ``U_i``::
     D_t = Σ_{j∈S} Σ_n exp(s q_t·k_jn)          + Σ_{j∈U} n_j α_tj
     N_t = Σ_{j∈S} Σ_n exp(s q_t·k_jn) v_jn     + Σ_{j∈U} α_tj V̂_j  + first-order term
 
-    first-order term:  "hybrid": (Σ_{j∈U} α_tj) · s q_t H̄        (global, paper eq. 7)
+    first-order term:  "hybrid": (Σ_{j∈U} α_tj) · s q_t H̄        (global, paper eq. 7; with
+                                 hbar_scope="row": H̄_t, the mean of H_j over row t's own tail U_i
+                                 less the excluded blocks, a reference-only variant)
                        "first" :  Σ_{j∈U} α_tj · s q_t H_j        (exact block-wise, eq. 5)
                        "zeroth", "drop": none                     ("drop" also has no 0th-order tail)
 
@@ -53,6 +57,7 @@ class BlockStats:
     hbar:  [B, Hk, D, D]  H̄ = mean_j H_j over the N blocks (or the global H̄ a shard attends with)
     hdev:  [B, Hk, N]     ||H_j - H̄||_F, only when asked (covariance-aware selection)
     qmean: [B, H, Nq, D]  query block means (from :func:`prepare`; selection reads them)
+    hbar_in: [B|1, Hk|1, N] 1 for the blocks H̄ is the mean over, 0 for excluded ones (None: all)
     """
 
     kmean: Tensor
@@ -61,15 +66,16 @@ class BlockStats:
     hbar: Tensor
     hdev: Tensor | None = None
     qmean: Tensor | None = field(default=None)
+    hbar_in: Tensor | None = None
 
-    BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "vsum": 2, "counts": 0, "hdev": 2}
+    BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "vsum": 2, "counts": 0, "hdev": 2, "hbar_in": 2}
     SHARD_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def blocks(self, lo: int, hi: int) -> "BlockStats":
         return slice_blocks(self, lo, hi)
 
     def with_hbar(self, hbar: Tensor) -> "BlockStats":
-        return BlockStats(self.kmean, self.vsum, self.counts, hbar, self.hdev, self.qmean)
+        return BlockStats(self.kmean, self.vsum, self.counts, hbar, self.hdev, self.qmean, self.hbar_in)
 
     def for_attend(self) -> "BlockStats":
         self.qmean = self.hdev = None  # in place, like every backend's
@@ -93,10 +99,13 @@ def block_means(x: Tensor, block_size: int, dtype=torch.float32) -> Tensor:
     return blocks.sum(dim=3) / counts[:, None]
 
 
-def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False) -> BlockStats:
+def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
+                hbar_exclude: Tensor | None = None) -> BlockStats:
     """One pass over k and v: centroids, value sums, H̄ (and ||H_j - H̄||_F when asked).
 
-    H̄ needs no per-block D×D tensor: Σ_j H_j = KᵀV − Σ_j k̄_jᵀ V̂_j.
+    H̄ needs no per-block D×D tensor: Σ_j H_j = KᵀV − Σ_j k̄_jᵀ V̂_j. ``hbar_exclude`` (bool
+    ``[B|1, Hk|1, Nk]``): H̄ is the mean of ``H_j`` over the blocks it leaves (0 if it leaves none),
+    and ``||H_j − H̄||_F`` is taken against that H̄ for every block.
     """
     dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
     n = num_blocks(k.shape[2], block_size)
@@ -105,13 +114,31 @@ def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = Fals
     counts = block_counts(k.shape[2], block_size, k.device, dtype)
     kmean = kb.sum(dim=3) / counts[:, None]
     vsum = vb.sum(dim=3)
-    ktv = torch.einsum("bhld,bhle->bhde", k.to(dtype), v.to(dtype))
-    hsum = ktv - torch.einsum("bhnd,bhne->bhde", kmean, vsum)
-    hbar = hsum / max(n, 1)  # no blocks (an empty shard): H̄ = 0
+    if hbar_exclude is None:
+        ktv = torch.einsum("bhld,bhle->bhde", k.to(dtype), v.to(dtype))
+        hsum = ktv - torch.einsum("bhnd,bhne->bhde", kmean, vsum)
+        hbar = hsum / max(n, 1)  # no blocks (an empty shard): H̄ = 0
+    else:
+        w = included_blocks(hbar_exclude, n, dtype, k.device)  # [B|1, Hk|1, N]
+        ktv = torch.einsum("bhnsd,bhnse->bhde", kb * w[..., None, None], vb)
+        hsum = ktv - torch.einsum("bhnd,bhne->bhde", kmean * w[..., None], vsum)
+        hbar = hsum / w.sum(-1).clamp_min(1.0)[..., None, None]
     hdev = None
     if with_hdev:
         hdev = _block_h_deviation(kb, vb, kmean, hbar, counts)
-    return BlockStats(kmean=kmean, vsum=vsum, counts=counts, hbar=hbar, hdev=hdev)
+    return BlockStats(kmean=kmean, vsum=vsum, counts=counts, hbar=hbar, hdev=hdev,
+                      hbar_in=None if hbar_exclude is None else w)
+
+
+def included_blocks(hbar_exclude: Tensor, n: int, dtype, device) -> Tensor:
+    """``1 − hbar_exclude`` as ``dtype`` ``[B|1, Hk|1, N]`` (ValueError naming it on a bad shape)."""
+    if hbar_exclude.dtype != torch.bool:
+        raise TypeError(f"hbar_exclude must have dtype torch.bool, got {hbar_exclude.dtype}")
+    if hbar_exclude.dim() == 1:
+        hbar_exclude = hbar_exclude.reshape(1, 1, -1)
+    if hbar_exclude.dim() != 3 or hbar_exclude.shape[-1] != n:
+        raise ValueError(f"hbar_exclude must have shape [{n}] or [B|1, Hk|1, {n}], got {tuple(hbar_exclude.shape)}")
+    return (~hbar_exclude).to(device=device, dtype=dtype)
 
 
 def deviation(k: Tensor, v: Tensor, stats: BlockStats, hbar: Tensor, block_size: int) -> Tensor:
@@ -177,12 +204,16 @@ def pisa_forward(
     block_size: int,
     out_dtype: torch.dtype | None = None,
     alpha: Tensor | None = None,
+    hbar_scope: str = "global",
 ) -> tuple[Tensor, Tensor]:
     """PISA attention for a given exact-set mask. Returns (out [B,H,Lq,D] in ``out_dtype``,
     default q's dtype, lse [B,H,Lq] fp32).
 
     ``alpha``: ``[H]`` weight of the first-order term per query head (None: weight 1, the paper;
-    ignored by the modes without that term).
+    ignored by the modes without that term). ``hbar_scope`` (``"hybrid"`` only): ``"global"`` uses
+    ``stats.hbar`` for every row (the paper); ``"row"`` the mean of ``H_j`` over each row's own
+    tail blocks (less those ``stats.hbar_in`` excludes), from ``stats.hbar`` and the exact blocks'
+    ``s q H_j = Σ_n (s q·k_n − s q·k̄_j) v_n`` (no D×D per block; one key range only, not sharded).
 
     Processes query blocks in chunks so no [Lq, Lk] matrix is ever materialised. Works on any
     key range: with ``stats``/``selected`` restricted to local key blocks and a global ``H̄`` it
@@ -191,6 +222,8 @@ def pisa_forward(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if hbar_scope not in spec.HBAR_SCOPES:
+        raise ValueError(f"hbar_scope must be one of {spec.HBAR_SCOPES}, got {hbar_scope!r}")
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -202,6 +235,7 @@ def pisa_forward(
     hbar = expand_kv_heads(stats.hbar, h).to(dtype)
     counts = stats.counts.to(dtype)
     tok_block = torch.arange(lk, device=q.device) // block_size  # key token -> key block
+    hbar_in = _hbar_in(stats, mode, hbar_scope, h, dtype, q.device)
     if alpha is not None:
         if alpha.numel() != h:
             raise ValueError(f"alpha must hold one weight per query head ({h}), got shape {tuple(alpha.shape)}")
@@ -217,15 +251,29 @@ def pisa_forward(
         qc = q[:, :, r0:r1].to(dtype)
         row_block = torch.arange(r0, r1, device=q.device) // block_size - i0
         sel = selected[:, :, i0:i1].index_select(2, row_block)  # [B, H, rows, Nk]
-        o, l = _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha)
+        o, l = _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha, hbar_in=hbar_in)
         out[:, :, r0:r1] = o.to(out.dtype)
         lse[:, :, r0:r1] = l.float()
     return out, lse
 
 
-def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha=None):
+def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha=None, hbar_in=None):
     """One query chunk: exact + tail terms under a shared running maximum (the softmax merge);
-    ``alpha`` ([1, H, 1, 1] or None) weights the first-order term."""
+    ``alpha`` ([1, H, 1, 1] or None) weights the first-order term; ``hbar_in`` ([B|1, H|1, N],
+    hybrid only) asks for each row's own tail H̄ over the blocks it marks."""
+    num, corr, denom, m = _terms(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, hbar_in)
+    if corr is not None:
+        num = num + (corr if alpha is None else corr * alpha)
+    out = num / denom.clamp_min(torch.finfo(qc.dtype).tiny)[..., None]
+    lse = m + torch.log(denom)
+    return out, lse
+
+
+def _terms(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, hbar_in=None):
+    """The parts of one query chunk's output, every one shifted by the row's running maximum ``m``:
+    (zeroth-order numerator ``N⁰`` [B, H, rows, D], first-order numerator term ``C`` or None for
+    the modes without one, denominator ``D`` [B, H, rows], ``m``). ``sel`` [B, H, rows, Nk] is
+    each row's exact set. The output is ``(N⁰ + alpha·C) / D``; ``C`` has no denominator share."""
     dtype = qc.dtype
     exact_tok = sel.index_select(-1, tok_block)  # [B, H, rows, Lk]
     s = torch.einsum("bhrd,bhld->bhrl", qc, kx.to(dtype)) * scale
@@ -242,46 +290,92 @@ def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, a
     p = torch.exp(s_exact - m[..., None])
     denom = p.sum(-1)
     num = torch.einsum("bhrl,bhld->bhrd", p, vx.to(dtype))
+    corr = None
     if use_tail:
         a = torch.exp(c_tail - m[..., None])  # α_tj · exp(-m), zero on exact blocks
         denom = denom + a @ counts
         num = num + torch.einsum("bhrj,bhjd->bhrd", a, vsum)
         if mode == "hybrid":
             qh = torch.einsum("bhrd,bhde->bhre", qc, hbar) * scale
-            weight = a.sum(-1, keepdim=True)
-            if alpha is not None:
-                weight = weight * alpha
-            num = num + weight * qh
+            if hbar_in is not None:
+                qh = _row_tail_qh(qh, s, c, sel, hbar_in, tok_block, vx.to(dtype))
+            corr = a.sum(-1, keepdim=True) * qh
         elif mode == "first":
             # Σ_j α_tj s q_t H_j = Σ_{j,n} α_t,j(n) · s (q_t·(k_n − k̄_j(n))) v_n, no D×D per block.
             kc = kx.to(dtype) - kmean.index_select(2, tok_block)
             w = torch.einsum("bhrd,bhld->bhrl", qc, kc) * scale
             w = w * a.index_select(-1, tok_block)
-            if alpha is not None:
-                w = w * alpha
-            num = num + torch.einsum("bhrl,bhld->bhrd", w, vx.to(dtype))
-    out = num / denom.clamp_min(torch.finfo(dtype).tiny)[..., None]
-    lse = m + torch.log(denom)
-    return out, lse
+            corr = torch.einsum("bhrl,bhld->bhrd", w, vx.to(dtype))
+    return num, corr, denom, m
+
+
+def row_terms(qr: Tensor, k: Tensor, v: Tensor, stats: BlockStats, exact: Tensor, *, mode: str, scale: float,
+              block_size: int, hbar_scope: str = "global") -> tuple[Tensor, Tensor | None, Tensor]:
+    """PISA's output of any query rows split into the parts a tail weight acts on: ``(o⁰, c, lse)``
+    with ``o⁰`` the zeroth-order output ``[B, H, R, D]``, ``c`` the normalised first-order
+    correction (None for ``"zeroth"``/``"drop"``; ``drop`` gives its own output as ``o⁰``) and the
+    LSE of the shared denominator; the output at weight ``alpha`` is ``o⁰ + alpha·c``.
+
+    ``qr`` ``[B, H, R, D]`` are rows in any order, ``exact`` ``[B, H, R, Nk]`` each row's exact set
+    (the selection of the query block it belongs to): calibration reads sampled rows this way.
+    Computed in float32 (float64 for float64 inputs), in chunks of rows like :func:`pisa_forward`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if hbar_scope not in spec.HBAR_SCOPES:
+        raise ValueError(f"hbar_scope must be one of {spec.HBAR_SCOPES}, got {hbar_scope!r}")
+    dtype = torch.float64 if qr.dtype == torch.float64 else torch.float32
+    b, h, r, d = qr.shape
+    lk = k.shape[2]
+    kx, vx = expand_kv_heads(k, h), expand_kv_heads(v, h)
+    kmean = expand_kv_heads(stats.kmean, h).to(dtype)
+    vsum = expand_kv_heads(stats.vsum, h).to(dtype)
+    hbar = expand_kv_heads(stats.hbar, h).to(dtype)
+    counts = stats.counts.to(dtype)
+    tok_block = torch.arange(lk, device=qr.device) // block_size
+    hbar_in = _hbar_in(stats, mode, hbar_scope, h, dtype, qr.device)
+    step = max(1, _SLAB_ELEMS // max(1, b * h * lk))
+    parts = []
+    for r0 in range(0, r, step):
+        qc = qr[:, :, r0 : r0 + step].to(dtype)
+        num, corr, den, m = _terms(qc, kx, vx, kmean, vsum, hbar, counts, exact[:, :, r0 : r0 + step], tok_block,
+                                   mode, scale, hbar_in)
+        inv = 1.0 / den.clamp_min(torch.finfo(dtype).tiny)[..., None]
+        parts.append((num * inv, None if corr is None else corr * inv, (m + torch.log(den)).float()))
+    o0 = torch.cat([x[0] for x in parts], dim=2)
+    c = None if parts[0][1] is None else torch.cat([x[1] for x in parts], dim=2)
+    return o0, c, torch.cat([x[2] for x in parts], dim=2)
+
+
+def _hbar_in(stats: BlockStats, mode: str, hbar_scope: str, heads: int, dtype, device) -> Tensor | None:
+    """The ``[B|1, H|1, N]`` block weights of a per-row H̄ (None: the global H̄ is used)."""
+    if mode != "hybrid" or hbar_scope != "row":
+        return None
+    n = stats.kmean.shape[2]
+    w = torch.ones(1, 1, n, dtype=dtype, device=device) if stats.hbar_in is None else stats.hbar_in.to(dtype)
+    return expand_kv_heads(w, heads) if w.shape[1] != 1 else w
+
+
+def _row_tail_qh(qh, s, c, sel, hbar_in, tok_block, vx):
+    """``s q_t H̄_t`` with ``H̄_t`` the mean of ``H_j`` over row ``t``'s tail blocks marked in
+    ``hbar_in``: ``(n_in · s q H̄ − Σ_{j∈S, in} s q H_j) / (n_in − |S ∩ in|)``; 0 with no such block."""
+    inside = hbar_in[:, :, None, :]  # [B|1, H|1, 1, N]
+    n_in = inside.sum(-1)  # [B|1, H|1, 1]
+    exact_in = sel.to(s.dtype) * inside  # [B, H, rows, N]
+    tok_w = exact_in.index_select(-1, tok_block)  # [B, H, rows, Lk]
+    w = torch.where(tok_w > 0, s - c.index_select(-1, tok_block), torch.zeros_like(s))
+    qh_exact = torch.einsum("bhrl,bhld->bhrd", w, vx)
+    n_tail = n_in - exact_in.sum(-1)  # [B, H, rows]
+    qh_row = (n_in[..., None] * qh - qh_exact) / n_tail.clamp_min(1.0)[..., None]
+    return torch.where(n_tail[..., None] > 0, qh_row, torch.zeros_like(qh_row))
 
 
 # ---------------------------------------------------------------- the stage contract (ops/stages.py)
 def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
             lean: bool = False, query_block: int | None = None, hbar_exclude: Tensor | None = None) -> BlockStats:
     """Block statistics of the keys and values plus the means of query blocks of ``query_block``
-    rows (default ``block_size``). ``hbar_exclude``: optional bool ``[B|1, Hk|1, Nk]``, key blocks
-    left out of H̄ (the mean of the other blocks' ``H_j``; 0 when every block is excluded)."""
-    stats = block_stats(k, v, block_size, with_hdev=with_hdev and hbar_exclude is None)
-    if hbar_exclude is not None:
-        dtype = stats.kmean.dtype
-        keep = (~hbar_exclude.to(device=k.device, dtype=torch.bool)).to(dtype)  # [B|1, Hk|1, Nk]
-        tok = keep.index_select(-1, torch.arange(k.shape[2], device=k.device) // block_size)
-        ktv = torch.einsum("bhld,bhl,bhle->bhde", k.to(dtype), tok.expand(k.shape[0], k.shape[1], -1), v.to(dtype))
-        w = keep.expand(*stats.kmean.shape[:3])
-        hsum = ktv - torch.einsum("bhnd,bhn,bhne->bhde", stats.kmean, w, stats.vsum)
-        stats.hbar = hsum / w.sum(-1).clamp_min(1)[..., None, None]  # nothing left: the sum is 0
-        if with_hdev:
-            stats.hdev = deviation(k, v, stats, stats.hbar, block_size)
+    rows (default ``block_size``); ``hbar_exclude``: see :func:`block_stats`."""
+    stats = block_stats(k, v, block_size, with_hdev=with_hdev, hbar_exclude=hbar_exclude)
     stats.qmean = block_means(q, query_block or block_size, stats.kmean.dtype)
     return stats
 

@@ -65,7 +65,7 @@ def ring_pisa_attention(
     density: float = 0.125,
     block_size: int = 64,
     mode: str = "hybrid",
-    covariance_aware: bool = False,
+    covariance_aware: bool = spec.DEFAULT_COVARIANCE_AWARE,
     scale: float | None = None,
     layout: str = "bhsd",
     keep_blocks: Tensor | None = None,

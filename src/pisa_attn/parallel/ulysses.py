@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..attention import pisa_attention
+from .. import spec
 from ..spec import expand_kv_heads
 from .comm import check_permutation, inverse_permutation, to_device
 from ..settings import PisaSettings
@@ -37,7 +38,7 @@ def ulysses_pisa_attention(
     density: float = 0.125,
     block_size: int = 64,
     mode: str = "hybrid",
-    covariance_aware: bool = False,
+    covariance_aware: bool = spec.DEFAULT_COVARIANCE_AWARE,
     scale: float | None = None,
     layout: str = "bhsd",
     keep_blocks: Tensor | None = None,

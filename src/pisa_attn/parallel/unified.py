@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .. import spec
 from ..attention import validate
 from ..settings import PisaSettings
 from .common import settings_of
@@ -29,7 +30,7 @@ def unified_pisa_attention(
     density: float = 0.125,
     block_size: int = 64,
     mode: str = "hybrid",
-    covariance_aware: bool = False,
+    covariance_aware: bool = spec.DEFAULT_COVARIANCE_AWARE,
     scale: float | None = None,
     layout: str = "bhsd",
     keep_blocks: Tensor | None = None,

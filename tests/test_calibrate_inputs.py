@@ -1,0 +1,143 @@
+"""Bad input on the calibration path: every case a one-line error naming the entry or argument,
+exit 2, no traceback, no fit started, nothing written; no NaN ever reaches a table."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from pisa_attn import alpha_table as at
+from pisa_attn import calibration as cal
+from pisa_attn.bench import calibrate as bc
+
+pytest.importorskip("safetensors")
+from safetensors.torch import save_file  # noqa: E402
+
+
+def _entry(step=0, layer=0):
+    return {"step": step, "layer": layer, "scale": 0.125, "image_range": [0, 128]}
+
+
+def _write(path, tensors=None, entries=None, meta_entries="default"):
+    g = torch.Generator().manual_seed(0)
+    tensors = tensors if tensors is not None else {
+        f"step0.layer0.{p}": torch.randn(1, 2, 128, 16, generator=g) for p in "qkv"}
+    entries = {"step0.layer0": _entry()} if entries is None else entries
+    meta = {"format": "pisa-attn-qkv", "version": "1", "model": '"flux"',
+            "entries": json.dumps(entries) if meta_entries == "default" else meta_entries}
+    if meta["entries"] is None:
+        del meta["entries"]
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=meta)
+    return str(path)
+
+
+def _run(capsys, *args) -> str:
+    code = bc.main([*map(str, args), "--block-size", "32", "--rows", "0"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("error:") == 1
+    return err
+
+
+@pytest.fixture
+def no_fit(monkeypatch):
+    """Fails the test if any fit starts: the checks come first."""
+    def boom(*a, **k):
+        raise AssertionError("a fit started before the input was checked")
+    monkeypatch.setattr(cal, "fit_rules", boom)
+
+
+def _tensors(**parts):
+    g = torch.Generator().manual_seed(1)
+    out = {f"step0.layer0.{p}": torch.randn(1, 2, 128, 16, generator=g) for p in "qkv"}
+    out.update({f"step0.layer0.{p}": x for p, x in parts.items()})
+    return out
+
+
+@pytest.mark.parametrize("case,parts,match", [
+    ("nan", {"q": torch.full((1, 2, 128, 16), float("nan"))}, "NaN"),
+    ("inf", {"v": torch.full((1, 2, 128, 16), float("inf"))}, "NaN or infinite"),
+    ("int", {"k": torch.ones(1, 2, 128, 16, dtype=torch.int32)}, "floating"),
+    ("rank3", {p: torch.randn(2, 128, 16) for p in "qkv"}, "rank 4"),
+    ("klens", {"v": torch.randn(1, 2, 96, 16)}, "k and v"),
+    ("heads", {"q": torch.randn(1, 3, 128, 16)}, "does not fit"),
+])
+def test_bad_tensors_are_refused_naming_the_entry(tmp_path, capsys, no_fit, case, parts, match):
+    path = _write(tmp_path / f"{case}.safetensors", _tensors(**parts))
+    err = _run(capsys, path, "--out", tmp_path / "a.json")
+    assert "step0.layer0" in err and match in err
+    assert not (tmp_path / "a.json").exists()
+
+
+@pytest.mark.parametrize("case,entries,match", [
+    ("missing", None, "'entries'"),
+    ("list", json.dumps(["step0.layer0"]), "'entries'"),
+    ("nostep", json.dumps({"step0.layer0": {"layer": 0}}), "'step'"),
+    ("badlayer", json.dumps({"step0.layer0": {"step": 0, "layer": "x"}}), "'layer'"),
+    ("notobj", json.dumps({"step0.layer0": [0, 0]}), "info object"),
+])
+def test_bad_metadata_is_refused(tmp_path, capsys, no_fit, case, entries, match):
+    path = _write(tmp_path / f"{case}.safetensors", meta_entries=entries)
+    err = _run(capsys, path, "--out", tmp_path / "a.json")
+    assert match in err
+
+
+def test_bad_image_range_and_scale(tmp_path, capsys, no_fit):
+    path = _write(tmp_path / "r.safetensors", entries={"step0.layer0": {**_entry(), "image_range": [0, 999]}})
+    assert "image_range" in _run(capsys, path, "--out", tmp_path / "a.json")
+    path = _write(tmp_path / "s.safetensors", entries={"step0.layer0": {**_entry(), "scale": -1}})
+    assert "scale" in _run(capsys, path, "--out", tmp_path / "a.json")
+
+
+@pytest.mark.parametrize("device,match", [("tpu", "device"), ("cuda:7", "device"), ("", "device")])
+def test_unknown_or_missing_device(tmp_path, capsys, no_fit, device, match):
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has that device")
+    path = _write(tmp_path / "ok.safetensors")
+    assert match in _run(capsys, path, "--out", tmp_path / "a.json", "--device", device)
+
+
+def test_unwritable_out_is_refused_before_the_fit(tmp_path, capsys, no_fit):
+    path = _write(tmp_path / "ok.safetensors")
+    assert "does not exist" in _run(capsys, path, "--out", tmp_path / "nope" / "a.json")
+    assert "is a directory" in _run(capsys, path, "--out", tmp_path)
+
+
+def test_core_install_without_safetensors(tmp_path, capsys, monkeypatch, no_fit):
+    path = _write(tmp_path / "ok.safetensors")
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors -> ImportError
+    assert "safetensors" in _run(capsys, path, "--out", tmp_path / "a.json")
+
+
+def test_a_good_capture_fits_and_writes_finite_weights(tmp_path, capsys):
+    path = _write(tmp_path / "ok.safetensors")
+    assert bc.main([path, "--out", str(tmp_path / "a.json"), "--block-size", "32", "--rows", "0",
+                    "--density", "0.25"]) == 0
+    table = at.load(str(tmp_path / "a.json"))
+    layer = table.layers()[0]
+    assert len(layer.alpha) == 2 and all(0.0 <= a <= 1.0 for a in layer.alpha)
+    assert isinstance(layer.covariance_aware, bool)  # chosen per layer
+    assert "selection" in capsys.readouterr().err
+
+
+def test_table_refuses_empty_layer_maps_and_bad_rules():
+    good = {"format": at.FORMAT, "version": at.VERSION, "transformers": {"transformer": {"0": {"alpha": [0.5]}}}}
+    assert at.from_json(good).layers()[0].covariance_aware is None  # old tables: the settings' rule
+    for bad, match in (({"transformer": {}}, "non-empty"), ({"transformer": []}, "non-empty"),
+                       ({"transformer": {"0": {"alpha": [0.5], "covariance_aware": "yes"}}}, "covariance_aware")):
+        with pytest.raises(ValueError, match=match):
+            at.from_json({**good, "transformers": bad})
+
+
+def test_a_non_finite_fit_is_an_error_not_a_table():
+    nan = torch.tensor([float("nan")], dtype=torch.float64)
+    one = torch.ones(1, dtype=torch.float64)
+    fit = cal.RowFit(cal.AlphaStats(nan, one, one, one), one, 1)
+    with pytest.raises(ValueError, match="not finite"):
+        at.from_fits({"transformer": {0: fit}}, settings={})
+    inf = cal.RowFit(cal.AlphaStats(one, one, torch.tensor([float("inf")], dtype=torch.float64), one), one, 1)
+    with pytest.raises(ValueError, match="not finite"):
+        at.from_fits({"transformer": {0: inf}}, settings={})
