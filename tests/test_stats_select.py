@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from pisa_attn.ops import reference as ref  # noqa: E402
-from pisa_attn.ops.selection import bits_to_mask, idx_to_mask  # noqa: E402
+from pisa_attn.ops.selection import bits_to_mask  # noqa: E402
+from selection_masks import idx_to_mask  # noqa: E402
 from pisa_attn.ops.triton import pairs as PU  # noqa: E402
 from pisa_attn.ops.triton import prepare as P  # noqa: E402
 from pisa_attn.ops.triton import select as S  # noqa: E402
