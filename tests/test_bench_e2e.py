@@ -38,7 +38,7 @@ def test_case_settings_follow_the_paper():
     # Appendix D warm-up; 87.5% sparsity for video, 85% for FLUX; the paper's own speed-ups.
     assert {k: (c.density, c.dense_layers, c.dense_steps) for k, c in dc.CASES.items()} == {
         "wan14b-720p": (0.125, 1, 10), "hunyuan-720p": (0.125, 1, 10), "flux-1024": (0.15, 4, 0),
-        "flux-2048": (0.15, 4, 0), "wan1.3b-480p": (0.125, 1, 15),
+        "flux-2048": (0.15, 4, 0), "wan1.3b-480p": (0.125, 1, 15), "sd35-1024": (0.15, 4, 0),
     }  # fmt: skip
     assert dc.CASES["wan14b-720p"].paper.speedup == 1.91 and dc.CASES["hunyuan-720p"].paper.speedup == 2.57
 
@@ -113,7 +113,8 @@ def test_first_dense_falls_back_and_records_why():
 def test_arguments_per_stage():
     b = stages
     a = b.parse_args(["--part", "compiled", "--fraction", "wan14b-compiled=0.5", "--budget-s", "flux=30"])
-    assert a.stage_list == ("wan14b-compiled", "hunyuan-compiled", "wan1.3b-compiled", "flux-compiled")
+    assert a.stage_list == ("wan14b-compiled", "hunyuan-compiled", "wan1.3b-compiled", "flux-compiled",
+                            "sd35-compiled")
     assert a.fractions == {"wan14b-compiled": 0.5} and a.budgets["flux"] == 30 and a.budgets["hunyuan"] == 150
     assert b.parse_args(["--budget-s", "20"]).budgets["wan14b"] == 20
     for bad in (["--stages", "wan99"], ["--fraction", "1.5"], ["--budget-s", "nope=3"], ["--flux-sweep", "1000"]):
@@ -139,15 +140,15 @@ def test_tiny_run_covers_eager_compiled_and_sweep(tmp_path):
     pytest.importorskip("diffusers")
     threads = torch.get_num_threads()
     try:
-        rc = e2e_main.main(["--tiny", "--stages", "wan1.3b,hunyuan-compiled,flux", "--compile-backend", "aot_eager",
+        rc = e2e_main.main(["--tiny", "--stages", "wan1.3b,hunyuan-compiled,flux,sd35", "--compile-backend", "aot_eager",
                      "--total-budget-s", "600", "--budget-s", "300", "--out", str(tmp_path)])  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
     res = json.loads((tmp_path / "bench_e2e.json").read_text())
-    assert [s["status"] for s in res["stages"]] == ["done"] * 3
+    assert [s["status"] for s in res["stages"]] == ["done"] * 4
     cases = {c["case"]: c for s in res["stages"] for c in s["cases"]}
-    assert set(cases) == {"wan1.3b-480p", "hunyuan-720p", "flux-1024", "flux-2048"}
+    assert set(cases) == {"wan1.3b-480p", "hunyuan-720p", "flux-1024", "flux-2048", "sd35-1024"}
     for key in ("wan1.3b-480p", "flux-1024", "flux-2048"):  # eager: every measurement and what it gives
         c = cases[key]
         assert set(c["forward_ms"]) == {"dense", "pisa", "no_attention", "no_attention_pisa_hooks"}

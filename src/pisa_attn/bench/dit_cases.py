@@ -4,8 +4,8 @@ what the paper reports for it; plus random-weight models and forward inputs for 
 A case is one transformer config at one latent size. Latent sizes follow the pipelines: the Wan
 and HunyuanVideo VAEs compress 4x in time ((frames - 1) / 4 + 1) and 8x in space, then the
 transformers patchify 1x2x2; FLUX packs its 8x VAE latent 2x2, so its token grid is the image
-size / 16. Text tokens are the pipelines' prompt lengths (Wan and FLUX: 512 T5 tokens; Hunyuan:
-256 LLaMA tokens, all valid here). Settings and schedules are the paper's (density from its
+size / 16; SD3 patchifies its 8x VAE latent 2x2 (also image size / 16). Text tokens are the pipelines' prompt
+lengths (Wan and FLUX: 512 T5 tokens; SD3: 77 CLIP + 256 T5; Hunyuan: 256 LLaMA tokens, all valid here). Settings and schedules are the paper's (density from its
 "sparsity", warm-up from appendix D, FLUX with covariance-aware selection as the adapter's default).
 """
 
@@ -16,11 +16,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .model_configs import FLUX_DEV, FLUX_TINY, HUNYUAN_TINY, HUNYUAN_VIDEO, WAN_1_3B, WAN_14B, WAN_TINY
+from .model_configs import (
+    FLUX_DEV, FLUX_TINY, HUNYUAN_TINY, HUNYUAN_VIDEO, SD3_TINY, SD35_LARGE, WAN_1_3B, WAN_14B, WAN_TINY,
+)  # fmt: skip
 
-FAMILIES = ("wan", "hunyuan", "flux")
+FAMILIES = ("wan", "hunyuan", "flux", "sd3")
 _CLASSES = {
     "wan": "WanTransformer3DModel", "hunyuan": "HunyuanVideoTransformer3DModel", "flux": "FluxTransformer2DModel",
+    "sd3": "SD3Transformer2DModel",
 }  # fmt: skip
 
 
@@ -42,9 +45,10 @@ class Case:
 
     key: str
     title: str
-    family: str  # "wan", "hunyuan" or "flux"
+    family: str  # "wan", "hunyuan", "flux" or "sd3"
     config: dict
-    latent: tuple[int, ...]  # video: VAE latent (frames, height, width); flux: packed token grid (h, w)
+    latent: tuple[int, ...]  # video: VAE latent (frames, height, width); flux: packed token grid (h, w);
+    # sd3: VAE latent (height, width)
     text: int  # prompt tokens the transformer gets
     density: float
     dense_layers: int  # the paper's warm-up: first transformer blocks dense ...
@@ -89,6 +93,9 @@ def token_grid(family: str, config: dict, latent: tuple[int, ...]) -> tuple[int,
         return (latent[0] // pt, latent[1] // p, latent[2] // p)
     if family == "flux":
         return tuple(latent)
+    if family == "sd3":
+        p = config["patch_size"]
+        return (latent[0] // p, latent[1] // p)
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
 
 
@@ -114,6 +121,11 @@ CASES: dict[str, Case] = {
         Case("flux-2048", "FLUX.1-dev-shaped, 2048x2048", "flux", FLUX_DEV, (128, 128), 512, 0.15, 4, 0,
              compile_fraction=0.1),  # fmt: skip
         Case(
+            "sd35-1024", "SD3.5-Large-shaped, 1024x1024", "sd3", SD35_LARGE, (128, 128), 333, 0.15, 4, 0,
+            Paper(0.81 / 0.65, None, 0.81, 0.65, "SD3.5-Large Turbo 1024x1024, 85% sparsity (its image table)"),
+            compile_fraction=0.1,
+        ),
+        Case(
             "wan1.3b-480p", "Wan2.1-1.3B-shaped, 480p 81 frames", "wan", WAN_1_3B, (21, 60, 104), 512, 0.125, 1, 15,
             Paper(2.04, 3.06, 98.0, 48.0, "Wan2.1-1.3B T2V 480p, 87.5% sparsity, warm-up 1 layer / 15 steps"),
             compile_fraction=1.0,
@@ -126,6 +138,7 @@ _TINY = {
     "wan": dict(config=WAN_TINY, latent=(3, 12, 20), text=8),
     "hunyuan": dict(config=HUNYUAN_TINY, latent=(3, 12, 20), text=16, text_valid=12),
     "flux": dict(config=FLUX_TINY, latent=(16, 16), text=16),
+    "sd3": dict(config=SD3_TINY, latent=(32, 32), text=16),
 }
 
 
@@ -190,6 +203,12 @@ def inputs(case: Case, device, dtype) -> dict:
             encoder_hidden_states=r(1, case.text, cfg["text_embed_dim"]), encoder_attention_mask=mask,
             pooled_projections=r(1, cfg["pooled_projection_dim"]),
             guidance=torch.tensor([6000.0], device=device, dtype=dtype),
+        )  # fmt: skip
+    if case.family == "sd3":
+        return dict(
+            hidden_states=r(1, cfg["in_channels"], *case.latent), encoder_hidden_states=r(1, case.text,
+            cfg["joint_attention_dim"]), pooled_projections=r(1, cfg["pooled_projection_dim"]),
+            timestep=torch.tensor([500.0], device=device),
         )  # fmt: skip
     h, w = case.latent
     ids = torch.zeros(h, w, 3)

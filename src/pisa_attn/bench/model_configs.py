@@ -43,3 +43,14 @@ HUNYUAN_TINY = dict(
     num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=32, pooled_projection_dim=32,
     rope_axes_dim=(4, 6, 6), guidance_embeds=True,
 )  # fmt: skip
+# Stable Diffusion 3.5 Large (diffusers SD3Transformer2DModel): 38 blocks, 38 heads x 64, and a tiny one.
+SD35_LARGE = dict(
+    sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64, num_attention_heads=38,
+    joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048, out_channels=16,
+    pos_embed_max_size=192, qk_norm="rms_norm", dual_attention_layers=(),
+)  # fmt: skip
+SD3_TINY = dict(
+    sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
+    pos_embed_max_size=32,
+)  # fmt: skip

@@ -4,7 +4,8 @@ Each case builds the REAL transformer config with random weights (bf16, on the G
 forward on the fastest dense diffusers backend (cuDNN SDPA via ``_native_cudnn`` where it runs;
 every native backend is timed on one attention call at the model's exact shape and the fastest
 one runs the dense forward) and on PISA at the paper's density with no warm-up
-(``dense_layers=0, dense_steps=0``):
+(``dense_layers=0, dense_steps=0``; ``--min-kv-len 0`` makes every managed call sparse, otherwise the
+library's ``min_kv_len`` default keeps short sequences dense):
 
 =================  ======================================  ========================  =========  ========
 case               model, size                             tokens (self-attention)   density    warm-up
@@ -14,6 +15,7 @@ hunyuan-720p       HunyuanVideo 13B, 720p 129 frames       33x45x80 = 118 800 + 
 flux-1024          FLUX.1-dev, 1024x1024                   64x64 = 4 096 + 512       15 %       4 / 0
 flux-2048          FLUX.1-dev, 2048x2048                   128x128 = 16 384 + 512    15 %       4 / 0
 wan1.3b-480p       Wan2.1-1.3B, 480p 81 frames             21x30x52 = 32 760         12.5 %     1 / 15
+sd35-1024          SD3.5-Large, 1024x1024                  64x64 = 4 096 + 333       15 %       4 / 0
 =================  ======================================  ========================  =========  ========
 
 (warm-up: dense transformer blocks / dense steps of 50, the paper's appendix D.) Per case:
@@ -37,7 +39,7 @@ Stages (``--part`` or ``--stages``), in order of value; each has its own time bu
 and is skipped or cut cleanly when it would overrun it or the run's (``--total-budget-s``):
 ``wan14b``, ``hunyuan`` (eager), ``wan14b-compiled``, ``hunyuan-compiled``, ``flux`` (eager, both
 sizes, plus the attention-call sweep that explains ``min_kv_len``), ``wan1.3b``, ``wan1.3b-compiled``,
-``flux-compiled``. Compiled stages run ``torch.compile(transformer, fullgraph=True)`` (compile time
+``flux-compiled``, ``sd35``, ``sd35-compiled``. Compiled stages run ``torch.compile(transformer, fullgraph=True)`` (compile time
 reported separately) on a share of the blocks (``--fraction``; default 0.1 for the 13-14B models and
 FLUX, all 30 blocks for Wan-1.3B, where compile drift is the question): per-block cost is uniform,
 so ratios hold and per-forward times are extrapolated (marked ``*``, ``derived.blocks`` in the JSON).
@@ -62,6 +64,8 @@ flux               2 sizes x 4 kinds of forward (0.2-1 s), call sweep     ~30 s 
 wan1.3b            4 kinds of forward x ~0.6 s                            ~10 s     40 s
 wan1.3b-compiled   3 compiles of 30 blocks (~65 s each): compile drift    ~205 s    200 s
 flux-compiled      2 sizes x 3 compiles of 6 blocks (2048 first)          ~185 s    110 s
+sd35               4 kinds of forward (~0.2 s)                            ~15 s     50 s
+sd35-compiled      3 compiles of 4 blocks + forwards                      ~90 s     110 s
 =================  =====================================================  ========  ======
 
 One 10-minute device call (``--part all``, run budget 540 s) gets everything down to ``wan1.3b``

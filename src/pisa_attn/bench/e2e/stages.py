@@ -22,6 +22,8 @@ STAGES: dict[str, tuple[tuple[str, ...], bool]] = {
     "wan1.3b": (("wan1.3b-480p",), False),
     "wan1.3b-compiled": (("wan1.3b-480p",), True),
     "flux-compiled": (("flux-2048", "flux-1024"), True),
+    "sd35": (("sd35-1024",), False),
+    "sd35-compiled": (("sd35-1024",), True),
 }
 
 
@@ -34,7 +36,7 @@ PARTS = {
 
 BUDGET_S = {
     "wan14b": 130, "hunyuan": 150, "wan14b-compiled": 110, "hunyuan-compiled": 120, "flux": 60,
-    "flux-compiled": 110, "wan1.3b": 40, "wan1.3b-compiled": 200,
+    "flux-compiled": 110, "wan1.3b": 40, "wan1.3b-compiled": 200, "sd35": 50, "sd35-compiled": 110,
 }  # fmt: skip
 
 
@@ -67,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: all blocks eager; the cases' compile fraction compiled)")  # fmt: skip
     p.add_argument("--density", type=float, default=None, help="override every case's density")
     p.add_argument("--mode", default="hybrid", choices=("hybrid", "zeroth", "first", "drop"))
+    p.add_argument("--min-kv-len", type=int, default=None,
+                   help="apply_pisa's min_kv_len for the PISA forwards (default: the library's; 0 runs every "
+                        "managed call sparse)")
     p.add_argument("--block-size", type=int, default=None, help="default 64 (16 with --tiny)")
     p.add_argument("--steps", type=int, default=50, help="denoising steps of the schedule estimate")
     p.add_argument("--compile-backend", default="inductor")
@@ -85,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.stage_list = names
     args.budgets = _per_stage(p, "--budget-s", args.budget_s, dict(BUDGET_S), float, lambda v: v > 0)
     args.fractions = _per_stage(p, "--fraction", args.fraction, {}, float, lambda v: 0 < v <= 1)
+    if args.min_kv_len is not None and args.min_kv_len < 0:
+        p.error(f"--min-kv-len must be >= 0, got {args.min_kv_len}")
     if args.density is not None and not 0 < args.density <= 1:
         p.error(f"--density must be in (0, 1], got {args.density}")
     if args.block_size is None:
