@@ -518,3 +518,18 @@ def test_study_out_that_cannot_be_created(tmp_path, capsys, no_study, monkeypatc
     monkeypatch.setattr(no_study.os, "makedirs", refuse)
     rc, err = run_cli(["study", "--size", "tiny", "--out", str(tmp_path / "o")], capsys)
     assert_clear_error(rc, err, "cannot create the directory", "Permission denied")
+
+
+def test_readme_plan_run_example_runs_as_written():
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", readme, re.S) if "plan(q, k, s)" in c)
+    import torch
+
+    from pisa_attn import pisa_attention
+    from pisa_attn.data import dit_qkv
+
+    qkv = dit_qkv((2, 8, 16), heads=2, head_dim=32)  # the snippet's q, k, v, here on the CPU
+    scope = {"q": qkv.q, "k": qkv.k, "v": qkv.v}
+    exec(compile(code, "README.md", "exec"), scope)
+    want = pisa_attention(qkv.q, qkv.k, qkv.v, density=0.125)
+    torch.testing.assert_close(scope["out"], want, rtol=0, atol=0)
