@@ -118,6 +118,9 @@ def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
             if calibration is not None:
                 layers = len(pd.pisa_state(model).calibrator.fits)
     pd.remove_pisa(model)
+    from pisa_attn.diffusers.calibrate import GRAPHS
+
+    GRAPHS.clear()  # the next model's shapes start from nothing
     base = min(times["base"])
     row = {"model": kind, "grid": list(grid), "text": text, "step_ms": base, "layers": layers,
            "times_ms": times, "first_ms": first}
