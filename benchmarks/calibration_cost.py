@@ -194,8 +194,8 @@ def count_ops(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dic
 def fit_calls(device, dtype, args) -> list[dict]:
     """One calibrated layer call's fit alone (``FitGraphs.sums``, the layer's own key/value
     shapes), op by op and as a replayed graph: microseconds per call (host-enqueue and
-    end-to-end), the CUDA runtime launches per call (profiler), and the largest difference of the
-    two paths' sums (the same arithmetic)."""
+    end-to-end), the CUDA runtime launches per call and the aten ops of most device time
+    (profiler), and the largest difference of the two paths' sums (the same arithmetic)."""
     from pisa_attn import calibration as cal
     from pisa_attn.diffusers.calibrate import sample_rows
     import random
@@ -236,6 +236,10 @@ def fit_calls(device, dtype, args) -> list[dict]:
                     graphs.sums(q, k, v, plan, capture=capture, **kw)
                     sync()
                 names = [e.name for e in prof.events()]
+                if not capture:  # where the fit's device time goes, aten op by aten op
+                    ops = [(a.key, a.count, getattr(a, "device_time_total", 0.0) or getattr(a, "cuda_time_total", 0.0))
+                           for a in prof.key_averages() if a.key.startswith("aten::")]
+                    row["eager_top_ops_us"] = [[n, c, round(t, 1)] for n, c, t in sorted(ops, key=lambda x: -x[2])[:15]]
                 row[f"{tag}_launches"] = sum(n in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync",
                                                    "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
                                              for n in names)
