@@ -10,8 +10,12 @@ query rows per call and fits the first-order weight on them in float32, see
     python benchmarks/calibration_cost.py --tiny --count-ops     # ops and host reads per calibrated layer call
 
 ``rN`` is the default calibration (``N`` rows, the selection rule chosen per layer: both rules
-fitted from one dense pass of the rows), ``rNf`` the same with the run's rule only
-(``CalibrationConfig(choose_selection=False)``). ``--count-ops`` counts, per calibrated call
+fitted from one dense pass of the rows; on CUDA each call shape's fit is one captured CUDA graph,
+``pisa_attn.calibration.FitGraphs``), ``rNe`` the same fit op by op
+(``CalibrationConfig(cuda_graphs=False)``, the path before the graphs), ``rNf`` the graphed fit
+with the run's rule only (``choose_selection=False``). The minimum over the timed rounds is the
+steady state (graphs captured); ``first_ms`` is each setting's first forward (captures included:
+a process captures each call shape once). ``--count-ops`` counts, per calibrated call
 (``Calibrator.observe``), the aten ops dispatched, those that are not views (what launches
 kernels on a GPU) and those that read a value back to the host (a synchronisation on a GPU).
 
@@ -96,24 +100,35 @@ def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
     model = build(kind, cfg, device, dtype)
     x = inputs(kind, cfg, grid, text, device, dtype)
     common = dict(density=args.density, dense_steps=1 << 30, dense_layers=0, min_kv_len=0)
-    settings = {"base": None, **{f"r{n}": pd.CalibrationConfig(rows=n) for n in args.rows},
-                **{f"r{n}f": pd.CalibrationConfig(rows=n, choose_selection=False) for n in args.rows}}
+    settings = {"base": None}
+    for n in args.rows:
+        settings[f"r{n}e"] = pd.CalibrationConfig(rows=n, cuda_graphs=False)
+        if not getattr(args, "eager_only", False):
+            settings.update({f"r{n}": pd.CalibrationConfig(rows=n),
+                             f"r{n}f": pd.CalibrationConfig(rows=n, choose_selection=False)})
     times = {name: [] for name in settings}
+    first = {}
     layers = 0
     for i in range(args.warmup + args.iters):
         for name, calibration in settings.items():
             pd.apply_pisa(model, calibrate=calibration or False, **common)
             ms = forward_ms(model, x, device)
+            first.setdefault(name, ms)
             if i >= args.warmup:
                 times[name].append(ms)
             if calibration is not None:
                 layers = len(pd.pisa_state(model).calibrator.fits)
     pd.remove_pisa(model)
+    from pisa_attn.diffusers.calibrate import GRAPHS
+
+    GRAPHS.clear()  # the next model's shapes start from nothing
     base = min(times["base"])
     row = {"model": kind, "grid": list(grid), "text": text, "step_ms": base, "layers": layers,
-           "times_ms": times}
+           "times_ms": times, "first_ms": first}
+    if device.type == "cuda":
+        row["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for n in args.rows:
-        for tag in (f"r{n}", f"r{n}f"):
+        for tag in (t for t in (f"r{n}", f"r{n}e", f"r{n}f") if t in times):
             row[f"calibrated_ms_{tag}"] = min(times[tag])
             row[f"overhead_{tag}"] = row[f"calibrated_ms_{tag}"] / base - 1
     row["tokens"] = int(torch.tensor(grid).prod()) // (4 if kind == "wan" else 1) + (text if kind == "flux" else 0)
@@ -176,19 +191,79 @@ def count_ops(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dic
     return {"model": kind, "grid": list(grid), "rows": args.rows[0], **out}
 
 
+def fit_calls(device, dtype, args) -> list[dict]:
+    """One calibrated layer call's fit alone (``FitGraphs.sums``, the layer's own key/value
+    shapes), op by op and as a replayed graph: microseconds per call (host-enqueue and
+    end-to-end), the CUDA runtime launches per call and the aten ops of most device time
+    (profiler), and the largest difference of the two paths' sums (the same arithmetic)."""
+    from pisa_attn import calibration as cal
+    from pisa_attn.diffusers.calibrate import sample_rows
+    import random
+
+    shapes = {"wan": (WAN_1_3B["num_attention_heads"], 32760, WAN_1_3B["attention_head_dim"], 0),
+              "flux": (FLUX_DEV["num_attention_heads"], 4608, FLUX_DEV["attention_head_dim"], 512)}
+    out = []
+    for kind, (h, lq, d, text) in shapes.items():
+        lk = lq + text
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(1, h, lk, d, generator=g, device=device, dtype=dtype) for _ in range(3))
+        keep = torch.zeros(-(-lk // 64), dtype=torch.bool, device=device)
+        keep[: text // 64] = True  # the text blocks, always exact
+        rng = random.Random(0)
+        plan = cal.row_plan(lk, 64, sample_rows(rng, text, lk, 64, args.rows[0]), (text, lk))
+        kw = dict(density=args.density, rules=(False, True), mode="hybrid", scale=d**-0.5, block_size=64,
+                  keep_blocks=keep if text else None)
+        graphs = cal.FitGraphs()
+        row = {"model": kind, "heads": h, "tokens": lk, "head_dim": d, "rows": len(plan.pos)}
+        sums = {}
+        for tag, capture in (("eager", False), ("graph", True)):
+            sums[tag] = graphs.sums(q, k, v, plan, capture=capture, **kw).clone()
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            sync()
+            host, total = [], []
+            for _ in range(args.iters * 4):
+                t0 = time.perf_counter()
+                graphs.sums(q, k, v, plan, capture=capture, **kw)
+                t1 = time.perf_counter()
+                sync()
+                host.append((t1 - t0) * 1e6)
+                total.append((time.perf_counter() - t0) * 1e6)
+            row[f"{tag}_host_us"], row[f"{tag}_us"] = min(host), min(total)
+            if device.type == "cuda":
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    graphs.sums(q, k, v, plan, capture=capture, **kw)
+                    sync()
+                names = [e.name for e in prof.events()]
+                if not capture:  # where the fit's device time goes, aten op by aten op
+                    ops = [(a.key, a.count, getattr(a, "device_time_total", 0.0) or getattr(a, "cuda_time_total", 0.0))
+                           for a in prof.key_averages() if a.key.startswith("aten::")]
+                    row["eager_top_ops_us"] = [[n, c, round(t, 1)] for n, c, t in sorted(ops, key=lambda x: -x[2])[:15]]
+                row[f"{tag}_launches"] = sum(n in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync",
+                                                   "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+                                             for n in names)
+        row["max_abs_diff"] = float((sums["eager"] - sums["graph"]).abs().max())
+        row["max_rel_diff"] = float(((sums["eager"] - sums["graph"]).abs() / sums["eager"].abs().clamp_min(1e-30)).max())
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU: a small Wan-like model at --lengths")
     p.add_argument("--lengths", default="1024,2048,4096", help="CPU token counts (of 1024, 2048, 4096, 8192)")
     p.add_argument("--models", default="wan,flux", help="GPU models: wan (1.3B, 32,760 tokens), flux (dev, 4,608)")
     p.add_argument("--flux-blocks", default="19,38", help="double,single blocks of the FLUX model")
-    p.add_argument("--rows", default="16,32,64", help="query rows sampled per call (comma list)")
+    p.add_argument("--rows", default="32", help="query rows sampled per call (comma list)")
     p.add_argument("--density", type=float, default=0.15)
     p.add_argument("--iters", type=int, default=5, help="timed rounds (minimum reported)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--out", default=os.environ.get("OUT", "./out"))
     p.add_argument("--count-ops", action="store_true", help="count ops and host reads per calibrated call instead")
+    p.add_argument("--no-fit-calls", action="store_true", help="skip the one-call fit timing (GPU)")
     args = p.parse_args(argv)
     args.rows = [int(x) for x in args.rows.split(",")]
     if args.count_ops:
@@ -202,14 +277,22 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.set_num_threads(args.threads)
     rows = []
+    calls, errors = [], []
+    if cuda and not args.no_fit_calls:
+        try:
+            calls = fit_calls(device, dtype, args)
+        except Exception as e:  # a graph that cannot be captured: say so, time the op-by-op path only
+            import traceback
+
+            traceback.print_exc()
+            errors.append(f"fit_calls: {e!r}")
+            args.eager_only = True
     if cuda:
+        d, s = (int(x) for x in args.flux_blocks.split(","))
+        shapes = {"wan": (WAN_1_3B, (21, 60, 104)), "flux": ({**FLUX_DEV, "num_layers": d, "num_single_layers": s},
+                                                           (64, 64))}
         for kind in args.models.split(","):
-            if kind == "wan":
-                rows.append(measure("wan", WAN_1_3B, (21, 60, 104), 512, device, dtype, args))
-            else:
-                d, s = (int(x) for x in args.flux_blocks.split(","))
-                rows.append(measure("flux", {**FLUX_DEV, "num_layers": d, "num_single_layers": s}, (64, 64), 512,
-                                    device, dtype, args))
+            rows.append(measure(kind, *shapes[kind][:1], shapes[kind][1], 512, device, dtype, args))
             print(json.dumps(rows[-1]), flush=True)
     else:
         for n in (int(x) for x in args.lengths.split(",")):
@@ -219,15 +302,20 @@ def main(argv=None) -> int:
     env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads()}
     with open(os.path.join(args.out, "calibration_cost.json"), "w") as f:
-        json.dump({"environment": env, "density": args.density, "rows": rows}, f, indent=1)
+        json.dump({"environment": env, "density": args.density, "rows": rows, "fit_calls": calls, "errors": errors},
+                  f, indent=1)
     print(f"\n=== calibration cost per dense warm-up step ({env['device']}) ===")
-    tags = [t for n in args.rows for t in (f"r{n}", f"r{n}f")]
+    tags = [t for n in args.rows for t in (f"r{n}", f"r{n}e", f"r{n}f") if rows and f"calibrated_ms_{t}" in rows[0]]
     head = f"{'model':6s} {'tokens':>7s} {'H x D':>8s} {'step ms':>9s} " + " ".join(
         f"{t + ' ms':>9s} {'+%':>6s}" for t in tags)
     print(head)
     for r in rows:
         cells = " ".join(f"{r[f'calibrated_ms_{t}']:9.1f} {100 * r[f'overhead_{t}']:5.1f}%" for t in tags)
         print(f"{r['model']:6s} {r['tokens']:7d} {r['heads']:>3d}x{r['head_dim']:<4d} {r['step_ms']:9.1f} {cells}")
+    for c in calls:
+        print(f"one fit ({c['model']}, {c['tokens']} keys, {c['rows']} rows): op by op {c['eager_us']:.0f} us "
+              f"({c.get('eager_launches', '?')} launches), graph {c['graph_us']:.0f} us "
+              f"({c.get('graph_launches', '?')} launches); max rel. diff {c['max_rel_diff']:.1e}")
     return 0
 
 

@@ -297,3 +297,39 @@ def test_fit_rules_reads_nothing_back_from_the_device():
         cal.fit_rules(q, k, v, density=0.25, block_size=32, rows=list(range(40, 56)) + list(range(200, 216)),
                       keep_blocks=keep)
     assert seen and not reads & set(seen)
+
+
+def test_fit_graphs_static_path_equals_fit_rules_call_by_call():
+    """FitGraphs (the path a calibrated call takes; on the CPU its static buffers run op by op)
+    gives fit_rules' numbers for every call, also when calls of one shape follow each other with
+    new inputs (the static buffers are refilled) and when shapes alternate."""
+    graphs = cal.FitGraphs(max_graphs=2)
+    kw = dict(density=0.25, block_size=32, mode="hybrid")
+    for seed, (length, rows) in enumerate([(150, [40, 41, 42, 100, 101]), (150, [3, 4, 5, 70, 71]),
+                                           (128, [96, 97, 98, 99]), (150, [140, 141, 142, 20, 21]),
+                                           (150, [33, 34, 35, 64, 65])]):
+        q, k, v = make_qkv(1, 4, 2, length, 32, seed=20 + seed)
+        keep = torch.zeros(spec.num_blocks(length, 32), dtype=torch.bool)
+        keep[seed % 3] = True
+        plan = cal.row_plan(length, 32, rows)
+        sums = graphs.sums(q, k, v, plan, rules=(False, True), scale=32**-0.5, keep_blocks=keep, **kw)
+        got = cal.row_fits(sums, (False, True), rows=len(rows), elems=len(rows) * 32)
+        want = cal.fit_rules(q, k, v, rows=rows, rules=(False, True), keep_blocks=keep, **kw)
+        for rule in (False, True):
+            for name in ("cr", "cc", "rr", "n"):
+                torch.testing.assert_close(getattr(got[rule].stats, name), getattr(want[rule].stats, name),
+                                           rtol=0, atol=0)
+            torch.testing.assert_close(got[rule].tail_mass, want[rule].tail_mass, rtol=0, atol=0)
+            assert got[rule].rows == want[rule].rows
+    assert len(graphs) == 2  # the most recent shapes only
+
+
+def test_row_plan_keys_by_layout_not_position():
+    a = cal.row_plan(300, 64, [10, 11, 12, 200, 201])
+    b = cal.row_plan(300, 64, [70, 71, 72, 130, 131])
+    c = cal.row_plan(300, 64, [10, 11, 12, 290, 291])  # the ragged last block (44 rows)
+    assert a.shape_key() == b.shape_key() != c.shape_key()
+    assert a.runs == ((10, 13), (200, 202)) and a.spans == ((0, 64), (192, 256))
+    assert a.which(torch.device("cpu")).tolist() == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="rows"):
+        cal.row_plan(300, 64, [400])

@@ -262,3 +262,9 @@ def test_calibrate_command_fits_a_capture_and_apply_loads_it(tmp_path, capsys):
     assert "no captured call" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["calibrate", str(tmp_path / "missing.safetensors")])
+
+
+def test_calibration_config_cuda_graphs_is_checked():
+    assert pd.CalibrationConfig().cuda_graphs is True
+    with pytest.raises(TypeError, match="cuda_graphs"):
+        pd.CalibrationConfig(cuda_graphs=1)

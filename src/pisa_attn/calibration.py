@@ -27,6 +27,7 @@ centroid exponentials the reference's docstring calls ``α_tj``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -308,49 +309,226 @@ def fit_rules(
     plus the key statistics.
     """
     _check_mode(mode)
-    if not rules or any(not isinstance(r, bool) for r in rules):
+    rules = tuple(dict.fromkeys(_check_rules(rules)))
+    plan = row_plan(q.shape[2], block_size, rows, measured)
+    b, h, _, d = q.shape
+    sums = _fit_sums(*plan.gather(q), plan.which(q.device), k, v, keep_blocks, density=density, rules=rules,
+                     mode=mode, scale=d**-0.5 if scale is None else scale, block_size=block_size)
+    return row_fits(sums, rules, rows=b * len(plan.pos), elems=b * len(plan.pos) * d)
+
+
+def _check_rules(rules) -> tuple[bool, ...]:
+    if not isinstance(rules, (tuple, list)) or not rules or any(not isinstance(r, bool) for r in rules):
         raise ValueError(f"rules must be a non-empty tuple of True/False (covariance-aware or not), got {rules!r}")
+    return tuple(rules)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Where sampled query rows sit: ``pos`` the sorted row positions, ``blocks`` their query blocks
+    (ascending), ``spans`` each block's ``[a, e)`` rows, ``runs`` the rows as ``[a, e)`` runs of
+    consecutive rows inside one block. Host-side only: nothing here touches a device."""
+
+    pos: tuple[int, ...]
+    blocks: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
+    runs: tuple[tuple[int, int], ...]
+
+    def gather(self, q: Tensor) -> tuple[Tensor, Tensor]:
+        """(the rows' whole query blocks ``[B, H, Σ spans, D]``, the rows ``[B, H, R, D]``): views
+        and one concatenation each, no index tensor copied to the device."""
+        return (torch.cat([q[:, :, a:e] for a, e in self.spans], dim=2),
+                torch.cat([q[:, :, a:e] for a, e in self.runs], dim=2))
+
+    def shape_key(self) -> tuple:
+        """What a captured fit depends on: the blocks' lengths and the runs' (block, length), not
+        where they sit."""
+        return tuple(e - a for a, e in self.spans), tuple((self.block_of(a), e - a) for a, e in self.runs)
+
+    def block_of(self, row: int) -> int:
+        """Index into ``blocks`` of the block holding ``row``."""
+        for i, (a, e) in enumerate(self.spans):
+            if a <= row < e:
+                return i
+        raise ValueError(f"row {row} is in none of the sampled blocks")
+
+    def which(self, device) -> Tensor:
+        """``[R]`` long: each row's index into ``blocks`` (the mask row it reads)."""
+        return torch.cat([torch.full((e - a,), self.block_of(a), device=device, dtype=torch.long)
+                          for a, e in self.runs])
+
+
+def row_plan(lq: int, block_size: int, rows=None, measured: tuple[int, int] | None = None) -> RowPlan:
+    """The :class:`RowPlan` of query ``rows`` (None: all) of ``lq`` rows inside ``measured``;
+    ValueError when none is left."""
     bs = block_size
-    b, h, lq, d = q.shape
     lo, hi = (0, lq) if measured is None else measured
     pool = range(lo, hi) if rows is None else torch.as_tensor(rows).reshape(-1).tolist()
     pos = sorted({int(r) for r in pool if lo <= int(r) < hi and 0 <= int(r) < lq})
     if not pos:
         raise ValueError(f"rows {rows!r} hold no query row of [0, {lq}) inside measured={measured!r}")
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scale = d**-0.5 if scale is None else scale
-    dev = q.device
+    # Whole blocks in ascending order: a ragged last block comes last, so the concatenation is
+    # blocks of its own.
+    blocks = tuple(sorted({p // bs for p in pos}))
+    spans = tuple((i * bs, min(lq, (i + 1) * bs)) for i in blocks)
+    return RowPlan(tuple(pos), blocks, spans, tuple(_runs(pos, bs)))
+
+
+SUMS = ("cr", "cc", "rr", "tail_mass")
+"""The rows of :func:`_fit_sums`' result, per rule and query head."""
+
+
+def _fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, keep_blocks: Tensor | None, *,
+              density: float, rules: tuple[bool, ...], mode: str, scale: float, block_size: int) -> Tensor:
+    """The arithmetic of :func:`fit_rules` on gathered rows, device ops only (no host read, no
+    Python branch on values), so that it can be captured as one CUDA graph: ``[len(rules), 4, H]``
+    float64, per rule the sums :data:`SUMS` over batch, rows and channels.
+
+    ``qblocks`` the rows' whole query blocks (their selection), ``qr`` the rows, ``which`` each
+    row's block. ``k``/``v`` are converted to the fit's dtype once, shared by the key statistics,
+    the dense pass and every rule's row terms."""
+    bs = block_size
+    dtype = torch.float64 if qr.dtype == torch.float64 else torch.float32
+    k, v = k.to(dtype), v.to(dtype)
     stats = ref.block_stats(k, v, bs, with_hdev=any(rules))
     nk = stats.kmean.shape[2]
-
-    # The selection of the query blocks the rows belong to (whole blocks in ascending order: a
-    # ragged last block comes last, so the concatenation is blocks of its own).
-    blocks = sorted({p // bs for p in pos})
-    qblocks = torch.cat([q[:, :, i * bs : min(lq, (i + 1) * bs)] for i in blocks], dim=2)
     qmean = ref.block_means(qblocks, bs, dtype)
-    keep = None if keep_blocks is None else keep_blocks.to(dev, non_blocking=True)
+    keep = None if keep_blocks is None else keep_blocks.to(qr.device, non_blocking=True)
     n_sel = spec.num_selected(density, nk)
     # The reference select stage's scores and top-k, as masks (no index-list round trip).
-    sels = {r: ref.select_blocks(ref.selection_scores(qmean, stats.kmean, scale, stats.hdev if r else None), n_sel,
-                                 keep) for r in dict.fromkeys(rules)}  # [B, H, blocks, Nk]
-    # The rows as runs of consecutive rows inside one block: views and fills, no index tensor to
-    # copy to the device (no host synchronisation).
-    runs = _runs(pos, bs)
-    qr = torch.cat([q[:, :, a:e] for a, e in runs], dim=2)  # [B, H, R, D]
-    which = torch.cat([torch.full((e - a,), blocks.index(a // bs), device=dev, dtype=torch.long) for a, e in runs])
-    dense = metrics.dense_pass(qr, k, v, block_size=bs, masks=tuple(sels.values()), scale=scale, row_blocks=which)
-    r = len(pos)
-    out = {}
-    for (rule, sel), tail in zip(sels.items(), dense.tail_mass):
-        o0, corr, _ = ref.row_terms(qr, k, v, stats, sel.index_select(2, which), mode=mode, scale=scale,
-                                    block_size=bs)
-        res = dense.out.double() - o0.double()
+    sels = [ref.select_blocks(ref.selection_scores(qmean, stats.kmean, scale, stats.hdev if r else None), n_sel, keep)
+            for r in rules]  # [B, H, blocks, Nk]
+    dense = metrics.dense_pass(qr, k, v, block_size=bs, masks=tuple(sels), scale=scale, row_blocks=which)
+    d_out = dense.out.double()
+    dims = (0, 2, 3)
+    out = []
+    for sel, tail in zip(sels, dense.tail_mass):
+        o0, corr, _ = ref.row_terms(qr, k, v, stats, sel.index_select(2, which), mode=mode, scale=scale, block_size=bs)
+        res = d_out - o0.double()
         c = corr.double()
-        dims = (0, 2, 3)
-        n = torch.full((h,), float(b * r * d), dtype=torch.float64, device=dev)
-        st = AlphaStats((c * res).sum(dims), (c * c).sum(dims), (res * res).sum(dims), n)
-        out[rule] = RowFit(st, tail.double().sum(dim=(0, 2)), b * r)
-    return out
+        out.append(torch.stack(((c * res).sum(dims), (c * c).sum(dims), (res * res).sum(dims),
+                                tail.double().sum(dim=(0, 2)))))
+    return torch.stack(out)
+
+
+def row_fits(sums: Tensor, rules: tuple[bool, ...], *, rows: int, elems: int) -> dict[bool, RowFit]:
+    """``{rule: RowFit}`` from :func:`_fit_sums`' stacked sums (pooled by adding them) over
+    ``rows`` rows (batch rows included) of ``elems`` elements (rows x channels)."""
+    n = torch.full((sums.shape[-1],), float(elems), dtype=torch.float64, device=sums.device)
+    return {r: RowFit(AlphaStats(s[0], s[1], s[2], n), s[3], rows) for r, s in zip(rules, sums.unbind(0))}
+
+
+class FitGraphs:
+    """:func:`fit_rules`' arithmetic for sampled rows, one CUDA graph per call shape, replayed.
+
+    A calibrated layer call is otherwise a couple of hundred small kernels, whose launches cost
+    more than the fit's arithmetic on a GPU. Here a call copies its inputs into the static buffers
+    of its shape's graph (a copy per sampled query block and per run of rows, one each for k, v
+    and the kept blocks) and replays it: a few launches, no host synchronisation. The first call
+    of a shape captures (a side-stream warm-up and a capture, which synchronise once). Graphs are
+    kept per shape, dtype, device, rows layout and settings, the ``max_graphs`` most recent ones
+    (each holds its static inputs; the graphs of a device share one memory pool, which is safe
+    because they run one at a time and each output is added up before the next replay).
+
+    ``capture=False`` runs the same static-buffer path op by op (the CPU, tests, and a call made
+    while ``torch.compile`` traces)."""
+
+    def __init__(self, max_graphs: int = 8):
+        self.max_graphs = max_graphs
+        self._entries: OrderedDict = OrderedDict()
+        self._pools: dict = {}
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._pools.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def sums(self, q: Tensor, k: Tensor, v: Tensor, plan: RowPlan, *, density: float, rules: tuple[bool, ...],
+             mode: str, scale: float, block_size: int, keep_blocks: Tensor | None = None,
+             capture: bool = True) -> Tensor:
+        """:func:`_fit_sums` of ``plan``'s rows of ``q`` ``[B, H, Lq, D]`` against ``k``/``v``: the
+        graph's output buffer ``[len(rules), 4, H]`` (valid until its next replay: add it up or
+        clone it)."""
+        settings = dict(density=density, rules=tuple(rules), mode=mode, scale=scale, block_size=block_size)
+        if torch.compiler.is_compiling():  # traced: plain ops, nothing cached
+            return _fit_sums(*plan.gather(q), plan.which(q.device), k, v, keep_blocks, **settings)
+        capture = capture and q.is_cuda
+        key = (tuple(q.shape[:2]), q.shape[3], q.dtype, tuple(k.shape), k.dtype, tuple(v.shape), v.dtype,
+               None if keep_blocks is None else (tuple(keep_blocks.shape), keep_blocks.dtype), str(q.device),
+               plan.shape_key(), float(density), tuple(rules), mode, float(scale), block_size, capture,
+               torch.is_inference_mode_enabled())
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = _FitEntry(q, k, v, plan, keep_blocks, settings)
+            self._entries[key] = entry
+            while len(self._entries) > self.max_graphs:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        entry.load(q, k, v, plan, keep_blocks)
+        if capture and entry.graph is None:
+            pool = self._pools.setdefault(str(q.device), torch.cuda.graph_pool_handle())
+            entry.capture(pool)
+        return entry.run()
+
+
+class _FitEntry:
+    """Static inputs of one call shape's fit, and its captured graph once there is one."""
+
+    def __init__(self, q, k, v, plan: RowPlan, keep, settings: dict):
+        b, h, _, d = q.shape
+        rows = sum(e - a for a, e in plan.runs)
+        span = sum(e - a for a, e in plan.spans)
+        self.qblocks = q.new_empty(b, h, span, d)
+        self.qr = q.new_empty(b, h, rows, d)
+        self.k = torch.empty_like(k, memory_format=torch.contiguous_format)
+        self.v = torch.empty_like(v, memory_format=torch.contiguous_format)
+        self.keep = None if keep is None else torch.empty_like(keep, device=q.device)
+        self.which = plan.which(q.device)
+        self.settings = settings
+        self.graph = None
+        self.out = None
+
+    def load(self, q, k, v, plan: RowPlan, keep) -> None:
+        _fill(self.qblocks, q, plan.spans)
+        _fill(self.qr, q, plan.runs)
+        self.k.copy_(k, non_blocking=True)
+        self.v.copy_(v, non_blocking=True)
+        if keep is not None:
+            self.keep.copy_(keep, non_blocking=True)
+
+    def _fit(self) -> Tensor:
+        return _fit_sums(self.qblocks, self.qr, self.which, self.k, self.v, self.keep, **self.settings)
+
+    def capture(self, pool) -> None:
+        # A warm-up on a side stream before capturing (CUDA graph rules: lazy initialisation,
+        # the allocator's first blocks), then the capture.
+        dev = self.qr.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._fit()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.out = self._fit()
+        self.graph = graph
+
+    def run(self) -> Tensor:
+        if self.graph is None:
+            return self._fit()
+        self.graph.replay()
+        return self.out
+
+
+def _fill(dst: Tensor, src: Tensor, spans) -> None:
+    """Copy ``src``'s row ``spans`` (along dim 2) one after another into ``dst``."""
+    at = 0
+    for a, e in spans:
+        dst[:, :, at : at + e - a].copy_(src[:, :, a:e], non_blocking=True)
+        at += e - a
 
 
 def choose_rules(fits: dict[str, dict[int, dict[bool, RowFit]]], *, over: str = "head", default: float = 1.0,

@@ -73,8 +73,8 @@ def block_counts(length: int, block_size: int, device=None, dtype=torch.float32)
     """Tokens per block ``n_j``: ``[N]``, ``block_size`` everywhere but a ragged last block."""
     n = num_blocks(length, block_size)
     counts = torch.full((n,), float(block_size), dtype=dtype, device=device)
-    if n:
-        counts[-1] = length - (n - 1) * block_size
+    if n:  # fill_, not item assignment (a host copy): CUDA-graph capturable
+        counts[-1:].fill_(length - (n - 1) * block_size)
     return counts
 
 

@@ -16,9 +16,11 @@ there is).
 Cost per calibrated call: the key statistics (``O(Lk·D²)`` per head, as PISA's prepare, plus the
 covariance deviations) and a few passes over ``rows x Lk`` score matrices (one dense, one per
 rule), against the call's ``O(Lq·Lk·D)`` dense attention, with no value read back to the host.
-The fixed part is a count of small operations (CPU, 1024 tokens, 32 rows: 118 non-view aten ops
-with one rule, 204 choosing the rule; ``benchmarks/calibration_cost.py --count-ops``), which on a
-GPU is launch time: ``benchmarks/calibration_cost.py`` times it per warm-up step.
+On CUDA the fit of each call shape is captured once as a CUDA graph
+(:class:`pisa_attn.calibration.FitGraphs`, shared by the process: :data:`GRAPHS`) and replayed: 7-8
+launches per call instead of about 200, the same sums bit for bit. What is left is the fit's own
+device time (H100, bf16, 32 rows, both rules: 9.0 ms per Wan2.1-1.3B 480p call, 2.4 ms per FLUX.1
+1024² call; ``benchmarks/calibration_cost.py``, ``benchmarks/results/h100_calibration_cost.json``).
 """
 
 from __future__ import annotations
@@ -45,12 +47,16 @@ class CalibrationConfig:
     seed: the sampling's seed.
     choose_selection: also choose each layer's selection rule (top-k or covariance-aware), the
     one whose fitted weights leave the smaller squared error on the sampled rows; both are fitted
-    from one dense pass of the rows (:func:`pisa_attn.calibration.fit_rules`)."""
+    from one dense pass of the rows (:func:`pisa_attn.calibration.fit_rules`).
+    cuda_graphs: on CUDA, run each call shape's fit as one captured CUDA graph
+    (:class:`pisa_attn.calibration.FitGraphs`; the same arithmetic, a few launches per call instead
+    of a couple of hundred); False runs it op by op."""
 
     rows: int = 32
     fit: str = "head"
     seed: int = 0
     choose_selection: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         n = self.rows
@@ -62,9 +68,15 @@ class CalibrationConfig:
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
         if not isinstance(self.choose_selection, bool):
             raise TypeError(f"choose_selection must be True or False, got {self.choose_selection!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
 
 
 CHUNK = 16
+
+GRAPHS = cal.FitGraphs()
+"""The captured fits of this process (per call shape; shared by every calibrated model, so a new
+``apply_pisa`` or generation of the same shapes captures nothing)."""
 
 
 def sample_rows(rng: random.Random, lo: int, hi: int, block_size: int, rows: int) -> list[int]:
@@ -100,7 +112,9 @@ class Calibrator:
         self.schedule = schedule
         self.default = float(default)
         self.rng = random.Random(config.seed)
-        self.fits: dict[int, dict[bool, cal.RowFit]] = {}  # layer -> selection rule -> pooled fit
+        # layer -> [rules, 4, H] running sums (cal.SUMS) on the device, rows, elements
+        self._sums: dict[int, list] = {}
+        self._rules: tuple[bool, ...] = ()
         self.settings: dict = {}
         self.frozen: dict[int, Tensor] | None = None
         self.frozen_rules: dict[int, bool] | None = None
@@ -118,7 +132,7 @@ class Calibrator:
 
     def reset(self) -> None:
         """A new generation: forget the fits and the frozen weights."""
-        self.fits.clear()
+        self._sums.clear()
         self.frozen = None
         self.frozen_rules = None
         self.calls = 0
@@ -146,14 +160,28 @@ class Calibrator:
         # An all-False mask selects as None does: no device read to find out.
         keep = None if call.keep_blocks is None else call.keep_blocks[: spec.num_blocks(n, bs)]
         rules = (False, True) if self.config.choose_selection else (bool(call.covariance_aware),)
-        fit = cal.fit_rules(call.q[b : b + 1, :, start:hi], call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n],
-                            density=call.density, rows=rows, measured=(lo - start, hi - start), block_size=bs,
-                            mode=call.mode, rules=rules, scale=call.scale, keep_blocks=keep)
+        q = call.q[b : b + 1, :, start:hi]
+        plan = cal.row_plan(q.shape[2], bs, rows, (lo - start, hi - start))
+        sums = GRAPHS.sums(q, call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n], plan, density=call.density,
+                           rules=rules, mode=call.mode, scale=call.scale, block_size=bs, keep_blocks=keep,
+                           capture=self.config.cuda_graphs)
         self.calls += 1
         self.settings = {"density": call.density, "mode": call.mode, "covariance_aware": call.covariance_aware,
                          "block_size": bs}
-        prev = self.fits.get(call.layer)
-        self.fits[call.layer] = fit if prev is None else {r: prev[r] + fit[r] for r in fit}
+        self._rules = rules
+        r = len(plan.pos)
+        prev = self._sums.get(call.layer)
+        if prev is None:
+            self._sums[call.layer] = [sums.clone(), r, r * q.shape[3]]  # the graph's buffer is reused
+        else:
+            prev[0].add_(sums)
+            prev[1] += r
+            prev[2] += r * q.shape[3]
+
+    @property
+    def fits(self) -> dict[int, dict[bool, cal.RowFit]]:
+        """``{layer: {selection rule: pooled RowFit}}`` of this generation's calibrated calls."""
+        return {layer: cal.row_fits(s, self._rules, rows=r, elems=e) for layer, (s, r, e) in self._sums.items()}
 
     def freeze(self) -> dict[int, Tensor]:
         """The weights of this generation (fitted now on the first call, then kept): ``{layer:
