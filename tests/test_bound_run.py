@@ -111,3 +111,32 @@ def test_interpreter_runs_are_never_recorded():
     for _ in range(4):
         run(p, q, k, v)
     assert not _programs(p) and False in p.programs.values()
+
+
+def test_replayed_selection_and_lse_are_returned_as_the_checked_path_returns_them():
+    s = PisaSettings(backend="triton")
+    q, k, v = _qkv()
+    with fake_kernels():
+        p = plan(q, k, s)
+        for _ in range(3):
+            out, lse, sel = run(p, q, k, v, return_lse=True, return_selection=True)
+        assert len(_programs(p)) == 1
+        ws_sel = p.workspace.selection.sel
+        # a copy of the workspace's selection, and a fresh lse per call (not the workspace's)
+        assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(sel, ws_sel))
+        assert lse.shape == (1, 2, 256) and lse.data_ptr() != p.workspace.lse.data_ptr()
+        out2, lse2 = run(p, q, k, v, return_lse=True)
+        assert lse2.data_ptr() != lse.data_ptr()  # lse is still referenced: a new one
+
+
+def test_programs_per_plan_are_bounded(monkeypatch):
+    monkeypatch.setattr(attention, "_PROGRAM_LIMIT", 4)
+    s = PisaSettings(backend="triton")
+    q, k, v = _qkv()
+    with fake_kernels():
+        p = plan(q, k, s)
+        for i in range(12):  # 12 signatures: other output strides each time
+            out = torch.empty(1, 2, 256, 64 + 8 * i, dtype=torch.bfloat16)[..., :64]
+            for _ in range(2):
+                run(p, q, k, v, out=out)
+            assert len(p.programs) <= 4

@@ -7,6 +7,12 @@ the ones planned for (shapes, dtypes, device) and issues prepare -> select -> at
 backend (:mod:`pisa_attn.ops.stages`) into that workspace: no allocation but the output, no host
 synchronisation. :func:`pisa_attention` is settings (cached by its keyword arguments) -> a cached
 plan -> run.
+
+The hot path: the first checked run of a call signature (shapes, dtypes, devices and strides of
+the tensors, which outputs are given or returned) on the kernel backends is recorded, and later
+runs with that signature replay its launches with the call's pointers swapped in
+(:mod:`pisa_attn.ops.bound`): one tuple lookup, the output's allocation and the launches. A
+signature that does not match the plan never finds a recording, so it meets the checks.
 """
 
 from __future__ import annotations
@@ -442,6 +448,7 @@ def _weights_or_none(p: PisaPlan, alpha) -> Tensor | None:
 
 
 _RECORD_TRIES = 3  # recordings refused for one call signature before it stays on the checked path
+_PROGRAM_LIMIT = 64  # programs (and refusal counts) kept per plan
 
 
 def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool):
@@ -453,6 +460,8 @@ def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool):
     q, k, v (and of ``out``/``lse`` when given), whether an lse is returned, and whether the
     weights are the plan's. A run whose tensors do not match the plan never finds a program here
     (programs are stored only after a checked run), so it reaches the checks."""
+    if torch.compiler.is_compiling():
+        return None  # one registered op in a graph (see _run); no data pointers while tracing
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                q.stride(), k.stride(), v.stride(), None if out is None else (out.shape, out.dtype, out.device,
@@ -465,9 +474,9 @@ def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool):
     except (AttributeError, TypeError):
         return None  # not tensors: the checks say so
     prog = p.programs.get(key)
-    if prog is None or prog is False or not aligned or torch.compiler.is_compiling() or (
+    if prog is None or prog is False or not aligned or (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        if prog is None and aligned and not torch.compiler.is_compiling():
+        if prog is None and aligned:
             return _record(p, key, q, k, v, out, lse, weights, want_lse)
         return None
     return prog(q, k, v, out, lse, weights)
@@ -477,7 +486,9 @@ def _record(p: PisaPlan, key, q, k, v, out, lse, weights, want_lse):
     """Run checked, recording the launches; store the program when they can be replayed."""
     from .ops import bound
 
-    if isinstance(p.programs.get(("tries", key)), int) and p.programs[("tries", key)] >= _RECORD_TRIES:
+    if len(p.programs) >= _PROGRAM_LIMIT:  # many call signatures (strides) on one plan: start over
+        p.programs.clear()
+    if p.programs.get(("tries", key), 0) >= _RECORD_TRIES:
         p.programs[key] = False
         return None
     lay = p.layout
