@@ -7,13 +7,19 @@ the ones planned for (shapes, dtypes, device) and issues prepare -> select -> at
 backend (:mod:`pisa_attn.ops.stages`) into that workspace: no allocation but the output, no host
 synchronisation. :func:`pisa_attention` is settings (cached by its keyword arguments) -> a cached
 plan -> run.
+
+The hot path: the first checked run of a call signature (shapes, dtypes, devices and strides of
+the tensors, which outputs are given or returned) on the kernel backends is recorded, and later
+runs with that signature replay its launches with the call's pointers swapped in
+(:mod:`pisa_attn.ops.bound`): one tuple lookup, the output's allocation and the launches. A
+signature that does not match the plan never finds a recording, so it meets the checks.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -234,6 +240,8 @@ class PisaPlan:
     width: int = 1  # static width of the selection's index list: n_select + max_keep, at most Nk
     alpha: Tensor | None = None  # [H] weights of the first-order term from the settings (None: no such term)
     workspace: object = None  # the backend's buffers (None: the backend allocates per call)
+    # recorded runs (pisa_attn.ops.bound), by the call's strides and outputs; see _bound_run
+    programs: dict = field(default_factory=dict, repr=False)
 
     @property
     def layout(self) -> str:
@@ -386,6 +394,16 @@ def run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor | None = No
     """
     if not isinstance(p, PisaPlan):
         raise TypeError(f"plan must be a PisaPlan (from pisa_attn.plan), got {type(p).__name__}")
+    if keep_blocks is None and selection is None and p.workspace is not None:
+        weights = _weights_or_none(p, alpha) if alpha is not None else p.alpha
+        if weights is not None or (alpha is None and p.mode not in spec.FIRST_ORDER_MODES):
+            res = _bound_run(p, q, k, v, out, lse, weights, return_lse)
+            if res is not None:
+                o, l_, sel = res
+                if not (return_lse or return_selection):
+                    return o
+                return (o,) + ((l_,) if return_lse else ()) + (
+                    (Selection(*(x.clone() for x in sel)),) if return_selection else ())
     for name, x, shape in (("q", q, p.q_shape), ("k", k, p.kv_shape), ("v", v, p.kv_shape)):
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -419,6 +437,140 @@ def run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor | None = No
         return o
     res = (o,) + ((l_,) if return_lse else ()) + ((Selection(*(x.clone() for x in sel)),) if return_selection else ())
     return res
+
+
+def _weights_or_none(p: PisaPlan, alpha) -> Tensor | None:
+    """A per-call ``alpha`` resolved, or None when it is bad input (the checked path says why)."""
+    try:
+        return _weights(p, alpha)
+    except (TypeError, ValueError):
+        return None
+
+
+_RECORD_TRIES = 3  # recordings refused for one call signature before it stays on the checked path
+_PROGRAM_LIMIT = 64  # programs (and refusal counts) kept per plan
+
+
+def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool):
+    """The hot path of a planned run: ``(out, lse, selection)`` in the plan's layout from the
+    launches recorded for this call signature (:mod:`pisa_attn.ops.bound`), or None when the call
+    goes the checked way (first calls, tracing, grad, unaligned or mismatching tensors).
+
+    The signature is the tuple of what decides the launches: shapes, dtypes, devices, strides of
+    q, k, v (and of ``out``/``lse`` when given), whether an lse is returned, and whether the
+    weights are the plan's. A run whose tensors do not match the plan never finds a program here
+    (programs are stored only after a checked run), so it reaches the checks."""
+    if torch.compiler.is_compiling():
+        return None  # one registered op in a graph (see _run); no data pointers while tracing
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               q.stride(), k.stride(), v.stride(), None if out is None else (out.shape, out.dtype, out.device,
+                                                                              out.stride()),
+               None if lse is None else (lse.shape, lse.dtype, lse.device, lse.stride()), want_lse,
+               weights is p.alpha)
+        # the kernels are specialised on 16-byte alignment: a program serves aligned pointers only
+        aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | (0 if out is None else out.data_ptr())
+                        | (0 if lse is None else lse.data_ptr()) | (0 if weights is None else weights.data_ptr())) & 15)
+    except (AttributeError, TypeError):
+        return None  # not tensors: the checks say so
+    prog = p.programs.get(key)
+    if prog is None or prog is False or not aligned or (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        if prog is None and aligned:
+            return _record(p, key, q, k, v, out, lse, weights, want_lse)
+        return None
+    return prog(q, k, v, out, lse, weights)
+
+
+def _record(p: PisaPlan, key, q, k, v, out, lse, weights, want_lse):
+    """Run checked, recording the launches; store the program when they can be replayed."""
+    from .ops import bound
+
+    if len(p.programs) >= _PROGRAM_LIMIT:  # many call signatures (strides) on one plan: start over
+        p.programs.clear()
+    if p.programs.get(("tries", key), 0) >= _RECORD_TRIES:
+        p.programs[key] = False
+        return None
+    lay = p.layout
+    try:
+        _check_run(p, q, k, v, out, lse)
+    except (TypeError, ValueError):
+        return None  # the checked path raises
+    _check_inference_only(p.backend, (q, k, v, weights))
+    be = _BACKENDS.get(p.backend) or get_backend(p.backend)
+    qh, kh, vh = (x if lay == "bhsd" else x.transpose(1, 2) for x in (q, k, v))
+    alpha_t = weights if weights is not None else tail_weight.ones(p.heads, p.device)
+    # The output (and a returned lse) are allocated here, so that they are the call's tensors
+    # in the recording, exactly as the stages would allocate them.
+    from .ops.triton.attention import _alloc_like_layout
+
+    o_h = _alloc_like_layout(qh) if out is None else (out if lay == "bhsd" else out.transpose(1, 2))
+    l_in = lse if lse is not None else (torch.empty(p.batch, p.heads, p.q_len, device=p.device, dtype=torch.float32)
+                                        if want_lse else None)
+    (o, l_, sel), rec = bound.record(run_planned, be, qh, kh, vh, p, p.workspace, alpha=alpha_t, out=o_h, lse=l_in,
+                                     want_lse=want_lse)
+    o = o if lay == "bhsd" else o.transpose(1, 2)
+    prog = None
+    if rec.ok and o.data_ptr() == o_h.data_ptr() and (l_in is None or l_.data_ptr() == l_in.data_ptr()):
+        replay = bound.bind(rec.launches, (qh, kh, vh, o_h, alpha_t, l_in),
+                            bound.tensors_of(p.workspace) + ([l_] if l_in is None else []))
+        if replay is not None:
+            prog = _Program(p, replay, o, l_ if l_in is None else None, sel, out is None, want_lse and lse is None,
+                            weights is None)
+    if prog is None:
+        tries = p.programs.get(("tries", key), 0) + 1
+        p.programs[("tries", key)] = tries
+    else:
+        p.programs[key] = prog
+    return o, l_, sel
+
+
+class _Program:
+    """One recorded run of a plan: allocates what the call returns new, swaps the call's
+    pointers into the bound launches (:func:`pisa_attn.ops.bound.bind`)."""
+
+    __slots__ = ("replay", "out_shape", "out_t", "dtype", "device", "index", "lse", "lse_shape", "sel",
+                 "new_out", "new_lse", "ones")
+
+    def __init__(self, p: PisaPlan, replay, o: Tensor, ws_lse, sel, new_out: bool, new_lse: bool, ones: bool):
+        self.replay = replay
+        # the output as allocated: its physical shape, and whether the caller's view is its transpose
+        self.out_t = o.stride(1) < o.stride(2)
+        self.out_shape = tuple(o.transpose(1, 2).shape) if self.out_t else tuple(o.shape)
+        self.dtype, self.device = p.dtype, p.device
+        self.index = None if p.device.type != "cuda" else (
+            p.device.index if p.device.index is not None else torch.cuda.current_device())
+        self.lse, self.lse_shape = ws_lse, (p.batch, p.heads, p.q_len)
+        self.sel, self.new_out, self.new_lse = sel, new_out, new_lse
+        self.ones = tail_weight.ones(p.heads, p.device) if ones else None
+
+    def __call__(self, q, k, v, out, lse, weights):
+        if out is None:
+            raw = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+            out = raw.transpose(1, 2) if self.out_t else raw
+        if lse is None:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if self.new_lse else self.lse
+        stream = torch._C._cuda_getCurrentRawStream(self.index) if self.index is not None else 0
+        self.replay(stream, q, k, v, out, self.ones if weights is None else weights, lse)
+        return out, lse, self.sel
+
+
+def _check_run(p: PisaPlan, q, k, v, out, lse) -> None:
+    """The checks of a run's tensors against its plan (ValueError/TypeError naming the argument)."""
+    for name, x, shape in (("q", q, p.q_shape), ("k", k, p.kv_shape), ("v", v, p.kv_shape)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, the plan was made for {shape} "
+                             f"(layout {p.layout!r}): make a plan for this shape")
+        if x.dtype != p.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype}, the plan was made for {p.dtype}")
+        if x.device != p.device:
+            raise ValueError(f"{name} is on {x.device}, the plan was made for {p.device}")
+    if out is not None:
+        _check_out("out", out, p.q_shape, p.dtype, p.device)
+    if lse is not None:
+        _check_out("lse", lse, (p.batch, p.heads, p.q_len), torch.float32, p.device)
 
 
 def _weights(p: PisaPlan, alpha) -> Tensor | None:
@@ -610,6 +762,10 @@ def pisa_attention(
                 _PLANS[pkey] = p
     weights = _weights(p, alpha)
     _check_inference_only(p.backend, (q, k, v, weights))
+    if keep_blocks is None and p.workspace is not None:
+        res = _bound_run(p, q, k, v, None, None, weights, return_lse)
+        if res is not None:
+            return (res[0], res[1]) if return_lse else res[0]
     lay = settings.layout
     qh, kh, vh = (x if lay == "bhsd" else x.transpose(1, 2) for x in (q, k, v))
     out, lse, _ = _run(p, qh, kh, vh, None, None, keep_blocks, weights, None, return_lse)

@@ -6,9 +6,9 @@ backend and mode, cuDNN SDPA in the same run, and the cProfile of ``run`` and ``
 
     PYTHONPATH=src python3 tests/gpu/host_profile.py [--length 4096] [--out OUT]
 
-Without a GPU (``--proxy``, or no CUDA): the same calls on ``meta`` tensors with every kernel
-launch stubbed out, counting the aten ops and Python function calls per call (the host work that
-is ours, not the launches'; meta ops dispatch through Python, so the µs are an upper bound):
+Without a GPU (``--proxy``, or no CUDA): ``run`` and ``pisa_attention`` on CPU tensors with the
+kernels faked (each launcher's C entry point replaced by a logger), counting Python function
+calls, launches and aten ops per call: the host work that is ours, not the driver's:
 
     PYTHONPATH=src python3 tests/gpu/host_profile.py --proxy
 """
@@ -79,21 +79,41 @@ def gpu(length: int, out_dir: str):
     import triton
 
     res["triton"] = triton.__version__
+    import pisa_attn.attention as attention
+
     for backend in ("hopper", "triton"):
-        for mode in ("hybrid", "drop"):
-            s = PisaSettings(density=0.125, mode=mode, backend=backend)
+        for case, mode, cov in (("topk", "hybrid", False), ("cov", "hybrid", True), ("drop", "drop", False)):
+            s = PisaSettings(density=0.125, mode=mode, backend=backend, covariance_aware=cov)
             p = plan(q, k, s)
             out = torch.empty_like(q)
             calls = {
                 "run": lambda: run(p, q, k, v),
                 "run_out": lambda: run(p, q, k, v, out=out),
-                "pisa_attention": lambda: pisa_attention(q, k, v, density=0.125, mode=mode, backend=backend),
+                "pisa_attention_settings": lambda: pisa_attention(q, k, v, settings=s),
+                "pisa_attention": lambda: pisa_attention(q, k, v, density=0.125, mode=mode, backend=backend,
+                                                         covariance_aware=cov),
             }
             for name, fn in calls.items():
                 host, wall = host_us(fn)
-                res[f"{backend}_{mode}_{name}"] = dict(host_us=host, wall_us=wall)
-                print(f"{backend:6s} {mode:6s} {name:14s} L={length}: host {host:7.1f} us/call, wall {wall:7.1f} "
+                res[f"{backend}_{case}_{name}"] = dict(host_us=host, wall_us=wall)
+                print(f"{backend:6s} {case:5s} {name:24s} L={length}: host {host:7.1f} us/call, wall {wall:7.1f} "
                       f"us/call", flush=True)
+            # the replayed launches against the checked path: the same bits
+            fast = run(p, q, k, v, return_lse=True)
+            bound_run, attention._bound_run = attention._bound_run, lambda *a, **kw: None
+            try:
+                slow = run(p, q, k, v, return_lse=True)
+            finally:
+                attention._bound_run = bound_run
+            torch.cuda.synchronize()
+            same = bool(torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1]))
+            progs = [x for x in p.programs.values() if isinstance(x, attention._Program)]
+            res[f"{backend}_{case}_replay_bit_identical"] = same
+            res[f"{backend}_{case}_programs"] = len(progs)
+            print(f"{backend} {case}: replay bit-identical to the checked path: {same}; {len(progs)} programs",
+                  flush=True)
+            if backend == "hopper" and case == "topk" and progs:
+                print(progs[0].replay.source, flush=True)
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
     host, wall = host_us(sdpa)
     res["sdpa"] = dict(host_us=host, wall_us=wall)
@@ -111,30 +131,34 @@ def gpu(length: int, out_dir: str):
 
 
 def proxy(length: int):
-    """The host path without a GPU: meta tensors, kernel launches stubbed out."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # lets the Triton backend be planned for non-CUDA tensors
+    """The host path without a GPU: CPU tensors, kernels faked (tests/fake_launch.py: every launch
+    goes through its launcher, recorded runs replay, nothing runs on a device)."""
+    import sys
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # lets the Triton backend be planned for CPU tensors
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from fake_launch import fake_kernels
+
     from pisa_attn import PisaSettings, pisa_attention, plan, run
-    from pisa_attn.ops import launch
-    from pisa_attn.ops.triton import attention as tattn
 
-    class NoKernel:
-        def __getitem__(self, grid):
-            return lambda *a, **k: None
-
-    launch.Launcher.__call__ = lambda self, *a, **k: None
-    tattn._attn_kernel = NoKernel()
-    q, k, v = (torch.empty(2, 16, length, 128, dtype=torch.bfloat16, device="meta") for _ in range(3))
-    p = plan(q, k, PisaSettings(backend="triton"))
-    for name, fn in (("run", lambda: run(p, q, k, v)),
-                     ("pisa_attention", lambda: pisa_attention(q, k, v, backend="triton"))):
-        fn()
-        ops = aten_ops(fn)
-        host, _ = host_us(fn, n=500, sync=False)
-        text, n_calls = profile(fn)
-        allocs = [o for o in ops if "empty" in o or "zeros" in o or "full" in o]
-        print(f"{name}: {n_calls} Python function calls, {len(ops)} aten ops ({len(allocs)} allocations: "
-              f"{allocs}), {host:.1f} us/call on meta tensors (CPU, launches stubbed)")
-        print(text[:3000])
+    q, k, v = (torch.randn(2, 16, length, 128).to(torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    with fake_kernels() as log:
+        for cov in (False, True):
+            s = PisaSettings(backend="triton", covariance_aware=cov)
+            p = plan(q, k, s)
+            for name, fn in (("run", lambda: run(p, q, k, v)), ("run_out", lambda: run(p, q, k, v, out=out)),
+                             ("pisa_attention", lambda: pisa_attention(q, k, v, settings=s))):
+                for _ in range(3):
+                    fn()  # compile (faked), record, replay
+                del log[:]
+                ops = aten_ops(fn)
+                launches = len(log)
+                host, _ = host_us(fn, n=2000, sync=False)
+                text, n_calls = profile(fn)
+                print(f"{'cov' if cov else 'topk'} {name}: {n_calls} Python function calls, {launches} launches, "
+                      f"{len(ops)} aten ops {ops}, {host:.1f} us/call (CPU, kernels faked)")
+        print(text[:2500])
 
 
 def main():

@@ -12,6 +12,7 @@ the TMA descriptor from those on every call, so only the first call needs a full
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import NamedTuple
 
@@ -44,15 +45,21 @@ class Launcher:
         self._names = [p.name for p in params]
         self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
-    def __contains__(self, key) -> bool:
-        return key in self._cache
+    def cached(self, key, args: tuple) -> bool:
+        """Whether a launch of ``key`` with ``args`` finds its compiled kernel."""
+        return _full_key(key, args) in self._cache
 
     def __call__(self, key, grid, args: tuple, constexprs: dict, *, full_args=None, **options):
         """Launch on ``grid`` (1 to 3 ints) on the current stream of ``args[0]``'s device. ``args``
         are the runtime arguments in order (``Desc`` for tensor descriptors); ``full_args``, if
         given, replaces them on the first (compiling) call -- e.g. with ``TensorDescriptor``s."""
+        # A compiled kernel is specialised on its pointers' element types: they are part of the key
+        # whatever the caller's key says (an fp32 partial output and a bf16 one are two kernels).
+        key = _full_key(key, args)
         hit = None if interpreting() else self._cache.get(key)
         if hit is None:
+            if _RECORDER is not None:
+                _RECORDER.refuse(f"{getattr(self.fn, '__name__', 'a kernel')} launched without a cached kernel")
             kernel = self.fn[grid](*(full_args if full_args is not None else args), **constexprs, **options)
             if not interpreting() and hasattr(kernel, "__getitem__"):
                 self._cache[key] = self._entry(kernel, constexprs, len(args))
@@ -60,8 +67,8 @@ class Launcher:
         run, function, prefix, tail, _ = hit
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        stream = torch._C._cuda_getCurrentRawStream(args[0].base.device.index if isinstance(args[0], Desc)
-                                                    else args[0].device.index)
+        dev = args[0].base.device if isinstance(args[0], Desc) else args[0].device
+        stream = torch._C._cuda_getCurrentRawStream(dev.index) if dev.type == "cuda" else 0
         try:
             run(grid[0], g1, g2, stream, function, *prefix, *args, *tail)
         except TypeError:
@@ -71,8 +78,12 @@ class Launcher:
             # not have launches nothing, and the public path serves this kernel from now on.
             self._cache[key] = hit = self._entry(hit[4], None, 0, direct=False, tail=tail)
             hit[0](grid[0], g1, g2, stream, None, *args, *tail)
+        if _RECORDER is not None:
+            _RECORDER.add(hit, grid, args)
 
-    def _entry(self, kernel, constexprs: dict | None, n_args: int, direct: bool = _DIRECT, tail=None):
+    def _entry(self, kernel, constexprs: dict | None, n_args: int, direct: bool | None = None, tail=None):
+        if direct is None:
+            direct = _DIRECT
         if tail is None:
             tail = tuple(constexprs.get(n, self._defaults.get(n)) for n in self._names[n_args:])
         kernel._init_handles()
@@ -90,6 +101,34 @@ class Launcher:
             kernel[(g0, g1, g2)](*args, stream=stream)
 
         return run, None, (), tail, kernel
+
+
+def _full_key(key, args: tuple) -> tuple:
+    return key, tuple(a.dtype if isinstance(a, torch.Tensor) else a.base.dtype
+                      for a in args if isinstance(a, (torch.Tensor, Desc)))
+
+
+# The recorder of :mod:`pisa_attn.ops.bound` while a planned run is being recorded (else None).
+_RECORDER = None
+
+
+@contextlib.contextmanager
+def recording(rec):
+    """Every cached launch in this block is reported to ``rec.add(entry, grid, args)``; a launch
+    that is not cached (it compiles, or the interpreter runs it) to ``rec.refuse(why)``."""
+    global _RECORDER
+    prev, _RECORDER = _RECORDER, rec
+    try:
+        yield rec
+    finally:
+        _RECORDER = prev
+
+
+def unrecordable(why: str) -> None:
+    """A launch outside the launchers (an autotuner, a kernel called directly): a recorded run
+    could not replay it."""
+    if _RECORDER is not None:
+        _RECORDER.refuse(why)
 
 
 def spec_class(*xs) -> tuple:

@@ -373,7 +373,7 @@ def attention(
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg)
     key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, tuple(x.data_ptr() % 16 == 0 for x in scalars[:6]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
-    full = None if key in _launch else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
+    full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
             full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS)
     return out, lse

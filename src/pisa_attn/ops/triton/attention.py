@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ... import tail_weight
 from ..kernel_constants import LN2, LOG2E, MODE_IDS
-from ..launch import Launcher, spec_class
+from ..launch import Launcher, spec_class, unrecordable
 from ._common import interpreting
 
 LN2_C = tl.constexpr(LN2)
@@ -283,16 +283,20 @@ def attention(
     grid = (nq, b * h)
     if interpreting():
         # small groups: several per row
+        unrecordable("the attention kernel runs under the interpreter")
         _attn_kernel[grid](*args, **meta, **{"C": 16, "num_warps": 4, **(config or {})})
     elif config is not None or os.environ.get("PISA_ATTN_AUTOTUNE", "1") == "0":
         cfg = FIXED_CONFIG if config is None else {"C": 64, "num_warps": 4, "num_stages": 2, **config}
-        _attn_kernel[grid](*args, **meta, **cfg)
+        key = ("fixed", tuple(sorted(cfg.items())), q.dtype, meta["MODE"], meta["EVEN_K"], block_size, d,
+               spec_class(*args[:29]))
+        _launch_attn(key, grid, args, {**meta, **cfg})
     else:
         # Tuned once per shape class by the autotuner; then launched through a Launcher with the
         # chosen config (the autotuner re-binds every argument on each call: tens of µs of host time).
         key = (q.dtype, meta["MODE"], meta["EVEN_K"], block_size, d, args[-2:], spec_class(*args[:29]))
         tuned = _TUNED.get(key)
         if tuned is None:
+            unrecordable("the attention kernel is being autotuned")
             _attn_tuned[grid](*args, **meta)
             best = getattr(_attn_tuned, "best_config", None)
             if best is not None:

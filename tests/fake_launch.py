@@ -1,0 +1,96 @@
+"""Kernel launches without a GPU, for the host path: every Launcher compiles to a fake kernel whose
+C-style entry point only logs what it was launched with (grid and arguments, tensors as data
+pointers), and the Triton attention kernel goes through its Launcher (fixed config). The host
+work -- plan checks, launch binding, recorded replays -- runs exactly as on a GPU; no kernel runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+
+class _Run:
+    """A compiled kernel's launcher as Triton 3.6 has it: a C entry point and its metadata."""
+
+    global_scratch_size = 0
+    profile_scratch_size = 0
+    launch_cooperative_grid = False
+    launch_pdl = False
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def launch(self, g0, g1, g2, stream, function, *rest):
+        self.log.append((self.name, g0, g1, g2, rest))  # cheap: the host path is what is timed
+
+
+def entries(log: list) -> list:
+    """The log as (kernel, grid, arguments), tensors and pointers as ("ptr", address)."""
+    # rest[8:]: after the fixed arguments (cooperative grid ... exit hook)
+    return [(n, (g0, g1, g2), tuple(_norm(a) for a in rest[8:])) for n, g0, g1, g2, rest in log]
+
+
+def _norm(a):
+    if isinstance(a, torch.Tensor):
+        return ("ptr", a.data_ptr())
+    if isinstance(a, int) and not isinstance(a, bool) and a > 1 << 32:
+        return ("ptr", a)  # a pointer passed as an int (a bound launch)
+    return a
+
+
+class _Kernel:
+    def __init__(self, name: str, log: list):
+        self.run = _Run(name, log)
+        self.function = None
+        self.packed_metadata = None
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: None
+
+    def _init_handles(self):
+        pass
+
+
+@contextlib.contextmanager
+def fake_kernels():
+    """Within: launches log into the yielded list instead of running (see the module docstring)."""
+    from pisa_attn.ops import launch
+    from pisa_attn.ops.triton import attention as tattn
+
+    log: list = []
+
+    class FakeFn:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: _Kernel(getattr(self.fn, "__name__", "kernel"), log)
+
+    saved = (launch.interpreting, tattn.interpreting, launch._DIRECT, os.environ.get("PISA_ATTN_AUTOTUNE"))
+    launchers = [x for m in _launcher_modules() for x in vars(m).values() if isinstance(x, launch.Launcher)]
+    fns = {id(x): x.fn for x in launchers}
+    caches = {id(x): x._cache for x in launchers}
+    try:
+        launch.interpreting = tattn.interpreting = lambda: False
+        launch._DIRECT = True
+        os.environ["PISA_ATTN_AUTOTUNE"] = "0"
+        for x in launchers:
+            x.fn, x._cache = FakeFn(fns[id(x)]), {}
+        yield log
+    finally:
+        launch.interpreting, tattn.interpreting, launch._DIRECT = saved[:3]
+        if saved[3] is None:
+            os.environ.pop("PISA_ATTN_AUTOTUNE", None)
+        else:
+            os.environ["PISA_ATTN_AUTOTUNE"] = saved[3]
+        for x in launchers:
+            x.fn, x._cache = fns[id(x)], caches[id(x)]
+
+
+def _launcher_modules():
+    from pisa_attn.ops.triton import attention, pairs, prepare, select
+
+    return (attention, pairs, prepare, select)
