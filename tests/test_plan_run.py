@@ -238,12 +238,12 @@ def test_a_planned_run_allocates_only_the_output(backend, monkeypatch):
     p = plan(q, k, s)
     if backend == "hopper":  # the Hopper backend's host path (its kernel needs sm_90: planned by hand)
         pytest.importorskip("triton.experimental.gluon")
-        from pisa_attn.ops.gluon import attention as gattn
+        from pisa_attn.ops.hopper import attention as gattn
 
         monkeypatch.setattr(gattn, "tma_unsupported_reason", lambda *a: None)
         p = _make_plan(s, q.shape, k.shape, q, k, 0, False)
         object.__setattr__(p, "backend", "hopper")
-        from pisa_attn.ops.gluon import op as gop
+        from pisa_attn.ops.hopper import op as gop
 
         object.__setattr__(p, "workspace", gop.workspace(p, q, k))
     run(p, q, k, v)

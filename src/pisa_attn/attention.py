@@ -151,7 +151,7 @@ def _load_backend(name: str) -> Backend:
         return op.BACKEND
     if name == "hopper":
         try:
-            from .ops.gluon import op
+            from .ops.hopper import op
         except ImportError as e:  # no triton, or a triton without Gluon
             raise ValueError(f"the hopper backend is unavailable: its Gluon kernel cannot be imported ({e})") from None
         return op.BACKEND

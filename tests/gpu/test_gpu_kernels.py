@@ -56,7 +56,7 @@ def qkv(b, h, hk, lq, lk, d, dtype, layout, seed):
 def launcher(backend):
     """The attention launcher of a kernel backend (it takes preallocated, poisoned outputs)."""
     if backend == "hopper":
-        from pisa_attn.ops.gluon import attention as attn
+        from pisa_attn.ops.hopper import attention as attn
     else:
         from pisa_attn.ops.triton import attention as attn
     return attn.attention

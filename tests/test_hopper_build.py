@@ -23,7 +23,7 @@ VARIANTS = {
 }
 SCRIPT = """
 import json, re, sys, torch
-from pisa_attn.ops.gluon.attention import compile_for_sm90
+from pisa_attn.ops.hopper.attention import compile_for_sm90
 res = {}
 for name, (d, mode, even_k, dtype) in json.loads(sys.argv[1]).items():
     k = compile_for_sm90(d, mode, even_k, getattr(torch, dtype))
