@@ -123,13 +123,13 @@ def test_arguments_per_stage():
 
 
 def test_plan_names_every_stage(capsys):
-    assert e2e_main.main(["--plan", "--part", "all"]) == 0
+    assert e2e_main.main(["--estimate", "--part", "all"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in stages.STAGES) and "total" in out
 
 
 def test_device_script_runs_the_package(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--plan", "--stages", "flux"])
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), "--estimate", "--stages", "flux"])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(SCRIPT), run_name="__main__")
     assert e.value.code == 0 and capsys.readouterr().out.startswith("flux ")

@@ -110,7 +110,7 @@ def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_ste
 
 
 @dataclass
-class _Plan:
+class _Install:
     """Everything :func:`apply_pisa` will do to one transformer, checked before anything is done."""
 
     transformer: Any
@@ -161,7 +161,7 @@ def _heads(module) -> int:
     return int(module.heads)
 
 
-def _plan(name: str, transformer, settings: dict, table: at.AlphaTable | None, calibration) -> _Plan:
+def _install_for(name: str, transformer, settings: dict, table: at.AlphaTable | None, calibration) -> _Install:
     adapter = adapter_for(transformer)
     adapter.check(transformer)
     config = _config(adapter, transformer, **settings)
@@ -188,7 +188,7 @@ def _plan(name: str, transformer, settings: dict, table: at.AlphaTable | None, c
             alphas[layer] = torch.tensor(entry.alpha, dtype=torch.float64)
             if entry.covariance_aware is not None:
                 rules[layer] = entry.covariance_aware
-    return _Plan(transformer, adapter, config, modules, alphas, rules, calibration)
+    return _Install(transformer, adapter, config, modules, alphas, rules, calibration)
 
 
 def _check_table_settings(table: at.AlphaTable, config: PisaConfig) -> None:
@@ -334,7 +334,7 @@ def apply_pisa(
     settings = dict(density=density, dense_layers=dense_layers, dense_steps=dense_steps, tile=tile, mode=mode,
                     cov=covariance_aware, block_size=block_size, min_kv_len=min_kv_len, alpha=alpha,
                     query_block=query_block, backend=backend)  # fmt: skip
-    plans = [_plan(name, tr, settings, table, calibration) for name, tr in found]
+    installs = [_install_for(name, tr, settings, table, calibration) for name, tr in found]
 
     saved = [_Saved(tr, _TRANSFORMER_KEYS) for tr in transformers]
     previous = [(pisa_state(tr), tm.get(tr)) for tr in transformers]
@@ -342,14 +342,14 @@ def apply_pisa(
     new: list[PisaState] = []
     tracker = StepTracker()  # shared: Wan2.2's two experts count one sequence of denoising steps
     try:
-        for plan in plans:
-            tr = plan.transformer
+        for inst in installs:
+            tr = inst.transformer
             remove_pisa(tr)
-            state = PisaState(tr, plan.adapter, plan.config, tracker, blocks=plan.blocks, alphas=plan.alphas,
-                              rules=plan.rules)
-            if plan.calibration is not None:
-                default = plan.config.alpha if isinstance(plan.config.alpha, float) else spec.DEFAULT_ALPHA
-                state.calibrator = Calibrator(plan.calibration, plan.config.schedule, default)
+            state = PisaState(tr, inst.adapter, inst.config, tracker, blocks=inst.blocks, alphas=inst.alphas,
+                              rules=inst.rules)
+            if inst.calibration is not None:
+                default = inst.config.alpha if isinstance(inst.config.alpha, float) else spec.DEFAULT_ALPHA
+                state.calibrator = Calibrator(inst.calibration, inst.config.schedule, default)
             new.append(state)
             _install(state)
             if tel is not None:

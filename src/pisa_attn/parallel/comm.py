@@ -88,7 +88,7 @@ class Redistribution:
         return self._on_device[key]
 
     @classmethod
-    def plan(cls, perm: Tensor | None, src: list[int], dst: list[int], rank: int) -> "Redistribution":
+    def build(cls, perm: Tensor | None, src: list[int], dst: list[int], rank: int) -> "Redistribution":
         world = len(src) - 1
         old_len = src[rank + 1] - src[rank]
         if perm is None:

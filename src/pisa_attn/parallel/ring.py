@@ -198,12 +198,12 @@ def _ring_route(perm, q_perm, exact, sh: Shards, block_size: int, query_block: i
     # Query shards start on selection rows (query_block tokens), so each row's pooled mean is whole.
     q_dst = _aligned_bounds(q_src, n_q, query_block, sh.world, q_perm)
     k_dst = _aligned_bounds(k_src, k_src[-1], block_size, sh.world, perm)
-    to_q = Redistribution.plan(q_perm, q_src, q_dst, sh.rank)
+    to_q = Redistribution.build(q_perm, q_src, q_dst, sh.rank)
     same_order = (q_perm is None and perm is None) or (
         q_perm is not None and perm is not None and q_perm.shape == perm.shape and torch.equal(q_perm, perm)
     )
     same = same_order and q_src == k_src and q_dst == k_dst
-    to_k = to_q if same else Redistribution.plan(perm, k_src, k_dst, sh.rank)
+    to_k = to_q if same else Redistribution.build(perm, k_src, k_dst, sh.rank)
     rest = None
     if exact is not None:
         exact = check_permutation(exact, q_src[-1], "exact_queries", subset=True)

@@ -45,7 +45,7 @@ FLUX, all 30 blocks for Wan-1.3B, where compile drift is the question): per-bloc
 so ratios hold and per-forward times are extrapolated (marked ``*``, ``derived.blocks`` in the JSON).
 ``--fraction wan14b=0.5`` is how an eager stage builds fewer blocks when a dense forward is too slow.
 
-Estimated device time on one H100 (``--plan`` prints it for the chosen stages, no GPU needed):
+Estimated device time on one H100 (``--estimate`` prints it for the chosen stages, no GPU needed):
 attention 4 L^2 H D per layer and the GEMMs at 600 TFLOP/s, elementwise work calibrated on
 Wan-1.3B; whole-model compiles a guess of 20 s + 1.5 s per block each, replaced by the first
 measured one (``e2e_estimates``). Budgets (``--budget-s``) are the defaults:
@@ -87,7 +87,7 @@ CPU check of every code path with tiny models of the same classes::
 Writes ``<name>.json`` (default ``bench_e2e``) to ``--out`` (default ``$OUT`` or ``./out``) after
 every step, so a cut run keeps what it measured, and prints a table last.
 
-Modules: :mod:`.stages` (stages, budgets, command line, plan), :mod:`.runner` (stage alarm, clock,
+Modules: :mod:`.stages` (stages, budgets, command line, time estimate), :mod:`.runner` (stage alarm, clock,
 timed calls), :mod:`.backends` (dense / PISA / no-attention variants of a model), :mod:`.measure`
 (attention calls, gathers, eager and compiled forwards), :mod:`.report` (derived numbers, table),
 :mod:`.main` (the run). ``tests/test_bench_e2e.py`` runs every path on the CPU with tiny models.

@@ -17,7 +17,7 @@ from .backends import QuietBackendWarning
 from .measure import compiled_case, eager_case, min_kv_sweep, stage_dtype
 from .report import derive, environment, paper_numbers, table
 from .runner import Stage, StageTimeout, alarm, free, log
-from .stages import DENSE_BACKENDS, STAGES, blocks_info, build_s, parse_args, plan_seconds, stage_cases
+from .stages import DENSE_BACKENDS, STAGES, blocks_info, build_s, estimate_seconds, parse_args, stage_cases
 
 
 def run_stage(name: str, args, device, results: dict, save, run_deadline: float) -> None:
@@ -95,10 +95,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # diffusers warns on every set_attention_backend call, one per forward here.
     logging.getLogger("diffusers.models.modeling_utils").addFilter(QuietBackendWarning())
-    if args.plan:
+    if args.estimate:
         total = 0.0
         for name in args.stage_list:
-            s = plan_seconds(name, args)
+            s = estimate_seconds(name, args)
             total += s
             cases = ", ".join(f"{c.key} {c.blocks}/{f.blocks} blocks" for c, f in stage_cases(name, args))
             print(f"{name:<17} ~{s:5.0f} s (budget {args.budgets[name]:.0f} s): {cases}")
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         "argv": sys.argv[1:] if argv is None else list(argv),
         "settings": {"mode": args.mode, "block_size": args.block_size, "steps": args.steps, "warmup": args.warmup,
                      "compile_backend": args.compile_backend, "dense_backends_tried": DENSE_BACKENDS[device.type]},
-        "plan_s": {n: round(plan_seconds(n, args)) for n in args.stage_list},
+        "estimate_s": {n: round(estimate_seconds(n, args)) for n in args.stage_list},
         "planning": {},  # measured / estimated compile time, once a compile ran
         "stages": [],
     }  # fmt: skip
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         os.replace(tmp, path)
 
     run_deadline = time.monotonic() + args.total_budget_s
-    log(f"stages {', '.join(args.stage_list)}; estimated {results['plan_s']}; run budget {args.total_budget_s:.0f} s")
+    log(f"stages {', '.join(args.stage_list)}; estimated {results['estimate_s']}; run budget {args.total_budget_s:.0f} s")
     for name in args.stage_list:
         run_stage(name, args, device, results, save, run_deadline)
     save()

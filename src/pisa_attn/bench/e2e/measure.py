@@ -184,7 +184,7 @@ def _fmt_ms(d: dict) -> str:
 def eager_case(stage: Stage, case: dc.Case, full: dc.Case, model, rec: dict, args, dense_names) -> None:
     dev, dtype = stage.device, stage_dtype(stage.device)
     x = dc.inputs(case, dev, dtype)
-    plan = est.forward_seconds(case)
+    guess = est.forward_seconds(case)
     n_fwd = args.warmup + 1
     a = probe(stage, case, model, rec, args, dense_names)
     if a is None:
@@ -197,13 +197,13 @@ def eager_case(stage: Stage, case: dc.Case, full: dc.Case, model, rec: dict, arg
         with dense_backend(model, name):
             return stage.measure(forward_fn(model, x), **forward_kw(args))
 
-    r = stage.step(rec, "dense", n_fwd * plan["dense"], lambda: first_dense(a["dense_order"], dense, rec, "dense"))
+    r = stage.step(rec, "dense", n_fwd * guess["dense"], lambda: first_dense(a["dense_order"], dense, rec, "dense"))
     if r is not None:
         best, (fw["dense"], outs["dense"]) = r
-        stage.calibration = fw["dense"]["ms"] / 1e3 / plan["dense"]
+        stage.calibration = fw["dense"]["ms"] / 1e3 / guess["dense"]
     rec["dense_backend"] = best
     cal = stage.calibration
-    pisa_est = cal * (plan["rest"] + plan["attention"] / a["speedup"])
+    pisa_est = cal * (guess["rest"] + guess["attention"] / a["speedup"])
 
     def pisa():
         with dense_backend(model, best), pisa_applied(model, case, args) as state:
@@ -225,7 +225,7 @@ def eager_case(stage: Stage, case: dc.Case, full: dc.Case, model, rec: dict, arg
         with dense_backend(model, best), routed(model, null_backend()), boundary_shapes(model, shapes):
             return stage.measure(forward_fn(model, x), **forward_kw(args))[0]
 
-    m = stage.step(rec, "no_attention", n_fwd * cal * plan["rest"], no_attention)
+    m = stage.step(rec, "no_attention", n_fwd * cal * guess["rest"], no_attention)
     if m is not None:
         fw["no_attention"] = m
 
@@ -233,7 +233,7 @@ def eager_case(stage: Stage, case: dc.Case, full: dc.Case, model, rec: dict, arg
         with dense_backend(model, best), pisa_applied(model, case, args), routed(model, null_backend()):
             return stage.measure(forward_fn(model, x), **forward_kw(args))[0]
 
-    m = stage.step(rec, "no_attention_pisa_hooks", n_fwd * cal * plan["rest"], hooks_only)
+    m = stage.step(rec, "no_attention_pisa_hooks", n_fwd * cal * guess["rest"], hooks_only)
     if m is not None:
         fw["no_attention_pisa_hooks"] = m
     if shapes:
@@ -247,7 +247,7 @@ def compiled_case(stage: Stage, case: dc.Case, full: dc.Case, model, rec: dict, 
 
     dev, dtype = stage.device, stage_dtype(stage.device)
     x = dc.inputs(case, dev, dtype)
-    plan = est.forward_seconds(case)
+    guess = est.forward_seconds(case)
     a = earlier.get(case.key)
     if a is None:
         a = probe(stage, case, model, rec, args, dense_names)
@@ -265,14 +265,14 @@ def compiled_case(stage: Stage, case: dc.Case, full: dc.Case, model, rec: dict, 
         with dense_backend(model, name):
             return stage.timed(forward_fn(model, x))
 
-    r = stage.step(rec, "eager_dense", plan["dense"], lambda: first_dense(order, eager_dense, rec, "eager dense"))
+    r = stage.step(rec, "eager_dense", guess["dense"], lambda: first_dense(order, eager_dense, rec, "eager dense"))
     if r is not None:
         name, (eager["dense"], outs["eager_dense"]) = r
         order.remove(name)
         order.insert(0, name)
-        stage.calibration = eager["dense"] / 1e3 / plan["dense"]
+        stage.calibration = eager["dense"] / 1e3 / guess["dense"]
     cal = stage.calibration
-    pisa_est = cal * (plan["rest"] + plan["attention"] / a["speedup"])
+    pisa_est = cal * (guess["rest"] + guess["attention"] / a["speedup"])
 
     def eager_pisa():
         with dense_backend(model, order[0]), pisa_applied(model, case, args):
@@ -305,7 +305,7 @@ def compiled_case(stage: Stage, case: dc.Case, full: dc.Case, model, rec: dict, 
         "pisa": lambda backend: stacked(dense_backend(model, backend), pisa_applied(model, case, args)),
         "no_attention": lambda backend: stacked(dense_backend(model, backend), routed(model, null_backend())),
     }
-    variants = {"dense": cal * plan["dense"], "pisa": pisa_est, "no_attention": cal * plan["rest"]}
+    variants = {"dense": cal * guess["dense"], "pisa": pisa_est, "no_attention": cal * guess["rest"]}
     for name, fwd_s in variants.items():
         need = est.compile_seconds(case.blocks) * stage.shared.get("compile_scale", 1.0) + 2 * fwd_s
 

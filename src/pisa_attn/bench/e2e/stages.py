@@ -1,5 +1,5 @@
 """The end-to-end benchmark's stages: which cases each one runs, its time budget, the command
-line, and the device-time plan (``--plan``; estimates from :mod:`pisa_attn.bench.e2e_estimates`)."""
+line, and the device-time estimate (``--estimate``; estimates from :mod:`pisa_attn.bench.e2e_estimates`)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--measure-s", type=float, default=2.0, help="timed forwards continue while under this many seconds")
     p.add_argument("--max-iters", type=int, default=5, help="most timed forwards per measurement")
     p.add_argument("--flux-sweep", default=None, help="image-token counts of the min_kv_len attention sweep")
-    p.add_argument("--plan", action="store_true", help="print the stages' estimated device time and exit")
+    p.add_argument("--estimate", action="store_true", help="print the stages' estimated device time and exit")
     p.add_argument("--out", default=os.environ.get("OUT", "./out"))
     p.add_argument("--name", default="bench_e2e", help="JSON file stem")
     args = p.parse_args(argv)
@@ -168,7 +168,7 @@ def probe_s(case: dc.Case, n_dense: int) -> float:
     return 2.0 + 5 * (n_dense + 2) * attention_call_s(case)
 
 
-def plan_seconds(name: str, args) -> float:
+def estimate_seconds(name: str, args) -> float:
     """Estimated seconds of a stage on an H100 (see the module docstring)."""
     _, compiled = STAGES[name]
     total, built = 0.0, None
