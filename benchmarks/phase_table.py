@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from pisa_attn import PisaSettings, pisa_attention, plan, run
+from pisa_attn.bench.kernels import capture_graph
 
 # Kernel name substrings -> phase (first match wins; anything else is "other": memsets, copies).
 PHASES = (
@@ -69,15 +70,7 @@ def eager_times(fn, n: int) -> tuple[float, float]:
 def graph_ms(fn, n: int) -> float | None:
     """Wall ms per replay of ``fn`` captured in a CUDA graph (None when capture fails)."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
+        g = capture_graph(fn, warmup=3)
         g.replay()
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -29,12 +29,22 @@ from triton.testing import do_bench
 
 from pisa_attn import spec
 from pisa_attn.ops import reference as ref
-from pisa_attn.ops.selection import bits_to_mask, idx_to_mask
+from pisa_attn.bench.kernels import capture_graph
+from pisa_attn.ops.selection import bits_to_mask
 from pisa_attn.ops.triton import pairs as PU
 from pisa_attn.ops.triton import prepare as P
 from pisa_attn.ops.triton import select as S
 
 B, H, D, BS, DENSITY = 2, 16, 128, 64, 0.125
+
+
+def idx_to_mask(idx, cnt, n_kv_blocks: int):
+    """The bool ``[B, H, Nq, Nk]`` mask named by the first ``cnt`` entries of ``idx`` (to check the
+    index list against the bitmask, and to compare two selections)."""
+    valid = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None]
+    mask = torch.zeros(*idx.shape[:-1], n_kv_blocks + 1, dtype=torch.bool, device=idx.device)
+    mask.scatter_(-1, torch.where(valid, idx.long(), n_kv_blocks), True)
+    return mask[..., :n_kv_blocks]
 
 
 def ms(fn) -> float:
@@ -43,16 +53,7 @@ def ms(fn) -> float:
 
 def graph_ms(fn) -> float:
     """GPU time of ``fn``'s launches with no host in between: a captured graph's replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return ms(g.replay)
+    return ms(capture_graph(fn, warmup=3).replay)
 
 
 def host_us(fn, n: int = 200) -> float:

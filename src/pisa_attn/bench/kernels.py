@@ -175,20 +175,26 @@ def warm_gpu(seconds: float = 1.0) -> None:
         torch.cuda.synchronize()
 
 
-def graph_ms(fn, rep_ms: float) -> float:
-    """Median time of ``fn`` replayed from a CUDA graph: the GPU time without Python/launch
-    overhead (what a captured or ``torch.compile(mode="reduce-overhead")`` model pays)."""
-    fn()  # compile + autotune before capture
+def capture_graph(fn, warmup: int = 2) -> "torch.cuda.CUDAGraph":
+    """``fn``'s launches captured in a CUDA graph, after ``warmup`` calls on a side stream (kernels
+    compiled and autotuned, caches filled: nothing is allocated or compiled during capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return bench_ms(graph.replay, rep_ms)
+    return graph
+
+
+def graph_ms(fn, rep_ms: float) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph: the GPU time without Python/launch
+    overhead (what a captured or ``torch.compile(mode="reduce-overhead")`` model pays)."""
+    fn()  # compile + autotune before capture
+    return bench_ms(capture_graph(fn).replay, rep_ms)
 
 
 def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float, graphs: bool = False,
