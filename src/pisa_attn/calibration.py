@@ -464,10 +464,12 @@ def _fit_sums_split(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Te
     heads x chunks products instead of batch x heads), shifted by the dense row maximum, which
     bounds every exact and centroid score (a centroid score is a mean of its block's token
     scores), so one exponential serves the dense output and every rule's exact part; the dense
-    numerator and each rule's exact numerator are one stacked product with the values. The
-    products run in float32 with TF32 tensor cores allowed: float16/bfloat16 q and k are exact in
-    TF32 (the scores lose nothing), only the softmax weights are rounded to 2^-11 relative, far
-    below what a least-squares weight over thousands of elements can resolve."""
+    numerator and each rule's exact numerator are one stacked product with the values. On CUDA
+    with float16/bfloat16 inputs both products run on tensor cores in the input dtype with float32
+    results: the scores are exact products of the inputs, and only the softmax weights of the
+    value product are rounded to the input dtype (2^-9 relative for bfloat16, unbiased, averaged
+    over thousands of keys per row; far below what a least-squares weight over the sampled rows
+    resolves). The small products (centroid scores, ``q·H̄``) are float32 with TF32 allowed."""
     bs = block_size
     b, h, r, d = qr.shape
     lk = k.shape[2]
@@ -492,12 +494,15 @@ def _fit_sums_split(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Te
     lp = chunks * chunk
     if padded is None or padded[0].shape[2] != lp:
         padded = (padded_keys(k, lp), padded_keys(v, lp))
-    kx = spec.expand_kv_heads(padded[0], h)
-    vx = spec.expand_kv_heads(padded[1], h)
+    kx = spec.expand_kv_heads(padded[0], h).reshape(b * h * chunks, chunk, d)
+    vx = spec.expand_kv_heads(padded[1], h).reshape(b * h * chunks, chunk, d)
+    # float16/bfloat16 on CUDA: tensor-core products with float32 outputs, no float32 copy of k, v
+    low = qr.is_cuda and qr.dtype in (torch.float16, torch.bfloat16)
     q32 = qr.to(dtype)
     with _tf32():
         # scores [B, H, chunks, R, chunk]; padding keys get -inf
-        s = torch.matmul(q32[:, :, None], kx.to(dtype).reshape(b, h, chunks, chunk, d).transpose(-1, -2)) * scale
+        qc = (qr if low else q32)[:, :, None].expand(b, h, chunks, r, d).reshape(b * h * chunks, r, d)
+        s = _bmm(qc, kx.transpose(1, 2), low, dtype).reshape(b, h, chunks, r, chunk) * scale
         tok = torch.arange(lp, device=qr.device)
         s = s.masked_fill((tok >= lk).reshape(chunks, 1, chunk), float("-inf"))
         m = s.amax(dim=(2, 4), keepdim=True)
@@ -506,8 +511,10 @@ def _fit_sums_split(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Te
         tok_block = torch.clamp(tok // bs, max=nk - 1)
         exact = [sel.index_select(2, which).index_select(-1, tok_block)  # [B, H, R, Lp]
                  .reshape(b, h, r, chunks, chunk).transpose(2, 3) for sel in sels]
-        w = torch.cat([p] + [p * e for e in exact], dim=3)  # [B, H, C, (1 + rules) R, chunk]
-        nums = torch.matmul(w, vx.to(dtype).reshape(b, h, chunks, chunk, d)).sum(2)  # [B, H, (1 + rules) R, D]
+        pw = p.to(qr.dtype) if low else p
+        w = torch.cat([pw] + [pw * e for e in exact], dim=3)  # [B, H, C, (1 + rules) R, chunk]
+        nums = _bmm(w.reshape(b * h * chunks, -1, chunk), vx, low, dtype)
+        nums = nums.reshape(b, h, chunks, -1, d).sum(2)  # [B, H, (1 + rules) R, D]
         m = m.reshape(b, h, r)
         c = torch.matmul(q32, spec.expand_kv_heads(kmean, h).to(dtype).transpose(-1, -2)) * scale - m[..., None]  # [B, H, R, Nk]
         qh = torch.matmul(q32, spec.expand_kv_heads(hbar, h).to(dtype)) * scale  # [B, H, R, D]
@@ -532,6 +539,14 @@ def _fit_sums_split(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Te
         out.append(torch.stack(((cd * res).sum(dims), (cd * cd).sum(dims), (res * res).sum(dims),
                                 tail.double().sum(dim=(0, 2)))))
     return torch.stack(out)
+
+
+def _bmm(a: Tensor, b: Tensor, low: bool, dtype) -> Tensor:
+    """``a @ b`` (3-d) in ``dtype``: float16/bfloat16 operands multiplied as they are with a float32
+    result (``low``), anything else converted to ``dtype`` first."""
+    if low:
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.to(dtype), b.to(dtype))
 
 
 class _tf32:

@@ -19,8 +19,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from pisa_attn import calibration as cal  # noqa: E402
 from pisa_attn.diffusers.calibrate import sample_rows  # noqa: E402
 
-# Weights: |fast − reference| <= ALPHA_TOL · max(1, |reference|) per head (the fit's inputs differ
-# by the kernels' bfloat16 value means and H̄, ~2e-3 relative, and the TF32 softmax weights).
+# Clamped weights (what calibration uses): |fast − reference| <= ALPHA_TOL per head. The fit's inputs
+# differ by the kernels' bfloat16 value means and H̄ (~2e-3 relative) and the bfloat16 softmax
+# weights of the value product; an unclamped weight of a head whose correction barely moves the
+# output is ill-conditioned and only printed.
 ALPHA_TOL = 0.02
 
 
@@ -72,15 +74,21 @@ def test_fast_fit_agrees_with_the_reference_fit(shape):
                          block_size=64, keep_blocks=keep)  # the reference, float64
     errs = {}
     for rule in (False, True):
-        a_got, a_want = got[rule].stats.alpha("head"), want[rule].stats.alpha("head")
-        dev = ((a_got - a_want).abs() / a_want.abs().clamp_min(1.0)).max().item()
-        tm = ((got[rule].tail_mass - want[rule].tail_mass).abs() / want[rule].tail_mass).max().item()
-        print(f"\n{shape[0]} rule cov={rule}: max weight deviation {dev:.2e}, tail mass {tm:.2e}, "
-              f"weights {a_want.min().item():.3f}..{a_want.max().item():.3f}")
-        assert dev <= ALPHA_TOL
-        assert tm <= 1e-2
         st = want[rule].stats
-        errs[rule] = float(st.residual(st.alpha("head", bounds=cal.FIT_BOUNDS)).sum())
+        a_got, a_want = (x.stats.alpha("head", bounds=cal.FIT_BOUNDS) for x in (got[rule], want[rule]))
+        free = [x.stats.alpha("head") for x in (got[rule], want[rule])]
+        dev = (a_got - a_want).abs().max().item()
+        free_dev = ((free[0] - free[1]).abs() / free[1].abs().clamp_min(1.0)).max().item()
+        # what the fast weights cost on the reference's own rows, over the best clamped weights
+        excess = float(st.residual(a_got).sum() / st.residual(a_want).sum()) - 1
+        tm = ((got[rule].tail_mass - want[rule].tail_mass).abs() / want[rule].tail_mass).max().item()
+        print(f"\n{shape[0]} rule cov={rule}: clamped weights max |diff| {dev:.2e}, squared-error excess "
+              f"{excess:.1e}, unclamped max rel. diff {free_dev:.1e} (weights {free[1].min().item():.2f}.."
+              f"{free[1].max().item():.2f}), tail mass {tm:.1e}")
+        assert dev <= ALPHA_TOL
+        assert excess <= 1e-2
+        assert tm <= 1e-2
+        errs[rule] = float(st.residual(a_want).sum())
     assert errs[True] < 0.7 * errs[False]  # a clear case: covariance-aware wins by far
     _, chosen = cal.choose_rules({"t": {0: got}})
     assert chosen["t"][0] is True
