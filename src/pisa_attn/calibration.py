@@ -516,7 +516,8 @@ def _fit_sums_split(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Te
         nums = _bmm(w.reshape(b * h * chunks, -1, chunk), vx, low, dtype)
         nums = nums.reshape(b, h, chunks, -1, d).sum(2)  # [B, H, (1 + rules) R, D]
         m = m.reshape(b, h, r)
-        c = torch.matmul(q32, spec.expand_kv_heads(kmean, h).to(dtype).transpose(-1, -2)) * scale - m[..., None]  # [B, H, R, Nk]
+        # centroid scores less the shift [B, H, R, Nk]
+        c = torch.matmul(q32, spec.expand_kv_heads(kmean, h).to(dtype).transpose(-1, -2)) * scale - m[..., None]
         qh = torch.matmul(q32, spec.expand_kv_heads(hbar, h).to(dtype)) * scale  # [B, H, R, D]
         tail_num = torch.exp(c)  # a centroid score is at most the row maximum: no overflow
     vs = spec.expand_kv_heads(vsum, h).to(dtype)
