@@ -12,7 +12,7 @@ query rows per call and fits the first-order weight on them in float32, see
 ``rN`` is the default calibration (``N`` rows, the selection rule chosen per layer: both rules
 fitted from one dense pass of the rows; on CUDA each call shape's fit is one captured CUDA graph,
 ``pisa_attn.calibration.FitGraphs``), ``rNe`` the same fit op by op
-(``CalibrationConfig(cuda_graphs=False)``, the path before the graphs), ``rNf`` the graphed fit
+(``CalibrationConfig(cuda_graphs=False)``), ``rNf`` the graphed fit
 with the run's rule only (``choose_selection=False``). The minimum over the timed rounds is the
 steady state (graphs captured); ``first_ms`` is each setting's first forward (captures included:
 a process captures each call shape once). ``--count-ops`` counts, per calibrated call
@@ -214,7 +214,8 @@ def fit_calls(device, dtype, args) -> list[dict]:
         kw = dict(density=args.density, rules=(False, True), mode="hybrid", scale=d**-0.5, block_size=64,
                   keep_blocks=keep if text else None)
         graphs = cal.FitGraphs()
-        row = {"model": kind, "heads": h, "tokens": lk, "head_dim": d, "rows": len(plan.pos)}
+        row = {"model": kind, "heads": h, "tokens": lk, "head_dim": d, "rows": len(plan.pos),
+               "split_k_fit": cal.fast_fit_supported(q, "hybrid", 64)}
         sums = {}
         for tag, capture in (("eager", False), ("graph", True)):
             sums[tag] = graphs.sums(q, k, v, plan, capture=capture, **kw).clone()

@@ -333,3 +333,57 @@ def test_row_plan_keys_by_layout_not_position():
     assert a.which(torch.device("cpu")).tolist() == [0, 0, 0, 1, 1]
     with pytest.raises(ValueError, match="rows"):
         cal.row_plan(300, 64, [400])
+
+
+# (B, H, Hk, Lq, Lk, D, keep): aligned; GQA + ragged keys + a kept block; one key block less than a chunk.
+SPLIT_SHAPES = [(1, 4, 4, 300, 1024, 64, False), (2, 4, 2, 256, 700, 32, True), (1, 2, 2, 200, 129, 16, False)]
+
+
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: f"B{s[0]}-H{s[1]}-Hk{s[2]}-Lq{s[3]}-Lk{s[4]}-D{s[5]}"
+                         + ("-keep" if s[6] else ""))
+def test_split_fit_equals_the_reference_fit(shape):
+    """The CUDA fit's arithmetic (split-K products, one shift by the dense maximum, stacked
+    numerators) with the reference's key statistics is the reference fit, in float64 to rounding."""
+    b, h, hk, lq, lk, d, keep = shape
+    q, _, _ = make_qkv(b, h, h, lq, d, seed=3)
+    _, k, v = make_qkv(b, hk, hk, lk, d, seed=4)
+    plan = cal.row_plan(lq, 64, [3, 4, 5, 70, 71, 130, lq - 1])
+    kb = None
+    if keep:
+        kb = torch.zeros(spec.num_blocks(lk, 64), dtype=torch.bool)
+        kb[0] = True
+    qb, qr = plan.gather(q)
+    kw = dict(density=0.25, rules=(False, True), scale=d**-0.5, block_size=64)
+    want = cal._fit_sums(qb, qr, plan.which(q.device), k, v, kb, mode="hybrid", **kw)
+    got = cal._fit_sums_split(qb, qr, plan.which(q.device), k, v, kb, kernel_stats=False, **kw)
+    assert got.shape == want.shape == (2, 4, h)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
+
+
+def test_split_keys_fill_the_device_and_cover_the_keys():
+    for lk, bh in ((32760, 12), (5120, 24), (129, 2), (64, 1000)):
+        chunks, chunk = cal.split_keys(lk, bh, 64, "cpu")
+        assert chunk % 64 == 0 and (chunks - 1) * chunk < lk <= chunks * chunk
+        # one key block per chunk, or enough products for the interpreter's 4 "multiprocessors"
+        assert chunk == 64 or bh * chunks >= cal.SPLIT_PROGRAMS_PER_SM * 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors need Triton's interpreter (set without a GPU); "
+                    "tests/gpu/test_gpu_calibration.py checks the kernel")
+def test_split_fit_with_kernel_statistics_B1_H2_L640_D64_bf16():
+    """With the Triton prepare stage's statistics (Triton's interpreter here, the kernel on a GPU),
+    bfloat16 inputs: the same fit as the reference's float32 one up to the kernels' rounding of the
+    value means and H̄."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=g).bfloat16() for n in (256, 640, 640))
+    plan = cal.row_plan(256, 64, [3, 4, 5, 70, 71, 130, 199])
+    qb, qr = plan.gather(q)
+    kw = dict(density=0.25, rules=(False, True), scale=64**-0.5, block_size=64)
+    want = cal._fit_sums(qb, qr, plan.which(q.device), k, v, None, mode="hybrid", **kw)
+    got = cal._fit_sums_split(qb, qr, plan.which(q.device), k, v, None, kernel_stats=True, **kw)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+
+
+def test_fast_fit_only_on_cuda_hybrid():
+    q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    assert not cal.fast_fit_supported(q, "hybrid", 64)  # CPU: the reference

@@ -3,7 +3,7 @@
 Warm-up steps run dense attention in every layer, so the answer the weight is fitted against is
 there. On each warm-up call of a layer that will later run sparse, :class:`Calibrator` (an
 observer of the managed calls) samples a few query rows of one batch row and computes on those
-rows only, in float32 with the reference's arithmetic, the zeroth-order output, the first-order
+rows only, in float32, the zeroth-order output, the first-order
 correction and the dense output (:func:`pisa_attn.calibration.fit_rows`); it adds their
 least-squares statistics per layer and head, under both selection rules (top-k and
 covariance-aware; :func:`pisa_attn.calibration.fit_rules`, one dense pass of the rows). The first
@@ -18,9 +18,11 @@ covariance deviations) and a few passes over ``rows x Lk`` score matrices (one d
 rule), against the call's ``O(Lq·Lk·D)`` dense attention, with no value read back to the host.
 On CUDA the fit of each call shape is captured once as a CUDA graph
 (:class:`pisa_attn.calibration.FitGraphs`, shared by the process: :data:`GRAPHS`) and replayed: 7-8
-launches per call instead of about 200, the same sums bit for bit. What is left is the fit's own
-device time (H100, bf16, 32 rows, both rules: 9.0 ms per Wan2.1-1.3B 480p call, 2.4 ms per FLUX.1
-1024² call; ``benchmarks/calibration_cost.py``, ``benchmarks/results/h100_calibration_cost.json``).
+launches per call instead of about 200, the same sums bit for bit. On CUDA with float16/bfloat16
+inputs the fit takes the kernel backend's key statistics and split-K tensor-core products
+(:func:`pisa_attn.calibration._fit_sums_split`): H100, bf16, 32 rows, both rules, 1.6 ms per
+Wan2.1-1.3B 480p call (+6.6% on a dense warm-up step) and 0.85 ms per FLUX.1 1024² call (+23%;
+``benchmarks/calibration_cost.py``, ``benchmarks/results/h100_calibration_cost.json``).
 """
 
 from __future__ import annotations

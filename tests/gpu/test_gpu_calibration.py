@@ -1,0 +1,94 @@
+"""GPU checks of the calibration fit (skipped without CUDA): the fit a calibrated layer call runs
+on CUDA (the Triton prepare stage's key statistics, split-K TF32 products, replayed from a CUDA
+graph) against the reference fit in float64 on the same bfloat16 values, at Wan2.1-1.3B's and
+FLUX.1's attention shapes, on keys with a few sink-like blocks (large ``||H_j − H̄||``) where the
+covariance-aware rule is clearly the better one.
+
+    PYTHONPATH=src python -m pytest tests/gpu/test_gpu_calibration.py -q -s
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from pisa_attn import calibration as cal  # noqa: E402
+from pisa_attn.diffusers.calibrate import sample_rows  # noqa: E402
+
+# Clamped weights (what calibration uses): |fast − reference| <= ALPHA_TOL per head. The fit's inputs
+# differ by the kernels' bfloat16 value means and H̄ (~2e-3 relative) and the bfloat16 softmax
+# weights of the value product; an unclamped weight of a head whose correction barely moves the
+# output is ill-conditioned and only printed.
+ALPHA_TOL = 0.02
+
+
+def sink_qkv(h: int, lq: int, lk: int, d: int, seed: int, sinks: int = 8):
+    """Locally correlated float64 q/k/v (a smooth walk plus noise) with ``sinks`` key blocks whose
+    keys and values share a large zero-mean component: their centroid term is poor, their
+    ``||H_j − H̄||`` large. Rounded to bfloat16 (the fit's input) and back."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def field(n):
+        walk = torch.randn(1, h, n, d, generator=g, device="cuda", dtype=torch.float64).cumsum(2) / n**0.5
+        return 2.0 * walk + 0.5 * torch.randn(1, h, n, d, generator=g, device="cuda", dtype=torch.float64)
+
+    q, k, v = field(lq), field(lk), field(lk)
+    for j in torch.randperm(lk // 64, generator=torch.Generator().manual_seed(seed))[:sinks].tolist():
+        u = torch.randn(1, h, 64, d, generator=g, device="cuda", dtype=torch.float64)
+        u = u - u.mean(2, keepdim=True)
+        k[:, :, j * 64 : (j + 1) * 64] += 1.5 * u
+        v[:, :, j * 64 : (j + 1) * 64] += 6.0 * u
+    return tuple(x.bfloat16() for x in (q, k, v))
+
+
+# (name, heads, image tokens, text tokens before them, head dim)
+SHAPES = [("wan-B1-H12-L32760-D128", 12, 32760, 0, 128), ("flux-B1-H24-L4608-T512-D128", 24, 4608, 512, 128)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s[0])
+def test_fast_fit_agrees_with_the_reference_fit(shape):
+    _, h, n_img, text, d = shape
+    lk = n_img + text
+    q, k, v = sink_qkv(h, lk, lk, d, seed=7)
+    keep = None
+    if text:
+        keep = torch.zeros(-(-lk // 64), dtype=torch.bool, device="cuda")
+        keep[: text // 64] = True
+    rows = sample_rows(random.Random(0), text, lk, 64, 32)
+    plan = cal.row_plan(lk, 64, rows, (text, lk))
+    kw = dict(density=0.125, rules=(False, True), mode="hybrid", scale=d**-0.5, block_size=64, keep_blocks=keep)
+    assert cal.fast_fit_supported(q, "hybrid", 64)
+    graphs = cal.FitGraphs()
+    eager = graphs.sums(q, k, v, plan, capture=False, **kw).clone()
+    fast = graphs.sums(q, k, v, plan, capture=True, **kw).clone()
+    fast_again = graphs.sums(q, k, v, plan, capture=True, **kw).clone()  # a replay
+    torch.testing.assert_close(fast, eager, rtol=1e-5, atol=1e-9)
+    assert torch.equal(fast, fast_again)
+    n = len(plan.pos)
+    got = cal.row_fits(fast, (False, True), rows=n, elems=n * d)
+    want = cal.fit_rules(q.double(), k.double(), v.double(), density=0.125, rows=rows, measured=(text, lk),
+                         block_size=64, keep_blocks=keep)  # the reference, float64
+    errs = {}
+    for rule in (False, True):
+        st = want[rule].stats
+        a_got, a_want = (x.stats.alpha("head", bounds=cal.FIT_BOUNDS) for x in (got[rule], want[rule]))
+        free = [x.stats.alpha("head") for x in (got[rule], want[rule])]
+        dev = (a_got - a_want).abs().max().item()
+        free_dev = ((free[0] - free[1]).abs() / free[1].abs().clamp_min(1.0)).max().item()
+        # what the fast weights cost on the reference's own rows, over the best clamped weights
+        excess = float(st.residual(a_got).sum() / st.residual(a_want).sum()) - 1
+        tm = ((got[rule].tail_mass - want[rule].tail_mass).abs() / want[rule].tail_mass).max().item()
+        print(f"\n{shape[0]} rule cov={rule}: clamped weights max |diff| {dev:.2e}, squared-error excess "
+              f"{excess:.1e}, unclamped max rel. diff {free_dev:.1e} (weights {free[1].min().item():.2f}.."
+              f"{free[1].max().item():.2f}), tail mass {tm:.1e}")
+        assert dev <= ALPHA_TOL
+        assert excess <= 1e-2
+        assert tm <= 1e-2
+        errs[rule] = float(st.residual(a_want).sum())
+    assert errs[True] < 0.7 * errs[False]  # a clear case: covariance-aware wins by far
+    _, chosen = cal.choose_rules({"t": {0: got}})
+    assert chosen["t"][0] is True
