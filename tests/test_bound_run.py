@@ -283,3 +283,27 @@ def test_registered_op_on_a_plan_equals_the_stages_interpreted_B1_H2_L128_D64(mo
     monkeypatch.setattr(fused, "_PLANNED", None)
     out2, lse2 = torch.ops.pisa_attn.pisa_fwd(*args)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_pisa_attention_with_keep_blocks_replays_B1_H2_L256_D64(monkeypatch):
+    s = PisaSettings(backend="triton", density=0.25)
+    q, k, v = _qkv(seed=6)
+    keep = torch.zeros(5, dtype=torch.bool)
+    keep[[0, 3]] = True
+    with fake_kernels() as log:
+        for _ in range(3):
+            pisa_attention(q, k, v, settings=s, keep_blocks=keep.clone())
+        p = next(x for x in attention._PLANS.values() if x.settings == s and x.max_keep == 2)
+        assert len(_programs(p)) == 1 and len(p.keeps) == 1
+        (copy,) = p.keeps.values()
+        del log[:]
+        calls = []
+        checked = attention._run
+        monkeypatch.setattr(attention, "_run", lambda *a, **kw: calls.append(1) or checked(*a, **kw))
+        out = pisa_attention(q, k, v, settings=s, keep_blocks=keep.clone())
+        assert not calls and out.shape == q.shape
+        assert ("ptr", copy.data_ptr()) in [x for _, _, args in entries(log) for x in args]
+        other = torch.zeros(5, dtype=torch.bool)
+        other[1] = True  # another mask: the checked path first (its count is read once), never the old copy
+        pisa_attention(q, k, v, settings=s, keep_blocks=other)
+        assert calls  # the checked path

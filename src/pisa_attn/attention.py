@@ -462,16 +462,9 @@ def _planned_keep(p: PisaPlan, keep_blocks) -> Tensor | None:
     issues no copy and no host read of the device. None when the mask cannot take this path (a
     device tensor, tracing, more kept blocks than the plan's ``max_keep``): the checked path then
     serves (and refuses) it."""
-    if torch.compiler.is_compiling():
+    key = _keep_value(keep_blocks)
+    if key is None:
         return None
-    try:
-        if keep_blocks.device.type != "cpu" or keep_blocks.dtype != torch.bool:
-            return None
-        # by value, not identity: a new view of the same flags (Sequence.keep_for) hits, a mask
-        # changed in place or a new one at a reused address misses
-        key = (keep_blocks.shape, keep_blocks.numpy().tobytes())
-    except (AttributeError, TypeError, RuntimeError):
-        return None  # not a tensor, or one numpy cannot read: the checks say so
     keep = p.keeps.get(key)
     if keep is None:
         keep, n_keep = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, p.device)
@@ -486,6 +479,21 @@ def _planned_keep(p: PisaPlan, keep_blocks) -> Tensor | None:
 
 
 _KEEP_LIMIT = 16  # distinct keep masks kept per plan
+
+
+def _keep_value(keep_blocks):
+    """A CPU bool mask's value as a dict key (shape and bytes), or None (a device tensor, not a
+    bool tensor, tracing). By value, not identity: a new view of the same flags
+    (``Sequence.keep_for``) finds it, a mask changed in place or a new one at a reused address
+    does not."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        if keep_blocks.device.type != "cpu" or keep_blocks.dtype != torch.bool:
+            return None
+        return keep_blocks.shape, keep_blocks.numpy().tobytes()
+    except (AttributeError, TypeError, RuntimeError):
+        return None  # not a tensor, or one numpy cannot read: the checks say so
 
 
 def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool, keep: Tensor | None = None):
@@ -823,10 +831,13 @@ def pisa_attention(
                     _WITHOUT_ALPHA[settings] = base
             settings = base
     p = pkey = None
-    if keep_blocks is None and not compiling and isinstance(q, Tensor) and isinstance(k, Tensor) \
+    # a CPU keep mask seen before: its kept-block count (the plan's max_keep) without reading it
+    kval = None if keep_blocks is None else _keep_value(keep_blocks)
+    n_seen = 0 if keep_blocks is None else None if kval is None else _KEEP_COUNTS.get(kval)
+    if n_seen is not None and not compiling and isinstance(q, Tensor) and isinstance(k, Tensor) \
             and isinstance(v, Tensor):
-        pkey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, settings, 0,
-                _stream_key(q.device))
+        pkey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, settings,
+                n_seen, _stream_key(q.device))
         p = _PLANS.get(pkey)
     if p is None:  # a new shape (or kept blocks): the full checks
         qh, kh, _ = _validate_call(q, k, v, settings)
@@ -834,6 +845,10 @@ def pisa_attention(
         if keep_blocks is not None:
             keep_blocks, n_keep = normalize_keep_blocks(keep_blocks, qh.shape[0], qh.shape[1],
                                                         spec.num_blocks(kh.shape[2], settings.block_size), q.device)
+            if kval is not None:
+                if len(_KEEP_COUNTS) >= _PLAN_LIMIT:
+                    _KEEP_COUNTS.clear()
+                _KEEP_COUNTS[kval] = n_keep
             if not compiling:
                 pkey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, settings,
                         n_keep, _stream_key(q.device))
@@ -846,8 +861,10 @@ def pisa_attention(
                 _PLANS[pkey] = p
     weights = _weights(p, alpha)
     _check_inference_only(p.backend, (q, k, v, weights))
-    if keep_blocks is None and p.workspace is not None:
-        res = _bound_run(p, q, k, v, None, None, weights, return_lse)
+    if p.workspace is not None and (keep_blocks is None or n_seen is not None):
+        keep = None if keep_blocks is None else _planned_keep(p, keep_blocks)
+        res = None if keep is None and keep_blocks is not None else _bound_run(p, q, k, v, None, None, weights,
+                                                                              return_lse, keep)
         if res is not None:
             return (res[0], res[1]) if return_lse else res[0]
     lay = settings.layout
@@ -859,6 +876,7 @@ def pisa_attention(
 
 _SETTINGS: dict = {}
 _WITHOUT_ALPHA: dict = {}
+_KEEP_COUNTS: dict = {}  # kept blocks per row of CPU keep masks seen, by value (see _keep_value)
 
 
 def _settings(values) -> PisaSettings:
