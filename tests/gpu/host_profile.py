@@ -211,8 +211,8 @@ def images_gpu(out_dir: str):
         progs = sum(isinstance(x, attention._Program) for p in getattr(attention, "_OP_PLANS", {}).values()
                     for x in p.programs.values())
         res["pisa_attention_keep_compiled"] = dict(host_us=host, wall_us=wall, rel_l1_vs_eager=err, op_programs=progs)
-        print(f"flux-1024 pisa_attention keep (compiled): host {host:7.1f} us/call, wall {wall:7.1f} us/call, rel-L1 vs "
-              f"eager {err:.2e}, recorded op programs {progs}", flush=True)
+        print(f"flux-1024 pisa_attention keep (compiled): host {host:7.1f} us/call, wall {wall:7.1f} us/call, "
+              f"rel-L1 vs eager {err:.2e}, recorded op programs {progs}", flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "host_profile_images.json"), "w") as f:
         json.dump(res, f, indent=1)
