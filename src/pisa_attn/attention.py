@@ -12,7 +12,9 @@ The hot path: the first checked run of a call signature (shapes, dtypes, devices
 the tensors, which outputs are given or returned) on the kernel backends is recorded, and later
 runs with that signature replay its launches with the call's pointers swapped in
 (:mod:`pisa_attn.ops.bound`): one tuple lookup, the output's allocation and the launches. A
-signature that does not match the plan never finds a recording, so it meets the checks.
+signature that does not match the plan never finds a recording, so it meets the checks. A CPU
+``keep_blocks`` mask is copied to the device once per distinct value and kept in the plan; under
+``torch.compile`` the registered op runs on a plan cached by its arguments and replays it too.
 """
 
 from __future__ import annotations
