@@ -290,6 +290,7 @@ def test_pisa_attention_with_keep_blocks_replays_B1_H2_L256_D64(monkeypatch):
     q, k, v = _qkv(seed=6)
     keep = torch.zeros(5, dtype=torch.bool)
     keep[[0, 3]] = True
+    attention.clear_plans()  # and the kept-block counts of masks seen (another test's masks)
     with fake_kernels() as log:
         for _ in range(3):
             pisa_attention(q, k, v, settings=s, keep_blocks=keep.clone())

@@ -727,6 +727,7 @@ def clear_plans() -> None:
     backend, element counts of its buffers); the registered op's plans too."""
     _PLANS.clear()
     _OP_PLANS.clear()
+    _KEEP_COUNTS.clear()
 
 
 def _stream_key(device: torch.device):
