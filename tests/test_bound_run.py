@@ -140,3 +140,171 @@ def test_programs_per_plan_are_bounded(monkeypatch):
             for _ in range(2):
                 run(p, q, k, v, out=out)
             assert len(p.programs) <= 4
+
+
+def _keep_ptr(log, keep_ptrs):
+    """The keep-mask pointers the select launch of ``log`` read (of the candidates)."""
+    return {a[1] for _, _, args in entries(log) for a in args if isinstance(a, tuple) and a[1] in keep_ptrs}
+
+
+def test_keep_blocks_replay_reads_the_plans_copy_of_each_mask_B1_H2_L256_D64(monkeypatch):
+    s = PisaSettings(backend="triton", density=0.25)
+    q, k, v = _qkv(lk=320)
+    ka = torch.zeros(5, dtype=torch.bool)
+    ka[0] = True
+    kb = torch.zeros(5, dtype=torch.bool)
+    kb[4] = True
+    with fake_kernels() as log:
+        p = plan(q, k, s, max_keep=1)
+        for _ in range(3):
+            run(p, q, k, v, keep_blocks=ka)
+        assert len(_programs(p)) == 1 and len(p.keeps) == 1
+        run(p, q, k, v, keep_blocks=kb)  # another mask of the same shape: the same program, its own copy
+        assert len(_programs(p)) == 1 and len(p.keeps) == 2
+        copies = {c.data_ptr(): c for c in p.keeps.values()}
+        for mask in (ka, kb, ka.clone(), kb[:5]):  # by value: a new tensor or view of the same flags hits
+            del log[:]
+            out = run(p, q, k, v, keep_blocks=mask)
+            (ptr,) = _keep_ptr(log, copies)
+            assert torch.equal(copies[ptr].reshape(-1), mask)
+            replayed = entries(log)
+            del log[:]
+            seen = []
+            norm = attention.normalize_keep_blocks
+            with monkeypatch.context() as m:
+                m.setattr(attention, "_bound_run", lambda *a, **kw: None)
+                m.setattr(attention, "normalize_keep_blocks", lambda *a: seen.append(norm(*a)) or seen[-1])
+                out2 = run(p, q, k, v, keep_blocks=mask)
+            checked = entries(log)
+            # the checked path copies the mask per call: the launches agree up to that pointer
+            names = {q.data_ptr(): "q", k.data_ptr(): "k", v.data_ptr(): "v", p.alpha.data_ptr(): "alpha"}
+            a = _tokens(replayed, {**names, out.data_ptr(): "out", ptr: "keep"})
+            b = _tokens(checked, {**names, out2.data_ptr(): "out", seen[0][0].data_ptr(): "keep"})
+            assert "keep" in [x for _, _, args in a for x in args]
+            assert a == b
+        ka[1] = True  # changed in place: a new value, a new copy (never the old one)
+        del log[:]
+        run(p, q, k, v, keep_blocks=ka[[0, 2, 3, 4]].new_zeros(5).index_fill_(0, torch.tensor([1]), True))
+        (ptr,) = _keep_ptr(log, {c.data_ptr(): c for c in p.keeps.values()})
+        assert torch.equal(next(c for c in p.keeps.values() if c.data_ptr() == ptr).reshape(-1),
+                           torch.tensor([False, True, False, False, False]))
+        with pytest.raises(ValueError, match="max_keep"):
+            run(p, q, k, v, keep_blocks=ka)  # two kept blocks, planned for one: refused, not replayed
+
+
+
+def _flux_tiny(backend):
+    from pisa_attn.bench import dit_cases as dc
+    from pisa_attn.bench.e2e.backends import sequence
+
+    case = dc.tiny(dc.CASES["flux-1024"])
+    seq = sequence(case, 64).joint
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, seq.length, 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    return q, k, v, seq, PisaSettings(density=0.25, layout="bshd", backend=backend)
+
+
+def test_sparse_attention_writes_the_image_rows_in_place_B2_H2_D64():
+    from pisa_attn.diffusers.calls import sparse_attention
+
+    q, k, v, seq, s = _flux_tiny("reference")
+    assert seq.image_lo > 0 and seq.keep is not None
+    want = sparse_attention(q, k, v, seq, None, s)  # pisa_attention: the copy into the output
+    got = sparse_attention(q, k, v, seq, None, s, plans={})
+    assert torch.equal(got, want)
+    q, k, v, seq, s = _flux_tiny("triton")
+    plans: dict = {}
+    with fake_kernels() as log:
+        for _ in range(3):
+            sparse_attention(q, k, v, seq, None, s, plans=plans)
+        (p,) = plans.values()
+        assert len(_programs(p)) == 1
+        del log[:]
+        out = sparse_attention(q, k, v, seq, None, s, plans=plans)
+        attn = [args for n, _, args in entries(log) if n == "_attn_kernel"]
+    start = seq.image_lo // 64 * 64
+    assert len(attn) == 1 and ("ptr", out[:, start:].data_ptr()) in attn[0]  # the kernel wrote into out
+
+
+def _op_args(q, k, v, keep, alpha, p):
+    return (q, k, v, keep, alpha, p.n_select, p.width, p.mode, p.scale, p.block_size, p.covariance_aware,
+            p.query_block, p.backend)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["nokeep", "keep"])
+def test_registered_op_runs_a_cached_plan_and_replays_it_B1_H2_L256_D64(keep, monkeypatch):
+    from pisa_attn.ops import fused
+
+    s = PisaSettings(backend="triton", covariance_aware=True, density=0.25)
+    q, k, v = _qkv(seed=4)
+    mask = torch.zeros(1, 1, 5, dtype=torch.bool)
+    mask[..., 0] = True
+    attention.clear_plans()
+    with fake_kernels() as log:
+        p = plan(q, k, s, max_keep=5 if keep else 0)  # the static width a traced call with keep_blocks has
+        kd = mask.clone() if keep else None
+        alpha = torch.full((2,), 0.75)
+        for _ in range(3):  # compile, record, replay
+            out, lse = torch.ops.pisa_attn.pisa_fwd(*_op_args(q, k, v, kd, alpha, p))
+        (op_plan,) = attention._OP_PLANS.values()
+        assert len(_programs(op_plan)) == 1 and op_plan.width == p.width
+        del log[:]
+        kd2 = mask.clone() if keep else None  # the graph's fresh device mask: its pointer is swapped in
+        out, lse = torch.ops.pisa_attn.pisa_fwd(*_op_args(q, k, v, kd2, alpha, p))
+        replayed = entries(log)
+        del log[:]
+        monkeypatch.setattr(fused, "_PLANNED", None)  # the unplanned stages, as before
+        out2, lse2 = torch.ops.pisa_attn.pisa_fwd(*_op_args(q, k, v, kd2, alpha, p))
+        unplanned = entries(log)
+    assert out.shape == out2.shape and out.stride() == out2.stride() and lse.shape == lse2.shape
+    names = {q.data_ptr(): "q", k.data_ptr(): "k", v.data_ptr(): "v", alpha.data_ptr(): "alpha",
+             **({kd2.data_ptr(): "keep"} if keep else {})}
+    a = _tokens(replayed, {**names, out.data_ptr(): "out", lse.data_ptr(): "lse"})
+    b = _tokens(unplanned, {**names, out2.data_ptr(): "out", lse2.data_ptr(): "lse"})
+    # the same kernels on the same grids with the same call tensors (workspace buffers differ)
+    assert [(n, g) for n, g, _ in a] == [(n, g) for n, g, _ in b]
+    for (_, _, x), (_, _, y) in zip(a, b):
+        assert [t for t in x if isinstance(t, str)] == [t for t in y if isinstance(t, str)]
+        assert [t for t in x if not isinstance(t, tuple)] == [t for t in y if not isinstance(t, tuple)]
+    assert keep == ("keep" in [t for _, _, x in a for t in x])
+
+
+def test_registered_op_on_a_plan_equals_the_stages_interpreted_B1_H2_L128_D64(monkeypatch):
+    from pisa_attn.ops import fused
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    s = PisaSettings(backend="triton", density=0.5)
+    q, k, v = _qkv(seed=5, lq=128, lk=192)
+    p = plan(q, k, s, max_keep=3)
+    keep = torch.zeros(1, 1, 3, dtype=torch.bool)
+    keep[..., 2] = True
+    args = _op_args(q, k, v, keep, torch.full((2,), 0.5), p)
+    out, lse = torch.ops.pisa_attn.pisa_fwd(*args)
+    monkeypatch.setattr(fused, "_PLANNED", None)
+    out2, lse2 = torch.ops.pisa_attn.pisa_fwd(*args)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_pisa_attention_with_keep_blocks_replays_B1_H2_L256_D64(monkeypatch):
+    s = PisaSettings(backend="triton", density=0.25)
+    q, k, v = _qkv(seed=6)
+    keep = torch.zeros(5, dtype=torch.bool)
+    keep[[0, 3]] = True
+    attention.clear_plans()  # and the kept-block counts of masks seen (another test's masks)
+    with fake_kernels() as log:
+        for _ in range(3):
+            pisa_attention(q, k, v, settings=s, keep_blocks=keep.clone())
+        p = next(x for x in attention._PLANS.values() if x.settings == s and x.max_keep == 2)
+        assert len(_programs(p)) == 1 and len(p.keeps) == 1
+        (copy,) = p.keeps.values()
+        del log[:]
+        calls = []
+        checked = attention._run
+        monkeypatch.setattr(attention, "_run", lambda *a, **kw: calls.append(1) or checked(*a, **kw))
+        out = pisa_attention(q, k, v, settings=s, keep_blocks=keep.clone())
+        assert not calls and out.shape == q.shape
+        assert ("ptr", copy.data_ptr()) in [x for _, _, args in entries(log) for x in args]
+        other = torch.zeros(5, dtype=torch.bool)
+        other[1] = True  # another mask: the checked path first (its count is read once), never the old copy
+        pisa_attention(q, k, v, settings=s, keep_blocks=other)
+        assert calls  # the checked path

@@ -12,7 +12,9 @@ The hot path: the first checked run of a call signature (shapes, dtypes, devices
 the tensors, which outputs are given or returned) on the kernel backends is recorded, and later
 runs with that signature replay its launches with the call's pointers swapped in
 (:mod:`pisa_attn.ops.bound`): one tuple lookup, the output's allocation and the launches. A
-signature that does not match the plan never finds a recording, so it meets the checks.
+signature that does not match the plan never finds a recording, so it meets the checks. A CPU
+``keep_blocks`` mask is copied to the device once per distinct value and kept in the plan; under
+``torch.compile`` the registered op runs on a plan cached by its arguments and replays it too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import Tensor
 
 from . import spec, tail_weight
+from .ops import fused as _fused
 from .ops.selection import Selection
 from .ops.stages import Backend, run_planned
 from .settings import BACKENDS, LAYOUTS, PisaSettings, as_int, check_not_both
@@ -242,6 +245,8 @@ class PisaPlan:
     workspace: object = None  # the backend's buffers (None: the backend allocates per call)
     # recorded runs (pisa_attn.ops.bound), by the call's strides and outputs; see _bound_run
     programs: dict = field(default_factory=dict, repr=False)
+    # device copies of CPU keep_blocks masks, by value (filled once per distinct mask); see _planned_keep
+    keeps: dict = field(default_factory=dict, repr=False)
 
     @property
     def layout(self) -> str:
@@ -394,10 +399,12 @@ def run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor | None = No
     """
     if not isinstance(p, PisaPlan):
         raise TypeError(f"plan must be a PisaPlan (from pisa_attn.plan), got {type(p).__name__}")
-    if keep_blocks is None and selection is None and p.workspace is not None:
+    if selection is None and p.workspace is not None:
         weights = _weights_or_none(p, alpha) if alpha is not None else p.alpha
-        if weights is not None or (alpha is None and p.mode not in spec.FIRST_ORDER_MODES):
-            res = _bound_run(p, q, k, v, out, lse, weights, return_lse)
+        keep = None if keep_blocks is None else _planned_keep(p, keep_blocks)
+        if (keep is not None or keep_blocks is None) and (
+                weights is not None or (alpha is None and p.mode not in spec.FIRST_ORDER_MODES)):
+            res = _bound_run(p, q, k, v, out, lse, weights, return_lse, keep)
             if res is not None:
                 o, l_, sel = res
                 if not (return_lse or return_selection):
@@ -451,7 +458,47 @@ _RECORD_TRIES = 3  # recordings refused for one call signature before it stays o
 _PROGRAM_LIMIT = 64  # programs (and refusal counts) kept per plan
 
 
-def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool):
+def _planned_keep(p: PisaPlan, keep_blocks) -> Tensor | None:
+    """The plan's device copy of a CPU ``keep_blocks`` mask (``[B|1, H|1, Nk]``, contiguous), found
+    by the mask's value: checked, copied and counted once per distinct value, so a run with it
+    issues no copy and no host read of the device. None when the mask cannot take this path (a
+    device tensor, tracing, more kept blocks than the plan's ``max_keep``): the checked path then
+    serves (and refuses) it."""
+    key = _keep_value(keep_blocks)
+    if key is None:
+        return None
+    keep = p.keeps.get(key)
+    if keep is None:
+        keep, n_keep = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, p.device)
+        if n_keep > p.max_keep:
+            return None
+        # a copy the plan owns (on a CPU plan .to() would return the caller's tensor itself)
+        keep = keep.to(p.device, copy=True).contiguous()
+        if len(p.keeps) >= _KEEP_LIMIT:
+            p.keeps.clear()
+        p.keeps[key] = keep
+    return keep
+
+
+_KEEP_LIMIT = 16  # distinct keep masks kept per plan
+
+
+def _keep_value(keep_blocks):
+    """A CPU bool mask's value as a dict key (shape and bytes), or None (a device tensor, not a
+    bool tensor, tracing). By value, not identity: a new view of the same flags
+    (``Sequence.keep_for``) finds it, a mask changed in place or a new one at a reused address
+    does not."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        if keep_blocks.device.type != "cpu" or keep_blocks.dtype != torch.bool:
+            return None
+        return keep_blocks.shape, keep_blocks.numpy().tobytes()
+    except (AttributeError, TypeError, RuntimeError):
+        return None  # not a tensor, or one numpy cannot read: the checks say so
+
+
+def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool, keep: Tensor | None = None):
     """The hot path of a planned run: ``(out, lse, selection)`` in the plan's layout from the
     launches recorded for this call signature (:mod:`pisa_attn.ops.bound`), or None when the call
     goes the checked way (first calls, tracing, grad, unaligned or mismatching tensors).
@@ -467,22 +514,23 @@ def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool):
                q.stride(), k.stride(), v.stride(), None if out is None else (out.shape, out.dtype, out.device,
                                                                               out.stride()),
                None if lse is None else (lse.shape, lse.dtype, lse.device, lse.stride()), want_lse,
-               weights is p.alpha)
+               weights is p.alpha, None if keep is None else (keep.shape, keep.stride(), keep.dtype, keep.device))
         # the kernels are specialised on 16-byte alignment: a program serves aligned pointers only
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | (0 if out is None else out.data_ptr())
-                        | (0 if lse is None else lse.data_ptr()) | (0 if weights is None else weights.data_ptr())) & 15)
+                        | (0 if lse is None else lse.data_ptr()) | (0 if weights is None else weights.data_ptr())
+                        | (0 if keep is None else keep.data_ptr())) & 15)
     except (AttributeError, TypeError):
         return None  # not tensors: the checks say so
     prog = p.programs.get(key)
     if prog is None or prog is False or not aligned or (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         if prog is None and aligned:
-            return _record(p, key, q, k, v, out, lse, weights, want_lse)
+            return _record(p, key, q, k, v, out, lse, weights, want_lse, keep)
         return None
-    return prog(q, k, v, out, lse, weights)
+    return prog(q, k, v, out, lse, weights, keep)
 
 
-def _record(p: PisaPlan, key, q, k, v, out, lse, weights, want_lse):
+def _record(p: PisaPlan, key, q, k, v, out, lse, weights, want_lse, keep=None):
     """Run checked, recording the launches; store the program when they can be replayed."""
     from .ops import bound
 
@@ -507,12 +555,12 @@ def _record(p: PisaPlan, key, q, k, v, out, lse, weights, want_lse):
     o_h = _alloc_like_layout(qh) if out is None else (out if lay == "bhsd" else out.transpose(1, 2))
     l_in = lse if lse is not None else (torch.empty(p.batch, p.heads, p.q_len, device=p.device, dtype=torch.float32)
                                         if want_lse else None)
-    (o, l_, sel), rec = bound.record(run_planned, be, qh, kh, vh, p, p.workspace, alpha=alpha_t, out=o_h, lse=l_in,
-                                     want_lse=want_lse)
+    (o, l_, sel), rec = bound.record(run_planned, be, qh, kh, vh, p, p.workspace, keep=keep, alpha=alpha_t, out=o_h,
+                                     lse=l_in, want_lse=want_lse)
     o = o if lay == "bhsd" else o.transpose(1, 2)
     prog = None
     if rec.ok and o.data_ptr() == o_h.data_ptr() and (l_in is None or l_.data_ptr() == l_in.data_ptr()):
-        replay = bound.bind(rec.launches, (qh, kh, vh, o_h, alpha_t, l_in),
+        replay = bound.bind(rec.launches, (qh, kh, vh, o_h, alpha_t, l_in, keep),
                             bound.tensors_of(p.workspace) + ([l_] if l_in is None else []))
         if replay is not None:
             prog = _Program(p, replay, o, l_ if l_in is None else None, sel, out is None, want_lse and lse is None,
@@ -544,14 +592,14 @@ class _Program:
         self.sel, self.new_out, self.new_lse = sel, new_out, new_lse
         self.ones = tail_weight.ones(p.heads, p.device) if ones else None
 
-    def __call__(self, q, k, v, out, lse, weights):
+    def __call__(self, q, k, v, out, lse, weights, keep=None):
         if out is None:
             raw = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
             out = raw.transpose(1, 2) if self.out_t else raw
         if lse is None:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if self.new_lse else self.lse
         stream = torch._C._cuda_getCurrentRawStream(self.index) if self.index is not None else 0
-        self.replay(stream, q, k, v, out, self.ones if weights is None else weights, lse)
+        self.replay(stream, q, k, v, out, self.ones if weights is None else weights, lse, keep)
         return out, lse, self.sel
 
 
@@ -623,6 +671,51 @@ def _run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, out, lse, keep, weights, 
                        selection=selection, want_lse=want_lse)
 
 
+# ---------------------------------------------------------------- the registered op's implementation
+_OP_PLANS: dict = {}
+
+
+def _op_run(be: Backend, q, k, v, keep, alpha, n_select, width, mode, scale, block_size, covariance_aware,
+            query_block):
+    """``torch.ops.pisa_attn.pisa_fwd`` as a compiled graph calls it: a plan of the op's arguments
+    (cached, with its workspace) and its recorded launches, as an eager planned run; fresh
+    ``(out, lse)``. ``[B, H, L, D]`` views; ``keep`` the device mask the graph made."""
+    key = (q.shape, k.shape, v.shape, q.dtype, q.device, n_select, width, mode, scale, block_size, covariance_aware,
+           query_block, be.name, _stream_key(q.device))
+    p = _OP_PLANS.get(key)
+    if p is None:
+        p = _op_plan(be, q, k, n_select, width, mode, scale, block_size, covariance_aware, query_block)
+        if len(_OP_PLANS) >= _PLAN_LIMIT:
+            _OP_PLANS.clear()
+        _OP_PLANS[key] = p
+    res = _bound_run(p, q, k, v, None, None, alpha, True, keep)
+    if res is None:
+        res = run_planned(be, q, k, v, p, p.workspace, keep=keep, alpha=alpha, want_lse=True)
+    return res[0], res[1]
+
+
+def _op_plan(be: Backend, q: Tensor, k: Tensor, n_select: int, width: int, mode: str, scale: float, block_size: int,
+             covariance_aware: bool, query_block: int) -> PisaPlan:
+    """The plan (``"bhsd"``, with a workspace) whose runs compute what the op's arguments ask:
+    its selection width and number of selected blocks are the op's, not derived from a density."""
+    b, h, lq, d = q.shape
+    s = PisaSettings(block_size=block_size, mode=mode, covariance_aware=covariance_aware, scale=scale,
+                     backend=be.name, query_block=None if query_block == block_size else query_block)
+    p = PisaPlan(
+        settings=s, q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype, device=q.device, batch=b,
+        heads=h, kv_heads=k.shape[1], q_len=lq, kv_len=k.shape[2], head_dim=d, block_size=block_size,
+        n_q_blocks=spec.num_blocks(lq, block_size), n_kv_blocks=spec.num_blocks(k.shape[2], block_size),
+        n_select=n_select, mode=mode, covariance_aware=covariance_aware, scale=scale, query_block=query_block,
+        backend=be.name, max_keep=max(0, width - n_select), width=width,
+    )  # fmt: skip
+    if be.workspace is not None:
+        object.__setattr__(p, "workspace", be.workspace(p, q, k))
+    return p
+
+
+_fused.set_planned(_op_run)
+
+
 # ---------------------------------------------------------------- pisa_attention
 _PLANS: dict = {}
 _PLAN_LIMIT = 256
@@ -631,8 +724,10 @@ _PLAN_LIMIT = 256
 def clear_plans() -> None:
     """Drop :func:`pisa_attention`'s cached plans and their workspaces (memory is held per planned
     shape until then: 8 MiB at 4K tokens, 116 MiB at 64K for B2-H16-D128 bf16 on the Triton
-    backend, element counts of its buffers)."""
+    backend, element counts of its buffers); the registered op's plans too."""
     _PLANS.clear()
+    _OP_PLANS.clear()
+    _KEEP_COUNTS.clear()
 
 
 def _stream_key(device: torch.device):
@@ -739,10 +834,13 @@ def pisa_attention(
                     _WITHOUT_ALPHA[settings] = base
             settings = base
     p = pkey = None
-    if keep_blocks is None and not compiling and isinstance(q, Tensor) and isinstance(k, Tensor) \
+    # a CPU keep mask seen before: its kept-block count (the plan's max_keep) without reading it
+    kval = None if keep_blocks is None else _keep_value(keep_blocks)
+    n_seen = 0 if keep_blocks is None else None if kval is None else _KEEP_COUNTS.get(kval)
+    if n_seen is not None and not compiling and isinstance(q, Tensor) and isinstance(k, Tensor) \
             and isinstance(v, Tensor):
-        pkey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, settings, 0,
-                _stream_key(q.device))
+        pkey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, settings,
+                n_seen, _stream_key(q.device))
         p = _PLANS.get(pkey)
     if p is None:  # a new shape (or kept blocks): the full checks
         qh, kh, _ = _validate_call(q, k, v, settings)
@@ -750,6 +848,10 @@ def pisa_attention(
         if keep_blocks is not None:
             keep_blocks, n_keep = normalize_keep_blocks(keep_blocks, qh.shape[0], qh.shape[1],
                                                         spec.num_blocks(kh.shape[2], settings.block_size), q.device)
+            if kval is not None:
+                if len(_KEEP_COUNTS) >= _PLAN_LIMIT:
+                    _KEEP_COUNTS.clear()
+                _KEEP_COUNTS[kval] = n_keep
             if not compiling:
                 pkey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, settings,
                         n_keep, _stream_key(q.device))
@@ -762,8 +864,10 @@ def pisa_attention(
                 _PLANS[pkey] = p
     weights = _weights(p, alpha)
     _check_inference_only(p.backend, (q, k, v, weights))
-    if keep_blocks is None and p.workspace is not None:
-        res = _bound_run(p, q, k, v, None, None, weights, return_lse)
+    if p.workspace is not None and (keep_blocks is None or n_seen is not None):
+        keep = None if keep_blocks is None else _planned_keep(p, keep_blocks)
+        res = None if keep is None and keep_blocks is not None else _bound_run(p, q, k, v, None, None, weights,
+                                                                              return_lse, keep)
         if res is not None:
             return (res[0], res[1]) if return_lse else res[0]
     lay = settings.layout
@@ -775,6 +879,7 @@ def pisa_attention(
 
 _SETTINGS: dict = {}
 _WITHOUT_ALPHA: dict = {}
+_KEEP_COUNTS: dict = {}  # kept blocks per row of CPU keep masks seen, by value (see _keep_value)
 
 
 def _settings(values) -> PisaSettings:

@@ -6,6 +6,10 @@ backend and mode, cuDNN SDPA in the same run, and the cProfile of ``run`` and ``
 
     PYTHONPATH=src python3 tests/gpu/host_profile.py [--length 4096] [--out OUT]
 
+``--images``: the call image models make, FLUX.1-dev-shaped 1024² (B1, 24 heads x 128, 4096
+image + 512 text tokens, block 64, text key blocks kept exact): ``sparse_attention`` of the
+diffusers integration on its plans (eager), ``run`` with ``keep_blocks``, and cuDNN/default SDPA.
+
 Without a GPU (``--proxy``, or no CUDA): ``run`` and ``pisa_attention`` on CPU tensors with the
 kernels faked (each launcher's C entry point replaced by a logger), counting Python function
 calls, launches and aten ops per call: the host work that is ours, not the driver's:
@@ -130,6 +134,116 @@ def gpu(length: int, out_dir: str):
         json.dump(res, f, indent=1)
 
 
+def flux_call(device, dtype=torch.bfloat16):
+    """A FLUX.1-dev-shaped 1024² joint self-attention call as the integration makes it: q/k/v
+    ``[B, L, H, D]`` in tiled order, the sequence (text key blocks kept exact) and bshd settings."""
+    from pisa_attn.bench import dit_cases as dc
+    from pisa_attn.bench.e2e.backends import sequence
+    from pisa_attn.settings import PisaSettings
+
+    case = dc.CASES["flux-1024"]
+    seq = sequence(case, 64).joint
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, seq.length, case.heads, case.head_dim, generator=g).to(device, dtype) for _ in range(3))
+    settings = PisaSettings(density=case.density, covariance_aware=True, layout="bshd",
+                            backend="triton" if device == "cpu" else "auto")
+    return q, k, v, seq, settings
+
+
+def image_calls(q, k, v, seq, settings) -> dict:
+    """name -> call: the integration's sparse call (its plans kept as apply_pisa keeps them), run
+    with keep_blocks, and dense SDPA on the same tensors."""
+    from pisa_attn import plan, run
+    from pisa_attn.diffusers.calls import sparse_attention
+
+    plans: dict = {}
+    keep = seq.keep_for(k.shape[1], 64)
+    p = plan(q, k, settings, max_keep=int(keep.sum()))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    return {
+        "sparse_attention": lambda: sparse_attention(q, k, v, seq, None, settings, plans=plans),
+        "run_keep": lambda: run(p, q, k, v, keep_blocks=seq.keep_for(k.shape[1], 64)),
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt),
+    }
+
+
+def images_gpu(out_dir: str):
+    import triton
+
+    q, k, v, seq, settings = flux_call("cuda")
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "shape": f"FLUX.1-dev 1024^2: B1-H24-L{q.shape[1]}-D128 bf16, {seq.text_len} text tokens kept exact, "
+                    f"density {settings.density}, covariance-aware"}
+    for name, fn in image_calls(q, k, v, seq, settings).items():
+        for _ in range(3):
+            fn()  # compile, record, replay
+        host, wall = host_us(fn)
+        text, n_calls = profile(fn)
+        torch.cuda.synchronize()
+        res[name] = dict(host_us=host, wall_us=wall, python_calls=n_calls)
+        print(f"flux-1024 {name:18s}: host {host:7.1f} us/call, wall {wall:7.1f} us/call, {n_calls} Python calls",
+              flush=True)
+        if name == "sparse_attention":
+            print(text[:4000], flush=True)
+    # the image queries' PISA call (text key blocks kept) in a compiled graph (one registered op),
+    # against the same call eager
+    import pisa_attn.attention as attention
+    from pisa_attn import pisa_attention
+
+    keep = seq.keep_for(k.shape[1], 64)
+    qi = q[:, seq.image_lo // 64 * 64:]
+    eager = pisa_attention(qi, k, v, settings=settings, keep_blocks=keep)
+    fn = torch.compile(lambda q, k, v: pisa_attention(q[:, seq.image_lo // 64 * 64:], k, v, settings=settings,
+                                                      keep_blocks=keep), fullgraph=True)
+    host, wall = host_us(lambda: pisa_attention(qi, k, v, settings=settings, keep_blocks=keep))
+    res["pisa_attention_keep"] = dict(host_us=host, wall_us=wall)
+    print(f"flux-1024 pisa_attention keep (eager): host {host:7.1f} us/call, wall {wall:7.1f} us/call", flush=True)
+    try:
+        for _ in range(3):
+            got = fn(q, k, v)
+        host, wall = host_us(lambda: fn(q, k, v))
+    except Exception as e:  # report it with the eager numbers rather than lose them
+        res["pisa_attention_keep_compiled"] = f"failed: {type(e).__name__}: {e}"[:500]
+        print(res["pisa_attention_keep_compiled"], flush=True)
+        host = None
+    if host is not None:
+        err = float((got.float() - eager.float()).abs().mean() / eager.float().abs().mean())
+        progs = sum(isinstance(x, attention._Program) for p in getattr(attention, "_OP_PLANS", {}).values()
+                    for x in p.programs.values())
+        res["pisa_attention_keep_compiled"] = dict(host_us=host, wall_us=wall, rel_l1_vs_eager=err, op_programs=progs)
+        print(f"flux-1024 pisa_attention keep (compiled): host {host:7.1f} us/call, wall {wall:7.1f} us/call, "
+              f"rel-L1 vs eager {err:.2e}, recorded op programs {progs}", flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "host_profile_images.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+def images_proxy():
+    """The FLUX-shaped call without a GPU (kernels faked, as :func:`proxy`)."""
+    import sys
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from fake_launch import fake_kernels
+
+    q, k, v, seq, settings = flux_call("cpu")
+    with fake_kernels() as log:
+        for name, fn in image_calls(q, k, v, seq, settings).items():
+            if name == "sdpa":
+                continue
+            for _ in range(3):
+                fn()
+            del log[:]
+            ops = aten_ops(fn)
+            launches = len(log)
+            host, _ = host_us(fn, n=500, sync=False)
+            text, n_calls = profile(fn)
+            print(f"flux-1024 {name}: {n_calls} Python function calls, {launches} launches, {len(ops)} aten ops "
+                  f"{ops}, {host:.1f} us/call (CPU, kernels faked)")
+        print(text[:2500])
+
+
 def proxy(length: int):
     """The host path without a GPU: CPU tensors, kernels faked (tests/fake_launch.py: every launch
     goes through its launcher, recorded runs replay, nothing runs on a device)."""
@@ -166,8 +280,11 @@ def main():
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--proxy", action="store_true", help="the CPU proxy (meta tensors, launches stubbed)")
+    ap.add_argument("--images", action="store_true", help="the FLUX-shaped image call (see the module docstring)")
     a = ap.parse_args()
-    if a.proxy or not torch.cuda.is_available():
+    if a.images:
+        images_proxy() if a.proxy or not torch.cuda.is_available() else images_gpu(a.out)
+    elif a.proxy or not torch.cuda.is_available():
         proxy(a.length)
     else:
         gpu(a.length, a.out)

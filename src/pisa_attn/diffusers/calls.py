@@ -85,10 +85,10 @@ def sparse_attention(q, k, v, seq: Sequence | None, lens, settings: PisaSettings
                          f"got {settings.layout!r}")
     bs = settings.block_size
 
-    def attention(qq, kk, vv, keep):
+    def attention(qq, kk, vv, keep, out=None):
         if plans is None:
             return pisa_attention(qq, kk, vv, settings=settings, keep_blocks=keep, alpha=alpha)
-        return run(planned(plans, qq, kk, settings, keep), qq, kk, vv, keep_blocks=keep, alpha=alpha)
+        return run(planned(plans, qq, kk, settings, keep), qq, kk, vv, keep_blocks=keep, alpha=alpha, out=out)
 
     lo, hi = (0, q.shape[1]) if seq is None else (seq.image_lo, seq.image_hi)
     texts = [] if seq is None else seq.text_ranges()
@@ -101,7 +101,12 @@ def sparse_attention(q, k, v, seq: Sequence | None, lens, settings: PisaSettings
     for rows, n in groups:
         kk, vv = k[rows, :n], v[rows, :n]
         keep = None if seq is None else seq.keep_for(n, bs)
-        out[rows, lo:hi] = attention(q[rows, start:hi], kk, vv, keep)[:, lo - start :]
+        if plans is not None and isinstance(rows, slice):
+            # written in place: the rows [start, lo) it computes on the way are text rows, which
+            # the dense text attention below overwrites
+            attention(q[:, start:hi], kk, vv, keep, out=out[:, start:hi])
+        else:
+            out[rows, lo:hi] = attention(q[rows, start:hi], kk, vv, keep)[:, lo - start :]
         for a, b in texts:
             out[rows, a:b] = dense_attention(q[rows, a:b], kk, vv, None, settings.scale, q.shape[2] != k.shape[2])
     return out

@@ -2,9 +2,10 @@
 
 A planned run issues the same short sequence of launches every time: the same compiled kernels,
 grids and arguments, except the pointers of the call's own tensors (q, k, v, the output, the
-first-order weights). :func:`record` runs the stages once under a recorder that collects every
-launch the :class:`~pisa_attn.ops.launch.Launcher` s issue; :class:`Bound` turns that list into
-one generated Python function that calls each kernel's launcher directly with the workspace's
+first-order weights, the device copy of the always-exact key blocks). :func:`record` runs the
+stages once under a recorder that collects every launch the
+:class:`~pisa_attn.ops.launch.Launcher` s issue; :class:`Bound` turns that list into one
+generated Python function that calls each kernel's launcher directly with the workspace's
 pointers as constants and the call's pointers read per call. Host TMA descriptors of workspace
 tensors are encoded once; those of the call's tensors are encoded through Triton's own encoder
 and kept by data pointer (PyTorch's caching allocator hands the same addresses back between
@@ -182,11 +183,11 @@ class _DescCache:
         return r
 
 
-SLOTS = ("q", "k", "v", "out", "alpha", "lse")
+SLOTS = ("q", "k", "v", "out", "alpha", "lse", "keep")
 
 
 def bind(launches: list[Launch], slot_tensors: tuple, workspace: list[Tensor]):
-    """The generated replay function ``replay(stream, q, k, v, out, alpha, lse)`` of ``launches``
+    """The generated replay function ``replay(stream, q, k, v, out, alpha, lse, keep)`` of ``launches``
     recorded with ``slot_tensors`` (:data:`SLOTS`; any may be None) as the call's tensors;
     None when an argument is neither a call's tensor, in ``workspace``, nor a plain value."""
     slot_ptr = {}
@@ -265,7 +266,7 @@ def bind(launches: list[Launch], slot_tensors: tuple, workspace: list[Tensor]):
         ns[f"tail{li}"] = tuple(tail)
         lines.append(f"    run{li}({g[0]}, {g[1]}, {g[2]}, stream, fn{li}, *pre{li}, {', '.join(exprs)}, *tail{li})")
     head = [f"    p{s} = s{s}.data_ptr()" for s in sorted(used)]
-    src = "def replay(stream, s0, s1, s2, s3, s4, s5):\n" + "\n".join(head + lines or ["    pass"]) + "\n"
+    src = "def replay(stream, s0, s1, s2, s3, s4, s5, s6):\n" + "\n".join(head + lines or ["    pass"]) + "\n"
     exec(compile(src, "<pisa_attn bound run>", "exec"), ns)  # noqa: S102 - generated from recorded launches
     replay = ns["replay"]
     replay.source = src

@@ -6,7 +6,9 @@ the implementation issues no host synchronisation and every shape is known from 
 The weight of the first-order term is a ``[H]`` tensor argument (``alpha``), so another value
 changes no compiled graph and no captured launch.
 Outside tracing, :func:`forward` runs the stages directly: the op's dispatch costs more host time
-than every launch of a short call together.
+than every launch of a short call together. When a compiled graph calls the op, its implementation
+runs on a cached plan of the op's arguments and replays that plan's recorded launches
+(:func:`set_planned`; :mod:`pisa_attn.attention` owns plans), as an eager planned run does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ _REGISTRY: dict[str, Backend] = {}
 def register(be: Backend) -> Backend:
     _REGISTRY[be.name] = be
     return be
+
+
+# The planned implementation of the op (set by pisa_attn.attention; None: the stages, unplanned).
+_PLANNED = None
+
+
+def set_planned(fn) -> None:
+    """``fn(be, q, k, v, keep, alpha, n_select, width, mode, scale, block_size, covariance_aware,
+    query_block) -> (out, lse)`` serves the op's calls from now on (fresh ``out`` and ``lse``)."""
+    global _PLANNED
+    _PLANNED = fn
 
 
 def _run(be: Backend, q, k, v, keep, alpha, n_select, width, mode, scale, block_size, covariance_aware, query_block):
@@ -51,6 +64,9 @@ def pisa_fwd(
     query_block: int,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
+    if _PLANNED is not None:
+        return _PLANNED(_REGISTRY[backend], q, k, v, keep, alpha, n_select, width, mode, scale, block_size,
+                        covariance_aware, query_block)
     return _run(_REGISTRY[backend], q, k, v, keep, alpha, n_select, width, mode, scale, block_size, covariance_aware,
                 query_block)
 
