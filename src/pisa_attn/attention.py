@@ -411,23 +411,11 @@ def run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor | None = No
                     return o
                 return (o,) + ((l_,) if return_lse else ()) + (
                     (Selection(*(x.clone() for x in sel)),) if return_selection else ())
-    for name, x, shape in (("q", q, p.q_shape), ("k", k, p.kv_shape), ("v", v, p.kv_shape)):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(x.shape)}, the plan was made for {shape} "
-                             f"(layout {p.layout!r}): make a plan for this shape")
-        if x.dtype != p.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype}, the plan was made for {p.dtype}")
-        if x.device != p.device:
-            raise ValueError(f"{name} is on {x.device}, the plan was made for {p.device}")
+    _check_run(p, q, k, v, out, lse)
     lay = p.layout
     qh, kh, vh = (x if lay == "bhsd" else x.transpose(1, 2) for x in (q, k, v))
     if out is not None:
-        _check_out("out", out, p.q_shape, p.dtype, p.device)
         out = out if lay == "bhsd" else out.transpose(1, 2)
-    if lse is not None:
-        _check_out("lse", lse, (p.batch, p.heads, p.q_len), torch.float32, p.device)
     keep = None
     if keep_blocks is not None:
         keep, n_keep = normalize_keep_blocks(keep_blocks, p.batch, p.heads, p.n_kv_blocks, p.device)
