@@ -1,7 +1,7 @@
 """Device script of the context-parallel benchmark (:mod:`pisa_attn.bench.context_parallel`: what
 it measures, its limits and its JSON; ``python benchmarks/bench_parallel.py --help``).
 
-    NPROC=4 OUT=DIR bash benchmarks/parallel_session.sh             # torchrun on N GPUs
+    NPROC=4 OUT=DIR bash benchmarks/parallel_suite.sh             # torchrun on N GPUs
     python benchmarks/bench_parallel.py --tiny                      # CPU check: 2 gloo ranks, tiny Wan
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything (kernels, then diffusers), logging to $OUT/all.log.
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh      (diffusers travels as a wheel in .whl/)
+#   OUT=/tmp/out bash benchmarks/gpu_suite.sh      (diffusers travels as a wheel in .whl/)
 # Writes: gpu_tests.log, bench_kernels.json/.md/.png (2-16-128 grid), bench_kernels_b.json (other
 # B-H-D), bench_diffusers.json, all.log. Each stage has its own time limit so later ones still run.
 set -o pipefail

@@ -3,7 +3,7 @@
 # an eager call, and the kernel benchmark (Hopper backend on random and DiT-like data with the
 # query_block=128 column, Triton for comparison); with CALIB_COST=1 also the cost of calibrate=True per
 # dense warm-up step. Everything lands under $OUT; a summary prints last.
-#   OUT=/tmp/out bash benchmarks/kernel_session.sh
+#   OUT=/tmp/out bash benchmarks/kernel_suite.sh
 set -o pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -31,4 +31,4 @@ sed -n '1,5p;/Ordered by/,/^$/p' "$OUT/host.log" | head -34 | cut -c1-150
 for f in bench_hopper bench_triton bench_dit; do grep -E "L= *[0-9]+ d=" "$OUT/$f.log" | cut -c1-330; done
 if [[ -n "$CALIB_COST" ]]; then tail -8 "$OUT/calibration_cost.log"; fi
 # Everything in one archive (a device call returns at most 8 files).
-(cd "$OUT" && tar czf kernel_session.tgz --exclude kernel_session.tgz . && find . -type f ! -name kernel_session.tgz -delete)
+(cd "$OUT" && tar czf kernel_suite.tgz --exclude kernel_suite.tgz . && find . -type f ! -name kernel_suite.tgz -delete)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call for context parallelism on N GPUs: GPU checks of the ring's per-step pieces, then
 # bench_parallel.py under torchrun (1-GPU PISA baseline first, then every kind), logs under $OUT.
-#   NPROC=2 OUT=/tmp/out bash benchmarks/parallel_session.sh           # Wan-1.3B 480p
-#   NPROC=4 OUT=/tmp/out bash benchmarks/parallel_session.sh           # Wan-14B 720p
+#   NPROC=2 OUT=/tmp/out bash benchmarks/parallel_suite.sh           # Wan-1.3B 480p
+#   NPROC=4 OUT=/tmp/out bash benchmarks/parallel_suite.sh           # Wan-14B 720p
 #   BENCH_ARGS="--layers 20 --dense" ...                               # extra bench_parallel.py flags
 # The environment (NCCL_NVLS_ENABLE=0 and the other multicast switches included) is passed through
-# unchanged to torchrun and every rank. diffusers may travel as a wheel in .whl/ (as for gpu_session.sh).
+# unchanged to torchrun and every rank. diffusers may travel as a wheel in .whl/ (as for gpu_suite.sh).
 set -o pipefail
 OUT=${OUT:-out}
 NPROC=${NPROC:-2}
