@@ -1,7 +1,7 @@
 """How the benchmark switches a diffusers transformer between its variants: a dense diffusers
 backend, PISA applied, or the managed self-attention replaced by an opaque no-attention op (the
-forward's cost without attention). The no-attention op is registered as a diffusers backend when a
-stage first needs it, in the benchmark's process only; importing this module changes nothing."""
+forward's cost without attention: each managed module's processor is swapped, through diffusers'
+public ``set_processor``, for the family's PISA processor with an opaque op as its attention)."""
 
 from __future__ import annotations
 
@@ -21,89 +21,72 @@ class QuietBackendWarning(logging.Filter):
         return "Attention backends are an experimental feature" not in record.getMessage()
 
 
-_NULL = None
+_NO_ATTENTION = None
 
 
-def null_backend():
-    """The diffusers backend member of the no-attention op (registered once)."""
-    global _NULL
-    if _NULL is not None:
-        return _NULL
-    from diffusers.models import attention_dispatch as ad
+def no_attention_op():
+    """``torch.ops.pisa_bench.no_attention`` (registered once): an opaque op standing in for
+    attention (q, k, v are still computed; the uninitialised result costs nothing)."""
+    global _NO_ATTENTION
+    if _NO_ATTENTION is None:
 
-    @torch.library.custom_op("pisa_bench::no_attention", mutates_args=())
-    def no_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        # Opaque to the compiler: q, k, v are still computed; the uninitialised result costs nothing.
-        b, lq, h, _ = query.shape
-        return query.new_empty(b, lq, h, value.shape[-1])
+        @torch.library.custom_op("pisa_bench::no_attention", mutates_args=())
+        def no_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+            b, lq, h, _ = query.shape
+            return query.new_empty(b, lq, h, value.shape[-1])
 
-    @no_attention.register_fake
-    def _(query, key, value):
-        b, lq, h, _ = query.shape
-        return query.new_empty(b, lq, h, value.shape[-1])
+        @no_attention.register_fake
+        def _(query, key, value):
+            b, lq, h, _ = query.shape
+            return query.new_empty(b, lq, h, value.shape[-1])
 
-    def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                 _parallel_config=None):  # fmt: skip
-        return torch.ops.pisa_bench.no_attention(query, key, value)
-
-    member = _enum_member(ad.AttentionBackendName, "PISA_BENCH_NO_ATTENTION", "pisa_bench_no_attention")
-    ad._AttentionBackendRegistry.register(member, constraints=[])(dispatch)
-    _NULL = member
-    return member
+        _NO_ATTENTION = torch.ops.pisa_bench.no_attention
+    return _NO_ATTENTION
 
 
-def _enum_member(enum_cls, name: str, value: str):
-    """Add a member to a ``str`` Enum after class creation: the benchmark's no-attention backend
-    (a measuring device in the benchmark's process only, made when a stage first needs it; the
-    library registers nothing)."""
-    existing = enum_cls._value2member_map_.get(value)
-    if existing is not None:
-        return existing
-    member = str.__new__(enum_cls, value)
-    member._name_, member._value_ = name, value
-    member.__objclass__ = enum_cls
-    member._sort_order_ = len(enum_cls._member_names_)
-    type.__setattr__(enum_cls, name, member)  # before the map: EnumType forbids reassigning members
-    enum_cls._member_map_[name] = member
-    enum_cls._value2member_map_[value] = member
-    enum_cls._member_names_.append(name)
-    return member
-
-
-def managed_processors(model) -> list:
-    """The attention processors of the modules PISA manages (the adapter's self-attention)."""
+def family_adapter_of(model):
     import pisa_attn.diffusers as pd
 
-    adapter = pd.adapter_for(model)
-    procs = {}
-    for name, module in model.named_modules():
-        if any(fnmatch.fnmatchcase(name, p) for p in adapter.attention):
-            procs[id(module.processor)] = module.processor
-    return list(procs.values())
+    return pd.adapter_for(model)
+
+
+def managed_modules(model) -> list:
+    """The self-attention modules PISA manages in ``model`` (its adapter's patterns)."""
+    patterns = family_adapter_of(model).attention
+    return [m for name, m in model.named_modules() if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
 
 
 @contextlib.contextmanager
-def routed(model, member):
-    """The managed self-attention processors on ``member``, put back on exit (PISA's processors,
-    which compute their own attention, on the no-attention op)."""
-    from pisa_attn.diffusers.processors import PisaProcessor
+def routed(model):
+    """The managed self-attention on the no-attention op, put back on exit. PISA's processors get
+    the op as their attention; the model's own processors are swapped (``set_processor``) for the
+    family's PISA processor with the op as its attention: the same projections, no attention."""
+    from pisa_attn.diffusers.processors import PROCESSORS, PisaProcessor
 
-    missing = object()
-    procs = managed_processors(model)
-    saved = [(p, p.__dict__.get("_attention_backend", missing)) for p in procs]
-    for p in procs:
-        p._attention_backend = member
-        if isinstance(p, PisaProcessor):
-            p.attention = lambda q, k, v, mask: torch.ops.pisa_bench.no_attention(q, k, v).flatten(2, 3)
+    op = no_attention_op()
+    cls = PROCESSORS[family_adapter_of(model).name]
+
+    def attention(q, k, v, mask):
+        return op(q, k, v).flatten(2, 3)
+
+    patched, swapped = [], []
+    for module in managed_modules(model):
+        proc = module.processor
+        if isinstance(proc, PisaProcessor):
+            proc.attention = attention
+            patched.append(proc)
+        else:
+            stand_in = cls(proc, handle=0, layer=-1)
+            stand_in.attention = attention
+            module.set_processor(stand_in)
+            swapped.append((module, proc))
     try:
         yield
     finally:
-        for p, old in saved:
+        for p in patched:
             p.__dict__.pop("attention", None)
-            if old is missing:
-                p.__dict__.pop("_attention_backend", None)
-            else:
-                p._attention_backend = old
+        for module, proc in swapped:
+            module.set_processor(proc)
 
 
 @contextlib.contextmanager

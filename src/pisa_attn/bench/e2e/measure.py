@@ -14,7 +14,7 @@ import torch
 from ...metrics import rel_l1
 from .. import dit_cases as dc
 from .. import e2e_estimates as est
-from .backends import dense_backend, family_adapter, null_backend, pisa_applied, routed, sequence, stacked
+from .backends import dense_backend, family_adapter, pisa_applied, routed, sequence, stacked
 from .report import derive, summary
 from .runner import Stage, log
 from .stages import probe_s
@@ -222,7 +222,7 @@ def eager_case(stage: Stage, case: dc.Case, full: dc.Case, model, rec: dict, arg
     shapes: dict = {}
 
     def no_attention():
-        with dense_backend(model, best), routed(model, null_backend()), boundary_shapes(model, shapes):
+        with dense_backend(model, best), routed(model), boundary_shapes(model, shapes):
             return stage.measure(forward_fn(model, x), **forward_kw(args))[0]
 
     m = stage.step(rec, "no_attention", n_fwd * cal * guess["rest"], no_attention)
@@ -230,7 +230,7 @@ def eager_case(stage: Stage, case: dc.Case, full: dc.Case, model, rec: dict, arg
         fw["no_attention"] = m
 
     def hooks_only():
-        with dense_backend(model, best), pisa_applied(model, case, args), routed(model, null_backend()):
+        with dense_backend(model, best), pisa_applied(model, case, args), routed(model):
             return stage.measure(forward_fn(model, x), **forward_kw(args))[0]
 
     m = stage.step(rec, "no_attention_pisa_hooks", n_fwd * cal * guess["rest"], hooks_only)
@@ -303,7 +303,7 @@ def compiled_case(stage: Stage, case: dc.Case, full: dc.Case, model, rec: dict, 
     contexts = {  # the model as each compiled variant runs it, on a given dense backend
         "dense": lambda backend: dense_backend(model, backend),
         "pisa": lambda backend: stacked(dense_backend(model, backend), pisa_applied(model, case, args)),
-        "no_attention": lambda backend: stacked(dense_backend(model, backend), routed(model, null_backend())),
+        "no_attention": lambda backend: stacked(dense_backend(model, backend), routed(model)),
     }
     variants = {"dense": cal * guess["dense"], "pisa": pisa_est, "no_attention": cal * guess["rest"]}
     for name, fwd_s in variants.items():
