@@ -10,14 +10,18 @@ query rows per call and fits the first-order weight on them in float32, see
     python benchmarks/calibration_cost.py --tiny --count-ops     # ops and host reads per calibrated layer call
 
 ``rN`` is the default calibration (``N`` rows, the selection rule chosen per layer: both rules
-fitted from one dense pass of the rows; on CUDA each call shape's fit is one captured CUDA graph,
-``pisa_attn.calibration.FitGraphs``), ``rNe`` the same fit op by op
-(``CalibrationConfig(cuda_graphs=False)``), ``rNf`` the graphed fit
-with the run's rule only (``choose_selection=False``). The minimum over the timed rounds is the
-steady state (graphs captured); ``first_ms`` is each setting's first forward (captures included:
-a process captures each call shape once). ``--count-ops`` counts, per calibrated call
-(``Calibrator.observe``), the aten ops dispatched, those that are not views (what launches
-kernels on a GPU) and those that read a value back to the host (a synchronisation on a GPU).
+fitted from one pass of the rows; on CUDA with bf16 inputs each call is the Triton fit,
+``pisa_attn.ops.triton.fit``, launched directly), ``rNf`` the same with the run's rule only
+(``choose_selection=False``). The minimum over the timed rounds is the steady state;
+``first_ms`` is each setting's first forward (kernel compilation included). ``--count-ops``
+counts, per calibrated call (``Calibrator.observe``), the aten ops dispatched, those that are not
+views (what launches kernels on a GPU) and those that read a value back to the host (a
+synchronisation on a GPU); on the CPU that is the reference arithmetic.
+
+On a GPU the script also times one calibrated layer call's fit alone at each model's layer shape
+(``fit_calls``): microseconds per call (host enqueue and end to end), launches, the device time per
+kernel (``torch.profiler``: where the time goes) and the weights against the reference arithmetic
+in float32 on the same values.
 
 Random weights from the real configs (``pisa_attn.bench.model_configs``), bf16 on the GPU, float32
 on the CPU. Writes ``calibration_cost.json`` to ``--out`` (default ``$OUT`` or ``./out``) and
@@ -102,10 +106,8 @@ def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
     common = dict(density=args.density, dense_steps=1 << 30, dense_layers=0, min_kv_len=0)
     settings = {"base": None}
     for n in args.rows:
-        settings[f"r{n}e"] = pd.CalibrationConfig(rows=n, cuda_graphs=False)
-        if not getattr(args, "eager_only", False):
-            settings.update({f"r{n}": pd.CalibrationConfig(rows=n),
-                             f"r{n}f": pd.CalibrationConfig(rows=n, choose_selection=False)})
+        settings.update({f"r{n}": pd.CalibrationConfig(rows=n),
+                         f"r{n}f": pd.CalibrationConfig(rows=n, choose_selection=False)})
     times = {name: [] for name in settings}
     first = {}
     layers = 0
@@ -128,7 +130,7 @@ def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
     if device.type == "cuda":
         row["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for n in args.rows:
-        for tag in (t for t in (f"r{n}", f"r{n}e", f"r{n}f") if t in times):
+        for tag in (t for t in (f"r{n}", f"r{n}f") if t in times):
             row[f"calibrated_ms_{tag}"] = min(times[tag])
             row[f"overhead_{tag}"] = row[f"calibrated_ms_{tag}"] / base - 1
     row["tokens"] = int(torch.tensor(grid).prod()) // (4 if kind == "wan" else 1) + (text if kind == "flux" else 0)
@@ -192,13 +194,14 @@ def count_ops(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dic
 
 
 def fit_calls(device, dtype, args) -> list[dict]:
-    """One calibrated layer call's fit alone (``FitGraphs.sums``, the layer's own key/value
-    shapes), op by op and as a replayed graph: microseconds per call (host-enqueue and
-    end-to-end), the CUDA runtime launches per call and the aten ops of most device time
-    (profiler), and the largest difference of the two paths' sums (the same arithmetic)."""
+    """One calibrated layer call's fit alone (``FitGraphs.sums``, the layer's own key/value shapes,
+    both rules): microseconds per call (host enqueue, end to end), CUDA launches per call, device
+    time per kernel (profiler) and the clamped weights' largest difference to the reference
+    arithmetic in float32 on the same values."""
+    import random
+
     from pisa_attn import calibration as cal
     from pisa_attn.diffusers.calibrate import sample_rows
-    import random
 
     shapes = {"wan": (WAN_1_3B["num_attention_heads"], 32760, WAN_1_3B["attention_head_dim"], 0),
               "flux": (FLUX_DEV["num_attention_heads"], 4608, FLUX_DEV["attention_head_dim"], 512)}
@@ -215,37 +218,44 @@ def fit_calls(device, dtype, args) -> list[dict]:
                   keep_blocks=keep if text else None)
         graphs = cal.FitGraphs()
         row = {"model": kind, "heads": h, "tokens": lk, "head_dim": d, "rows": len(plan.pos),
-               "split_k_fit": cal.fast_fit_supported(q, "hybrid", 64)}
-        sums = {}
-        for tag, capture in (("eager", False), ("graph", True)):
-            sums[tag] = graphs.sums(q, k, v, plan, capture=capture, **kw).clone()
-            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+               "kernel_fit": cal.fast_fit_supported(q, "hybrid", 64)}
+        sums = graphs.sums(q, k, v, plan, **kw).clone()
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        host, total = [], []
+        for _ in range(args.iters * 4):
+            t0 = time.perf_counter()
+            graphs.sums(q, k, v, plan, **kw)
+            t1 = time.perf_counter()
             sync()
-            host, total = [], []
-            for _ in range(args.iters * 4):
-                t0 = time.perf_counter()
-                graphs.sums(q, k, v, plan, capture=capture, **kw)
-                t1 = time.perf_counter()
-                sync()
-                host.append((t1 - t0) * 1e6)
-                total.append((time.perf_counter() - t0) * 1e6)
-            row[f"{tag}_host_us"], row[f"{tag}_us"] = min(host), min(total)
-            if device.type == "cuda":
-                from torch.profiler import ProfilerActivity, profile
+            host.append((t1 - t0) * 1e6)
+            total.append((time.perf_counter() - t0) * 1e6)
+        row["host_us"], row["us"] = min(host), min(total)
+        if device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
 
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    graphs.sums(q, k, v, plan, capture=capture, **kw)
-                    sync()
-                names = [e.name for e in prof.events()]
-                if not capture:  # where the fit's device time goes, aten op by aten op
-                    ops = [(a.key, a.count, getattr(a, "device_time_total", 0.0) or getattr(a, "cuda_time_total", 0.0))
-                           for a in prof.key_averages() if a.key.startswith("aten::")]
-                    row["eager_top_ops_us"] = [[n, c, round(t, 1)] for n, c, t in sorted(ops, key=lambda x: -x[2])[:15]]
-                row[f"{tag}_launches"] = sum(n in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync",
-                                                   "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
-                                             for n in names)
-        row["max_abs_diff"] = float((sums["eager"] - sums["graph"]).abs().max())
-        row["max_rel_diff"] = float(((sums["eager"] - sums["graph"]).abs() / sums["eager"].abs().clamp_min(1e-30)).max())
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                graphs.sums(q, k, v, plan, **kw)
+                sync()
+            names = [e.name for e in prof.events()]
+            row["launches"] = sum(n in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaLaunchKernelExC",
+                                        "cuLaunchKernel", "cuLaunchKernelEx") for n in names)
+            kernels = {}
+            for e in prof.events():
+                t = getattr(e, "device_time", 0.0) or 0.0
+                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and t > 0:
+                    kernels[e.name[:60]] = kernels.get(e.name[:60], 0.0) + t
+            row["device_us"] = round(sum(kernels.values()), 1)
+            row["kernels_us"] = sorted(([n, round(t, 1)] for n, t in kernels.items()), key=lambda x: -x[1])
+        # the reference arithmetic (float32 inputs take it) on the same values
+        ref = cal._fit_sums(*plan.gather(q.float()), plan.which(device), k.float(), v.float(),
+                            kw["keep_blocks"], **{n: kw[n] for n in ("density", "rules", "mode", "scale", "block_size")})
+        n = len(plan.pos)
+        got, want = (cal.row_fits(x, (False, True), rows=n, elems=n * d) for x in (sums, ref))
+        row["alpha_max_abs_diff"] = max(float((got[r].stats.alpha("head", bounds=cal.FIT_BOUNDS)
+                                               - want[r].stats.alpha("head", bounds=cal.FIT_BOUNDS)).abs().max())
+                                        for r in (False, True))
+        row["sums_max_rel_diff"] = float(((sums - ref).abs() / ref.abs().clamp_min(1e-30)).max())
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
@@ -278,16 +288,9 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.set_num_threads(args.threads)
     rows = []
-    calls, errors = [], []
+    calls = []
     if cuda and not args.no_fit_calls:
-        try:
-            calls = fit_calls(device, dtype, args)
-        except Exception as e:  # a graph that cannot be captured: say so, time the op-by-op path only
-            import traceback
-
-            traceback.print_exc()
-            errors.append(f"fit_calls: {e!r}")
-            args.eager_only = True
+        calls = fit_calls(device, dtype, args)
     if cuda:
         d, s = (int(x) for x in args.flux_blocks.split(","))
         shapes = {"wan": (WAN_1_3B, (21, 60, 104)), "flux": ({**FLUX_DEV, "num_layers": d, "num_single_layers": s},
@@ -300,13 +303,15 @@ def main(argv=None) -> int:
             rows.append(measure("wan", WAN_CPU, CPU_GRIDS[n], 16, device, dtype, args))
             print(json.dumps(rows[-1]), flush=True)
     os.makedirs(args.out, exist_ok=True)
+    import triton
+
     env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-           "torch": torch.__version__, "threads": torch.get_num_threads()}
+           "torch": torch.__version__, "triton": triton.__version__, "threads": torch.get_num_threads()}
     with open(os.path.join(args.out, "calibration_cost.json"), "w") as f:
-        json.dump({"environment": env, "density": args.density, "rows": rows, "fit_calls": calls, "errors": errors},
+        json.dump({"environment": env, "density": args.density, "rows": rows, "fit_calls": calls},
                   f, indent=1)
     print(f"\n=== calibration cost per dense warm-up step ({env['device']}) ===")
-    tags = [t for n in args.rows for t in (f"r{n}", f"r{n}e", f"r{n}f") if rows and f"calibrated_ms_{t}" in rows[0]]
+    tags = [t for n in args.rows for t in (f"r{n}", f"r{n}f") if rows and f"calibrated_ms_{t}" in rows[0]]
     head = f"{'model':6s} {'tokens':>7s} {'H x D':>8s} {'step ms':>9s} " + " ".join(
         f"{t + ' ms':>9s} {'+%':>6s}" for t in tags)
     print(head)
@@ -314,9 +319,11 @@ def main(argv=None) -> int:
         cells = " ".join(f"{r[f'calibrated_ms_{t}']:9.1f} {100 * r[f'overhead_{t}']:5.1f}%" for t in tags)
         print(f"{r['model']:6s} {r['tokens']:7d} {r['heads']:>3d}x{r['head_dim']:<4d} {r['step_ms']:9.1f} {cells}")
     for c in calls:
-        print(f"one fit ({c['model']}, {c['tokens']} keys, {c['rows']} rows): op by op {c['eager_us']:.0f} us "
-              f"({c.get('eager_launches', '?')} launches), graph {c['graph_us']:.0f} us "
-              f"({c.get('graph_launches', '?')} launches); max rel. diff {c['max_rel_diff']:.1e}")
+        print(f"one fit ({c['model']}, {c['tokens']} keys, {c['rows']} rows): {c['us']:.0f} us end to end, host "
+              f"{c['host_us']:.0f} us, {c.get('launches', '?')} launches, device {c.get('device_us', 0):.0f} us; "
+              f"clamped weights vs reference max |diff| {c['alpha_max_abs_diff']:.1e}")
+        for name, t in c.get("kernels_us", [])[:8]:
+            print(f"    {t:8.1f} us  {name}")
     return 0
 
 
