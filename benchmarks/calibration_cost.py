@@ -8,6 +8,7 @@ query rows per call and fits the first-order weight on them in float32, see
     python benchmarks/calibration_cost.py --tiny                 # CPU: a small Wan-like model, several lengths
     python benchmarks/calibration_cost.py                        # GPU: Wan2.1-1.3B (32,760 tokens), FLUX.1 (4,608)
     python benchmarks/calibration_cost.py --tiny --count-ops     # ops and host reads per calibrated layer call
+    python benchmarks/calibration_cost.py --tune                 # GPU: sweep the fit kernel's launch settings first
 
 ``rN`` is the default calibration (``N`` rows, the selection rule chosen per layer: both rules
 fitted from one pass of the rows; on CUDA with bf16 inputs each call is the Triton fit,
@@ -193,31 +194,103 @@ def count_ops(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dic
     return {"model": kind, "grid": list(grid), "rows": args.rows[0], **out}
 
 
-def fit_calls(device, dtype, args) -> list[dict]:
-    """One calibrated layer call's fit alone (``FitGraphs.sums``, the layer's own key/value shapes,
-    both rules): microseconds per call (host enqueue, end to end), CUDA launches per call, device
-    time per kernel (profiler) and the clamped weights' largest difference to the reference
-    arithmetic in float32 on the same values."""
+def _fit_case(kind: str, device, dtype, args):
+    """(q, k, v, plan, settings) of one calibrated layer call at ``kind``'s layer shape."""
     import random
 
     from pisa_attn import calibration as cal
     from pisa_attn.diffusers.calibrate import sample_rows
 
-    shapes = {"wan": (WAN_1_3B["num_attention_heads"], 32760, WAN_1_3B["attention_head_dim"], 0),
+    h, lq, d, text = FIT_SHAPES[kind]
+    lk = lq + text
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, h, lk, d, generator=g, device=device, dtype=dtype) for _ in range(3))
+    keep = torch.zeros(-(-lk // 64), dtype=torch.bool, device=device)
+    keep[: text // 64] = True  # the text blocks, always exact
+    plan = cal.row_plan(lk, 64, sample_rows(random.Random(0), text, lk, 64, args.rows[0]), (text, lk))
+    kw = dict(density=args.density, rules=(False, True), mode="hybrid", scale=d**-0.5, block_size=64,
+              keep_blocks=keep if text else None)
+    return q, k, v, plan, kw
+
+
+FIT_SHAPES = {"wan": (WAN_1_3B["num_attention_heads"], 32760, WAN_1_3B["attention_head_dim"], 0),
               "flux": (FLUX_DEV["num_attention_heads"], 4608, FLUX_DEV["attention_head_dim"], 512)}
+
+
+def _kernel_times(fn) -> dict[str, float]:
+    """Device microseconds per kernel name of one call of ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        t = getattr(e, "device_time", 0.0) or 0.0
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and t > 0:
+            kernels[e.name[:60]] = kernels.get(e.name[:60], 0.0) + t
+    return kernels
+
+
+def tune_fit(device, dtype, args) -> tuple[dict, list]:
+    """The rows kernel's launch settings (``pisa_attn.ops.triton.fit.FIT_TUNING``: waves of key
+    chunks, warps) that give the least device time of the rows and merge kernels summed over the
+    Wan and FLUX layer shapes (profiler, after a compiling call). Sets the winner for the rest
+    of the run and returns ``(winner, [(settings, {shape: us})...])``."""
+    from pisa_attn import calibration as cal
+    from pisa_attn.ops.triton import fit as tfit
+
+    cases = {kind: _fit_case(kind, device, dtype, args) for kind in FIT_SHAPES}
+    default = dict(tfit.FIT_TUNING)
+    sweep = []
+    for waves in (1, 2, 4):
+        for warps in (4, 8):
+            tfit.FIT_TUNING.update(waves=waves, warps=warps)
+            graphs = cal.FitGraphs()
+            us = {}
+            for kind, (q, k, v, plan, kw) in cases.items():
+                graphs.sums(q, k, v, plan, **kw)
+                t = _kernel_times(lambda: graphs.sums(q, k, v, plan, **kw))  # noqa: B023
+                us[kind] = round(sum(x for n, x in t.items() if n.startswith(("_rows_kernel", "_merge_kernel"))), 1)
+            sweep.append(({"waves": waves, "warps": warps}, us))
+            print(f"fit tuning waves={waves} warps={warps}: rows+merge {us} us", flush=True)
+    best = min(sweep, key=lambda x: sum(x[1].values()))[0]
+    tfit.FIT_TUNING.clear()
+    tfit.FIT_TUNING.update({**default, **best})
+    return dict(tfit.FIT_TUNING), sweep
+
+
+def sdpa_cudnn_us(q, k, v, reps: int = 20) -> float:
+    """The layer's dense attention (torch SDPA, cuDNN backend) on the same q/k/v: median µs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    f = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        f(q, k, v)
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            f(q, k, v)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+    return round(sorted(times)[len(times) // 2], 1)
+
+
+def fit_calls(device, dtype, args) -> list[dict]:
+    """One calibrated layer call's fit alone (``FitGraphs.sums``, the layer's own key/value shapes,
+    both rules): microseconds per call (host enqueue, end to end), CUDA launches per call, device
+    time per kernel (profiler) and the clamped weights' largest difference to the reference
+    arithmetic in float32 on the same values."""
+    from pisa_attn import calibration as cal
+
     out = []
-    for kind, (h, lq, d, text) in shapes.items():
-        lk = lq + text
-        g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(1, h, lk, d, generator=g, device=device, dtype=dtype) for _ in range(3))
-        keep = torch.zeros(-(-lk // 64), dtype=torch.bool, device=device)
-        keep[: text // 64] = True  # the text blocks, always exact
-        rng = random.Random(0)
-        plan = cal.row_plan(lk, 64, sample_rows(rng, text, lk, 64, args.rows[0]), (text, lk))
-        kw = dict(density=args.density, rules=(False, True), mode="hybrid", scale=d**-0.5, block_size=64,
-                  keep_blocks=keep if text else None)
+    for kind in FIT_SHAPES:
+        q, k, v, plan, kw = _fit_case(kind, device, dtype, args)
+        h, d = q.shape[1], q.shape[3]
         graphs = cal.FitGraphs()
-        row = {"model": kind, "heads": h, "tokens": lk, "head_dim": d, "rows": len(plan.pos),
+        row = {"model": kind, "heads": h, "tokens": k.shape[2], "head_dim": d, "rows": len(plan.pos),
                "kernel_fit": cal.fast_fit_supported(q, "hybrid", 64)}
         sums = graphs.sums(q, k, v, plan, **kw).clone()
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -240,13 +313,10 @@ def fit_calls(device, dtype, args) -> list[dict]:
             names = [e.name for e in prof.events()]
             row["launches"] = sum(n in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaLaunchKernelExC",
                                         "cuLaunchKernel", "cuLaunchKernelEx") for n in names)
-            kernels = {}
-            for e in prof.events():
-                t = getattr(e, "device_time", 0.0) or 0.0
-                if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and t > 0:
-                    kernels[e.name[:60]] = kernels.get(e.name[:60], 0.0) + t
+            kernels = _kernel_times(lambda: graphs.sums(q, k, v, plan, **kw))  # noqa: B023
             row["device_us"] = round(sum(kernels.values()), 1)
             row["kernels_us"] = sorted(([n, round(t, 1)] for n, t in kernels.items()), key=lambda x: -x[1])
+            row["sdpa_cudnn_us"] = sdpa_cudnn_us(q, k, v)
         # the reference arithmetic (float32 inputs take it) on the same values
         ref = cal._fit_sums(*plan.gather(q.float()), plan.which(device), k.float(), v.float(),
                             kw["keep_blocks"], **{n: kw[n] for n in ("density", "rules", "mode", "scale", "block_size")})
@@ -275,6 +345,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "./out"))
     p.add_argument("--count-ops", action="store_true", help="count ops and host reads per calibrated call instead")
     p.add_argument("--no-fit-calls", action="store_true", help="skip the one-call fit timing (GPU)")
+    p.add_argument("--tune", action="store_true",
+                   help="GPU: first sweep the rows kernel's launch settings and run with the fastest")
     args = p.parse_args(argv)
     args.rows = [int(x) for x in args.rows.split(",")]
     if args.count_ops:
@@ -288,7 +360,13 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.set_num_threads(args.threads)
     rows = []
-    calls = []
+    calls, tuning, sweep = [], None, []
+    if cuda and args.tune:
+        tuning, sweep = tune_fit(device, dtype, args)
+    if cuda:
+        from pisa_attn.ops.triton import fit as tfit
+
+        tuning = dict(tfit.FIT_TUNING)
     if cuda and not args.no_fit_calls:
         calls = fit_calls(device, dtype, args)
     if cuda:
@@ -306,7 +384,8 @@ def main(argv=None) -> int:
     import triton
 
     env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-           "torch": torch.__version__, "triton": triton.__version__, "threads": torch.get_num_threads()}
+           "torch": torch.__version__, "triton": triton.__version__, "threads": torch.get_num_threads(),
+           "fit_tuning": tuning, "fit_tuning_sweep_us": sweep}
     with open(os.path.join(args.out, "calibration_cost.json"), "w") as f:
         json.dump({"environment": env, "density": args.density, "rows": rows, "fit_calls": calls},
                   f, indent=1)
@@ -321,7 +400,8 @@ def main(argv=None) -> int:
     for c in calls:
         print(f"one fit ({c['model']}, {c['tokens']} keys, {c['rows']} rows): {c['us']:.0f} us end to end, host "
               f"{c['host_us']:.0f} us, {c.get('launches', '?')} launches, device {c.get('device_us', 0):.0f} us; "
-              f"clamped weights vs reference max |diff| {c['alpha_max_abs_diff']:.1e}")
+              f"clamped weights vs reference max |diff| {c['alpha_max_abs_diff']:.1e}; the layer's dense attention "
+              f"(cuDNN SDPA) {c.get('sdpa_cudnn_us', 0):.0f} us")
         for name, t in c.get("kernels_us", [])[:8]:
             print(f"    {t:8.1f} us  {name}")
     return 0

@@ -406,6 +406,38 @@ def test_fit_graphs_take_the_kernel_where_it_is_supported(monkeypatch):
     assert len(graphs) == 0 and len(graphs._which) == 1
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors need Triton's interpreter (set without a GPU)")
+@pytest.mark.parametrize("rules,keep", [((False, True), None), ((True, False), "shared"), ((True,), "per-head")],
+                         ids=["TC", "CT-keep", "C-keep-per-head"])
+def test_fit_selection_is_the_reference_selection(rules, keep):
+    """The fit kernel's selection (one launch for both rules, either order) is the reference's
+    top-k of the same statistics, with kept blocks, GQA and 100 key blocks (a padded sort); exactly
+    n_select blocks besides the kept ones, ties to the lower block index."""
+    from pisa_attn.ops.triton import fit as tfit
+
+    g = torch.Generator().manual_seed(2)
+    b, h, hk, nk, d = 1, 2, 1, 100, 32
+    qmean = torch.randn(b, h, 2, d, generator=g)
+    kmean = torch.randn(b, hk, d, nk, generator=g).transpose(2, 3)  # the prepare stage's layout
+    hdev = torch.rand(b, hk, nk, generator=g) * 5
+    kb = None
+    if keep == "shared":
+        kb = torch.zeros(nk, dtype=torch.bool)
+        kb[[0, 7]] = True
+    elif keep == "per-head":
+        kb = torch.zeros(b, h, nk, dtype=torch.bool)
+        kb[0, 1, 50] = True
+    got = tfit.select_masks(qmean, kmean, hdev, kb, rules=rules, n_select=12, scale=d**-0.5)
+    for i, rule in enumerate(rules):
+        scores = ref.selection_scores(qmean, kmean, d**-0.5, hdev if rule else None)
+        want = ref.select_blocks(scores, 12, kb)
+        assert torch.equal(got[i].bool(), want)
+    # ties: every key block alike; the lowest indices win, exactly n_select of them
+    flat = torch.ones(1, 1, d, nk).transpose(2, 3)
+    tie = tfit.select_masks(qmean[:1, :1], flat, None, None, rules=(False,), n_select=5, scale=1.0)
+    assert [row.nonzero().flatten().tolist() for row in tie[0, 0, 0]] == [[0, 1, 2, 3, 4]] * 2
+
+
 def test_fit_kernel_chunks_cover_the_keys():
     from pisa_attn.ops.triton import fit as tfit
 
@@ -419,3 +451,35 @@ def test_fit_kernel_chunks_cover_the_keys():
 def test_fast_fit_only_on_cuda_hybrid():
     q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     assert not cal.fast_fit_supported(q, "hybrid", 64)  # CPU: the reference
+
+
+FIT_BUILD_SCRIPT = """
+import json, sys, torch
+from pisa_attn.ops.triton.fit import compile_for_sm90
+res = {}
+for name, (d, rows, rules, dtype, nk) in json.loads(sys.argv[1]).items():
+    res[name] = {k: len(c.asm["cubin"]) for k, c in compile_for_sm90(d, rows, rules, getattr(torch, dtype), nk).items()}
+print(json.dumps(res))
+"""
+
+
+def test_fit_kernels_build_for_sm90():
+    """The fit's select, rows and merge kernels compile for sm_90 without a GPU (a subprocess: this
+    session runs Triton's interpreter): Wan's shape with both rules, one rule at D 64 in float16,
+    and 512 rows (eight row tiles) against 4096 key blocks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    variants = {"D128-R32-rules2-bf16-Nk512": (128, 32, 2, "bfloat16", 512),
+                "D64-R40-rules1-fp16-Nk80": (64, 40, 1, "float16", 80),
+                "D128-R512-rules2-bf16-Nk4096": (128, 512, 2, "bfloat16", 4096)}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", FIT_BUILD_SCRIPT, json.dumps(variants)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(res) == set(variants)
+    for name, kernels in res.items():
+        assert set(kernels) == {"select", "rows", "merge"} and all(n > 0 for n in kernels.values()), name

@@ -38,27 +38,90 @@ from torch import Tensor
 from ... import spec
 from ..launch import Launcher, spec_class
 from . import prepare as tprep
-from . import select as tsel
+from ...spec import COV_EPS
 from ._common import LOG2E, interpreting, next_pow2, sm_count
 
 # Programs of the rows kernel per multiprocessor (key chunks are cut to this many waves; more
 # chunks mean more partials for the merge to read), warps and pipelining depth of its loads.
 FIT_TUNING = {"waves": 1, "warps": 4, "stages": 3, "merge_slice": 32}
 SUMS_PER_RULE = 4  # cr, cc, rr, tail mass (the order of pisa_attn.calibration.SUMS)
+MAX_KEY_BLOCKS = 4096  # the selection's sort keys hold a block index in 12 bits
+_COV_EPS = tl.constexpr(COV_EPS)
 
 
 @triton.jit
-def _rule_bits(bits_ptr, blk_off, j, rmask):
-    """Whether key block ``j`` is exact for each row (its bitmask row starts at ``blk_off``)."""
-    word = tl.load(bits_ptr + blk_off + j // 32, mask=rmask, other=0)
-    return ((word >> (j % 32)) & 1) != 0
+def _sort_key(score, cols, valid):
+    """int64 keys in the order of ``score`` (float32), ties broken towards the lower block index
+    (``cols``), every invalid column below every valid one: the top ``n`` keys are exactly ``n``."""
+    bits = score.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # order-preserving signed image of the floats
+    key = tl.where(valid, key, -2147483648)
+    return key.to(tl.int64) * 4096 + (4095 - cols)
 
 
-@triton.jit(do_not_specialize=["H", "HK", "R", "LK", "NK", "NBLK", "NW", "PER", "CHUNKS", "RTILES", "RP"])
+@triton.jit
+def _top(key, cols, n_sel):
+    """Bool: the ``n_sel`` largest of the distinct ``key``s (``n_sel`` >= 1)."""
+    ranked = tl.sort(key, descending=True)
+    thr = tl.sum(tl.where(cols == n_sel - 1, ranked, 0), axis=0)
+    return key >= thr
+
+
+@triton.jit(do_not_specialize=["H", "HK", "NBLK", "NK", "n_sel", "keep_sb", "keep_sh"])
+def _select_kernel(
+    qmean_ptr, kmean_t_ptr, hdev_ptr, keep_ptr, mask_ptr,
+    H, HK, NBLK, NK, n_sel, scale, keep_sb, keep_sh,
+    D: tl.constexpr, DC: tl.constexpr, NKP: tl.constexpr, NR: tl.constexpr, COV0: tl.constexpr,
+    COV1: tl.constexpr, HAS_KEEP: tl.constexpr,
+):  # fmt: skip
+    # program (bh, sampled block i): the pooled scores s·q̄_i·k̄_j of every key block in float32,
+    # then per rule (covariance-aware: COV0, COV1) the exact set keep ∪ top-n_sel of the others,
+    # as bytes mask[rule, b, h, i, j]
+    pid = tl.program_id(0)
+    i = pid % NBLK
+    bh = pid // NBLK
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // (H // HK)
+    cols = tl.arange(0, NKP)
+    valid = cols < NK
+    kt_base = kmean_t_ptr + (b * HK + hk) * D * NK
+    q_base = qmean_ptr + (bh.to(tl.int64) * NBLK + i) * D
+    s = tl.zeros([NKP], tl.float32)
+    for d0 in range(0, D, DC):
+        dd = d0 + tl.arange(0, DC)
+        qc = tl.load(q_base + dd)
+        kc = tl.load(kt_base + dd[:, None] * NK + cols[None, :], mask=valid[None, :], other=0.0)
+        s += tl.sum(qc[:, None] * kc, axis=0)
+    s = s * scale
+    excl = cols < 0
+    if HAS_KEEP:
+        excl = tl.load(keep_ptr + b * keep_sb + h * keep_sh + cols, mask=valid, other=0) != 0
+    cov = s
+    if COV0 or COV1:
+        hd = tl.load(hdev_ptr + (b * HK + hk) * NK + cols, mask=valid, other=1.0)
+        cov = s + tl.log(hd + _COV_EPS)
+    out = mask_ptr + (bh.to(tl.int64) * NBLK + i) * NK + cols
+    score = cov if COV0 else s
+    sel = _top(_sort_key(tl.where(excl, float("-inf"), score), cols, valid), cols, n_sel) | excl
+    tl.store(out, sel.to(tl.uint8), mask=valid)
+    if NR == 2:
+        score = cov if COV1 else s
+        sel = _top(_sort_key(tl.where(excl, float("-inf"), score), cols, valid), cols, n_sel) | excl
+        tl.store(out + tl.num_programs(0).to(tl.int64) * NK, sel.to(tl.uint8), mask=valid)
+
+
+@triton.jit
+def _rule_bits(mask_ptr, row_off, j, rmask):
+    """Whether key block ``j`` is exact for each row (its mask row starts at ``row_off``)."""
+    return tl.load(mask_ptr + row_off + j, mask=rmask, other=0) != 0
+
+
+@triton.jit(do_not_specialize=["H", "HK", "R", "LK", "NK", "NBLK", "RULE_STRIDE", "PER", "CHUNKS", "RTILES", "RP"])
 def _rows_kernel(
-    q_ptr, k_ptr, v_ptr, vbar_ptr, bits0_ptr, bits1_ptr, which_ptr, pv_ptr, ps_ptr,
+    q_ptr, k_ptr, v_ptr, vbar_ptr, mask_ptr, which_ptr, pv_ptr, ps_ptr,
     sqb, sqh, sqr, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
-    H, HK, R, LK, NK, NBLK, NW, PER, CHUNKS, RTILES, RP, qk_scale,
+    H, HK, R, LK, NK, NBLK, RULE_STRIDE, PER, CHUNKS, RTILES, RP, qk_scale,
     BS: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, NR: tl.constexpr, F32: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -74,7 +137,7 @@ def _rows_kernel(
     q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqr + offs_d[None, :] * sqd, mask=rmask[:, None],
                 other=0.0)
     blk = tl.load(which_ptr + rows, mask=rmask, other=0)
-    blk_off = ((b * H + h) * NBLK + blk) * NW  # each row's bitmask row
+    blk_off = ((b * H + h) * NBLK + blk) * NK  # each row's mask row (rule 0; rule 1 RULE_STRIDE on)
     k_base = k_ptr + b * skb + hk * skh
     v_base = v_ptr + b * svb + hk * svh
     vbar_base = vbar_ptr + (b * HK + hk) * NK * D
@@ -114,13 +177,13 @@ def _rows_kernel(
         a = tl.exp2(cj - m_new)  # a centroid score is at most the row maximum: no overflow
         vs = tl.load(vbar_base + j * D + offs_d).to(tl.float32) * nj
         tv = a[:, None] * vs[None, :]
-        e = _rule_bits(bits0_ptr, blk_off, j, rmask)
+        e = _rule_bits(mask_ptr, blk_off, j, rmask)
         n0 = n0 * alpha[:, None] + tl.where(e[:, None], pv, tv)
         den0 = den0 * alpha + tl.where(e, psum, nj * a)
         a0 = a0 * alpha + tl.where(e, 0.0, a)
         t0 = t0 * alpha + tl.where(e, 0.0, psum)
         if NR == 2:
-            e = _rule_bits(bits1_ptr, blk_off, j, rmask)
+            e = _rule_bits(mask_ptr + RULE_STRIDE, blk_off, j, rmask)
             n1 = n1 * alpha[:, None] + tl.where(e[:, None], pv, tv)
             den1 = den1 * alpha + tl.where(e, psum, nj * a)
             a1 = a1 * alpha + tl.where(e, 0.0, a)
@@ -237,6 +300,7 @@ def _merge_kernel(
         tl.store(o + 3 * HP, tm)
 
 
+_launch_select = Launcher(_select_kernel)
 _launch_rows = Launcher(_rows_kernel)
 _launch_merge = Launcher(_merge_kernel)
 
@@ -252,6 +316,47 @@ def chunking(batch_heads: int, row_tiles: int, nk: int, device) -> tuple[int, in
     want = max(1, -(-FIT_TUNING["waves"] * sm_count(device) // max(1, batch_heads * row_tiles)))
     per = max(1, -(-nk // want))
     return per, -(-nk // per)
+
+
+def select_masks(qmean: Tensor, kmean: Tensor, hdev: Tensor | None, keep_blocks: Tensor | None, *,
+                 rules: tuple[bool, ...], n_select: int, scale: float) -> Tensor:
+    """Exact-set masks ``[len(rules), B, H, Nq, Nk]`` uint8 of query-block means ``qmean``
+    ``[B, H, Nq, D]`` against the prepare stage's ``kmean`` ``[B, Hk, Nk, D]`` (its transposed view
+    of ``[B, Hk, D, Nk]`` storage) per selection rule: ``keep ∪ top-n_select`` of the float32 pooled
+    scores (``+ log(hdev + ε)`` for a covariance-aware rule), ties to the lower block index. The
+    reference's :func:`pisa_attn.ops.reference.select_blocks` up to float32 rounding of the scores;
+    one launch for both rules."""
+    b, h, nblk, d = qmean.shape
+    hk, nk = kmean.shape[1], kmean.shape[2]
+    dev = qmean.device
+    nr = len(rules)
+    if nk > MAX_KEY_BLOCKS:
+        raise ValueError(f"kmean: {nk} key blocks, more than the fit kernel's {MAX_KEY_BLOCKS}")
+    if any(rules) and hdev is None:
+        raise ValueError("hdev: a covariance-aware rule needs the blocks' ||H_j - H̄||")
+    mask = torch.empty(nr, b, h, nblk, nk, device=dev, dtype=torch.uint8)
+    if keep_blocks is not None:
+        keep = keep_blocks.to(dev, non_blocking=True)
+        keep = (keep.reshape(1, 1, -1) if keep.dim() == 1 else keep).view(torch.uint8)
+        keep = keep if keep.stride(-1) == 1 else keep.contiguous()
+        ksb = keep.stride(0) if keep.shape[0] > 1 else 0
+        ksh = keep.stride(1) if keep.shape[1] > 1 else 0
+    else:
+        keep, ksb, ksh = mask, 0, 0  # never read (HAS_KEEP=False)
+    hd = hdev if hdev is not None else mask  # never read without a covariance-aware rule
+    nkp = max(16, next_pow2(nk))
+    dc = max(1, min(d, 8192 // nkp))
+    cov = (bool(rules[0]), bool(rules[-1]))
+    kt = kmean.transpose(2, 3)
+    if not kt.is_contiguous():
+        kt = kt.contiguous()
+    qm = qmean if qmean.is_contiguous() else qmean.contiguous()
+    n_sel = min(max(1, int(n_select)), nk)
+    args = (qm, kt, hd, keep, mask, h, hk, nblk, nk, n_sel, float(scale), ksb, ksh)
+    _launch_select((d, dc, nkp, nr, cov, keep_blocks is not None, spec_class(*args[:5])), (b * h * nblk,), args,
+                   dict(D=d, DC=dc, NKP=nkp, NR=nr, COV0=cov[0], COV1=cov[1], HAS_KEEP=keep_blocks is not None),
+                   num_warps=4)
+    return mask
 
 
 def fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, keep_blocks: Tensor | None, *,
@@ -270,22 +375,14 @@ def fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, k
     hk, lk = k.shape[1], k.shape[2]
     bs = block_size
     dev = qr.device
+    nk = spec.num_blocks(lk, bs)
+    if nk > MAX_KEY_BLOCKS:
+        raise ValueError(f"k: {nk} key blocks, more than the fit kernel's {MAX_KEY_BLOCKS}")
     st = tprep.prepare(qblocks, k, v, bs, with_hdev=any(rules))
-    nk = st.vbar.shape[2]
     n_sel = min(spec.num_selected(density, nk), nk)
-    keep = None
-    n_keep = 0
-    if keep_blocks is not None:
-        keep = keep_blocks.to(dev, non_blocking=True)
-        keep = keep.reshape(1, 1, -1) if keep.dim() == 1 else keep
-        n_keep = nk
-    width = spec.selection_width(nk, n_sel, n_keep)
-    qmean = st.qmean
-    bits = [tsel.select(qmean, st.kmean, n_select=n_sel, width=width, scale=scale,
-                        hdev=st.hdev if rule else None, keep=keep).bits for rule in rules]
-    nblk = qmean.shape[2]
-    nw = bits[0].shape[-1]
     nr = len(rules)
+    nblk = st.qmean.shape[2]
+    mask = select_masks(st.qmean, st.kmean, st.hdev, keep_blocks, rules=rules, n_select=n_sel, scale=scale)
     rt = row_tile(r)
     rtiles = -(-r // rt)
     rp = rtiles * rt
@@ -296,9 +393,8 @@ def fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, k
     which = which.to(torch.int32) if which.dtype != torch.int32 else which
     interp = interpreting()
     strides = (*qr.stride(), *k.stride(), *v.stride())
-    bits1 = bits[-1]
-    args = (qr, k, v, st.vbar, bits[0], bits1, which, pv, ps, *strides,
-            h, hk, r, lk, nk, nblk, nw, per, chunks, rtiles, rp, float(scale) * LOG2E)
+    args = (qr, k, v, st.vbar, mask, which, pv, ps, *strides,
+            h, hk, r, lk, nk, nblk, b * h * nblk * nk, per, chunks, rtiles, rp, float(scale) * LOG2E)
     _launch_rows((bs, d, rt, nr, FIT_TUNING["warps"], FIT_TUNING["stages"], spec_class(qr, k, v, *strides)),
                  (b * h * rtiles * chunks,), args, dict(BS=bs, D=d, RT=rt, NR=nr, F32=interp),
                  num_warps=FIT_TUNING["warps"], num_stages=FIT_TUNING["stages"])
@@ -311,9 +407,32 @@ def fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, k
     return out.sum(-1)
 
 
-def supported(q: Tensor, block_size: int) -> bool:
-    """Whether :func:`fit_sums` takes these inputs (dtype, head dim, block size of the kernels)."""
-    from .op import BLOCK_SIZES, DTYPES, HEAD_DIMS
+def compile_for_sm90(head_dim: int = 128, rows: int = 32, rules: int = 2, dtype: torch.dtype = torch.bfloat16,
+                     key_blocks: int = 512) -> dict:
+    """Compile the select, rows and merge kernels for sm_90 without a GPU (Triton ships
+    ``ptxas``): what a CPU CI runs so that a kernel that does not build fails there. Returns
+    ``{name: Triton's compiled kernel}``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
-    return q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS and block_size in BLOCK_SIZES
-
+    lp = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    d, rt, nr = head_dim, row_tile(rows), rules
+    nkp = max(16, next_pow2(key_blocks))
+    kernels = {
+        "select": (_select_kernel, dict(qmean_ptr="*fp32", kmean_t_ptr="*fp32", hdev_ptr="*fp32", keep_ptr="*u8",
+                                        mask_ptr="*u8", scale="fp32"),
+                   dict(D=d, DC=max(1, min(d, 8192 // nkp)), NKP=nkp, NR=nr, COV0=False, COV1=nr == 2, HAS_KEEP=True),
+                   4, 3),
+        "rows": (_rows_kernel, dict(q_ptr=lp, k_ptr=lp, v_ptr=lp, vbar_ptr=lp, mask_ptr="*u8", which_ptr="*i32",
+                                    pv_ptr="*fp32", ps_ptr="*fp32", qk_scale="fp32"),
+                 dict(BS=64, D=d, RT=rt, NR=nr, F32=False), FIT_TUNING["warps"], FIT_TUNING["stages"]),
+        "merge": (_merge_kernel, dict(q_ptr=lp, hbar_ptr="*fp32", pv_ptr="*fp32", ps_ptr="*fp32", out_ptr="*fp64",
+                                      scale="fp32"),
+                  dict(D=d, DS=min(FIT_TUNING["merge_slice"], d), RT=rt, NR=nr), 4, 3),
+    }
+    out = {}
+    for name, (fn, types, constexprs, warps, stages) in kernels.items():
+        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+        out[name] = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return out
