@@ -574,10 +574,17 @@ def _fill(dst: Tensor, src: Tensor, spans) -> None:
 
 
 def choose_rules(fits: dict[str, dict[int, dict[bool, RowFit]]], *, over: str = "head", default: float = 1.0,
-                 bounds=FIT_BOUNDS) -> tuple[dict[str, dict[int, RowFit]], dict[str, dict[int, bool]]]:
+                 bounds=FIT_BOUNDS, require_tail: bool = True
+                 ) -> tuple[dict[str, dict[int, RowFit]], dict[str, dict[int, bool]]]:
     """Per transformer and layer, the selection rule (covariance-aware or not) whose fit, at its own
     clamped least-squares weights, leaves the smaller squared error on the fitted rows: ``(fits of
-    the chosen rules, {name: {layer: rule}})``. Ties keep top-k (no extra prepare pass)."""
+    the chosen rules, {name: {layer: rule}})``. Ties keep top-k (no extra prepare pass).
+
+    ``require_tail``: a fit that cannot be made is a ValueError naming the layer, not a weight of
+    ``default``: a head (``over="head"``; the layer for ``"layer"``) whose first-order term is zero
+    on every fitted row under the chosen rule (no tail: every key block exact at this density, or
+    ``H̄ = 0``). The online calibration passes False: there such a layer runs like the fitted rows,
+    where the weight changes nothing, and keeps its uncalibrated weight."""
     chosen: dict[str, dict[int, RowFit]] = {}
     rules: dict[str, dict[int, bool]] = {}
     for name, layers in fits.items():
@@ -587,8 +594,20 @@ def choose_rules(fits: dict[str, dict[int, dict[bool, RowFit]]], *, over: str = 
                 st = by_rule[rule].stats
                 return float(st.residual(st.alpha(over, default=default, bounds=bounds)).sum())
             rule = min(sorted(by_rule), key=err)  # False first: a tie keeps top-k
+            if require_tail:
+                _check_fittable(by_rule[rule].stats, over, f"layer {layer} of {name!r}")
             chosen[name][layer], rules[name][layer] = by_rule[rule], rule
     return chosen, rules
+
+
+def _check_fittable(st: AlphaStats, over: str, where: str) -> None:
+    cc = st.cc if over == "head" else st.cc.sum().reshape(1)
+    none = (~(cc > torch.finfo(cc.dtype).tiny)).nonzero().flatten().tolist()
+    if none:
+        which = "" if over == "layer" else f" (heads {none})"
+        raise ValueError(f"{where}: the first-order term is zero on every fitted row{which}: no tail (every key "
+                         "block exact at this density) or H̄ = 0, so no weight can be fitted; fit at the density "
+                         "you run with, on calls with more key blocks")
 
 
 def _runs(pos: list[int], bs: int) -> list[tuple[int, int]]:

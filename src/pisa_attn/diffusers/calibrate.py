@@ -200,6 +200,7 @@ class Calibrator:
 
     def table(self, name: str = "transformer") -> AlphaTable:
         """The current fits as a table (the weights, selection rule, tail mass and rows per layer)."""
-        fits, rules = cal.choose_rules({name: self.fits}, over=self.config.fit, default=self.default)
+        fits, rules = cal.choose_rules({name: self.fits}, over=self.config.fit, default=self.default,
+                                       require_tail=False)
         return from_fits(fits, settings=self.settings, over=self.config.fit, default=self.default,
                          source="calibrate=True (dense warm-up)", rules=rules if self.config.choose_selection else None)
