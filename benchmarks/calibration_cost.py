@@ -85,16 +85,36 @@ def inputs(kind: str, cfg: dict, grid, text: int, device, dtype) -> dict:
     return out
 
 
-def forward_ms(model, x, device) -> float:
-    """ms of one forward (the same timestep every time: every call is warm-up step 0)."""
+def forward_ms(model, x, device, host: list | None = None) -> float:
+    """ms of one forward (the same timestep every time: every call is warm-up step 0); ``host``
+    gets the ms until the forward returned (all its work enqueued)."""
     with torch.inference_mode():
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         model(**x)
+        if host is not None:
+            host.append((time.perf_counter() - t0) * 1e3)
         if device.type == "cuda":
             torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
+
+
+def sync_count(model, x, device) -> int:
+    """Host synchronisations torch reports during one forward (``set_sync_debug_mode("warn")``)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.inference_mode():
+                model(**x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
@@ -110,24 +130,33 @@ def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
         settings.update({f"r{n}": pd.CalibrationConfig(rows=n),
                          f"r{n}f": pd.CalibrationConfig(rows=n, choose_selection=False)})
     times = {name: [] for name in settings}
+    host = {name: [] for name in settings}
     first = {}
     layers = 0
     for i in range(args.warmup + args.iters):
         for name, calibration in settings.items():
             pd.apply_pisa(model, calibrate=calibration or False, **common)
-            ms = forward_ms(model, x, device)
+            enq: list = []
+            ms = forward_ms(model, x, device, enq)
             first.setdefault(name, ms)
             if i >= args.warmup:
                 times[name].append(ms)
+                host[name].append(enq[0])
             if calibration is not None:
                 layers = len(pd.pisa_state(model).calibrator.fits)
+    syncs = {}
+    if device.type == "cuda":
+        for name, calibration in settings.items():
+            pd.apply_pisa(model, calibrate=calibration or False, **common)
+            syncs[name] = sync_count(model, x, device)
     pd.remove_pisa(model)
     from pisa_attn.diffusers.calibrate import GRAPHS
 
     GRAPHS.clear()  # the next model's shapes start from nothing
     base = min(times["base"])
     row = {"model": kind, "grid": list(grid), "text": text, "step_ms": base, "layers": layers,
-           "times_ms": times, "first_ms": first}
+           "times_ms": times, "first_ms": first, "host_ms": {n: min(t) for n, t in host.items() if t},
+           "syncs_per_forward": syncs}
     if device.type == "cuda":
         row["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for n in args.rows:
@@ -397,6 +426,7 @@ def main(argv=None) -> int:
     for r in rows:
         cells = " ".join(f"{r[f'calibrated_ms_{t}']:9.1f} {100 * r[f'overhead_{t}']:5.1f}%" for t in tags)
         print(f"{r['model']:6s} {r['tokens']:7d} {r['heads']:>3d}x{r['head_dim']:<4d} {r['step_ms']:9.1f} {cells}")
+        print(f"       host enqueue ms {r.get('host_ms')}; synchronisations per forward {r.get('syncs_per_forward')}")
     for c in calls:
         print(f"one fit ({c['model']}, {c['tokens']} keys, {c['rows']} rows): {c['us']:.0f} us end to end, host "
               f"{c['host_us']:.0f} us, {c.get('launches', '?')} launches, device {c.get('device_us', 0):.0f} us; "

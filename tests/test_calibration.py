@@ -483,3 +483,15 @@ def test_fit_kernels_build_for_sm90():
     assert set(res) == set(variants)
     for name, kernels in res.items():
         assert set(kernels) == {"select", "rows", "merge"} and all(n > 0 for n in kernels.values()), name
+
+
+def test_fit_graphs_copy_host_kept_blocks_once():
+    graphs = cal.FitGraphs()
+    keep = torch.zeros(10, dtype=torch.bool)
+    assert graphs._on_device(keep, torch.device("cpu")) is keep  # already there: no copy, no entry
+    assert graphs._on_device(None, "cpu") is None and len(graphs._keep) == 0
+    meta = torch.device("meta")
+    a = graphs._on_device(keep[:8], meta)
+    b = graphs._on_device(keep[:8], meta)  # a new view of the same blocks: the same copy
+    c = graphs._on_device(keep[:9], meta)
+    assert a is b and c is not a and a.device == meta and len(graphs._keep) == 2

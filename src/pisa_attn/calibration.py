@@ -443,7 +443,8 @@ class FitGraphs:
     the Triton fit (:func:`pisa_attn.ops.triton.fit.fit_sums`) launched directly: the rows and
     their query blocks gathered (two copies), the kernels' prepare and select stages, one pass of
     the rows over k and v in place, one merge; about a dozen launches, no host synchronisation,
-    no host-to-device copy (the row-to-block map is kept per rows layout on the device).
+    no host-to-device copy (the row-to-block map is kept per rows layout on the device, kept
+    blocks given on the host are copied once).
 
     Elsewhere (float32 inputs, ``mode="first"``) the reference arithmetic is a couple of hundred
     small kernels, whose launches cost more than the fit's arithmetic on a GPU; there each call
@@ -463,11 +464,13 @@ class FitGraphs:
         self._entries: OrderedDict = OrderedDict()
         self._pools: dict = {}
         self._which: OrderedDict = OrderedDict()
+        self._keep: OrderedDict = OrderedDict()
 
     def clear(self) -> None:
         self._entries.clear()
         self._pools.clear()
         self._which.clear()
+        self._keep.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -482,8 +485,9 @@ class FitGraphs:
         if fast_fit_supported(q, mode, block_size) and not torch.compiler.is_compiling():
             from .ops.triton import fit as tfit
 
-            return tfit.fit_sums(*plan.gather(q), self._rows_map(plan, q.device), k, v, keep_blocks,
-                                 density=density, rules=tuple(rules), scale=scale, block_size=block_size)
+            return tfit.fit_sums(*plan.gather(q), self._rows_map(plan, q.device), k, v,
+                                 self._on_device(keep_blocks, q.device), density=density, rules=tuple(rules),
+                                 scale=scale, block_size=block_size)
         if torch.compiler.is_compiling():  # traced: plain ops, nothing cached
             return _fit_sums(*plan.gather(q), plan.which(q.device), k, v, keep_blocks, **settings)
         capture = capture and q.is_cuda
@@ -504,6 +508,20 @@ class FitGraphs:
             pool = self._pools.setdefault(str(q.device), torch.cuda.graph_pool_handle())
             entry.capture(pool)
         return entry.run()
+
+    def _on_device(self, keep: Tensor | None, device) -> Tensor | None:
+        """``keep`` on ``device``, copied once per host tensor (a layout's kept blocks live on the
+        host; a host-to-device copy of pageable memory per call would synchronise the stream).
+        Kept blocks are read-only: a host tensor changed in place is not copied again."""
+        if keep is None or keep.device == torch.device(device):
+            return keep
+        key = (keep.data_ptr(), tuple(keep.shape), tuple(keep.stride()), keep.dtype, str(device))
+        hit = self._keep.get(key)
+        if hit is None:
+            hit = self._keep[key] = (keep, keep.to(device))  # the host tensor is held: its address stays its own
+            while len(self._keep) > 64:
+                self._keep.popitem(last=False)
+        return hit[1]
 
     def _rows_map(self, plan: RowPlan, device) -> Tensor:
         """``plan.which`` as int32 on ``device``, made once per rows layout (it depends on nothing else)."""

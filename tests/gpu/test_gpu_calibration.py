@@ -65,12 +65,16 @@ def test_fast_fit_agrees_with_the_reference_fit(shape):
     graphs = cal.FitGraphs()
     fast = graphs.sums(q, k, v, plan, **kw).clone()  # compiles the kernels
     torch.cuda.synchronize()
+    host_keep = None if keep is None else keep.cpu()  # as a layout gives them
+    graphs.sums(q, k, v, plan, **{**kw, "keep_blocks": host_keep})  # copies the host blocks once
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # a host synchronisation in the fit would raise
     try:
         fast_again = graphs.sums(q, k, v, plan, **kw)
+        from_host = graphs.sums(q, k, v, plan, **{**kw, "keep_blocks": host_keep})
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(fast, fast_again)  # deterministic: no atomics
+    assert torch.equal(fast, fast_again) and torch.equal(fast, from_host)  # deterministic: no atomics
     assert len(graphs) == 0  # no graph, no static copy of k and v
     n = len(plan.pos)
     got = cal.row_fits(fast, (False, True), rows=n, elems=n * d)

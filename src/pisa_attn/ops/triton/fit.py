@@ -42,8 +42,10 @@ from ...spec import COV_EPS
 from ._common import LOG2E, interpreting, next_pow2, sm_count
 
 # Programs of the rows kernel per multiprocessor (key chunks are cut to this many waves; more
-# chunks mean more partials for the merge to read), warps and pipelining depth of its loads.
-FIT_TUNING = {"waves": 1, "warps": 4, "stages": 3, "merge_slice": 32}
+# chunks mean more partials for the merge to read), warps and pipelining depth of its loads,
+# channels per merge program. H100 (calibration_cost.py --tune, rows + merge kernels at the Wan /
+# FLUX layer shapes): 2 waves, 4 warps 101 / 41 us; 1 wave 113 / 52; 4 waves 135 / 61; 8 warps slower.
+FIT_TUNING = {"waves": 2, "warps": 4, "stages": 3, "merge_slice": 32}
 SUMS_PER_RULE = 4  # cr, cc, rr, tail mass (the order of pisa_attn.calibration.SUMS)
 MAX_KEY_BLOCKS = 4096  # the selection's sort keys hold a block index in 12 bits
 _COV_EPS = tl.constexpr(COV_EPS)
