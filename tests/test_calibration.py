@@ -336,11 +336,12 @@ def test_row_plan_keys_by_layout_not_position():
 
 
 # (B, H, Hk, Lq, Lk, D, dtype, keep, rules, rows): aligned, both rules; GQA + ragged keys + a kept
-# block + two batch rows; one rule (covariance-aware), float16, per-head kept blocks, D 16, two row tiles.
+# block + two batch rows; one rule (covariance-aware), float16, per-head kept blocks, D 16, 70 rows
+# (two row tiles of 64).
 FIT_KERNEL_CASES = [
     (1, 2, 2, 256, 640, 64, torch.bfloat16, None, (False, True), [3, 4, 5, 70, 71, 130, 199]),
-    (2, 4, 2, 200, 700, 32, torch.bfloat16, "shared", (False, True), [3, 4, 5, 70, 71, 130, 199]),
-    (1, 2, 1, 192, 300, 16, torch.float16, "per-head", (True,), list(range(2, 20)) + list(range(64, 80))
+    (2, 2, 1, 200, 700, 32, torch.bfloat16, "shared", (False, True), [3, 4, 5, 70, 71, 130, 199]),
+    (1, 2, 1, 192, 300, 16, torch.float16, "per-head", (True,), list(range(0, 30)) + list(range(64, 84))
      + list(range(140, 160))),
 ]
 
