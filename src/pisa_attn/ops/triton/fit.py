@@ -8,8 +8,10 @@ output less PISA's zeroth-order output and ``c`` the normalised first-order corr
 dense softmax mass on the tail. :func:`fit_sums` computes them with:
 
 1. the Triton prepare stage on the rows' query blocks and all keys (centroids, value means, H̄,
-   and ``‖H_j − H̄‖`` when a rule is covariance-aware) and the Triton select stage per rule (the
-   kernels' own statistics and selection, what the sparse calls will use);
+   and ``‖H_j − H̄‖`` when a rule is covariance-aware: the kernels' own statistics, what the sparse
+   calls will use), then ``_select_kernel``, one program per (batch x head, sampled query block):
+   the float32 pooled scores against every key block and, per rule, ``keep ∪ top-n`` by a sort of
+   int64 keys (ties to the lower block index), as byte masks;
 2. ``_rows_kernel``, one program per (batch x head, row tile, key chunk): the rows' scores against
    the chunk on tensor cores and one online softmax (exp2 domain, one running maximum) carrying
    the dense numerator and denominator and, per rule, PISA's zeroth-order numerator and
@@ -18,14 +20,16 @@ dense softmax mass on the tail. :func:`fit_sums` computes them with:
    and the dense tail mass. ``P·V`` is one product per block whatever the rules: the selection is
    constant over a block, so a rule only decides where the product is added. The centroid score
    ``s·q·k̄_j`` is the mean of the block's token scores (linear in ``k``), taken from the score tile
-   it already holds. k and v are read in place, once; nothing of size ``rows x keys`` is stored;
+   it already holds. k and v are read in place, once by this kernel; nothing of size
+   ``rows x keys`` is stored;
 3. ``_merge_kernel``, one program per (batch x head, row tile, channel slice): the chunks'
-   partials rescaled to their common maximum and summed, then ``o⁰ = N⁰/D``, ``c = (Σ_U a_j)·s·q·H̄ / D``
-   (float32 ``H̄``), the dense output, and the four sums
-   over its rows and channels, in float64 per program; one ``sum`` adds the programs up.
+   partials rescaled to their common maximum and summed, then ``o⁰ = N⁰/D``,
+   ``c = (Σ_U a_j)·s·q·H̄ / D`` (float32 ``H̄``), the dense output, and the four sums over its rows
+   and channels, in float64 per program; one ``sum`` adds the programs up (no atomics: the sums
+   are the same bit for bit on every call).
 
-No host synchronisation and no host-to-device copy: the row-to-block map is a device tensor the
-caller keeps per rows layout.
+No host synchronisation and no host-to-device copy when the row-to-block map and the kept blocks
+are on the device (:class:`pisa_attn.calibration.FitGraphs` keeps both there).
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import spec
+from ...spec import COV_EPS
 from ..launch import Launcher, spec_class
 from . import prepare as tprep
-from ...spec import COV_EPS
 from ._common import LOG2E, interpreting, next_pow2, sm_count
 
 # Programs of the rows kernel per multiprocessor (key chunks are cut to this many waves; more
