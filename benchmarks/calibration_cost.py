@@ -8,16 +8,21 @@ query rows per call and fits the first-order weight on them in float32, see
     python benchmarks/calibration_cost.py --tiny                 # CPU: a small Wan-like model, several lengths
     python benchmarks/calibration_cost.py                        # GPU: Wan2.1-1.3B (32,760 tokens), FLUX.1 (4,608)
     python benchmarks/calibration_cost.py --tiny --count-ops     # ops and host reads per calibrated layer call
+    python benchmarks/calibration_cost.py --tune                 # GPU: sweep the fit kernel's launch settings first
 
 ``rN`` is the default calibration (``N`` rows, the selection rule chosen per layer: both rules
-fitted from one dense pass of the rows; on CUDA each call shape's fit is one captured CUDA graph,
-``pisa_attn.calibration.FitGraphs``), ``rNe`` the same fit op by op
-(``CalibrationConfig(cuda_graphs=False)``), ``rNf`` the graphed fit
-with the run's rule only (``choose_selection=False``). The minimum over the timed rounds is the
-steady state (graphs captured); ``first_ms`` is each setting's first forward (captures included:
-a process captures each call shape once). ``--count-ops`` counts, per calibrated call
-(``Calibrator.observe``), the aten ops dispatched, those that are not views (what launches
-kernels on a GPU) and those that read a value back to the host (a synchronisation on a GPU).
+fitted from one pass of the rows; on CUDA with bf16 inputs each call is the Triton fit,
+``pisa_attn.ops.triton.fit``, launched directly), ``rNf`` the same with the run's rule only
+(``choose_selection=False``). The minimum over the timed rounds is the steady state;
+``first_ms`` is each setting's first forward (kernel compilation included). ``--count-ops``
+counts, per calibrated call (``Calibrator.observe``), the aten ops dispatched, those that are not
+views (what launches kernels on a GPU) and those that read a value back to the host (a
+synchronisation on a GPU); on the CPU that is the reference arithmetic.
+
+On a GPU the script also times one calibrated layer call's fit alone at each model's layer shape
+(``fit_calls``): microseconds per call (host enqueue and end to end), launches, the device time per
+kernel (``torch.profiler``: where the time goes) and the weights against the reference arithmetic
+in float32 on the same values.
 
 Random weights from the real configs (``pisa_attn.bench.model_configs``), bf16 on the GPU, float32
 on the CPU. Writes ``calibration_cost.json`` to ``--out`` (default ``$OUT`` or ``./out``) and
@@ -80,16 +85,36 @@ def inputs(kind: str, cfg: dict, grid, text: int, device, dtype) -> dict:
     return out
 
 
-def forward_ms(model, x, device) -> float:
-    """ms of one forward (the same timestep every time: every call is warm-up step 0)."""
+def forward_ms(model, x, device, host: list | None = None) -> float:
+    """ms of one forward (the same timestep every time: every call is warm-up step 0); ``host``
+    gets the ms until the forward returned (all its work enqueued)."""
     with torch.inference_mode():
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         model(**x)
+        if host is not None:
+            host.append((time.perf_counter() - t0) * 1e3)
         if device.type == "cuda":
             torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
+
+
+def sync_count(model, x, device) -> int:
+    """Host synchronisations torch reports during one forward (``set_sync_debug_mode("warn")``)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.inference_mode():
+                model(**x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in seen)
 
 
 def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
@@ -102,33 +127,40 @@ def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
     common = dict(density=args.density, dense_steps=1 << 30, dense_layers=0, min_kv_len=0)
     settings = {"base": None}
     for n in args.rows:
-        settings[f"r{n}e"] = pd.CalibrationConfig(rows=n, cuda_graphs=False)
-        if not getattr(args, "eager_only", False):
-            settings.update({f"r{n}": pd.CalibrationConfig(rows=n),
-                             f"r{n}f": pd.CalibrationConfig(rows=n, choose_selection=False)})
+        settings.update({f"r{n}": pd.CalibrationConfig(rows=n),
+                         f"r{n}f": pd.CalibrationConfig(rows=n, choose_selection=False)})
     times = {name: [] for name in settings}
+    host = {name: [] for name in settings}
     first = {}
     layers = 0
     for i in range(args.warmup + args.iters):
         for name, calibration in settings.items():
             pd.apply_pisa(model, calibrate=calibration or False, **common)
-            ms = forward_ms(model, x, device)
+            enq: list = []
+            ms = forward_ms(model, x, device, enq)
             first.setdefault(name, ms)
             if i >= args.warmup:
                 times[name].append(ms)
+                host[name].append(enq[0])
             if calibration is not None:
                 layers = len(pd.pisa_state(model).calibrator.fits)
+    syncs = {}
+    if device.type == "cuda":
+        for name, calibration in settings.items():
+            pd.apply_pisa(model, calibrate=calibration or False, **common)
+            syncs[name] = sync_count(model, x, device)
     pd.remove_pisa(model)
     from pisa_attn.diffusers.calibrate import GRAPHS
 
     GRAPHS.clear()  # the next model's shapes start from nothing
     base = min(times["base"])
     row = {"model": kind, "grid": list(grid), "text": text, "step_ms": base, "layers": layers,
-           "times_ms": times, "first_ms": first}
+           "times_ms": times, "first_ms": first, "host_ms": {n: min(t) for n, t in host.items() if t},
+           "syncs_per_forward": syncs}
     if device.type == "cuda":
         row["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for n in args.rows:
-        for tag in (t for t in (f"r{n}", f"r{n}e", f"r{n}f") if t in times):
+        for tag in (t for t in (f"r{n}", f"r{n}f") if t in times):
             row[f"calibrated_ms_{tag}"] = min(times[tag])
             row[f"overhead_{tag}"] = row[f"calibrated_ms_{tag}"] / base - 1
     row["tokens"] = int(torch.tensor(grid).prod()) // (4 if kind == "wan" else 1) + (text if kind == "flux" else 0)
@@ -191,61 +223,138 @@ def count_ops(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dic
     return {"model": kind, "grid": list(grid), "rows": args.rows[0], **out}
 
 
-def fit_calls(device, dtype, args) -> list[dict]:
-    """One calibrated layer call's fit alone (``FitGraphs.sums``, the layer's own key/value
-    shapes), op by op and as a replayed graph: microseconds per call (host-enqueue and
-    end-to-end), the CUDA runtime launches per call and the aten ops of most device time
-    (profiler), and the largest difference of the two paths' sums (the same arithmetic)."""
-    from pisa_attn import calibration as cal
-    from pisa_attn.diffusers.calibrate import sample_rows
+def _fit_case(kind: str, device, dtype, args):
+    """(q, k, v, plan, settings) of one calibrated layer call at ``kind``'s layer shape."""
     import random
 
-    shapes = {"wan": (WAN_1_3B["num_attention_heads"], 32760, WAN_1_3B["attention_head_dim"], 0),
-              "flux": (FLUX_DEV["num_attention_heads"], 4608, FLUX_DEV["attention_head_dim"], 512)}
-    out = []
-    for kind, (h, lq, d, text) in shapes.items():
-        lk = lq + text
-        g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(1, h, lk, d, generator=g, device=device, dtype=dtype) for _ in range(3))
-        keep = torch.zeros(-(-lk // 64), dtype=torch.bool, device=device)
-        keep[: text // 64] = True  # the text blocks, always exact
-        rng = random.Random(0)
-        plan = cal.row_plan(lk, 64, sample_rows(rng, text, lk, 64, args.rows[0]), (text, lk))
-        kw = dict(density=args.density, rules=(False, True), mode="hybrid", scale=d**-0.5, block_size=64,
-                  keep_blocks=keep if text else None)
-        graphs = cal.FitGraphs()
-        row = {"model": kind, "heads": h, "tokens": lk, "head_dim": d, "rows": len(plan.pos),
-               "split_k_fit": cal.fast_fit_supported(q, "hybrid", 64)}
-        sums = {}
-        for tag, capture in (("eager", False), ("graph", True)):
-            sums[tag] = graphs.sums(q, k, v, plan, capture=capture, **kw).clone()
-            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-            sync()
-            host, total = [], []
-            for _ in range(args.iters * 4):
-                t0 = time.perf_counter()
-                graphs.sums(q, k, v, plan, capture=capture, **kw)
-                t1 = time.perf_counter()
-                sync()
-                host.append((t1 - t0) * 1e6)
-                total.append((time.perf_counter() - t0) * 1e6)
-            row[f"{tag}_host_us"], row[f"{tag}_us"] = min(host), min(total)
-            if device.type == "cuda":
-                from torch.profiler import ProfilerActivity, profile
+    from pisa_attn import calibration as cal
+    from pisa_attn.diffusers.calibrate import sample_rows
 
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    graphs.sums(q, k, v, plan, capture=capture, **kw)
-                    sync()
-                names = [e.name for e in prof.events()]
-                if not capture:  # where the fit's device time goes, aten op by aten op
-                    ops = [(a.key, a.count, getattr(a, "device_time_total", 0.0) or getattr(a, "cuda_time_total", 0.0))
-                           for a in prof.key_averages() if a.key.startswith("aten::")]
-                    row["eager_top_ops_us"] = [[n, c, round(t, 1)] for n, c, t in sorted(ops, key=lambda x: -x[2])[:15]]
-                row[f"{tag}_launches"] = sum(n in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync",
-                                                   "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
-                                             for n in names)
-        row["max_abs_diff"] = float((sums["eager"] - sums["graph"]).abs().max())
-        row["max_rel_diff"] = float(((sums["eager"] - sums["graph"]).abs() / sums["eager"].abs().clamp_min(1e-30)).max())
+    h, lq, d, text = FIT_SHAPES[kind]
+    lk = lq + text
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, h, lk, d, generator=g, device=device, dtype=dtype) for _ in range(3))
+    keep = torch.zeros(-(-lk // 64), dtype=torch.bool, device=device)
+    keep[: text // 64] = True  # the text blocks, always exact
+    plan = cal.row_plan(lk, 64, sample_rows(random.Random(0), text, lk, 64, args.rows[0]), (text, lk))
+    kw = dict(density=args.density, rules=(False, True), mode="hybrid", scale=d**-0.5, block_size=64,
+              keep_blocks=keep if text else None)
+    return q, k, v, plan, kw
+
+
+FIT_SHAPES = {"wan": (WAN_1_3B["num_attention_heads"], 32760, WAN_1_3B["attention_head_dim"], 0),
+              "flux": (FLUX_DEV["num_attention_heads"], 4608, FLUX_DEV["attention_head_dim"], 512)}
+
+
+def _kernel_times(fn) -> dict[str, float]:
+    """Device microseconds per kernel name of one call of ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        t = getattr(e, "device_time", 0.0) or 0.0
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and t > 0:
+            kernels[e.name[:60]] = kernels.get(e.name[:60], 0.0) + t
+    return kernels
+
+
+def tune_fit(device, dtype, args) -> tuple[dict, list]:
+    """The rows kernel's launch settings (``pisa_attn.ops.triton.fit.FIT_TUNING``: waves of key
+    chunks, warps) that give the least device time of the rows and merge kernels summed over the
+    Wan and FLUX layer shapes (profiler, after a compiling call). Sets the winner for the rest
+    of the run and returns ``(winner, [(settings, {shape: us})...])``."""
+    from pisa_attn import calibration as cal
+    from pisa_attn.ops.triton import fit as tfit
+
+    cases = {kind: _fit_case(kind, device, dtype, args) for kind in FIT_SHAPES}
+    default = dict(tfit.FIT_TUNING)
+    sweep = []
+    for waves in (1, 2, 4):
+        for warps in (4, 8):
+            tfit.FIT_TUNING.update(waves=waves, warps=warps)
+            graphs = cal.FitGraphs()
+            us = {}
+            for kind, (q, k, v, plan, kw) in cases.items():
+                graphs.sums(q, k, v, plan, **kw)
+                t = _kernel_times(lambda: graphs.sums(q, k, v, plan, **kw))  # noqa: B023
+                us[kind] = round(sum(x for n, x in t.items() if n.startswith(("_rows_kernel", "_merge_kernel"))), 1)
+            sweep.append(({"waves": waves, "warps": warps}, us))
+            print(f"fit tuning waves={waves} warps={warps}: rows+merge {us} us", flush=True)
+    best = min(sweep, key=lambda x: sum(x[1].values()))[0]
+    tfit.FIT_TUNING.clear()
+    tfit.FIT_TUNING.update({**default, **best})
+    return dict(tfit.FIT_TUNING), sweep
+
+
+def sdpa_cudnn_us(q, k, v, reps: int = 20) -> float:
+    """The layer's dense attention (torch SDPA, cuDNN backend) on the same q/k/v: median µs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    f = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        f(q, k, v)
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            f(q, k, v)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+    return round(sorted(times)[len(times) // 2], 1)
+
+
+def fit_calls(device, dtype, args) -> list[dict]:
+    """One calibrated layer call's fit alone (``FitGraphs.sums``, the layer's own key/value shapes,
+    both rules): microseconds per call (host enqueue, end to end), CUDA launches per call, device
+    time per kernel (profiler) and the clamped weights' largest difference to the reference
+    arithmetic in float32 on the same values."""
+    from pisa_attn import calibration as cal
+
+    out = []
+    for kind in FIT_SHAPES:
+        q, k, v, plan, kw = _fit_case(kind, device, dtype, args)
+        h, d = q.shape[1], q.shape[3]
+        graphs = cal.FitGraphs()
+        row = {"model": kind, "heads": h, "tokens": k.shape[2], "head_dim": d, "rows": len(plan.pos),
+               "kernel_fit": cal.fast_fit_supported(q, "hybrid", 64)}
+        sums = graphs.sums(q, k, v, plan, **kw).clone()
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        host, total = [], []
+        for _ in range(args.iters * 4):
+            t0 = time.perf_counter()
+            graphs.sums(q, k, v, plan, **kw)
+            t1 = time.perf_counter()
+            sync()
+            host.append((t1 - t0) * 1e6)
+            total.append((time.perf_counter() - t0) * 1e6)
+        row["host_us"], row["us"] = min(host), min(total)
+        if device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                graphs.sums(q, k, v, plan, **kw)
+                sync()
+            names = [e.name for e in prof.events()]
+            row["launches"] = sum(n in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaLaunchKernelExC",
+                                        "cuLaunchKernel", "cuLaunchKernelEx") for n in names)
+            kernels = _kernel_times(lambda: graphs.sums(q, k, v, plan, **kw))  # noqa: B023
+            row["device_us"] = round(sum(kernels.values()), 1)
+            row["kernels_us"] = sorted(([n, round(t, 1)] for n, t in kernels.items()), key=lambda x: -x[1])
+            row["sdpa_cudnn_us"] = sdpa_cudnn_us(q, k, v)
+        # the reference arithmetic (float32 inputs take it) on the same values
+        ref = cal._fit_sums(*plan.gather(q.float()), plan.which(device), k.float(), v.float(),
+                            kw["keep_blocks"], **{n: kw[n] for n in ("density", "rules", "mode", "scale", "block_size")})
+        n = len(plan.pos)
+        got, want = (cal.row_fits(x, (False, True), rows=n, elems=n * d) for x in (sums, ref))
+        row["alpha_max_abs_diff"] = max(float((got[r].stats.alpha("head", bounds=cal.FIT_BOUNDS)
+                                               - want[r].stats.alpha("head", bounds=cal.FIT_BOUNDS)).abs().max())
+                                        for r in (False, True))
+        row["sums_max_rel_diff"] = float(((sums - ref).abs() / ref.abs().clamp_min(1e-30)).max())
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
@@ -265,6 +374,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "./out"))
     p.add_argument("--count-ops", action="store_true", help="count ops and host reads per calibrated call instead")
     p.add_argument("--no-fit-calls", action="store_true", help="skip the one-call fit timing (GPU)")
+    p.add_argument("--tune", action="store_true",
+                   help="GPU: first sweep the rows kernel's launch settings and run with the fastest")
     args = p.parse_args(argv)
     args.rows = [int(x) for x in args.rows.split(",")]
     if args.count_ops:
@@ -278,16 +389,15 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.set_num_threads(args.threads)
     rows = []
-    calls, errors = [], []
-    if cuda and not args.no_fit_calls:
-        try:
-            calls = fit_calls(device, dtype, args)
-        except Exception as e:  # a graph that cannot be captured: say so, time the op-by-op path only
-            import traceback
+    calls, tuning, sweep = [], None, []
+    if cuda and args.tune:
+        tuning, sweep = tune_fit(device, dtype, args)
+    if cuda:
+        from pisa_attn.ops.triton import fit as tfit
 
-            traceback.print_exc()
-            errors.append(f"fit_calls: {e!r}")
-            args.eager_only = True
+        tuning = dict(tfit.FIT_TUNING)
+    if cuda and not args.no_fit_calls:
+        calls = fit_calls(device, dtype, args)
     if cuda:
         d, s = (int(x) for x in args.flux_blocks.split(","))
         shapes = {"wan": (WAN_1_3B, (21, 60, 104)), "flux": ({**FLUX_DEV, "num_layers": d, "num_single_layers": s},
@@ -300,23 +410,30 @@ def main(argv=None) -> int:
             rows.append(measure("wan", WAN_CPU, CPU_GRIDS[n], 16, device, dtype, args))
             print(json.dumps(rows[-1]), flush=True)
     os.makedirs(args.out, exist_ok=True)
+    import triton
+
     env = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-           "torch": torch.__version__, "threads": torch.get_num_threads()}
+           "torch": torch.__version__, "triton": triton.__version__, "threads": torch.get_num_threads(),
+           "fit_tuning": tuning, "fit_tuning_sweep_us": sweep}
     with open(os.path.join(args.out, "calibration_cost.json"), "w") as f:
-        json.dump({"environment": env, "density": args.density, "rows": rows, "fit_calls": calls, "errors": errors},
+        json.dump({"environment": env, "density": args.density, "rows": rows, "fit_calls": calls},
                   f, indent=1)
     print(f"\n=== calibration cost per dense warm-up step ({env['device']}) ===")
-    tags = [t for n in args.rows for t in (f"r{n}", f"r{n}e", f"r{n}f") if rows and f"calibrated_ms_{t}" in rows[0]]
+    tags = [t for n in args.rows for t in (f"r{n}", f"r{n}f") if rows and f"calibrated_ms_{t}" in rows[0]]
     head = f"{'model':6s} {'tokens':>7s} {'H x D':>8s} {'step ms':>9s} " + " ".join(
         f"{t + ' ms':>9s} {'+%':>6s}" for t in tags)
     print(head)
     for r in rows:
         cells = " ".join(f"{r[f'calibrated_ms_{t}']:9.1f} {100 * r[f'overhead_{t}']:5.1f}%" for t in tags)
         print(f"{r['model']:6s} {r['tokens']:7d} {r['heads']:>3d}x{r['head_dim']:<4d} {r['step_ms']:9.1f} {cells}")
+        print(f"       host enqueue ms {r.get('host_ms')}; synchronisations per forward {r.get('syncs_per_forward')}")
     for c in calls:
-        print(f"one fit ({c['model']}, {c['tokens']} keys, {c['rows']} rows): op by op {c['eager_us']:.0f} us "
-              f"({c.get('eager_launches', '?')} launches), graph {c['graph_us']:.0f} us "
-              f"({c.get('graph_launches', '?')} launches); max rel. diff {c['max_rel_diff']:.1e}")
+        print(f"one fit ({c['model']}, {c['tokens']} keys, {c['rows']} rows): {c['us']:.0f} us end to end, host "
+              f"{c['host_us']:.0f} us, {c.get('launches', '?')} launches, device {c.get('device_us', 0):.0f} us; "
+              f"clamped weights vs reference max |diff| {c['alpha_max_abs_diff']:.1e}; the layer's dense attention "
+              f"(cuDNN SDPA) {c.get('sdpa_cudnn_us', 0):.0f} us")
+        for name, t in c.get("kernels_us", [])[:8]:
+            print(f"    {t:8.1f} us  {name}")
     return 0
 
 

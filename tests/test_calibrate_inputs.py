@@ -64,12 +64,47 @@ def _tensors(**parts):
     ("rank3", {p: torch.randn(2, 128, 16) for p in "qkv"}, "rank 4"),
     ("klens", {"v": torch.randn(1, 2, 96, 16)}, "k and v"),
     ("heads", {"q": torch.randn(1, 3, 128, 16)}, "does not fit"),
+    ("empty", {"q": torch.randn(1, 2, 0, 16)}, "empty"),
+    ("fp64-int", {"v": torch.ones(1, 2, 128, 16, dtype=torch.int64)}, "floating"),
 ])
 def test_bad_tensors_are_refused_naming_the_entry(tmp_path, capsys, no_fit, case, parts, match):
     path = _write(tmp_path / f"{case}.safetensors", _tensors(**parts))
     err = _run(capsys, path, "--out", tmp_path / "a.json")
     assert "step0.layer0" in err and match in err
     assert not (tmp_path / "a.json").exists()
+
+
+@pytest.mark.parametrize("part", ["q", "v"])
+def test_an_entry_without_its_tensors_is_refused(tmp_path, capsys, no_fit, part):
+    tensors = _tensors()
+    del tensors[f"step0.layer0.{part}"]
+    path = _write(tmp_path / "m.safetensors", tensors)
+    err = _run(capsys, path, "--out", tmp_path / "a.json")
+    assert "step0.layer0" in err and repr([part]) in err
+    assert not (tmp_path / "a.json").exists()
+
+
+def test_a_fit_that_cannot_be_made_is_an_error_not_the_default(tmp_path, capsys):
+    """Density 1: every key block exact, no tail on any fitted row, nothing to fit a weight on.
+    The command fails naming the layer and writes nothing (no default weights passed off as fitted)."""
+    path = _write(tmp_path / "ok.safetensors")
+    code = bc.main([path, "--out", str(tmp_path / "a.json"), "--block-size", "32", "--rows", "0", "--density", "1.0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "layer 0" in err and "no weight can be fitted" in err
+    assert not (tmp_path / "a.json").exists()
+
+
+def test_choose_rules_refuses_a_head_without_tail_unless_told():
+    zero, one = torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)
+    cc = torch.tensor([1.0, 0.0], dtype=torch.float64)  # head 1: no first-order term on any row
+    fit = cal.RowFit(cal.AlphaStats(one * 0.5, cc, one, one), zero, 4)
+    with pytest.raises(ValueError, match=r"layer 3 of 't'.*heads \[1\]"):
+        cal.choose_rules({"t": {3: {False: fit}}})
+    chosen, _ = cal.choose_rules({"t": {3: {False: fit}}}, over="layer")  # pooled: the layer has a term
+    assert chosen["t"][3] is fit
+    chosen, _ = cal.choose_rules({"t": {3: {False: fit}}}, require_tail=False)  # the online calibration
+    assert chosen["t"][3].stats.alpha("head", default=0.75).tolist() == [0.5, 0.75]
 
 
 @pytest.mark.parametrize("case,entries,match", [

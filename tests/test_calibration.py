@@ -335,55 +335,164 @@ def test_row_plan_keys_by_layout_not_position():
         cal.row_plan(300, 64, [400])
 
 
-# (B, H, Hk, Lq, Lk, D, keep): aligned; GQA + ragged keys + a kept block; one key block less than a chunk.
-SPLIT_SHAPES = [(1, 4, 4, 300, 1024, 64, False), (2, 4, 2, 256, 700, 32, True), (1, 2, 2, 200, 129, 16, False)]
+# (B, H, Hk, Lq, Lk, D, dtype, keep, rules, rows): aligned, both rules; GQA + ragged keys + a kept
+# block + two batch rows; one rule (covariance-aware), float16, per-head kept blocks, D 16, 70 rows
+# (two row tiles of 64).
+FIT_KERNEL_CASES = [
+    (1, 2, 2, 256, 640, 64, torch.bfloat16, None, (False, True), [3, 4, 5, 70, 71, 130, 199]),
+    (2, 2, 1, 200, 700, 32, torch.bfloat16, "shared", (False, True), [3, 4, 5, 70, 71, 130, 199]),
+    (1, 2, 1, 192, 300, 16, torch.float16, "per-head", (True,), list(range(0, 30)) + list(range(64, 84))
+     + list(range(140, 160))),
+]
 
 
-@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: f"B{s[0]}-H{s[1]}-Hk{s[2]}-Lq{s[3]}-Lk{s[4]}-D{s[5]}"
-                         + ("-keep" if s[6] else ""))
-def test_split_fit_equals_the_reference_fit(shape):
-    """The CUDA fit's arithmetic (split-K products, one shift by the dense maximum, stacked
-    numerators) with the reference's key statistics is the reference fit, in float64 to rounding."""
-    b, h, hk, lq, lk, d, keep = shape
-    q, _, _ = make_qkv(b, h, h, lq, d, seed=3)
-    _, k, v = make_qkv(b, hk, hk, lk, d, seed=4)
-    plan = cal.row_plan(lq, 64, [3, 4, 5, 70, 71, 130, lq - 1])
-    kb = None
-    if keep:
-        kb = torch.zeros(spec.num_blocks(lk, 64), dtype=torch.bool)
-        kb[0] = True
-    qb, qr = plan.gather(q)
-    kw = dict(density=0.25, rules=(False, True), scale=d**-0.5, block_size=64)
-    want = cal._fit_sums(qb, qr, plan.which(q.device), k, v, kb, mode="hybrid", **kw)
-    got = cal._fit_sums_split(qb, qr, plan.which(q.device), k, v, kb, kernel_stats=False, **kw)
-    assert got.shape == want.shape == (2, 4, h)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-13)
-
-
-def test_split_keys_fill_the_device_and_cover_the_keys():
-    for lk, bh in ((32760, 12), (5120, 24), (129, 2), (64, 1000)):
-        chunks, chunk = cal.split_keys(lk, bh, 64, "cpu")
-        assert chunk % 64 == 0 and (chunks - 1) * chunk < lk <= chunks * chunk
-        # one key block per chunk, or enough products for the interpreter's 4 "multiprocessors"
-        assert chunk == 64 or bh * chunks >= cal.SPLIT_PROGRAMS_PER_SM * 4
+def _fit_kernel_id(c) -> str:
+    b, h, hk, lq, lk, d, dt, keep, rules, rows = c
+    return (f"B{b}-H{h}-Hk{hk}-Lq{lq}-Lk{lk}-D{d}-{str(dt)[6:]}" + (f"-keep-{keep}" if keep else "")
+            + "-rules" + "".join("C" if r else "T" for r in rules) + f"-R{len(rows)}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors need Triton's interpreter (set without a GPU); "
                     "tests/gpu/test_gpu_calibration.py checks the kernel")
-def test_split_fit_with_kernel_statistics_B1_H2_L640_D64_bf16():
-    """With the Triton prepare stage's statistics (Triton's interpreter here, the kernel on a GPU),
-    bfloat16 inputs: the same fit as the reference's float32 one up to the kernels' rounding of the
-    value means and H̄."""
+@pytest.mark.parametrize("case", FIT_KERNEL_CASES, ids=_fit_kernel_id)
+def test_fit_kernel_equals_the_reference_fit(case):
+    """The Triton fit (prepare and select stages, one pass of the rows over the keys, one merge)
+    gives the reference's sums on the same low-precision values, computed in float32, up to the
+    kernels' input-dtype value means (the tail's Σv) and TF32-free float32 arithmetic here."""
+    from pisa_attn.ops.triton import fit as tfit
+
+    b, h, hk, lq, lk, d, dt, keep, rules, rows = case
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 2, n, 64, generator=g).bfloat16() for n in (256, 640, 640))
-    plan = cal.row_plan(256, 64, [3, 4, 5, 70, 71, 130, 199])
+    q = torch.randn(b, h, lq, d, generator=g).to(dt)
+    k, v = (torch.randn(b, hk, lk, d, generator=g).to(dt) for _ in range(2))
+    nk = spec.num_blocks(lk, 64)
+    kb = None
+    if keep == "shared":
+        kb = torch.zeros(nk, dtype=torch.bool)
+        kb[0] = True
+    elif keep == "per-head":
+        kb = torch.zeros(b, h, nk, dtype=torch.bool)
+        kb[0, 1, 2] = True
+    plan = cal.row_plan(lq, 64, rows)
     qb, qr = plan.gather(q)
-    kw = dict(density=0.25, rules=(False, True), scale=64**-0.5, block_size=64)
-    want = cal._fit_sums(qb, qr, plan.which(q.device), k, v, None, mode="hybrid", **kw)
-    got = cal._fit_sums_split(qb, qr, plan.which(q.device), k, v, None, kernel_stats=True, **kw)
+    kw = dict(density=0.25, rules=rules, scale=d**-0.5, block_size=64)
+    want = cal._fit_sums(qb, qr, plan.which(q.device), k, v, kb, mode="hybrid", **kw)
+    got = tfit.fit_sums(qb, qr, plan.which(q.device).to(torch.int32), k, v, kb, **kw)
+    assert got.shape == want.shape == (len(rules), 4, h) and got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+    torch.testing.assert_close(got[:, 3], want[:, 3], rtol=2e-5, atol=0)  # the tail mass: no value mean in it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors need Triton's interpreter (set without a GPU)")
+def test_fit_graphs_take_the_kernel_where_it_is_supported(monkeypatch):
+    """A calibrated call on the kernel path (forced here on the CPU through the interpreter) gets
+    fit_rules' fits, captures no graph and keeps one row-to-block map per rows layout."""
+    monkeypatch.setattr(cal, "fast_fit_supported", lambda qr, mode, bs: mode == "hybrid")
+    graphs = cal.FitGraphs()
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 320, 32, generator=g).bfloat16() for _ in range(3))
+    keep = torch.zeros(5, dtype=torch.bool)
+    keep[4] = True
+    for rows in ([10, 11, 12, 200, 201], [74, 75, 76, 264, 265]):  # one layout, two positions
+        plan = cal.row_plan(320, 64, rows)
+        sums = graphs.sums(q, k, v, plan, density=0.25, rules=(False, True), mode="hybrid", scale=32**-0.5,
+                           block_size=64, keep_blocks=keep)
+        monkeypatch.setattr(cal, "fast_fit_supported", lambda qr, mode, bs: False)
+        want = cal.fit_rules(q, k, v, density=0.25, rows=rows, block_size=64, keep_blocks=keep)
+        monkeypatch.setattr(cal, "fast_fit_supported", lambda qr, mode, bs: mode == "hybrid")
+        got = cal.row_fits(sums, (False, True), rows=len(rows), elems=len(rows) * 32)
+        for rule in (False, True):
+            torch.testing.assert_close(got[rule].stats.cr, want[rule].stats.cr, rtol=2e-3, atol=0)
+            torch.testing.assert_close(got[rule].tail_mass, want[rule].tail_mass, rtol=2e-5, atol=0)
+    assert len(graphs) == 0 and len(graphs._which) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors need Triton's interpreter (set without a GPU)")
+@pytest.mark.parametrize("rules,keep", [((False, True), None), ((True, False), "shared"), ((True,), "per-head")],
+                         ids=["TC", "CT-keep", "C-keep-per-head"])
+def test_fit_selection_is_the_reference_selection(rules, keep):
+    """The fit kernel's selection (one launch for both rules, either order) is the reference's
+    top-k of the same statistics, with kept blocks, GQA and 100 key blocks (a padded sort); exactly
+    n_select blocks besides the kept ones, ties to the lower block index."""
+    from pisa_attn.ops.triton import fit as tfit
+
+    g = torch.Generator().manual_seed(2)
+    b, h, hk, nk, d = 1, 2, 1, 100, 32
+    qmean = torch.randn(b, h, 2, d, generator=g)
+    kmean = torch.randn(b, hk, d, nk, generator=g).transpose(2, 3)  # the prepare stage's layout
+    hdev = torch.rand(b, hk, nk, generator=g) * 5
+    kb = None
+    if keep == "shared":
+        kb = torch.zeros(nk, dtype=torch.bool)
+        kb[[0, 7]] = True
+    elif keep == "per-head":
+        kb = torch.zeros(b, h, nk, dtype=torch.bool)
+        kb[0, 1, 50] = True
+    got = tfit.select_masks(qmean, kmean, hdev, kb, rules=rules, n_select=12, scale=d**-0.5)
+    for i, rule in enumerate(rules):
+        scores = ref.selection_scores(qmean, kmean, d**-0.5, hdev if rule else None)
+        want = ref.select_blocks(scores, 12, kb)
+        assert torch.equal(got[i].bool(), want)
+    # ties: every key block alike; the lowest indices win, exactly n_select of them
+    flat = torch.ones(1, 1, d, nk).transpose(2, 3)
+    tie = tfit.select_masks(qmean[:1, :1], flat, None, None, rules=(False,), n_select=5, scale=1.0)
+    assert [row.nonzero().flatten().tolist() for row in tie[0, 0, 0]] == [[0, 1, 2, 3, 4]] * 2
+
+
+def test_fit_kernel_chunks_cover_the_keys():
+    from pisa_attn.ops.triton import fit as tfit
+
+    for nk, bh, tiles in ((512, 12, 1), (80, 24, 1), (3, 2, 1), (1, 1000, 4), (80, 1, 8)):
+        per, chunks = tfit.chunking(bh, tiles, nk, torch.device("cpu"))
+        assert (chunks - 1) * per < nk <= chunks * per  # no empty chunk
+        assert per == 1 or bh * tiles * chunks >= tfit.FIT_TUNING["waves"] * 4  # the interpreter's 4 "SMs"
+    assert [tfit.row_tile(r) for r in (1, 16, 17, 32, 33, 64, 512)] == [16, 16, 32, 32, 64, 64, 64]
 
 
 def test_fast_fit_only_on_cuda_hybrid():
     q = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
     assert not cal.fast_fit_supported(q, "hybrid", 64)  # CPU: the reference
+
+
+FIT_BUILD_SCRIPT = """
+import json, sys, torch
+from pisa_attn.ops.triton.fit import compile_for_sm90
+res = {}
+for name, (d, rows, rules, dtype, nk) in json.loads(sys.argv[1]).items():
+    res[name] = {k: len(c.asm["cubin"]) for k, c in compile_for_sm90(d, rows, rules, getattr(torch, dtype), nk).items()}
+print(json.dumps(res))
+"""
+
+
+def test_fit_kernels_build_for_sm90():
+    """The fit's select, rows and merge kernels compile for sm_90 without a GPU (a subprocess: this
+    session runs Triton's interpreter): Wan's shape with both rules, one rule at D 64 in float16,
+    and 512 rows (eight row tiles) against 4096 key blocks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    variants = {"D128-R32-rules2-bf16-Nk512": (128, 32, 2, "bfloat16", 512),
+                "D64-R40-rules1-fp16-Nk80": (64, 40, 1, "float16", 80),
+                "D128-R512-rules2-bf16-Nk4096": (128, 512, 2, "bfloat16", 4096)}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", FIT_BUILD_SCRIPT, json.dumps(variants)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(res) == set(variants)
+    for name, kernels in res.items():
+        assert set(kernels) == {"select", "rows", "merge"} and all(n > 0 for n in kernels.values()), name
+
+
+def test_fit_graphs_copy_host_kept_blocks_once():
+    graphs = cal.FitGraphs()
+    keep = torch.zeros(10, dtype=torch.bool)
+    assert graphs._on_device(keep, torch.device("cpu")) is keep  # already there: no copy, no entry
+    assert graphs._on_device(None, "cpu") is None and len(graphs._keep) == 0
+    meta = torch.device("meta")
+    a = graphs._on_device(keep[:8], meta)
+    b = graphs._on_device(keep[:8], meta)  # a new view of the same blocks: the same copy
+    c = graphs._on_device(keep[:9], meta)
+    assert a is b and c is not a and a.device == meta and len(graphs._keep) == 2

@@ -379,8 +379,7 @@ SUMS = ("cr", "cc", "rr", "tail_mass")
 
 
 def _fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, keep_blocks: Tensor | None, *,
-              density: float, rules: tuple[bool, ...], mode: str, scale: float, block_size: int,
-              padded: tuple[Tensor, Tensor] | None = None) -> Tensor:
+              density: float, rules: tuple[bool, ...], mode: str, scale: float, block_size: int) -> Tensor:
     """The arithmetic of :func:`fit_rules` on gathered rows, device ops only (no host read, no
     Python branch on values), so that it can be captured as one CUDA graph: ``[len(rules), 4, H]``
     float64, per rule the sums :data:`SUMS` over batch, rows and channels.
@@ -389,12 +388,13 @@ def _fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, 
     row's block. On CPU (and for float32/float64, ``mode="first"`` or shapes the kernels do not
     take) this is the reference's arithmetic: ``k``/``v`` are converted to the fit's dtype once,
     shared by the key statistics, the dense pass and every rule's row terms. On CUDA with
-    float16/bfloat16 inputs it is :func:`_fit_sums_split` (the kernel backend's key statistics,
-    split-K products); ``padded``: ``k``/``v`` zero-padded along the keys as that path wants them
-    (``k``/``v`` are then their leading views), to spare it the padding copy."""
+    float16/bfloat16 inputs it is :func:`pisa_attn.ops.triton.fit.fit_sums` (the kernels' key
+    statistics and selection, one pass of the rows over k and v, one merge)."""
     if fast_fit_supported(qr, mode, block_size):
-        return _fit_sums_split(qblocks, qr, which, k, v, keep_blocks, density=density, rules=rules, scale=scale,
-                               block_size=block_size, kernel_stats=True, padded=padded)
+        from .ops.triton import fit as tfit
+
+        return tfit.fit_sums(qblocks, qr, which, k, v, keep_blocks, density=density, rules=rules, scale=scale,
+                             block_size=block_size)
     bs = block_size
     dtype = torch.float64 if qr.dtype == torch.float64 else torch.float32
     k, v = k.to(dtype), v.to(dtype)
@@ -419,148 +419,14 @@ def _fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, 
     return torch.stack(out)
 
 
-SPLIT_PROGRAMS_PER_SM = 2
-"""The split-K products of :func:`_fit_sums_split` cut the key axis into enough chunks that
-batch x heads x chunks is this many products per multiprocessor."""
-
-
 def fast_fit_supported(qr: Tensor, mode: str, block_size: int) -> bool:
-    """Whether :func:`_fit_sums` takes the split-K path with the kernel backend's statistics: CUDA,
-    ``"hybrid"``, and a dtype, head dim and block size the Triton prepare kernel takes."""
+    """Whether :func:`_fit_sums` takes the Triton fit (:mod:`pisa_attn.ops.triton.fit`): CUDA,
+    ``"hybrid"``, and a dtype, head dim and block size the Triton kernels take."""
     if not qr.is_cuda or mode != "hybrid":
         return False
     from .ops.triton import op as triton_op
 
     return triton_op.unsupported_reason(qr, mode, block_size) is None
-
-
-def split_keys(lk: int, batch_heads: int, block_size: int, device) -> tuple[int, int]:
-    """``(chunks, chunk)``: the key axis of ``lk`` keys cut into ``chunks`` chunks of ``chunk`` keys
-    (a multiple of ``block_size``; the last chunks may be padding), about
-    :data:`SPLIT_PROGRAMS_PER_SM` products per multiprocessor over ``batch_heads`` heads."""
-    from .ops.triton._common import sm_count
-
-    nk = spec.num_blocks(lk, block_size)
-    want = max(1, -(-SPLIT_PROGRAMS_PER_SM * sm_count(torch.device(device)) // max(1, batch_heads)))
-    per = max(1, -(-nk // want))  # key blocks per chunk
-    return -(-nk // per), per * block_size
-
-
-def padded_keys(x: Tensor, length: int) -> Tensor:
-    """``x`` ``[B, Hk, Lk, D]`` zero-padded to ``length`` keys (``x`` itself when no padding)."""
-    pad = length - x.shape[2]
-    return x if pad == 0 else torch.nn.functional.pad(x, (0, 0, 0, pad))
-
-
-def _fit_sums_split(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, keep_blocks: Tensor | None,
-                    *, density: float, rules: tuple[bool, ...], scale: float, block_size: int, kernel_stats: bool,
-                    padded: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """:func:`_fit_sums` for ``"hybrid"`` with products that fill a GPU.
-
-    Key statistics: the kernel backend's prepare stage (``kernel_stats``: one tensor-core read of
-    k and v, a second for ``||H_j − H̄||``; its float32 centroids and H̄, value sums from its
-    input-dtype value means, which the kernels' own tail reads) or the reference's.
-    Rows: one score matrix against all keys, cut along the keys into chunks (split-K: batch x
-    heads x chunks products instead of batch x heads), shifted by the dense row maximum, which
-    bounds every exact and centroid score (a centroid score is a mean of its block's token
-    scores), so one exponential serves the dense output and every rule's exact part; the dense
-    numerator and each rule's exact numerator are one stacked product with the values. On CUDA
-    with float16/bfloat16 inputs both products run on tensor cores in the input dtype with float32
-    results: the scores are exact products of the inputs, and only the softmax weights of the
-    value product are rounded to the input dtype (2^-9 relative for bfloat16, unbiased, averaged
-    over thousands of keys per row; far below what a least-squares weight over the sampled rows
-    resolves). The small products (centroid scores, ``q·H̄``) are float32 with TF32 allowed."""
-    bs = block_size
-    b, h, r, d = qr.shape
-    lk = k.shape[2]
-    dtype = torch.float64 if qr.dtype == torch.float64 else torch.float32  # float64: tests
-    if kernel_stats:
-        from .ops.triton import prepare as tprep
-
-        st = tprep.prepare(qblocks, k, v, bs, with_hdev=any(rules))
-        kmean, hbar, hdev = st.kmean, st.hbar, st.hdev
-        counts = spec.block_counts(lk, bs, qr.device, torch.float32)
-        vsum = st.vbar.float() * counts[:, None]
-    else:
-        stats = ref.block_stats(k.to(dtype), v.to(dtype), bs, with_hdev=any(rules))
-        kmean, hbar, hdev, counts, vsum = stats.kmean, stats.hbar, stats.hdev, stats.counts, stats.vsum
-    nk = kmean.shape[2]
-    qmean = ref.block_means(qblocks, bs, kmean.dtype)
-    keep = None if keep_blocks is None else keep_blocks.to(qr.device, non_blocking=True)
-    n_sel = spec.num_selected(density, nk)
-    sels = [ref.select_blocks(ref.selection_scores(qmean, kmean, scale, hdev if rule else None), n_sel, keep)
-            for rule in rules]  # [B, H, blocks, Nk]
-    chunks, chunk = split_keys(lk, b * h, bs, qr.device)
-    lp = chunks * chunk
-    if padded is None or padded[0].shape[2] != lp:
-        padded = (padded_keys(k, lp), padded_keys(v, lp))
-    kx = spec.expand_kv_heads(padded[0], h).reshape(b * h * chunks, chunk, d)
-    vx = spec.expand_kv_heads(padded[1], h).reshape(b * h * chunks, chunk, d)
-    # float16/bfloat16 on CUDA: tensor-core products with float32 outputs, no float32 copy of k, v
-    low = qr.is_cuda and qr.dtype in (torch.float16, torch.bfloat16)
-    q32 = qr.to(dtype)
-    with _tf32():
-        # scores [B, H, chunks, R, chunk]; padding keys get -inf
-        qc = (qr if low else q32)[:, :, None].expand(b, h, chunks, r, d).reshape(b * h * chunks, r, d)
-        s = _bmm(qc, kx.transpose(1, 2), low, dtype).reshape(b, h, chunks, r, chunk) * scale
-        tok = torch.arange(lp, device=qr.device)
-        s = s.masked_fill((tok >= lk).reshape(chunks, 1, chunk), float("-inf"))
-        m = s.amax(dim=(2, 4), keepdim=True)
-        p = torch.exp(s - m)  # [B, H, C, R, chunk]
-        z = p.sum(dim=(2, 4))  # [B, H, R]
-        tok_block = torch.clamp(tok // bs, max=nk - 1)
-        exact = [sel.index_select(2, which).index_select(-1, tok_block)  # [B, H, R, Lp]
-                 .reshape(b, h, r, chunks, chunk).transpose(2, 3) for sel in sels]
-        pw = p.to(qr.dtype) if low else p
-        w = torch.cat([pw] + [pw * e for e in exact], dim=3)  # [B, H, C, (1 + rules) R, chunk]
-        nums = _bmm(w.reshape(b * h * chunks, -1, chunk), vx, low, dtype)
-        nums = nums.reshape(b, h, chunks, -1, d).sum(2)  # [B, H, (1 + rules) R, D]
-        m = m.reshape(b, h, r)
-        # centroid scores less the shift [B, H, R, Nk]
-        c = torch.matmul(q32, spec.expand_kv_heads(kmean, h).to(dtype).transpose(-1, -2)) * scale - m[..., None]
-        qh = torch.matmul(q32, spec.expand_kv_heads(hbar, h).to(dtype)) * scale  # [B, H, R, D]
-        tail_num = torch.exp(c)  # a centroid score is at most the row maximum: no overflow
-    vs = spec.expand_kv_heads(vsum, h).to(dtype)
-    counts = counts.to(dtype)
-    block_p = p.reshape(b, h, chunks, r, chunk // bs, bs).sum(-1).transpose(2, 3).reshape(b, h, r, -1)[..., :nk]
-    zi = 1.0 / z
-    dense = nums[:, :, :r] * zi[..., None]
-    dims = (0, 2, 3)
-    out = []
-    for i, sel in enumerate(sels):
-        row_sel = sel.index_select(2, which)  # [B, H, R, Nk]
-        a = tail_num.masked_fill(row_sel, 0.0)
-        den = block_p.masked_fill(~row_sel, 0.0).sum(-1) + a @ counts
-        inv = 1.0 / den.clamp_min(torch.finfo(den.dtype).tiny)[..., None]
-        o0 = (nums[:, :, (i + 1) * r : (i + 2) * r] + a @ vs) * inv
-        corr = a.sum(-1, keepdim=True) * qh * inv
-        tail = block_p.masked_fill(row_sel, 0.0).sum(-1) * zi
-        res = dense.double() - o0.double()
-        cd = corr.double()
-        out.append(torch.stack(((cd * res).sum(dims), (cd * cd).sum(dims), (res * res).sum(dims),
-                                tail.double().sum(dim=(0, 2)))))
-    return torch.stack(out)
-
-
-def _bmm(a: Tensor, b: Tensor, low: bool, dtype) -> Tensor:
-    """``a @ b`` (3-d) in ``dtype``: float16/bfloat16 operands multiplied as they are with a float32
-    result (``low``), anything else converted to ``dtype`` first."""
-    if low:
-        return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.bmm(a.to(dtype), b.to(dtype))
-
-
-class _tf32:
-    """Allow TF32 tensor cores for float32 matrix products inside the block (restored after)."""
-
-    def __enter__(self):
-        self.before = None if torch.compiler.is_compiling() else torch.backends.cuda.matmul.allow_tf32
-        if self.before is not None:  # traced: the compiled graph keeps the process's setting
-            torch.backends.cuda.matmul.allow_tf32 = True
-
-    def __exit__(self, *exc):
-        if self.before is not None:
-            torch.backends.cuda.matmul.allow_tf32 = self.before
 
 
 def row_fits(sums: Tensor, rules: tuple[bool, ...], *, rows: int, elems: int) -> dict[bool, RowFit]:
@@ -571,16 +437,24 @@ def row_fits(sums: Tensor, rules: tuple[bool, ...], *, rows: int, elems: int) ->
 
 
 class FitGraphs:
-    """:func:`fit_rules`' arithmetic for sampled rows, one CUDA graph per call shape, replayed.
+    """:func:`fit_rules`' arithmetic for sampled rows, as a calibrated layer call runs it.
 
-    A calibrated layer call is otherwise a couple of hundred small kernels, whose launches cost
-    more than the fit's arithmetic on a GPU. Here a call copies its inputs into the static buffers
-    of its shape's graph (a copy per sampled query block and per run of rows, one each for k, v
-    and the kept blocks) and replays it: a few launches, no host synchronisation. The first call
-    of a shape captures (a side-stream warm-up and a capture, which synchronise once). Graphs are
-    kept per shape, dtype, device, rows layout and settings, the ``max_graphs`` most recent ones
-    (each holds its static inputs; the graphs of a device share one memory pool, which is safe
-    because they run one at a time and each output is added up before the next replay).
+    On CUDA with float16/bfloat16 inputs and ``"hybrid"`` (:func:`fast_fit_supported`) a call is
+    the Triton fit (:func:`pisa_attn.ops.triton.fit.fit_sums`) launched directly: the rows and
+    their query blocks gathered (two copies), the kernels' prepare and select stages, one pass of
+    the rows over k and v in place, one merge; about a dozen launches, no host synchronisation,
+    no host-to-device copy (the row-to-block map is kept per rows layout on the device, kept
+    blocks given on the host are copied once).
+
+    Elsewhere (float32 inputs, ``mode="first"``) the reference arithmetic is a couple of hundred
+    small kernels, whose launches cost more than the fit's arithmetic on a GPU; there each call
+    shape's fit is one CUDA graph, replayed: a call copies its inputs into the static buffers of
+    its shape's graph (a copy per sampled query block and per run of rows, one each for k, v and
+    the kept blocks). The first call of a shape captures (a side-stream warm-up and a capture,
+    which synchronise once). Graphs are kept per shape, dtype, device, rows layout and settings,
+    the ``max_graphs`` most recent ones (each holds its static inputs; the graphs of a device share
+    one memory pool, which is safe because they run one at a time and each output is added up
+    before the next replay).
 
     ``capture=False`` runs the same static-buffer path op by op (the CPU, tests, and a call made
     while ``torch.compile`` traces)."""
@@ -589,10 +463,14 @@ class FitGraphs:
         self.max_graphs = max_graphs
         self._entries: OrderedDict = OrderedDict()
         self._pools: dict = {}
+        self._which: OrderedDict = OrderedDict()
+        self._keep: OrderedDict = OrderedDict()
 
     def clear(self) -> None:
         self._entries.clear()
         self._pools.clear()
+        self._which.clear()
+        self._keep.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -600,10 +478,16 @@ class FitGraphs:
     def sums(self, q: Tensor, k: Tensor, v: Tensor, plan: RowPlan, *, density: float, rules: tuple[bool, ...],
              mode: str, scale: float, block_size: int, keep_blocks: Tensor | None = None,
              capture: bool = True) -> Tensor:
-        """:func:`_fit_sums` of ``plan``'s rows of ``q`` ``[B, H, Lq, D]`` against ``k``/``v``: the
-        graph's output buffer ``[len(rules), 4, H]`` (valid until its next replay: add it up or
+        """:func:`_fit_sums` of ``plan``'s rows of ``q`` ``[B, H, Lq, D]`` against ``k``/``v``:
+        ``[len(rules), 4, H]`` (a graph's output buffer, valid until its next replay: add it up or
         clone it)."""
         settings = dict(density=density, rules=tuple(rules), mode=mode, scale=scale, block_size=block_size)
+        if fast_fit_supported(q, mode, block_size) and not torch.compiler.is_compiling():
+            from .ops.triton import fit as tfit
+
+            return tfit.fit_sums(*plan.gather(q), self._rows_map(plan, q.device), k, v,
+                                 self._on_device(keep_blocks, q.device), density=density, rules=tuple(rules),
+                                 scale=scale, block_size=block_size)
         if torch.compiler.is_compiling():  # traced: plain ops, nothing cached
             return _fit_sums(*plan.gather(q), plan.which(q.device), k, v, keep_blocks, **settings)
         capture = capture and q.is_cuda
@@ -625,6 +509,30 @@ class FitGraphs:
             entry.capture(pool)
         return entry.run()
 
+    def _on_device(self, keep: Tensor | None, device) -> Tensor | None:
+        """``keep`` on ``device``, copied once per host tensor (a layout's kept blocks live on the
+        host; a host-to-device copy of pageable memory per call would synchronise the stream).
+        Kept blocks are read-only: a host tensor changed in place is not copied again."""
+        if keep is None or keep.device == torch.device(device):
+            return keep
+        key = (keep.data_ptr(), tuple(keep.shape), tuple(keep.stride()), keep.dtype, str(device))
+        hit = self._keep.get(key)
+        if hit is None:
+            hit = self._keep[key] = (keep, keep.to(device))  # the host tensor is held: its address stays its own
+            while len(self._keep) > 64:
+                self._keep.popitem(last=False)
+        return hit[1]
+
+    def _rows_map(self, plan: RowPlan, device) -> Tensor:
+        """``plan.which`` as int32 on ``device``, made once per rows layout (it depends on nothing else)."""
+        key = (plan.shape_key(), str(device))
+        which = self._which.get(key)
+        if which is None:
+            which = self._which[key] = plan.which(device).to(torch.int32)
+            while len(self._which) > 64:
+                self._which.popitem(last=False)
+        return which
+
 
 class _FitEntry:
     """Static inputs of one call shape's fit, and its captured graph once there is one."""
@@ -635,15 +543,8 @@ class _FitEntry:
         span = sum(e - a for a, e in plan.spans)
         self.qblocks = q.new_empty(b, h, span, d)
         self.qr = q.new_empty(b, h, rows, d)
-        self.padded = None
-        if fast_fit_supported(q, settings["mode"], settings["block_size"]):
-            # Zero-padded along the keys as the split-K products want them (the padding stays 0).
-            chunks, chunk = split_keys(k.shape[2], b * h, settings["block_size"], q.device)
-            self.padded = tuple(x.new_zeros(*x.shape[:2], chunks * chunk, x.shape[3]) for x in (k, v))
-            self.k, self.v = (x[:, :, : k.shape[2]] for x in self.padded)
-        else:
-            self.k = torch.empty_like(k, memory_format=torch.contiguous_format)
-            self.v = torch.empty_like(v, memory_format=torch.contiguous_format)
+        self.k = torch.empty_like(k, memory_format=torch.contiguous_format)
+        self.v = torch.empty_like(v, memory_format=torch.contiguous_format)
         self.keep = None if keep is None else torch.empty_like(keep, device=q.device)
         self.which = plan.which(q.device)
         self.settings = settings
@@ -659,8 +560,7 @@ class _FitEntry:
             self.keep.copy_(keep, non_blocking=True)
 
     def _fit(self) -> Tensor:
-        return _fit_sums(self.qblocks, self.qr, self.which, self.k, self.v, self.keep, padded=self.padded,
-                         **self.settings)
+        return _fit_sums(self.qblocks, self.qr, self.which, self.k, self.v, self.keep, **self.settings)
 
     def capture(self, pool) -> None:
         # A warm-up on a side stream before capturing (CUDA graph rules: lazy initialisation,
@@ -692,10 +592,17 @@ def _fill(dst: Tensor, src: Tensor, spans) -> None:
 
 
 def choose_rules(fits: dict[str, dict[int, dict[bool, RowFit]]], *, over: str = "head", default: float = 1.0,
-                 bounds=FIT_BOUNDS) -> tuple[dict[str, dict[int, RowFit]], dict[str, dict[int, bool]]]:
+                 bounds=FIT_BOUNDS, require_tail: bool = True
+                 ) -> tuple[dict[str, dict[int, RowFit]], dict[str, dict[int, bool]]]:
     """Per transformer and layer, the selection rule (covariance-aware or not) whose fit, at its own
     clamped least-squares weights, leaves the smaller squared error on the fitted rows: ``(fits of
-    the chosen rules, {name: {layer: rule}})``. Ties keep top-k (no extra prepare pass)."""
+    the chosen rules, {name: {layer: rule}})``. Ties keep top-k (no extra prepare pass).
+
+    ``require_tail``: a fit that cannot be made is a ValueError naming the layer, not a weight of
+    ``default``: a head (``over="head"``; the layer for ``"layer"``) whose first-order term is zero
+    on every fitted row under the chosen rule (no tail: every key block exact at this density, or
+    ``H̄ = 0``). The online calibration passes False: there such a layer runs like the fitted rows,
+    where the weight changes nothing, and keeps its uncalibrated weight."""
     chosen: dict[str, dict[int, RowFit]] = {}
     rules: dict[str, dict[int, bool]] = {}
     for name, layers in fits.items():
@@ -705,8 +612,20 @@ def choose_rules(fits: dict[str, dict[int, dict[bool, RowFit]]], *, over: str = 
                 st = by_rule[rule].stats
                 return float(st.residual(st.alpha(over, default=default, bounds=bounds)).sum())
             rule = min(sorted(by_rule), key=err)  # False first: a tie keeps top-k
+            if require_tail:
+                _check_fittable(by_rule[rule].stats, over, f"layer {layer} of {name!r}")
             chosen[name][layer], rules[name][layer] = by_rule[rule], rule
     return chosen, rules
+
+
+def _check_fittable(st: AlphaStats, over: str, where: str) -> None:
+    cc = st.cc if over == "head" else st.cc.sum().reshape(1)
+    none = (~(cc > torch.finfo(cc.dtype).tiny)).nonzero().flatten().tolist()
+    if none:
+        which = "" if over == "layer" else f" (heads {none})"
+        raise ValueError(f"{where}: the first-order term is zero on every fitted row{which}: no tail (every key "
+                         "block exact at this density) or H̄ = 0, so no weight can be fitted; fit at the density "
+                         "you run with, on calls with more key blocks")
 
 
 def _runs(pos: list[int], bs: int) -> list[tuple[int, int]]:

@@ -14,14 +14,14 @@ generation fits anew, on its own warm-up (the input being generated is the best 
 there is).
 
 Cost per calibrated call: the key statistics (``O(Lk·D²)`` per head, as PISA's prepare, plus the
-covariance deviations) and a few passes over ``rows x Lk`` score matrices (one dense, one per
-rule), against the call's ``O(Lq·Lk·D)`` dense attention, with no value read back to the host.
-On CUDA the fit of each call shape is captured once as a CUDA graph
-(:class:`pisa_attn.calibration.FitGraphs`, shared by the process: :data:`GRAPHS`) and replayed: 7-8
-launches per call instead of about 200, the same sums bit for bit. On CUDA with float16/bfloat16
-inputs the fit takes the kernel backend's key statistics and split-K tensor-core products
-(:func:`pisa_attn.calibration._fit_sums_split`): H100, bf16, 32 rows, both rules, 1.6 ms per
-Wan2.1-1.3B 480p call (+6.6% on a dense warm-up step) and 0.85 ms per FLUX.1 1024² call (+23%;
+covariance deviations) and one pass of the sampled rows over the keys, against the call's
+``O(Lq·Lk·D)`` dense attention, with no value read back to the host. On CUDA with
+float16/bfloat16 inputs a call is the Triton fit (:mod:`pisa_attn.ops.triton.fit`: the kernels'
+prepare and select stages, one kernel for the rows' dense and per-rule sums over key chunks, one
+merge), launched directly on k and v in place (:class:`pisa_attn.calibration.FitGraphs`, shared
+by the process: :data:`GRAPHS`); other inputs run the reference arithmetic, one CUDA graph per
+call shape on a GPU. H100, bf16, 32 rows, both rules: 0.30 ms of device time per Wan2.1-1.3B 480p
+call (+1.5% on a dense warm-up step), 0.14 ms per FLUX.1 1024² call (+5.2%; one rule +4.6%;
 ``benchmarks/calibration_cost.py``, ``benchmarks/results/h100_calibration_cost.json``).
 """
 
@@ -50,9 +50,10 @@ class CalibrationConfig:
     choose_selection: also choose each layer's selection rule (top-k or covariance-aware), the
     one whose fitted weights leave the smaller squared error on the sampled rows; both are fitted
     from one dense pass of the rows (:func:`pisa_attn.calibration.fit_rules`).
-    cuda_graphs: on CUDA, run each call shape's fit as one captured CUDA graph
+    cuda_graphs: on CUDA, where the Triton fit does not apply (float32 inputs, ``mode="first"``),
+    run each call shape's reference fit as one captured CUDA graph
     (:class:`pisa_attn.calibration.FitGraphs`; the same arithmetic, a few launches per call instead
-    of a couple of hundred); False runs it op by op."""
+    of a couple of hundred); False runs it op by op. The Triton fit is launched directly either way."""
 
     rows: int = 32
     fit: str = "head"
@@ -201,6 +202,7 @@ class Calibrator:
 
     def table(self, name: str = "transformer") -> AlphaTable:
         """The current fits as a table (the weights, selection rule, tail mass and rows per layer)."""
-        fits, rules = cal.choose_rules({name: self.fits}, over=self.config.fit, default=self.default)
+        fits, rules = cal.choose_rules({name: self.fits}, over=self.config.fit, default=self.default,
+                                       require_tail=False)
         return from_fits(fits, settings=self.settings, over=self.config.fit, default=self.default,
                          source="calibrate=True (dense warm-up)", rules=rules if self.config.choose_selection else None)

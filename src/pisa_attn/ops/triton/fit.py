@@ -1,0 +1,444 @@
+"""The calibration fit of sampled query rows in a few kernel launches (reference:
+:func:`pisa_attn.calibration._fit_sums`, the same sums in PyTorch).
+
+A calibrated layer call fits the first-order weight on ``R`` sampled query rows against dense
+attention, under one or two selection rules (top-k, covariance-aware). Per rule and query head it
+needs four sums over the rows and channels: ``Σ⟨c, r⟩``, ``Σ‖c‖²``, ``Σ‖r‖²`` with ``r`` the dense
+output less PISA's zeroth-order output and ``c`` the normalised first-order correction, and the
+dense softmax mass on the tail. :func:`fit_sums` computes them with:
+
+1. the Triton prepare stage on the rows' query blocks and all keys (centroids, value means, H̄,
+   and ``‖H_j − H̄‖`` when a rule is covariance-aware: the kernels' own statistics, what the sparse
+   calls will use), then ``_select_kernel``, one program per (batch x head, sampled query block):
+   the float32 pooled scores against every key block and, per rule, ``keep ∪ top-n`` by a sort of
+   int64 keys (ties to the lower block index), as byte masks;
+2. ``_rows_kernel``, one program per (batch x head, row tile, key chunk): the rows' scores against
+   the chunk on tensor cores and one online softmax (exp2 domain, one running maximum) carrying
+   the dense numerator and denominator and, per rule, PISA's zeroth-order numerator and
+   denominator (an exact block adds its ``P·V`` and ``ΣP``, a tail block its centroid term
+   ``a_j·Σv_j`` and ``n_j·a_j`` with ``a_j = exp(s·q·k̄_j − m)``), the centroid mass ``Σ_U a_j``
+   and the dense tail mass. ``P·V`` is one product per block whatever the rules: the selection is
+   constant over a block, so a rule only decides where the product is added. The centroid score
+   ``s·q·k̄_j`` is the mean of the block's token scores (linear in ``k``), taken from the score tile
+   it already holds. k and v are read in place, once by this kernel; nothing of size
+   ``rows x keys`` is stored;
+3. ``_merge_kernel``, one program per (batch x head, row tile, channel slice): the chunks'
+   partials rescaled to their common maximum and summed, then ``o⁰ = N⁰/D``,
+   ``c = (Σ_U a_j)·s·q·H̄ / D`` (float32 ``H̄``), the dense output, and the four sums over its rows
+   and channels, in float64 per program; one ``sum`` adds the programs up (no atomics: the sums
+   are the same bit for bit on every call).
+
+No host synchronisation and no host-to-device copy when the row-to-block map and the kept blocks
+are on the device (:class:`pisa_attn.calibration.FitGraphs` keeps both there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ... import spec
+from ...spec import COV_EPS
+from ..launch import Launcher, spec_class
+from . import prepare as tprep
+from ._common import LOG2E, interpreting, next_pow2, sm_count
+
+# Programs of the rows kernel per multiprocessor (key chunks are cut to this many waves; more
+# chunks mean more partials for the merge to read), warps and pipelining depth of its loads,
+# channels per merge program. H100 (calibration_cost.py --tune, rows + merge kernels at the Wan /
+# FLUX layer shapes): 2 waves, 4 warps 101 / 41 us; 1 wave 113 / 52; 4 waves 135 / 61; 8 warps slower.
+FIT_TUNING = {"waves": 2, "warps": 4, "stages": 3, "merge_slice": 32}
+SUMS_PER_RULE = 4  # cr, cc, rr, tail mass (the order of pisa_attn.calibration.SUMS)
+MAX_KEY_BLOCKS = 4096  # the selection's sort keys hold a block index in 12 bits
+_COV_EPS = tl.constexpr(COV_EPS)
+
+
+@triton.jit
+def _sort_key(score, cols, valid):
+    """int64 keys in the order of ``score`` (float32), ties broken towards the lower block index
+    (``cols``), every invalid column below every valid one: the top ``n`` keys are exactly ``n``."""
+    bits = score.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # order-preserving signed image of the floats
+    key = tl.where(valid, key, -2147483648)
+    return key.to(tl.int64) * 4096 + (4095 - cols)
+
+
+@triton.jit
+def _top(key, cols, n_sel):
+    """Bool: the ``n_sel`` largest of the distinct ``key``s (``n_sel`` >= 1)."""
+    ranked = tl.sort(key, descending=True)
+    thr = tl.sum(tl.where(cols == n_sel - 1, ranked, 0), axis=0)
+    return key >= thr
+
+
+@triton.jit(do_not_specialize=["H", "HK", "NBLK", "NK", "n_sel", "keep_sb", "keep_sh"])
+def _select_kernel(
+    qmean_ptr, kmean_t_ptr, hdev_ptr, keep_ptr, mask_ptr,
+    H, HK, NBLK, NK, n_sel, scale, keep_sb, keep_sh,
+    D: tl.constexpr, DC: tl.constexpr, NKP: tl.constexpr, NR: tl.constexpr, COV0: tl.constexpr,
+    COV1: tl.constexpr, HAS_KEEP: tl.constexpr,
+):  # fmt: skip
+    # program (bh, sampled block i): the pooled scores s·q̄_i·k̄_j of every key block in float32,
+    # then per rule (covariance-aware: COV0, COV1) the exact set keep ∪ top-n_sel of the others,
+    # as bytes mask[rule, b, h, i, j]
+    pid = tl.program_id(0)
+    i = pid % NBLK
+    bh = pid // NBLK
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // (H // HK)
+    cols = tl.arange(0, NKP)
+    valid = cols < NK
+    kt_base = kmean_t_ptr + (b * HK + hk) * D * NK
+    q_base = qmean_ptr + (bh.to(tl.int64) * NBLK + i) * D
+    s = tl.zeros([NKP], tl.float32)
+    for d0 in range(0, D, DC):
+        dd = d0 + tl.arange(0, DC)
+        qc = tl.load(q_base + dd)
+        kc = tl.load(kt_base + dd[:, None] * NK + cols[None, :], mask=valid[None, :], other=0.0)
+        s += tl.sum(qc[:, None] * kc, axis=0)
+    s = s * scale
+    excl = cols < 0
+    if HAS_KEEP:
+        excl = tl.load(keep_ptr + b * keep_sb + h * keep_sh + cols, mask=valid, other=0) != 0
+    cov = s
+    if COV0 or COV1:
+        hd = tl.load(hdev_ptr + (b * HK + hk) * NK + cols, mask=valid, other=1.0)
+        cov = s + tl.log(hd + _COV_EPS)
+    out = mask_ptr + (bh.to(tl.int64) * NBLK + i) * NK + cols
+    score = cov if COV0 else s
+    sel = _top(_sort_key(tl.where(excl, float("-inf"), score), cols, valid), cols, n_sel) | excl
+    tl.store(out, sel.to(tl.uint8), mask=valid)
+    if NR == 2:
+        score = cov if COV1 else s
+        sel = _top(_sort_key(tl.where(excl, float("-inf"), score), cols, valid), cols, n_sel) | excl
+        tl.store(out + tl.num_programs(0).to(tl.int64) * NK, sel.to(tl.uint8), mask=valid)
+
+
+@triton.jit
+def _rule_bits(mask_ptr, row_off, j, rmask):
+    """Whether key block ``j`` is exact for each row (its mask row starts at ``row_off``)."""
+    return tl.load(mask_ptr + row_off + j, mask=rmask, other=0) != 0
+
+
+@triton.jit(do_not_specialize=["H", "HK", "R", "LK", "NK", "NBLK", "RULE_STRIDE", "PER", "CHUNKS", "RTILES", "RP"])
+def _rows_kernel(
+    q_ptr, k_ptr, v_ptr, vbar_ptr, mask_ptr, which_ptr, pv_ptr, ps_ptr,
+    sqb, sqh, sqr, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
+    H, HK, R, LK, NK, NBLK, RULE_STRIDE, PER, CHUNKS, RTILES, RP, qk_scale,
+    BS: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, NR: tl.constexpr, F32: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    c = pid % CHUNKS
+    t = (pid // CHUNKS) % RTILES
+    bh = pid // (CHUNKS * RTILES)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // (H // HK)
+    offs_d = tl.arange(0, D)
+    rows = t * RT + tl.arange(0, RT)
+    rmask = rows < R
+    q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqr + offs_d[None, :] * sqd, mask=rmask[:, None],
+                other=0.0)
+    blk = tl.load(which_ptr + rows, mask=rmask, other=0)
+    blk_off = ((b * H + h) * NBLK + blk) * NK  # each row's mask row (rule 0; rule 1 RULE_STRIDE on)
+    k_base = k_ptr + b * skb + hk * skh
+    v_base = v_ptr + b * svb + hk * svh
+    vbar_base = vbar_ptr + (b * HK + hk) * NK * D
+    if F32:  # Triton's interpreter mis-evaluates low-precision tl.dot
+        q = q.to(tl.float32)
+    m = tl.full([RT], float("-inf"), tl.float32)
+    z = tl.zeros([RT], tl.float32)
+    acc = tl.zeros([RT, D], tl.float32)
+    n0 = tl.zeros([RT, D], tl.float32)
+    den0 = tl.zeros([RT], tl.float32)
+    a0 = tl.zeros([RT], tl.float32)
+    t0 = tl.zeros([RT], tl.float32)
+    n1 = tl.zeros([RT, D], tl.float32)
+    den1 = tl.zeros([RT], tl.float32)
+    a1 = tl.zeros([RT], tl.float32)
+    t1 = tl.zeros([RT], tl.float32)
+    j0 = c * PER
+    for j in range(j0, tl.minimum(NK, j0 + PER)):
+        keys = j * BS + tl.arange(0, BS)
+        kval = keys < LK
+        kt = tl.load(k_base + keys[:, None] * skl + offs_d[None, :] * skd, mask=kval[:, None], other=0.0)
+        vt = tl.load(v_base + keys[:, None] * svl + offs_d[None, :] * svd, mask=kval[:, None], other=0.0)
+        if F32:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt)) * qk_scale  # [RT, BS], log2 units
+        nj = tl.minimum(LK - j * BS, BS).to(tl.float32)
+        cj = tl.sum(tl.where(kval[None, :], s, 0.0), axis=1) / nj  # the centroid score: the tokens' mean
+        s = tl.where(kval[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        psum = tl.sum(p, axis=1)
+        pv = tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + pv
+        z = z * alpha + psum
+        a = tl.exp2(cj - m_new)  # a centroid score is at most the row maximum: no overflow
+        vs = tl.load(vbar_base + j * D + offs_d).to(tl.float32) * nj
+        tv = a[:, None] * vs[None, :]
+        e = _rule_bits(mask_ptr, blk_off, j, rmask)
+        n0 = n0 * alpha[:, None] + tl.where(e[:, None], pv, tv)
+        den0 = den0 * alpha + tl.where(e, psum, nj * a)
+        a0 = a0 * alpha + tl.where(e, 0.0, a)
+        t0 = t0 * alpha + tl.where(e, 0.0, psum)
+        if NR == 2:
+            e = _rule_bits(mask_ptr + RULE_STRIDE, blk_off, j, rmask)
+            n1 = n1 * alpha[:, None] + tl.where(e[:, None], pv, tv)
+            den1 = den1 * alpha + tl.where(e, psum, nj * a)
+            a1 = a1 * alpha + tl.where(e, 0.0, a)
+            t1 = t1 * alpha + tl.where(e, 0.0, psum)
+        m = m_new
+    # partials: scalars [BH, CHUNKS, RP, 2 + 3·NR] (m, z, then den, Σa, tail per rule) and vectors
+    # [BH, CHUNKS, RP, 1 + NR, D] (dense numerator, then N⁰ per rule)
+    NS: tl.constexpr = 2 + 3 * NR
+    row_at = (bh.to(tl.int64) * CHUNKS + c) * RP + rows
+    sp = ps_ptr + row_at * NS
+    tl.store(sp, m, mask=rmask)
+    tl.store(sp + 1, z, mask=rmask)
+    tl.store(sp + 2, den0, mask=rmask)
+    tl.store(sp + 3, a0, mask=rmask)
+    tl.store(sp + 4, t0, mask=rmask)
+    vp = pv_ptr + row_at[:, None] * ((1 + NR) * D) + offs_d[None, :]
+    tl.store(vp, acc, mask=rmask[:, None])
+    tl.store(vp + D, n0, mask=rmask[:, None])
+    if NR == 2:
+        tl.store(sp + 5, den1, mask=rmask)
+        tl.store(sp + 6, a1, mask=rmask)
+        tl.store(sp + 7, t1, mask=rmask)
+        tl.store(vp + 2 * D, n1, mask=rmask[:, None])
+
+
+@triton.jit
+def _rule_sums(nv, den, asum, dense, qh, rmask):
+    """(Σ⟨c, r⟩, Σ‖c‖², Σ‖r‖²) over a tile's valid rows, float64."""
+    inv = 1.0 / tl.maximum(den, 1.1754943508222875e-38)
+    res = dense - nv * inv[:, None]
+    corr = (asum * inv)[:, None] * qh
+    res = tl.where(rmask[:, None], res, 0.0)
+    corr = tl.where(rmask[:, None], corr, 0.0)
+    cr = tl.sum(tl.sum(corr * res, axis=1), axis=0).to(tl.float64)
+    cc = tl.sum(tl.sum(corr * corr, axis=1), axis=0).to(tl.float64)
+    rr = tl.sum(tl.sum(res * res, axis=1), axis=0).to(tl.float64)
+    return cr, cc, rr
+
+
+@triton.jit(do_not_specialize=["H", "HK", "R", "CHUNKS", "RTILES", "RP", "NPROG"])
+def _merge_kernel(
+    q_ptr, hbar_ptr, pv_ptr, ps_ptr, out_ptr,
+    sqb, sqh, sqr, sqd,
+    H, HK, R, CHUNKS, RTILES, RP, NPROG, scale,
+    D: tl.constexpr, DS: tl.constexpr, RT: tl.constexpr, NR: tl.constexpr,
+):  # fmt: skip
+    # program (bh, row tile t, channel slice g); its sums go to out[rule, sum, h, (b, t, g)]
+    pid = tl.program_id(0)
+    NG: tl.constexpr = D // DS
+    g = pid % NG
+    t = (pid // NG) % RTILES
+    bh = pid // (NG * RTILES)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // (H // HK)
+    NS: tl.constexpr = 2 + 3 * NR
+    rows = t * RT + tl.arange(0, RT)
+    rmask = rows < R
+    offs_d = tl.arange(0, D)
+    cols = g * DS + tl.arange(0, DS)
+    base = bh.to(tl.int64) * CHUNKS * RP + rows  # row_at of chunk 0
+    mx = tl.full([RT], float("-inf"), tl.float32)
+    for c in range(CHUNKS):
+        mx = tl.maximum(mx, tl.load(ps_ptr + (base + c * RP) * NS, mask=rmask, other=0.0))
+    z = tl.zeros([RT], tl.float32)
+    acc = tl.zeros([RT, DS], tl.float32)
+    n0 = tl.zeros([RT, DS], tl.float32)
+    den0 = tl.zeros([RT], tl.float32)
+    a0 = tl.zeros([RT], tl.float32)
+    t0 = tl.zeros([RT], tl.float32)
+    n1 = tl.zeros([RT, DS], tl.float32)
+    den1 = tl.zeros([RT], tl.float32)
+    a1 = tl.zeros([RT], tl.float32)
+    t1 = tl.zeros([RT], tl.float32)
+    for c in range(CHUNKS):
+        at = base + c * RP
+        sp = ps_ptr + at * NS
+        w = tl.exp2(tl.load(sp, mask=rmask, other=0.0) - mx)
+        vp = pv_ptr + at[:, None] * ((1 + NR) * D) + cols[None, :]
+        z += w * tl.load(sp + 1, mask=rmask, other=0.0)
+        acc += w[:, None] * tl.load(vp, mask=rmask[:, None], other=0.0)
+        den0 += w * tl.load(sp + 2, mask=rmask, other=1.0)
+        a0 += w * tl.load(sp + 3, mask=rmask, other=0.0)
+        t0 += w * tl.load(sp + 4, mask=rmask, other=0.0)
+        n0 += w[:, None] * tl.load(vp + D, mask=rmask[:, None], other=0.0)
+        if NR == 2:
+            den1 += w * tl.load(sp + 5, mask=rmask, other=1.0)
+            a1 += w * tl.load(sp + 6, mask=rmask, other=0.0)
+            t1 += w * tl.load(sp + 7, mask=rmask, other=0.0)
+            n1 += w[:, None] * tl.load(vp + 2 * D, mask=rmask[:, None], other=0.0)
+    zi = 1.0 / tl.where(rmask, z, 1.0)
+    dense = acc * zi[:, None]
+    # s·q·H̄ on this channel slice (float32 H̄; TF32 products on a GPU)
+    q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqr + offs_d[None, :] * sqd, mask=rmask[:, None],
+                other=0.0).to(tl.float32)
+    hb = tl.load(hbar_ptr + (b * HK + hk) * D * D + offs_d[:, None] * D + cols[None, :])
+    qh = tl.dot(q, hb) * scale
+    slot = (b * RTILES + t) * NG + g
+    cr, cc, rr = _rule_sums(n0, den0, a0, dense, qh, rmask)
+    tm = tl.sum(tl.where(rmask & (g == 0), t0 * zi, 0.0), axis=0).to(tl.float64)
+    o = out_ptr + h * NPROG + slot
+    HP = H * NPROG
+    tl.store(o, cr)
+    tl.store(o + HP, cc)
+    tl.store(o + 2 * HP, rr)
+    tl.store(o + 3 * HP, tm)
+    if NR == 2:
+        cr, cc, rr = _rule_sums(n1, den1, a1, dense, qh, rmask)
+        tm = tl.sum(tl.where(rmask & (g == 0), t1 * zi, 0.0), axis=0).to(tl.float64)
+        o += 4 * HP
+        tl.store(o, cr)
+        tl.store(o + HP, cc)
+        tl.store(o + 2 * HP, rr)
+        tl.store(o + 3 * HP, tm)
+
+
+_launch_select = Launcher(_select_kernel)
+_launch_rows = Launcher(_rows_kernel)
+_launch_merge = Launcher(_merge_kernel)
+
+
+def row_tile(rows: int) -> int:
+    """Query rows per program: a tensor-core tile of 16 to 64 rows."""
+    return min(64, max(16, next_pow2(rows)))
+
+
+def chunking(batch_heads: int, row_tiles: int, nk: int, device) -> tuple[int, int]:
+    """``(key blocks per chunk, chunks)``: the rows kernel's programs fill ``FIT_TUNING["waves"]``
+    waves of the GPU, every chunk non-empty."""
+    want = max(1, -(-FIT_TUNING["waves"] * sm_count(device) // max(1, batch_heads * row_tiles)))
+    per = max(1, -(-nk // want))
+    return per, -(-nk // per)
+
+
+def select_masks(qmean: Tensor, kmean: Tensor, hdev: Tensor | None, keep_blocks: Tensor | None, *,
+                 rules: tuple[bool, ...], n_select: int, scale: float) -> Tensor:
+    """Exact-set masks ``[len(rules), B, H, Nq, Nk]`` uint8 of query-block means ``qmean``
+    ``[B, H, Nq, D]`` against the prepare stage's ``kmean`` ``[B, Hk, Nk, D]`` (its transposed view
+    of ``[B, Hk, D, Nk]`` storage) per selection rule: ``keep ∪ top-n_select`` of the float32 pooled
+    scores (``+ log(hdev + ε)`` for a covariance-aware rule), ties to the lower block index. The
+    reference's :func:`pisa_attn.ops.reference.select_blocks` up to float32 rounding of the scores;
+    one launch for both rules."""
+    b, h, nblk, d = qmean.shape
+    hk, nk = kmean.shape[1], kmean.shape[2]
+    dev = qmean.device
+    nr = len(rules)
+    if nk > MAX_KEY_BLOCKS:
+        raise ValueError(f"kmean: {nk} key blocks, more than the fit kernel's {MAX_KEY_BLOCKS}")
+    if any(rules) and hdev is None:
+        raise ValueError("hdev: a covariance-aware rule needs the blocks' ||H_j - H̄||")
+    mask = torch.empty(nr, b, h, nblk, nk, device=dev, dtype=torch.uint8)
+    if keep_blocks is not None:
+        keep = keep_blocks.to(dev, non_blocking=True)
+        keep = (keep.reshape(1, 1, -1) if keep.dim() == 1 else keep).view(torch.uint8)
+        keep = keep if keep.stride(-1) == 1 else keep.contiguous()
+        ksb = keep.stride(0) if keep.shape[0] > 1 else 0
+        ksh = keep.stride(1) if keep.shape[1] > 1 else 0
+    else:
+        keep, ksb, ksh = mask, 0, 0  # never read (HAS_KEEP=False)
+    hd = hdev if hdev is not None else mask  # never read without a covariance-aware rule
+    nkp = max(16, next_pow2(nk))
+    dc = max(1, min(d, 8192 // nkp))
+    cov = (bool(rules[0]), bool(rules[-1]))
+    kt = kmean.transpose(2, 3)
+    if not kt.is_contiguous():
+        kt = kt.contiguous()
+    qm = qmean if qmean.is_contiguous() else qmean.contiguous()
+    n_sel = min(max(1, int(n_select)), nk)
+    args = (qm, kt, hd, keep, mask, h, hk, nblk, nk, n_sel, float(scale), ksb, ksh)
+    _launch_select((d, dc, nkp, nr, cov, keep_blocks is not None, spec_class(*args[:5])), (b * h * nblk,), args,
+                   dict(D=d, DC=dc, NKP=nkp, NR=nr, COV0=cov[0], COV1=cov[1], HAS_KEEP=keep_blocks is not None),
+                   num_warps=4)
+    return mask
+
+
+def fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, keep_blocks: Tensor | None, *,
+             density: float, rules: tuple[bool, ...], scale: float, block_size: int) -> Tensor:
+    """The sums of :func:`pisa_attn.calibration._fit_sums` for ``"hybrid"``: ``[len(rules), 4, H]``
+    float64, per rule (``covariance_aware`` False/True) :data:`pisa_attn.calibration.SUMS`.
+
+    ``qblocks`` ``[B, H, Σ spans, D]``: the sampled rows' whole query blocks (their selection);
+    ``qr`` ``[B, H, R, D]``: the rows; ``which`` ``[R]`` int32/int64 on the device: each row's
+    index into those blocks; ``k``/``v`` ``[B, Hk, Lk, D]`` any strides (read in place);
+    ``keep_blocks`` bool ``[Nk]`` or ``[B|1, H|1, Nk]``. float16/bfloat16, head dims and block
+    sizes of the Triton kernels (CUDA, or CPU under Triton's interpreter)."""
+    if len(rules) not in (1, 2) or len(set(rules)) != len(rules):
+        raise ValueError(f"rules must be one or two distinct selection rules, got {rules!r}")
+    b, h, r, d = qr.shape
+    hk, lk = k.shape[1], k.shape[2]
+    bs = block_size
+    dev = qr.device
+    nk = spec.num_blocks(lk, bs)
+    if nk > MAX_KEY_BLOCKS:
+        raise ValueError(f"k: {nk} key blocks, more than the fit kernel's {MAX_KEY_BLOCKS}")
+    st = tprep.prepare(qblocks, k, v, bs, with_hdev=any(rules))
+    n_sel = min(spec.num_selected(density, nk), nk)
+    nr = len(rules)
+    nblk = st.qmean.shape[2]
+    mask = select_masks(st.qmean, st.kmean, st.hdev, keep_blocks, rules=rules, n_select=n_sel, scale=scale)
+    rt = row_tile(r)
+    rtiles = -(-r // rt)
+    rp = rtiles * rt
+    per, chunks = chunking(b * h, rtiles, nk, dev)
+    f32 = dict(device=dev, dtype=torch.float32)
+    ps = torch.empty(b * h * chunks * rp * (2 + 3 * nr), **f32)
+    pv = torch.empty(b * h * chunks * rp * (1 + nr) * d, **f32)
+    which = which.to(torch.int32) if which.dtype != torch.int32 else which
+    interp = interpreting()
+    strides = (*qr.stride(), *k.stride(), *v.stride())
+    args = (qr, k, v, st.vbar, mask, which, pv, ps, *strides,
+            h, hk, r, lk, nk, nblk, b * h * nblk * nk, per, chunks, rtiles, rp, float(scale) * LOG2E)
+    _launch_rows((bs, d, rt, nr, FIT_TUNING["warps"], FIT_TUNING["stages"], spec_class(qr, k, v, *strides)),
+                 (b * h * rtiles * chunks,), args, dict(BS=bs, D=d, RT=rt, NR=nr, F32=interp),
+                 num_warps=FIT_TUNING["warps"], num_stages=FIT_TUNING["stages"])
+    ds = min(FIT_TUNING["merge_slice"], d)
+    nprog = b * rtiles * (d // ds)
+    out = torch.empty(nr, SUMS_PER_RULE, h, nprog, device=dev, dtype=torch.float64)
+    margs = (qr, st.hbar, pv, ps, out, *qr.stride(), h, hk, r, chunks, rtiles, rp, nprog, float(scale))
+    _launch_merge((d, ds, rt, nr, spec_class(qr, *qr.stride())), (b * h * rtiles * (d // ds),), margs,
+                  dict(D=d, DS=ds, RT=rt, NR=nr), num_warps=4)
+    return out.sum(-1)
+
+
+def compile_for_sm90(head_dim: int = 128, rows: int = 32, rules: int = 2, dtype: torch.dtype = torch.bfloat16,
+                     key_blocks: int = 512) -> dict:
+    """Compile the select, rows and merge kernels for sm_90 without a GPU (Triton ships
+    ``ptxas``): what a CPU CI runs so that a kernel that does not build fails there. Returns
+    ``{name: Triton's compiled kernel}``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    lp = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    d, rt, nr = head_dim, row_tile(rows), rules
+    nkp = max(16, next_pow2(key_blocks))
+    kernels = {
+        "select": (_select_kernel, dict(qmean_ptr="*fp32", kmean_t_ptr="*fp32", hdev_ptr="*fp32", keep_ptr="*u8",
+                                        mask_ptr="*u8", scale="fp32"),
+                   dict(D=d, DC=max(1, min(d, 8192 // nkp)), NKP=nkp, NR=nr, COV0=False, COV1=nr == 2, HAS_KEEP=True),
+                   4, 3),
+        "rows": (_rows_kernel, dict(q_ptr=lp, k_ptr=lp, v_ptr=lp, vbar_ptr=lp, mask_ptr="*u8", which_ptr="*i32",
+                                    pv_ptr="*fp32", ps_ptr="*fp32", qk_scale="fp32"),
+                 dict(BS=64, D=d, RT=rt, NR=nr, F32=False), FIT_TUNING["warps"], FIT_TUNING["stages"]),
+        "merge": (_merge_kernel, dict(q_ptr=lp, hbar_ptr="*fp32", pv_ptr="*fp32", ps_ptr="*fp32", out_ptr="*fp64",
+                                      scale="fp32"),
+                  dict(D=d, DS=min(FIT_TUNING["merge_slice"], d), RT=rt, NR=nr), 4, 3),
+    }
+    out = {}
+    for name, (fn, types, constexprs, warps, stages) in kernels.items():
+        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+        out[name] = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    return out
