@@ -1,0 +1,123 @@
+"""The FP8 exact phase's quantisation pass: e4m3 copies of K and V (math: :mod:`pisa_attn.ops.quant`).
+
+Two launches after the statistics (they read the statistics' float16 centroids):
+
+* ``_mu_kernel`` (one program per kv head): the smoothing vector ``μ``, the mean of the head's
+  centroids ``kbar · kscale``;
+* ``_quant_kernel`` (one program per kv head and key block): one read of the block's keys and
+  values, one write of ``k8 = e4m3((k − μ)/σ_n)`` ``[B, Hk, Lk', D]`` with its per-token scales
+  ``σ`` ``[B, Hk, Lk']``, and of ``v8`` transposed ``[B, Hk, D, Lk']`` with its per-block,
+  per-channel scales ``τ`` ``[B, Hk, Nk, D]``. ``Lk'`` is ``Lk`` rounded up to whole blocks: the
+  rows past ``Lk`` are written as zeros, so the attention kernel's TMA boxes never leave a tensor.
+
+Scales are powers of two built from the exponent bits (exact division, no ``log2``): the kernels
+and the reference round the same numbers the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..launch import Launcher, spec_class
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """(``2^(floor(log2 amax) − 7)``, its reciprocal); ``2^-126`` (and ``2^126``) for tiny or 0."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127 - 7
+    e = tl.where(amax > 0, tl.maximum(e, -126), -126)
+    return ((e + 127) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["NK"])
+def _mu_kernel(kbar_ptr, kscale_ptr, mu_ptr, NK, D: tl.constexpr, TJ: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    rows = tl.arange(0, TJ)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for j0 in range(0, NK, TJ):
+        j = j0 + rows
+        kb = tl.load(kbar_ptr + (bh * NK + j[:, None]) * D + offs_d[None, :], mask=(j < NK)[:, None], other=0.0)
+        acc += tl.sum(kb.to(tl.float32), axis=0)
+    tl.store(mu_ptr + bh * D + offs_d, acc / tl.maximum(NK, 1) * tl.load(kscale_ptr + bh))
+
+
+@triton.jit(do_not_specialize=["HK", "LK", "LKP", "NK"])
+def _quant_kernel(
+    k_ptr, v_ptr, mu_ptr, k8_ptr, sig_ptr, v8_ptr, tau_ptr,
+    skb, skh, skl, skd, svb, svh, svl, svd,
+    HK, LK, LKP, NK,
+    BS: tl.constexpr, D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    j = pid % NK
+    bh = pid // NK
+    b = (bh // HK).to(tl.int64)
+    h = (bh % HK).to(tl.int64)
+    bh = bh.to(tl.int64)
+    rows = j * BS + tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    valid = (rows < LK)[:, None]
+    k = tl.load(k_ptr + b * skb + h * skh + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
+    v = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
+    mu = tl.load(mu_ptr + bh * D + offs_d)
+    kc = tl.where(valid, k.to(tl.float32) - mu[None, :], 0.0)
+    sig, sig_inv = _pow2_scale(tl.max(tl.abs(kc), axis=1))
+    tl.store(k8_ptr + (bh * LKP + rows[:, None]) * D + offs_d[None, :], (kc * sig_inv[:, None]).to(tl.float8e4nv))
+    tl.store(sig_ptr + bh * LKP + rows, sig)
+    vf = v.to(tl.float32)
+    tau, tau_inv = _pow2_scale(tl.max(tl.abs(vf), axis=0))
+    v8 = tl.trans((vf * tau_inv[None, :]).to(tl.float8e4nv))  # [D, BS]: the K-major B operand
+    tl.store(v8_ptr + (bh * D + offs_d[:, None]) * LKP + rows[None, :], v8)
+    tl.store(tau_ptr + (bh * NK + j) * D + offs_d, tau)
+
+
+@dataclass
+class Quantized:
+    """The e4m3 copies of one call's keys and values and their scales (see the module docstring)."""
+
+    mu: Tensor  # [B, Hk, D] float32
+    k8: Tensor  # [B, Hk, Lk', D] float8_e4m3fn
+    sigma: Tensor  # [B, Hk, Lk'] float32
+    v8t: Tensor  # [B, Hk, D, Lk'] float8_e4m3fn
+    tau: Tensor  # [B, Hk, Nk, D] float32
+
+
+def quant_workspace(b: int, hk: int, lk: int, d: int, block_size: int, device) -> Quantized:
+    nk = -(-lk // block_size)
+    lkp = nk * block_size
+    f32 = dict(device=device, dtype=torch.float32)
+    e4 = dict(device=device, dtype=torch.float8_e4m3fn)
+    return Quantized(torch.empty(b, hk, d, **f32), torch.empty(b, hk, lkp, d, **e4), torch.empty(b, hk, lkp, **f32),
+                     torch.empty(b, hk, d, lkp, **e4), torch.empty(b, hk, nk, d, **f32))
+
+
+_launch_mu = Launcher(_mu_kernel)
+_launch_quant = Launcher(_quant_kernel)
+
+
+def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int,
+             ws: Quantized | None = None) -> Quantized:
+    """e4m3 keys and values of ``[B, Hk, Lk, D]`` views (any strides) for the FP8 attention kernel;
+    ``kbar``/``kscale``: the statistics' float16 centroids and their per-head scale. ``ws``: a
+    :func:`quant_workspace` of these shapes to write into."""
+    b, hk, lk, d = k.shape
+    nk = -(-lk // block_size)
+    if ws is None:
+        ws = quant_workspace(b, hk, lk, d, block_size, k.device)
+    if ws.k8.shape != (b, hk, nk * block_size, d):
+        raise ValueError("ws: a quant_workspace made for other shapes")
+    if b * hk == 0 or nk == 0:
+        ws.mu.zero_()
+        return ws
+    _launch_mu((d,), (b * hk,), (kbar, kscale, ws.mu, nk), dict(D=d, TJ=32), num_warps=4)
+    strides = (*k.stride(), *v.stride())
+    _launch_quant((k.dtype, v.dtype, block_size, d, spec_class(k, v, *strides)), (b * hk * nk,),
+                  (k, v, ws.mu, ws.k8, ws.sigma, ws.v8t, ws.tau, *strides, hk, lk, nk * block_size, nk),
+                  dict(BS=block_size, D=d), num_warps=4 if d <= 64 else 8)
+    return ws
