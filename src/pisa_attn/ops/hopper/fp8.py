@@ -11,8 +11,9 @@ two products on FP8 tensor cores (twice the bf16 rate, half the bytes of every K
   scores are rescaled per row and per key token and the smoothing constant ``s·q_t·μ`` (one float
   per row, computed once from the unquantised ``q``) is added back.
 * ``P·V``: ``e4m3(256·p)`` in registers against ``v8`` stored transposed ``[B, Hk, D, Lk']`` (an
-  FP8 wgmma B operand must be K-major); each block's product starts from zero and is added to the
-  accumulator times the block's per-channel value scales ``τ_j / 256``.
+  FP8 wgmma B operand must be K-major), accumulated in place over the exact blocks (one value
+  scale per channel for the whole head); the accumulator is multiplied by ``τ / 256`` once, after
+  the exact blocks and before the tail adds to it.
 
 The centroid tail and the first-order term are the input-precision kernel's (float16 centroid
 scores, bf16/fp16 ``P·V̂``), on a second ring of shared-memory slots (their tiles are twice the
@@ -114,7 +115,6 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
 
     qi = q0 // BS + CID
     active = qi < NQ
@@ -127,52 +127,61 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     q_inv = _pow2_scale_inv(gl.max(gl.abs(qf), axis=1))
     q8 = gl.convert_layout((qf * q_inv[:, None]).to(gl.float8e4nv), q8_layout)
     mu = gl.load(mu_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, qrow_layout)))
-    q_mu = gl.convert_layout(gl.sum(qf * mu[None, :], axis=1) * qk_scale, row_s)
-    q_rs = gl.convert_layout(qk_scale / q_inv, row_s)
+    q_mu = gl.sum(qf * mu[None, :], axis=1) * qk_scale
+    q_rs = qk_scale / q_inv
 
-    m_i = gl.full([BS], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BS], gl.float32, layout=row_s)
-    l_tail = gl.zeros([BS], gl.float32, layout=row_s)
-    acc = gl.zeros([BS, D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
-    o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
+    row8: gl.constexpr = gl.SliceLayout(1, s8_layout)
+    m_i = gl.full([BS], float("-inf"), gl.float32, layout=row8)
+    l_i = gl.zeros([BS], gl.float32, layout=row8)
+    acc = gl.zeros([BS, D], gl.float32, layout=o8_layout)
     s8_zero = gl.zeros([BS, BS], gl.float32, layout=s8_layout)
-    o8_zero = gl.zeros([BS, D], gl.float32, layout=o8_layout)
-    cols = gl.arange(0, BS, layout=col_s)
-    dcols = gl.arange(0, D, layout=col_o)
+    cols8 = gl.arange(0, BS, layout=gl.SliceLayout(0, s8_layout))
+    q_mu = gl.convert_layout(q_mu, row8)
+    q_rs = gl.convert_layout(q_rs, row8)
 
     n_union = gl.load(ucnt_ptr + pair_row)
     ubase = uidx_ptr + pair_row * W2
+    sig_base = sig_ptr + bhk * NK
     code_next = gl.load(ubase, mask=n_union > 0, other=0)
+    sig_next = gl.load(sig_base + (code_next >> 2))
     for u in range(n_union):
         code = code_next
+        sig = sig_next
+        # The next block's code and key scale, read one entry ahead (code 0 past the end: block 0).
         code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
-        j = code >> 2
-        mine = ((code >> CID) & 1) != 0
-        # The block's scales, read before the wait (their latency hides behind it).
-        sig = gl.load(sig_ptr + bhk * LKP + j * BS + cols, mask=mine, other=0.0)
-        tau = gl.load(tau_ptr + (bhk * NK + j) * D + dcols, mask=mine, other=0.0) * (1.0 / P_SCALE)
+        sig_next = gl.load(sig_base + (code_next >> 2))
         s = u % STAGES
         mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-        if mine:
+        if ((code >> CID) & 1) != 0:
+            j = code >> 2
             sc = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
                                max_num_imprecise_acc=D)
-            sc = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=(sc,)), s_layout)
-            sc = sc * q_rs[:, None] * sig[None, :] + q_mu[:, None]
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            sc = sc * (q_rs * sig)[:, None] + q_mu[:, None]
             if not EVEN_K:
-                sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
+                sc = gl.where((j * BS + cols8 < LK)[None, :], sc, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(sc, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
             rescale = gl.exp2(m_i - m_use)
             p = gl.exp2(sc - m_use[:, None])
             l_i = l_i * rescale + gl.sum(p, axis=1)
             m_i = m_new
+            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
             p8 = gl.convert_layout((p * P_SCALE).to(gl.float8e4nv), p8_layout)
-            pv = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
-                               max_num_imprecise_acc=BS)
-            pv = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=(pv,)), o_layout)
-            acc = acc * gl.convert_layout(rescale, row_o)[:, None] + pv * tau[None, :]
+            acc = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), acc, is_async=True, max_num_imprecise_acc=BS)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
+
+    # The exact blocks' numerator back in value units (τ / 256 per channel), then the tail's
+    # input-precision layouts.
+    tau = gl.load(tau_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))) * (1.0 / P_SCALE)
+    acc = gl.convert_layout(acc * tau[None, :], o_layout)
+    m_i = gl.convert_layout(m_i, row_s)
+    l_i = gl.convert_layout(l_i, row_s)
+    l_tail = gl.zeros([BS], gl.float32, layout=row_s)
+    s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
+    o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
+    cols = gl.arange(0, BS, layout=col_s)
 
     if MODE > 0:
         # The input-precision kernel's tail (see .attention): float16 q and centroids, each scaled
