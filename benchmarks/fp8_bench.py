@@ -47,6 +47,24 @@ def dense64(q, k, v, scale):
     return out
 
 
+def kernel_times(fn, n: int) -> dict[str, float]:
+    """GPU ms per call of every CUDA kernel ``fn`` runs (``n`` calls profiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        dt = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if dt and e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.key[:60]] = out.get(e.key[:60], 0.0) + dt / n / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def speed(lengths, density: float) -> list[dict]:
     from pisa_attn.ops.hopper import fp8 as fp8k
     from pisa_attn.ops.triton.quantize import quantize
@@ -83,6 +101,11 @@ def speed(lengths, density: float) -> list[dict]:
             row[f"attend_fp8_speedup_{mode}"] = row[f"attend_bf16_{mode}_ms"] / row[f"attend_fp8_kernel_{mode}_ms"]
             row[f"attend_fp8_with_quantize_speedup_{mode}"] = row[f"attend_bf16_{mode}_ms"] / (
                 row[f"attend_fp8_kernel_{mode}_ms"] + row["quantize_ms"])
+        # Where an FP8 hybrid call's GPU time goes, kernel by kernel (torch.profiler, 10 calls).
+        p = plan(q, k, PisaSettings(density=density, backend="hopper", precision="fp8"))
+        row["fp8_hybrid_kernels_ms"] = kernel_times(lambda: run(p, q, k, v, out=out), 10)
+        p = plan(q, k, PisaSettings(density=density, backend="hopper"))
+        row["input_hybrid_kernels_ms"] = kernel_times(lambda: run(p, q, k, v, out=out), 10)
         rows.append(row)
         print(f"L={L:6d} cuDNN {row['cudnn_ms']:.3f} ms | bf16 hybrid {row['input_hybrid_ms']:.3f} "
               f"({row['input_hybrid_x_cudnn']:.2f}x) drop {row['input_drop_ms']:.3f} ({row['input_drop_x_cudnn']:.2f}x)"
@@ -92,6 +115,8 @@ def speed(lengths, density: float) -> list[dict]:
               f" ({row['attend_fp8_speedup_drop']:.2f}x) | attend hybrid bf16 {row['attend_bf16_hybrid_ms']:.3f} fp8 "
               f"{row['attend_fp8_kernel_hybrid_ms']:.3f} ({row['attend_fp8_speedup_hybrid']:.2f}x) | quantize "
               f"{row['quantize_ms']:.3f}", flush=True)
+        print("         fp8 hybrid kernels (ms): " + ", ".join(f"{k_} {t:.3f}" for k_, t in row["fp8_hybrid_kernels_ms"].items()))
+        print("         bf16 hybrid kernels (ms): " + ", ".join(f"{k_} {t:.3f}" for k_, t in row["input_hybrid_kernels_ms"].items()))
         del q, k, v, out, stats, qz
         torch.cuda.empty_cache()
     return rows

@@ -24,8 +24,10 @@ dividing by it is exact, so the one rounding is the cast to e4m3 (round to neare
 * **Scores** of an exact block: ``S_tn = s·(q8_t·k8_n)·ρ_t·σ_j + s·q_t·μ`` (float32 accumulation).
 * **Probabilities**: ``P8_tn = e4m3(256·exp(S_tn − m_t))`` (``exp ≤ 1``, so ``256·p ≤ 256 < 448``;
   the factor keeps probabilities down to ``2^-14`` normal); the denominator sums the unrounded
-  ``exp(S_tn − m_t)``. ``m_t`` is the kernel's running maximum when the block is processed (the
-  reference uses the row's final maximum, so the two round slightly different numbers).
+  ``exp(S_tn − m_t)``. ``m_t`` is the running maximum when the block is processed: the kernel
+  takes a row's exact blocks in ascending block order before any tail block, so it is the
+  largest exact score of blocks ``≤ j``; the product is rescaled exactly to the row's final
+  maximum afterwards.
 * **Values**, per kv head and channel ``d``: ``v8_nd = e4m3(v_nd / τ_d)``, stored transposed
   ``[B, Hk, D, Lk']`` (the K-major layout an FP8 wgmma B operand needs), ``Lk'`` = ``Lk`` rounded
   up to whole blocks (zeros past ``Lk``). One scale per channel for the whole head lets every
@@ -138,7 +140,13 @@ def fp8_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tenso
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(s - m[..., None])
         denom = p.sum(-1)
-        p8 = to_e4m3(p * P_SCALE).float() / P_SCALE
+        # rounded against the running maximum over exact blocks 0..j, then rescaled to m exactly
+        sp = torch.nn.functional.pad(s, (0, nk * block_size - lk), value=float("-inf"))
+        sp = sp.view(*s.shape[:3], nk, block_size)
+        m_run = sp.amax(-1).cummax(-1).values
+        m_run = torch.where(torch.isfinite(m_run), m_run, m[..., None].expand_as(m_run))  # no exact block yet
+        p8 = to_e4m3(P_SCALE * torch.exp(sp - m_run[..., None])).float() / P_SCALE
+        p8 = (p8 * torch.exp(m_run - m[..., None])[..., None]).flatten(-2)[..., :lk]
         num = p8 @ vd
         if use_tail:
             a = torch.exp(c - m[..., None])

@@ -156,18 +156,21 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             j = code >> 2
             sc = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
                                max_num_imprecise_acc=D)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            sc = sc * (q_rs * sig)[:, None] + q_mu[:, None]
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             if not EVEN_K:
-                sc = gl.where((j * BS + cols8 < LK)[None, :], sc, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+                raw = gl.where((j * BS + cols8 < LK)[None, :], raw, float("-inf"))
+            # Scores S = raw·a + s·q·μ (base 2) with a = ρ_t σ_j s > 0, so max S = max(raw)·a + s·q·μ;
+            # the scaling, the shift and the factor 256 = 2^8 of the probabilities are one FMA in
+            # the exponent: p256 = exp2(raw·a + (s·q·μ − m + 8)) = 256·exp2(S − m).
+            a = q_rs * sig
+            m_new = gl.maximum(m_i, gl.max(raw, axis=1) * a + q_mu)
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
             rescale = gl.exp2(m_i - m_use)
-            p = gl.exp2(sc - m_use[:, None])
-            l_i = l_i * rescale + gl.sum(p, axis=1)
+            p = gl.exp2(raw * a[:, None] + (q_mu - m_use + 8.0)[:, None])
+            l_i = l_i * rescale + gl.sum(p, axis=1)  # in units of 256 until the exact blocks end
             m_i = m_new
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
-            p8 = gl.convert_layout((p * P_SCALE).to(gl.float8e4nv), p8_layout)
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
             acc = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), acc, is_async=True, max_num_imprecise_acc=BS)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
@@ -177,7 +180,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     tau = gl.load(tau_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))) * (1.0 / P_SCALE)
     acc = gl.convert_layout(acc * tau[None, :], o_layout)
     m_i = gl.convert_layout(m_i, row_s)
-    l_i = gl.convert_layout(l_i, row_s)
+    l_i = gl.convert_layout(l_i * (1.0 / P_SCALE), row_s)
     l_tail = gl.zeros([BS], gl.float32, layout=row_s)
     s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
     o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
@@ -320,9 +323,10 @@ def _fp8_pair_kernel(
 # Host side
 # ----------------------------------------------------------------------------------------------
 
-# Ring depths per head dim (exact FP8 slots, tail slots): at D=128 two query tiles (32 KB), H̄
-# (32 KB), 4 FP8 K+V slots (64 KB) and 2 tail slots (64 KB) fit one CTA per SM.
-STAGES = {64: (6, 2), 128: (4, 2)}
+# Ring depths (exact FP8 K+V slots, tail slots) per head dim and whether the mode has a tail: at
+# D=128 two query tiles (32 KB), H̄ (32 KB), 3 FP8 slots (48 KB) and 3 tail slots (96 KB) fit one
+# CTA per SM; without a tail the FP8 ring takes the room.
+STAGES = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 3), (128, False): (6, 1)}
 HEAD_DIMS = (64, 128)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 
@@ -357,7 +361,7 @@ def attention(
     uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=pairs)
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
-    st, tst = stages or STAGES[d]
+    st, tst = stages or STAGES[d, m > 0]
     tensors = (q, quant.k8, quant.v8t, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
                hbar.view(b * hk, d, d))
     blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs], [1, 1, bs, d], [1, bs, d], [1, bs, d], [1, d, d])
@@ -388,7 +392,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
-    st, tst = stages or STAGES[d]
+    st, tst = stages or STAGES[d, mode != "drop"]
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs))
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
