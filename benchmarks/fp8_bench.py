@@ -98,9 +98,6 @@ def speed(lengths, density: float) -> list[dict]:
                 q, k, v, stats, sel, mode=m, scale=scale, block_size=64, out=out, lse=lse))
             row[f"attend_fp8_kernel_{mode}_ms"] = bench_ms(lambda m=mode: fp8k.attention(
                 q, qz, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, lk=L, out=out, lse=lse))
-            row[f"attend_fp8_kernel_{mode}_unpipelined_ms"] = bench_ms(lambda m=mode: fp8k.attention(
-                q, qz, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, lk=L, out=out, lse=lse,
-                pipeline=False))
             row[f"attend_fp8_speedup_{mode}"] = row[f"attend_bf16_{mode}_ms"] / row[f"attend_fp8_kernel_{mode}_ms"]
             row[f"attend_fp8_with_quantize_speedup_{mode}"] = row[f"attend_bf16_{mode}_ms"] / (
                 row[f"attend_fp8_kernel_{mode}_ms"] + row["quantize_ms"])
@@ -117,8 +114,7 @@ def speed(lengths, density: float) -> list[dict]:
         print(f"         exact phase (drop) bf16 {row['attend_bf16_drop_ms']:.3f} fp8 {row['attend_fp8_kernel_drop_ms']:.3f}"
               f" ({row['attend_fp8_speedup_drop']:.2f}x) | attend hybrid bf16 {row['attend_bf16_hybrid_ms']:.3f} fp8 "
               f"{row['attend_fp8_kernel_hybrid_ms']:.3f} ({row['attend_fp8_speedup_hybrid']:.2f}x) | quantize "
-              f"{row['quantize_ms']:.3f} | unpipelined fp8 drop {row['attend_fp8_kernel_drop_unpipelined_ms']:.3f} hybrid "
-              f"{row['attend_fp8_kernel_hybrid_unpipelined_ms']:.3f}", flush=True)
+              f"{row['quantize_ms']:.3f}", flush=True)
         print("         fp8 hybrid kernels (ms): " + ", ".join(f"{k_} {t:.3f}" for k_, t in row["fp8_hybrid_kernels_ms"].items()))
         print("         bf16 hybrid kernels (ms): " + ", ".join(f"{k_} {t:.3f}" for k_, t in row["input_hybrid_kernels_ms"].items()))
         del q, k, v, out, stats, qz

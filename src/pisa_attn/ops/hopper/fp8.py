@@ -59,14 +59,14 @@ def _pow2_scale_inv(amax):
 
 
 @gluon.jit
-def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, EVEN_K: gl.constexpr):
+def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_K: gl.constexpr):
     """One exact block's raw FP8 scores into the running (m, l): (m, l, rescale, p256).
 
     Scores S = raw·a + s·q·μ (base 2) with a = ρ_t σ_j s > 0, so max S = max(raw)·a + s·q·μ; the
     scaling, the shift and the factor 256 = 2^8 of the probabilities are one FMA in the exponent:
     p256 = exp2(raw·a + (s·q·μ − m + 8)) = 256·exp2(S − m). ``l`` is in units of 256."""
     if not EVEN_K:
-        raw = gl.where((j * 64 + cols8 < LK)[None, :], raw, float("-inf"))
+        raw = gl.where((j * BS + cols8 < LK)[None, :], raw, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(raw, axis=1) * a + q_mu)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     rescale = gl.exp2(m_i - m_use)
@@ -118,7 +118,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
-              LOG2_BS: gl.constexpr, PIPE: gl.constexpr):
+              LOG2_BS: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -161,15 +161,6 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     sig_base = sig_ptr + bhk * NK
     code_next = gl.load(ubase, mask=n_union > 0, other=0)
     sig_next = gl.load(sig_base + (code_next >> 2))
-    # the pipelined loop's carried state: the previous own block (its raw scores, slot, key scale,
-    # index) and the slot whose P·V is in flight
-    have = 0
-    pend = 0
-    s_prev = 0
-    s_pv = 0
-    j_prev = 0
-    sig_prev = sig_next
-    raw_prev = s8_zero
     for u in range(n_union):
         code = code_next
         sig = sig_next
@@ -178,62 +169,16 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
         sig_next = gl.load(sig_base + (code_next >> 2))
         s = u % STAGES
         mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-        mine = ((code >> CID) & 1) != 0
-        if PIPE:
-            # Software-pipelined: this block's Q·Kᵀ runs while the previous block's softmax is
-            # computed, and that block's P·V runs while the next one waits for its tile. A
-            # consumer holds two slots (the previous block's V, the P·V in flight), so the ring
-            # needs at least 5 slots for two consumers and the loader.
-            if mine:
-                tok = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
-                                    max_num_imprecise_acc=D)
-                if have != 0:
-                    m_i, l_i, rescale, p = _exact_softmax(raw_prev, q_rs * sig_prev, q_mu, m_i, l_i, j_prev, LK,
-                                                          cols8, EVEN_K)
-                    # the P·V before last is done once at most one product (this Q·Kᵀ) is in flight
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    if pend != 0:
-                        mbarrier.arrive(empty.index(s_pv), count=1)
-                    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
-                    p8 = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
-                    pv = warpgroup_mma(p8, v_bufs.index(s_prev).permute((1, 0)), acc, is_async=True,
-                                       max_num_imprecise_acc=BS)
-                    # this Q·Kᵀ was issued before that P·V: waiting for one in flight finishes it
-                    # and leaves the P·V running (its accumulator is read after the next wait)
-                    raw_prev, acc = warpgroup_mma_wait(num_outstanding=1, deps=(tok, pv))
-                    s_pv = s_prev
-                    pend = 1
-                else:
-                    raw_prev = warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
-                s_prev = s
-                sig_prev = sig
-                j_prev = code >> 2
-                have = 1
-            else:
-                mbarrier.arrive(empty.index(s), count=1)
-        else:
-            if mine:
-                sc = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
-                                   max_num_imprecise_acc=D)
-                raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, EVEN_K)
-                acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
-                p8 = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
-                acc = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), acc, is_async=True,
-                                    max_num_imprecise_acc=BS)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(s), count=1)
-    if PIPE:
-        if have != 0:  # the last exact block
-            m_i, l_i, rescale, p = _exact_softmax(raw_prev, q_rs * sig_prev, q_mu, m_i, l_i, j_prev, LK, cols8, EVEN_K)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            if pend != 0:
-                mbarrier.arrive(empty.index(s_pv), count=1)
+        if ((code >> CID) & 1) != 0:
+            sc = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
+                               max_num_imprecise_acc=D)
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS, EVEN_K)
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
             p8 = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
-            acc = warpgroup_mma(p8, v_bufs.index(s_prev).permute((1, 0)), acc, is_async=True, max_num_imprecise_acc=BS)
+            acc = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), acc, is_async=True, max_num_imprecise_acc=BS)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(s_prev), count=1)
+        mbarrier.arrive(empty.index(s), count=1)
 
     # The exact blocks' numerator back in value units (τ / 256 per channel), then the tail's
     # input-precision layouts.
@@ -319,7 +264,7 @@ def _fp8_pair_kernel(
     H, HK, LQ, LK, LKP, NQ, NK, W2, NW,
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
-    MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPE: gl.constexpr,
+    MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -371,11 +316,11 @@ def _fp8_pair_kernel(
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
-                     qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPE)),
+                     qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
-                     qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPE)),
+                     qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS)),
     ], [4, 4], [240, 240])
 
 
@@ -387,9 +332,6 @@ def _fp8_pair_kernel(
 # D=128 two query tiles (32 KB), H̄ (32 KB), 3 FP8 slots (48 KB) and 3 tail slots (96 KB) fit one
 # CTA per SM; without a tail the FP8 ring takes the room.
 STAGES = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 3), (128, False): (6, 1)}
-# The software-pipelined exact loop holds two slots per consumer: at least 5 FP8 slots.
-STAGES_PIPE = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (5, 2), (128, False): (6, 1)}
-PIPELINE = True
 HEAD_DIMS = (64, 128)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 
@@ -408,7 +350,6 @@ def attention(
     *, mode: str, scale: float, block_size: int, lk: int,
     out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
     pairs: tuple[Tensor, Tensor] | None = None, stages: tuple[int, int] | None = None,
-    pipeline: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The FP8 pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view, ``quant`` the
     :class:`pisa_attn.ops.triton.quantize.Quantized` keys and values (``lk`` the true key count),
@@ -425,18 +366,14 @@ def attention(
     uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=pairs)
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
-    pipe = PIPELINE if pipeline is None else pipeline
-    st, tst = stages or (STAGES_PIPE if pipe else STAGES)[d, m > 0]
-    if pipe and st < 5:
-        raise ValueError(f"stages: the pipelined FP8 loop needs at least 5 slots, got {st}")
+    st, tst = stages or STAGES[d, m > 0]
     tensors = (q, quant.k8, quant.v8t, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
                hbar.view(b * hk, d, d))
     blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs], [1, 1, bs, d], [1, bs, d], [1, bs, d], [1, d, d])
     scalars = (kscale, uidx, ucnt, bits, lse, alpha, quant.sigma, quant.tau, quant.mu,
                h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
-    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
-                      PIPE=pipe)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
+    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs))
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
@@ -445,8 +382,7 @@ def attention(
 
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
-                     dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None,
-                     pipeline: bool = PIPELINE):
+                     dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None):
     """Compile the FP8 pair kernel for sm_90a without a GPU (as :func:`.attention.compile_for_sm90`)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -461,9 +397,9 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
-    st, tst = stages or (STAGES_PIPE if pipeline else STAGES)[d, mode != "drop"]
+    st, tst = stages or STAGES[d, mode != "drop"]
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
-                      LOG2_BS=math.log2(bs), PIPE=pipeline)
+                      LOG2_BS=math.log2(bs))
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}

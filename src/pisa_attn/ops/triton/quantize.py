@@ -58,13 +58,14 @@ def _vmax_kernel(v_ptr, vmax_ptr, svb, svh, svl, svd, HK, LK, NK, PER, CHUNKS, B
     b = (bh // HK).to(tl.int64)
     h = (bh % HK).to(tl.int64)
     offs_d = tl.arange(0, D)
-    m = tl.zeros([D], dtype=tl.float32)
+    # elementwise over the run, one reduction across the tile's rows at the end
+    m = tl.zeros([BS, D], dtype=tl.float32)
     for j in range(c * PER, tl.minimum(NK, c * PER + PER)):
         rows = j * BS + tl.arange(0, BS)
         v = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd,
                     mask=(rows < LK)[:, None], other=0.0)
-        m = tl.maximum(m, tl.max(tl.abs(v.to(tl.float32)), axis=0))
-    tl.atomic_max(vmax_ptr + bh.to(tl.int64) * D + offs_d, m.to(tl.int32, bitcast=True))
+        m = tl.maximum(m, tl.abs(v.to(tl.float32)))
+    tl.atomic_max(vmax_ptr + bh.to(tl.int64) * D + offs_d, tl.max(m, axis=0).to(tl.int32, bitcast=True))
 
 
 @triton.jit(do_not_specialize=["HK", "LK", "LKP", "NK"])
@@ -89,11 +90,10 @@ def _quant_kernel(
     kc = tl.where(valid, k.to(tl.float32) - mu[None, :], 0.0)
     sig, sig_inv = _pow2_scale(tl.max(tl.max(tl.abs(kc), axis=1), axis=0))
     tl.store(k8_ptr + (bh * LKP + rows[:, None]) * D + offs_d[None, :], (kc * sig_inv).to(tl.float8e4nv))
+    tau, tau_inv = _pow2_scale(tl.load(vmax_ptr + bh * D + offs_d).to(tl.float32, bitcast=True))
     if j == 0:  # one program per head writes the head's value scales
-        tau, _ = _pow2_scale(tl.load(vmax_ptr + bh * D + offs_d).to(tl.float32, bitcast=True))
         tl.store(tau_ptr + bh * D + offs_d, tau)
     tl.store(sig_ptr + bh * NK + j, sig)
-    _, tau_inv = _pow2_scale(tl.load(vmax_ptr + bh * D + offs_d).to(tl.float32, bitcast=True))
     v8 = tl.trans((v.to(tl.float32) * tau_inv[None, :]).to(tl.float8e4nv))  # [D, BS]: the K-major B operand
     tl.store(v8_ptr + (bh * D + offs_d[:, None]) * LKP + rows[None, :], v8)
 
