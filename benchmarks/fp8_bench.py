@@ -172,8 +172,18 @@ def main(argv=None):
     ap.add_argument("--qkv-file", default=QKV_FILE)
     ap.add_argument("--speed-only", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")
+    ap.add_argument("--ncu", type=int, default=None, metavar="L",
+                    help="only run one bf16 and one FP8 hybrid call at length L (for ncu)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_bench.json"))
     a = ap.parse_args(argv)
+    if a.ncu:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(2, 16, a.ncu, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for prec in ("input", "fp8"):
+            p = plan(q, k, PisaSettings(density=a.density, backend="hopper", precision=prec))
+            run(p, q, k, v)
+        torch.cuda.synchronize()
+        return
     import triton
 
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

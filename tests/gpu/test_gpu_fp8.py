@@ -75,8 +75,12 @@ def references(q, k, v, p, sel):
     mask = sel.to_mask(nk)
     alpha = None if p.alpha is None else p.alpha.float()
     st = ref.block_stats(k.float(), v.float(), p.block_size)
+    # the smoothing vector the kernel used (from the Hopper statistics' float16 centroids): the
+    # same keys are then rounded the same way
+    tst = get_backend("hopper").prepare(q, k, v, p.block_size)
+    mu = quant.head_key_mean(tst.kbar, tst.kscale)
     oq, _ = quant.fp8_pisa_forward(q, k, v, st.kmean, st.vsum, st.hbar, mask, mode=p.mode, scale=p.scale,
-                                   block_size=p.block_size, alpha=alpha)
+                                   block_size=p.block_size, alpha=alpha, mu=mu)
     st64 = ref.block_stats(k.double(), v.double(), p.block_size)
     o64, _ = ref.pisa_forward(q.double(), k.double(), v.double(), st64, mask, mode=p.mode, scale=p.scale,
                               block_size=p.block_size, alpha=None if alpha is None else alpha.double())
