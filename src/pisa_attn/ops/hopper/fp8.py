@@ -11,9 +11,9 @@ two products on FP8 tensor cores (twice the bf16 rate, half the bytes of every K
   scores are rescaled per row and per key token and the smoothing constant ``s·q_t·μ`` (one float
   per row, computed once from the unquantised ``q``) is added back.
 * ``P·V``: ``e4m3(256·p)`` in registers against ``v8`` stored transposed ``[B, Hk, D, Lk']`` (an
-  FP8 wgmma B operand must be K-major), accumulated in place over the exact blocks (one value
-  scale per channel for the whole head); the accumulator is multiplied by ``τ / 256`` once, after
-  the exact blocks and before the tail adds to it.
+  FP8 wgmma B operand must be K-major), one product per block added to a float32 accumulator
+  (one value scale per channel for the whole head); the accumulator is multiplied by ``τ / 256``
+  once, after the exact blocks and before the tail adds to it.
 
 The centroid tail and the first-order term are the input-precision kernel's (float16 centroid
 scores, bf16/fp16 ``P·V̂``), on a second ring of shared-memory slots (their tiles are twice the
@@ -152,6 +152,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     l_i = gl.zeros([BS], gl.float32, layout=row8)
     acc = gl.zeros([BS, D], gl.float32, layout=o8_layout)
     s8_zero = gl.zeros([BS, BS], gl.float32, layout=s8_layout)
+    o8_zero = gl.zeros([BS, D], gl.float32, layout=o8_layout)
     cols8 = gl.arange(0, BS, layout=gl.SliceLayout(0, s8_layout))
     q_mu = gl.convert_layout(q_mu, row8)
     q_rs = gl.convert_layout(q_rs, row8)
@@ -174,10 +175,14 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                                max_num_imprecise_acc=D)
             raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS, EVEN_K)
-            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
             p8 = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
-            acc = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), acc, is_async=True, max_num_imprecise_acc=BS)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            # Each block's P·V starts from zero and is added in float32: the tensor cores keep an
+            # FP8 product's running sum in reduced precision, which a sum over every exact block
+            # (cancelling terms on flat rows) would carry. The rescale runs under the product.
+            pv = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
+                               max_num_imprecise_acc=BS)
+            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+            acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
         mbarrier.arrive(empty.index(s), count=1)
 
     # The exact blocks' numerator back in value units (τ / 256 per channel), then the tail's
