@@ -31,8 +31,8 @@ dividing by it is exact, so the one rounding is the cast to e4m3 (round to neare
 * **Values**, per kv head and channel ``d``: ``v8_nd = e4m3(v_nd / τ_d)``, stored transposed
   ``[B, Hk, D, Lk']`` (the K-major layout an FP8 wgmma B operand needs), ``Lk'`` = ``Lk`` rounded
   up to whole blocks (zeros past ``Lk``). One scale per channel for the whole head lets every
-  exact block add into one float32 accumulator (each block's product from zero: the tensor
-  cores keep an FP8 product's own sum in reduced precision); the exact part of the numerator is
+  exact block add into one float32 accumulator (each block's product from zero); the exact part
+  of the numerator is
   ``(Σ_j P8_j · v8_j) ⊙ τ / 256``, scaled once after the exact blocks.
 """
 

@@ -176,9 +176,9 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS, EVEN_K)
             p8 = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
-            # Each block's P·V starts from zero and is added in float32: the tensor cores keep an
-            # FP8 product's running sum in reduced precision, which a sum over every exact block
-            # (cancelling terms on flat rows) would carry. The rescale runs under the product.
+            # Each block's P·V starts from zero and is added in float32, so the accumulator's
+            # rescale runs while the tensor cores compute the product (and no FP8 sum spans
+            # more than one block).
             pv = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
                                max_num_imprecise_acc=BS)
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
