@@ -107,16 +107,17 @@ def speed(lengths, density: float) -> list[dict]:
         p = plan(q, k, PisaSettings(density=density, backend="hopper"))
         row["input_hybrid_kernels_ms"] = kernel_times(lambda: run(p, q, k, v, out=out), 10)
         rows.append(row)
-        print(f"L={L:6d} cuDNN {row['cudnn_ms']:.3f} ms | bf16 hybrid {row['input_hybrid_ms']:.3f} "
-              f"({row['input_hybrid_x_cudnn']:.2f}x) drop {row['input_drop_ms']:.3f} ({row['input_drop_x_cudnn']:.2f}x)"
-              f" | fp8 hybrid {row['fp8_hybrid_ms']:.3f} ({row['fp8_hybrid_x_cudnn']:.2f}x) drop {row['fp8_drop_ms']:.3f} "
-              f"({row['fp8_drop_x_cudnn']:.2f}x)", flush=True)
-        print(f"         exact phase (drop) bf16 {row['attend_bf16_drop_ms']:.3f} fp8 {row['attend_fp8_kernel_drop_ms']:.3f}"
-              f" ({row['attend_fp8_speedup_drop']:.2f}x) | attend hybrid bf16 {row['attend_bf16_hybrid_ms']:.3f} fp8 "
+        calls = " | ".join(f"{name} hybrid {row[f'{prec}_hybrid_ms']:.3f} ({row[f'{prec}_hybrid_x_cudnn']:.2f}x) drop "
+                           f"{row[f'{prec}_drop_ms']:.3f} ({row[f'{prec}_drop_x_cudnn']:.2f}x)"
+                           for name, prec in (("bf16", "input"), ("fp8", "fp8")))
+        print(f"L={L:6d} cuDNN {row['cudnn_ms']:.3f} ms | {calls}", flush=True)
+        print(f"         exact phase (drop) bf16 {row['attend_bf16_drop_ms']:.3f} fp8 "
+              f"{row['attend_fp8_kernel_drop_ms']:.3f} ({row['attend_fp8_speedup_drop']:.2f}x) | attend hybrid bf16 {row['attend_bf16_hybrid_ms']:.3f} fp8 "
               f"{row['attend_fp8_kernel_hybrid_ms']:.3f} ({row['attend_fp8_speedup_hybrid']:.2f}x) | quantize "
               f"{row['quantize_ms']:.3f}", flush=True)
-        print("         fp8 hybrid kernels (ms): " + ", ".join(f"{k_} {t:.3f}" for k_, t in row["fp8_hybrid_kernels_ms"].items()))
-        print("         bf16 hybrid kernels (ms): " + ", ".join(f"{k_} {t:.3f}" for k_, t in row["input_hybrid_kernels_ms"].items()))
+        for name, prec in (("fp8", "fp8"), ("bf16", "input")):
+            kernels = row[f"{prec}_hybrid_kernels_ms"].items()
+            print(f"         {name} hybrid kernels (ms): " + ", ".join(f"{k_} {t:.3f}" for k_, t in kernels))
         del q, k, v, out, stats, qz
         torch.cuda.empty_cache()
     return rows

@@ -153,3 +153,12 @@ def test_precision_fp8_refused_off_hopper():
         plan(q, q, PisaSettings(precision="fp8"))
     with pytest.raises(ValueError, match="precision"):
         pisa_attention(q, q, q, precision="fp16")
+
+
+def test_precision_fp8_refused_by_the_ring():
+    """Sharded keys merge float32 partial outputs, which the FP8 kernel does not write."""
+    from pisa_attn.parallel import ring_pisa_attention
+
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="precision='fp8' is not supported by ring_pisa_attention"):
+        ring_pisa_attention(q, q, q, group=None, settings=PisaSettings(precision="fp8"))

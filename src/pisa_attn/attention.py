@@ -697,8 +697,8 @@ def _op_plan(be: Backend, q: Tensor, k: Tensor, n_select: int, width: int, mode:
     b, h, lq, d = q.shape
     fp8 = be.name == FP8_BACKEND
     s = PisaSettings(block_size=block_size, mode=mode, covariance_aware=covariance_aware, scale=scale,
-                     backend="hopper" if fp8 else be.name, query_block=None if query_block == block_size else query_block,
-                     precision="fp8" if fp8 else "input")
+                     backend="hopper" if fp8 else be.name, precision="fp8" if fp8 else "input",
+                     query_block=None if query_block == block_size else query_block)
     p = PisaPlan(
         settings=s, q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype, device=q.device, batch=b,
         heads=h, kv_heads=k.shape[1], q_len=lq, kv_len=k.shape[2], head_dim=d, block_size=block_size,
