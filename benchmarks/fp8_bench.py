@@ -112,7 +112,8 @@ def speed(lengths, density: float) -> list[dict]:
                            for name, prec in (("bf16", "input"), ("fp8", "fp8")))
         print(f"L={L:6d} cuDNN {row['cudnn_ms']:.3f} ms | {calls}", flush=True)
         print(f"         exact phase (drop) bf16 {row['attend_bf16_drop_ms']:.3f} fp8 "
-              f"{row['attend_fp8_kernel_drop_ms']:.3f} ({row['attend_fp8_speedup_drop']:.2f}x) | attend hybrid bf16 {row['attend_bf16_hybrid_ms']:.3f} fp8 "
+              f"{row['attend_fp8_kernel_drop_ms']:.3f} ({row['attend_fp8_speedup_drop']:.2f}x) | attend hybrid bf16 "
+              f"{row['attend_bf16_hybrid_ms']:.3f} fp8 "
               f"{row['attend_fp8_kernel_hybrid_ms']:.3f} ({row['attend_fp8_speedup_hybrid']:.2f}x) | quantize "
               f"{row['quantize_ms']:.3f}", flush=True)
         for name, prec in (("fp8", "fp8"), ("bf16", "input")):
