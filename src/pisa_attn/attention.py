@@ -36,7 +36,8 @@ log = logging.getLogger("pisa_attn")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-INFERENCE_ONLY = ("hopper", "triton")  # backends whose kernels have no backward
+INFERENCE_ONLY = ("hopper", "hopper_fp8", "triton")  # backends whose kernels have no backward
+FP8_BACKEND = "hopper_fp8"  # the Hopper backend with FP8 exact blocks: what precision="fp8" runs
 
 _logged: set[str] = set()
 
@@ -152,12 +153,12 @@ def _load_backend(name: str) -> Backend:
         except ImportError as e:  # triton not installed
             raise ValueError(f"the triton backend is unavailable: triton cannot be imported ({e})") from None
         return op.BACKEND
-    if name == "hopper":
+    if name in ("hopper", FP8_BACKEND):
         try:
             from .ops.hopper import op
         except ImportError as e:  # no triton, or a triton without Gluon
             raise ValueError(f"the hopper backend is unavailable: its Gluon kernel cannot be imported ({e})") from None
-        return op.BACKEND
+        return op.FP8_BACKEND if name == FP8_BACKEND else op.BACKEND
     raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {name!r}")
 
 
@@ -171,7 +172,14 @@ def _reason(name: str, q: Tensor, mode: str, block_size: int) -> str | None:
         return str(e)
 
 
-def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int) -> str:
+def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int, precision: str = "input") -> str:
+    if precision == "fp8":  # the FP8 kernel or an error, never another precision
+        if backend not in ("auto", "hopper"):
+            raise ValueError(f"precision='fp8' runs on the hopper backend only, got backend={backend!r}")
+        reason = _reason(FP8_BACKEND, q, mode, block_size)
+        if reason is not None:
+            raise ValueError(f"precision='fp8' is not supported for this call: {reason}")
+        return FP8_BACKEND
     if backend == "reference":
         return "reference"
     if backend in ("triton", "hopper"):
@@ -196,7 +204,7 @@ def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int) -> str:
 def backend_for(settings: PisaSettings, q: Tensor) -> str:
     """The backend a call with ``settings`` on ``[B, H, L, D]`` queries like ``q`` runs (``"auto"``
     resolved); ValueError when a forced backend cannot serve it."""
-    return _choose_backend(settings.backend, q, settings.mode, settings.block_size)
+    return _choose_backend(settings.backend, q, settings.mode, settings.block_size, settings.precision)
 
 
 def _check_inference_only(backend: str, tensors) -> None:
@@ -238,7 +246,7 @@ class PisaPlan:
     covariance_aware: bool
     scale: float
     query_block: int  # tokens per selection row (block_size: the paper's per-block selection)
-    backend: str  # "hopper", "triton" or "reference": what actually runs
+    backend: str  # "hopper", "hopper_fp8", "triton" or "reference": what actually runs
     max_keep: int = 0  # the most always-exact blocks (keep_blocks) of any row a run may bring
     width: int = 1  # static width of the selection's index list: n_select + max_keep, at most Nk
     alpha: Tensor | None = None  # [H] weights of the first-order term from the settings (None: no such term)
@@ -339,7 +347,7 @@ def _make_plan(s: PisaSettings, q_shape, kv_shape, qh: Tensor, kh: Tensor, max_k
     bs = s.block_size
     nk = spec.num_blocks(lk, bs)
     n_select = spec.num_selected(s.density, nk)
-    backend = _choose_backend(s.backend, qh, s.mode, bs)
+    backend = _choose_backend(s.backend, qh, s.mode, bs, s.precision)
     alpha_values = s.alpha_values(h)
     alpha_dtype = torch.float64 if qh.dtype == torch.float64 else torch.float32
     alpha = None if alpha_values is None or torch.compiler.is_compiling() else \
@@ -360,11 +368,11 @@ def _make_plan(s: PisaSettings, q_shape, kv_shape, qh: Tensor, kh: Tensor, max_k
 
 
 def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware, scale, backend,
-              query_block=None) -> PisaPlan:
+              query_block=None, precision="input") -> PisaPlan:
     """A plan without a workspace from ``[B, H, L, D]`` tensors and loose settings (what the tools
     use to learn which backend a call runs)."""
     s = PisaSettings(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
-                     scale=scale, backend=backend, query_block=query_block)
+                     scale=scale, backend=backend, query_block=query_block, precision=precision)
     return _make_plan(s, tuple(q.shape), tuple(k.shape), q, k, 0, False)
 
 
@@ -687,8 +695,10 @@ def _op_plan(be: Backend, q: Tensor, k: Tensor, n_select: int, width: int, mode:
     """The plan (``"bhsd"``, with a workspace) whose runs compute what the op's arguments ask:
     its selection width and number of selected blocks are the op's, not derived from a density."""
     b, h, lq, d = q.shape
+    fp8 = be.name == FP8_BACKEND
     s = PisaSettings(block_size=block_size, mode=mode, covariance_aware=covariance_aware, scale=scale,
-                     backend=be.name, query_block=None if query_block == block_size else query_block)
+                     backend="hopper" if fp8 else be.name, precision="fp8" if fp8 else "input",
+                     query_block=None if query_block == block_size else query_block)
     p = PisaPlan(
         settings=s, q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype, device=q.device, batch=b,
         heads=h, kv_heads=k.shape[1], q_len=lq, kv_len=k.shape[2], head_dim=d, block_size=block_size,
@@ -739,6 +749,7 @@ def pisa_attention(
     query_block: int | None = None,
     alpha: float | Tensor | None = None,
     settings: PisaSettings | None = None,
+    precision: str = "input",
 ):
     """Piecewise Sparse Attention: a drop-in for ``F.scaled_dot_product_attention`` in DiTs.
 
@@ -782,6 +793,9 @@ def pisa_attention(
             kernels for supported CUDA inputs, else the reference), ``"hopper"`` (force the
             warp-specialised sm_90 kernel), ``"triton"`` (force the portable kernels; CPU tensors
             need ``TRITON_INTERPRET=1``), ``"reference"`` (force PyTorch).
+        precision: ``"input"`` (the exact blocks in the input dtype) or ``"fp8"`` (their two
+            products in FP8 e4m3 on the Hopper kernel, the tail in the input dtype; a call the FP8
+            kernel cannot serve is a ValueError, never another precision).
         settings: a :class:`PisaSettings` instead of the loose settings arguments above (which
             must then keep their defaults; ``alpha`` may still be given per call).
 
@@ -795,11 +809,11 @@ def pisa_attention(
         spec.check_flag("return_lse", return_lse)
     compiling = torch.compiler.is_compiling()
     if settings is None:
-        key = (density, block_size, mode, covariance_aware, scale, layout, backend, query_block,
+        key = (density, block_size, mode, covariance_aware, scale, layout, backend, query_block, precision,
                type(density), type(block_size), type(covariance_aware), type(scale), type(query_block))
         settings = None if compiling else _SETTINGS.get(key)
         if settings is None:
-            settings = _settings(key[:8])
+            settings = _settings(key[:9])
             if not compiling:
                 if len(_SETTINGS) >= _PLAN_LIMIT:
                     _SETTINGS.clear()
@@ -808,7 +822,7 @@ def pisa_attention(
         if not isinstance(settings, PisaSettings):
             raise TypeError(f"settings must be a PisaSettings, got {type(settings).__name__}")
         check_not_both(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
-                       scale=scale, layout=layout, backend=backend, query_block=query_block)
+                       scale=scale, layout=layout, backend=backend, query_block=query_block, precision=precision)
         if settings.alpha is not None:
             # The weight is data: one cached plan (and workspace) serves every alpha of a shape.
             if alpha is None:
@@ -871,9 +885,9 @@ _KEEP_COUNTS: dict = {}  # kept blocks per row of CPU keep masks seen, by value 
 
 
 def _settings(values) -> PisaSettings:
-    density, block_size, mode, covariance_aware, scale, layout, backend, query_block = values
+    density, block_size, mode, covariance_aware, scale, layout, backend, query_block, precision = values
     return PisaSettings(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
-                        scale=scale, layout=layout, backend=backend, query_block=query_block)
+                        scale=scale, layout=layout, backend=backend, query_block=query_block, precision=precision)
 
 
 def _validate_call(q, k, v, s: PisaSettings):

@@ -106,6 +106,8 @@ class PisaSettings:
         scale: softmax scale; None means ``1 / sqrt(D)``.
         backend: ``"auto"``, ``"hopper"``, ``"triton"`` or ``"reference"``.
         layout: ``"bhsd"`` (``[B, H, L, D]``) or ``"bshd"`` (``[B, L, H, D]``) for q, k, v and out.
+        precision: ``"input"`` (the exact blocks in the input dtype) or ``"fp8"`` (their products
+            in FP8 e4m3 on the Hopper kernel; :data:`pisa_attn.spec.PRECISIONS`).
     """
 
     density: float = 0.125
@@ -117,6 +119,7 @@ class PisaSettings:
     scale: float | None = None
     backend: str = "auto"
     layout: str = "bhsd"
+    precision: str = "input"
 
     def __post_init__(self):
         put = object.__setattr__  # frozen: normalised values are written once, here
@@ -150,6 +153,9 @@ class PisaSettings:
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         put(self, "alpha", normalize_alpha(self.alpha, self.mode))
+        spec.check_precision(self.precision)
+        if self.precision == "fp8" and self.backend not in ("auto", "hopper"):
+            raise ValueError(f"precision='fp8' runs on the hopper backend only, got backend={self.backend!r}")
 
     # ---------------------------------------------------------------- derived facts
     @property

@@ -47,6 +47,11 @@ HBAR_SCOPES = ("global", "row")
 """Which blocks the hybrid term's mean ``H̄`` describes: ``global`` one ``H̄`` per head for every row
 (the paper's eq. 7, the kernels'), ``row`` the mean over each row's own tail (reference only)."""
 
+PRECISIONS = ("input", "fp8")
+"""Precision of the exact blocks' products: ``input`` the input dtype (float16/bfloat16 tensor
+cores, the default); ``fp8`` FP8 e4m3 with smoothed, power-of-two-scaled keys and values
+(Hopper kernel only; the tail stays in the input precision; math in :mod:`pisa_attn.ops.quant`)."""
+
 COV_EPS = 1e-6
 """Covariance-aware selection adds ``log(||H_j − H̄||_F + COV_EPS)`` to the pooled scores (eq. 9)."""
 
@@ -123,6 +128,11 @@ def query_block_factor(query_block, block_size: int) -> int:
         raise ValueError(f"query_block must be None or one of {allowed} (block_size times {QUERY_BLOCK_FACTORS}), "
                          f"got {query_block!r}")
     return query_block // block_size
+
+
+def check_precision(precision) -> None:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
 def check_flag(name: str, value) -> None:

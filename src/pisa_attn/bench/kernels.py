@@ -130,10 +130,10 @@ def _inputs(cfg: Config, length: int, dtype, layout: str, seed: int = 0, data: s
     return [x.transpose(1, 2) if layout == "bshd" else x for x in xs]  # [B, H, L, D] views
 
 
-def _plan(q, k, density, mode, block_size=64, backend="auto", query_block=None):
+def _plan(q, k, density, mode, block_size=64, backend="auto", query_block=None, precision="input"):
     from pisa_attn.attention import make_plan
 
-    return make_plan(q, k, density, block_size, mode, False, None, backend, query_block)
+    return make_plan(q, k, density, block_size, mode, False, None, backend, query_block, precision)
 
 
 def _pisa_call(q, k, v, plan):
@@ -217,7 +217,8 @@ def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float, gra
 
 def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep_ms: float,
                with_flex: bool = True, flex_dynamic: bool = False, phases: bool = True, graphs: bool = False,
-               backend: str = "auto", data: str = "random", query_block: int | None = None) -> dict:
+               backend: str = "auto", data: str = "random", query_block: int | None = None,
+               precision: str = "input") -> dict:
     from pisa_attn import spec
     from pisa_attn.attention import get_backend
 
@@ -225,18 +226,19 @@ def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep
     row: dict = {}
     if query_block:  # the same call with selection per query_block rows (shared by 2 or 4 blocks)
         for mode in ("drop", "hybrid"):
-            fn = _pisa_call(q, k, v, _plan(q, k, density, mode, backend=backend, query_block=query_block))
+            fn = _pisa_call(q, k, v, _plan(q, k, density, mode, backend=backend, query_block=query_block,
+                                           precision=precision))
             fn()
             row[f"pisa_{mode}_qb{query_block}"] = bench_ms(fn, rep_ms)
     for mode in ("drop", "hybrid"):
-        plan = _plan(q, k, density, mode, backend=backend)
+        plan = _plan(q, k, density, mode, backend=backend, precision=precision)
         row["backend"] = plan.backend
         fn = _pisa_call(q, k, v, plan)
         fn()  # compile + autotune outside the timed region
         row[f"pisa_{mode}"] = bench_ms(fn, rep_ms)
         if graphs:
             row[f"pisa_{mode}_graph"] = graph_ms(fn, rep_ms)
-    plan = _plan(q, k, density, "hybrid", backend=backend)
+    plan = _plan(q, k, density, "hybrid", backend=backend, precision=precision)
     be = get_backend(plan.backend)
     out_bytes = q.numel() * q.element_size()
     qkvo = 4 * out_bytes
@@ -304,11 +306,11 @@ def parse_cases(text: str) -> list[tuple[Config, int, float]]:
 
 def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex=True, flex_dynamic=False,
               flex_lengths=None, log=print, on_row=None, graphs: bool = False, backend: str = "auto",
-              data: str = "random", query_block: int | None = None) -> dict:
+              data: str = "random", query_block: int | None = None, precision: str = "input") -> dict:
     """Time every (config, length, density) case; dense baselines are timed once per (config, length)."""
     result = {"meta": {**environment(), "dtype": str(dtype).removeprefix("torch."), "layout": layout,
                        "block_size": 64, "timing": "triton.testing.do_bench median, L2 flushed, ms",
-                       "backend": backend, "data": data, "query_block": query_block},
+                       "backend": backend, "data": data, "query_block": query_block, "precision": precision},
               "rows": []}
     dense_cache: dict = {}
     warm_gpu()
@@ -320,7 +322,7 @@ def run_bench(cases, dtype=torch.bfloat16, layout="bhsd", rep_ms=60.0, with_flex
         flex = with_flex and (flex_lengths is None or length in flex_lengths)
         try:
             row.update(bench_case(cfg, length, density, dtype, layout, rep_ms, flex, flex_dynamic, graphs=graphs,
-                                  backend=backend, data=data, query_block=query_block))
+                                  backend=backend, data=data, query_block=query_block, precision=precision))
         except torch.cuda.OutOfMemoryError as e:
             row["error"] = f"OOM: {str(e).splitlines()[0][:160]}"
             torch.cuda.empty_cache()
@@ -470,6 +472,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="also time cuDNN SDPA and PISA replayed from CUDA graphs (no Python/launch overhead)")
     p.add_argument("--backend", default="auto", choices=("auto", "hopper", "triton"),
                    help="PISA kernel backend (auto: hopper on sm_90, else triton)")
+    p.add_argument("--precision", default="input", choices=("input", "fp8"),
+                   help="precision of PISA's exact blocks (fp8: the Hopper kernel's FP8 exact phase)")
     p.add_argument("--data", default="random", choices=("random", "dit"),
                    help="Gaussian q/k/v, or the DiT-like generator on an (L/1024, 32, 32) grid")
     p.add_argument("--query-block", type=int, choices=(128, 256), default=None,
@@ -510,7 +514,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = run_bench(cases, dtype, args.layout, args.rep_ms, not args.no_flex, args.flex_dynamic,
                        flex_lengths, on_row=save, graphs=args.graphs, backend=args.backend, data=args.data,
-                       query_block=args.query_block)
+                       query_block=args.query_block, precision=args.precision)
     save(result)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -93,13 +93,14 @@ def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
 
 
 def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_steps, tile, mode, cov, block_size,
-            min_kv_len, alpha=None, query_block=None, backend="auto"):
+            min_kv_len, alpha=None, query_block=None, backend="auto", precision="input"):
     d = adapter.defaults(transformer.config)
     if cov is not None and not isinstance(cov, bool):
         raise TypeError(f"covariance_aware must be a bool or None, got {type(cov).__name__}")
     settings = PisaSettings(
         density=density, mode=mode, alpha=alpha, block_size=block_size, query_block=query_block,
         covariance_aware=d["covariance_aware"] if cov is None else cov, backend=backend, layout="bshd",
+        precision=precision,
     )  # fmt: skip
     schedule = Schedule(
         d["dense_layers"] if dense_layers is None else dense_layers,
@@ -280,6 +281,7 @@ def apply_pisa(
     alpha_table=None,
     query_block: int | None = None,
     backend: str = "auto",
+    precision: str = "input",
 ):
     """Run the self-attention of a diffusers pipeline's transformer(s) (or of one transformer) on PISA.
 
@@ -307,6 +309,8 @@ def apply_pisa(
         query_block: tokens per selection row (``pisa_attention``'s ``query_block``; one process
             only: context parallelism selects per block).
         backend: ``pisa_attention``'s ``backend`` for the sparse calls.
+        precision: ``pisa_attention``'s ``precision`` for the sparse calls (``"fp8"``: the exact
+            blocks' products in FP8 on the Hopper kernel; dense calls stay in the input dtype).
 
     The attention settings become one :class:`~pisa_attn.settings.PisaSettings` (validated once,
     here); each call shape gets one plan (:func:`pisa_attn.plan`), shared by the layers of that
@@ -333,7 +337,7 @@ def apply_pisa(
                          f"(modes with one: {spec.FIRST_ORDER_MODES})")
     settings = dict(density=density, dense_layers=dense_layers, dense_steps=dense_steps, tile=tile, mode=mode,
                     cov=covariance_aware, block_size=block_size, min_kv_len=min_kv_len, alpha=alpha,
-                    query_block=query_block, backend=backend)  # fmt: skip
+                    query_block=query_block, backend=backend, precision=precision)  # fmt: skip
     installs = [_install_for(name, tr, settings, table, calibration) for name, tr in found]
 
     saved = [_Saved(tr, _TRANSFORMER_KEYS) for tr in transformers]

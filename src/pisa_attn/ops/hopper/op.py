@@ -3,11 +3,16 @@ kernel (:mod:`.attention`) for attend. Inference only.
 
 It runs on sm_90 GPUs (H100, H200) with a Triton that ships Gluon (3.6 or newer), for float16 /
 bfloat16, head dims 64 and 128 and 64-token blocks; ``backend="auto"`` prefers it there.
+
+``FP8_BACKEND`` (``"hopper_fp8"``, what ``precision="fp8"`` runs) shares prepare and select and
+attends with the FP8 pair kernel (:mod:`.fp8`) after the quantisation pass
+(:mod:`pisa_attn.ops.triton.quantize`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -17,8 +22,10 @@ from ..selection import Selection
 from ..stages import Backend
 from ..triton import attention as _tattn
 from ..triton import op as _top
+from ..triton import quantize as _quant
 from ..triton.pairs import union_width
 from . import attention as _gattn
+from . import fp8 as _fp8
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64,)
@@ -99,3 +106,78 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n
 BACKEND = _fused.register(
     Backend("hopper", _top.prepare, _top.select, attend, _top.deviation, forward, unsupported_reason,
             _top.score_scratch, workspace))
+
+
+# ---------------------------------------------------------------- precision="fp8"
+@dataclass
+class Fp8Workspace(_top.Workspace):
+    """The Hopper workspace plus the e4m3 copies of K and V and their scales."""
+
+    quant: _quant.Quantized | None = None
+
+
+def fp8_unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
+    """None when the FP8 pair kernel handles this call, else why not."""
+    reason = unsupported_reason(q, mode, block_size)
+    if reason is None and q.shape[-1] not in _fp8.HEAD_DIMS:
+        reason = f"head dim {q.shape[-1]} (the FP8 kernel is built for head dims {_fp8.HEAD_DIMS})"
+    return reason
+
+
+def attend_fp8(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    stats: _top.Stats,
+    selection: Selection,
+    *,
+    mode: str,
+    scale: float,
+    block_size: int,
+    n_select: int | None = None,
+    out_dtype: torch.dtype | None = None,
+    alpha: Tensor | None = None,
+    out: Tensor | None = None,
+    lse: Tensor | None = None,
+    ws: Fp8Workspace | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Quantise k and v (:func:`pisa_attn.ops.triton.quantize.quantize`), then the FP8 pair kernel
+    under ``selection``: (out in q's dtype, lse fp32). There is no other FP8 kernel to run a call
+    this one cannot serve: such a call is a ValueError naming ``precision``."""
+    del n_select
+    if out is None:
+        out = _tattn._alloc_like_layout(q, out_dtype)
+    if out_dtype not in (None, q.dtype):
+        raise ValueError(f"precision='fp8' writes the output in q's dtype ({q.dtype}), not {out_dtype} "
+                         "(a float32 partial for a sharded call is not supported in FP8)")
+    reason = _gattn.tma_unsupported_reason(q, out)
+    if reason is not None:
+        raise ValueError(f"precision='fp8' needs q and out readable through TMA: {reason}")
+    quant = ws.quant if isinstance(ws, Fp8Workspace) else None
+    quant = _quant.quantize(k, v, stats.kbar, stats.kscale, block_size, ws=quant)
+    pairs = None
+    if ws is not None and ws.pairs is not None:
+        nk = stats.kbar.shape[2]
+        if ws.pairs[0].shape[-1] == union_width(nk, selection.idx.shape[-1]):
+            pairs = ws.pairs
+    return _fp8.attention(q, quant, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
+                          lk=k.shape[2], out=out, lse=lse, alpha=alpha, pairs=pairs)
+
+
+def fp8_workspace(plan, q: Tensor, k: Tensor) -> Fp8Workspace:
+    """The Hopper workspace plus the quantisation pass's buffers."""
+    ws = workspace(plan, q, k)
+    b, hk, lk, d = k.shape
+    quant = _quant.quant_workspace(b, hk, lk, d, plan.block_size, q.device)
+    return Fp8Workspace(ws.stats, ws.selection, ws.lse, ws.pairs, quant)
+
+
+def forward_fp8(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+                alpha: Tensor | None = None):
+    """One FP8 call on one device (through the registered op when traced): (out, lse)."""
+    return _fused.forward(FP8_BACKEND, q, k, v, plan, keep, n_keep_max, alpha)
+
+
+FP8_BACKEND = _fused.register(
+    Backend("hopper_fp8", _top.prepare, _top.select, attend_fp8, _top.deviation, forward_fp8, fp8_unsupported_reason,
+            _top.score_scratch, fp8_workspace))

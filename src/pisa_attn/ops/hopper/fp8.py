@@ -1,0 +1,415 @@
+"""The Hopper pair kernel with its exact blocks in FP8 e4m3 (Gluon, sm_90a).
+
+Same structure as :mod:`.attention` (a loader partition streaming through TMA, two consumer
+warpgroups for a pair of adjacent 64-row query blocks, one online softmax in base 2, the same pair
+stream ``(uidx, ucnt)`` from :func:`pisa_attn.ops.triton.pairs.pair_union`), with the exact phase's
+two products on FP8 tensor cores (twice the bf16 rate, half the bytes of every K/V tile):
+
+* ``Q·Kᵀ``: the query tile is quantised in the consumer's registers (one power-of-two scale per
+  row) and is the register A operand (``k_width = 4``); the keys are the pre-quantised smoothed
+  ``k8`` ``[B, Hk, Lk', D]`` (the quantisation pass, :mod:`pisa_attn.ops.triton.quantize`); the
+  scores are rescaled per row and per key token and the smoothing constant ``s·q_t·μ`` (one float
+  per row, computed once from the unquantised ``q``) is added back.
+* ``P·V``: ``e4m3(256·p)`` in registers against ``v8`` stored transposed ``[B, Hk, D, Lk']`` (an
+  FP8 wgmma B operand must be K-major), one product per block added to a float32 accumulator
+  (one value scale per channel for the whole head); the accumulator is multiplied by ``τ / 256``
+  once, after the exact blocks and before the tail adds to it.
+
+The centroid tail and the first-order term are the input-precision kernel's (float16 centroid
+scores, bf16/fp16 ``P·V̂``), on a second ring of shared-memory slots (their tiles are twice the
+size of an FP8 tile) that the loader fills while the consumers still work on the exact blocks.
+What is rounded where: :mod:`pisa_attn.ops.quant`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .. import kernel_constants
+from ..kernel_constants import LOG2E, MODE_IDS
+from ..launch import Desc, Launcher
+from ..triton.attention import _alloc_like_layout, alpha_arg
+from ..triton.pairs import pair_union
+from .attention import MAX_REGS, _as_fp16, _box, _softmax_step, _tma_load, _tma_store
+
+LN2 = gl.constexpr(kernel_constants.LN2)
+P_SCALE = gl.constexpr(256.0)
+
+
+@gluon.jit
+def _pow2_scale_inv(amax):
+    """1 / ``2^(floor(log2 amax) − 7)`` from the exponent bits (``2^126`` for 0 or tiny), exact."""
+    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127 - 7
+    e = gl.where(amax > 0, gl.maximum(e, -126), -126)
+    return ((127 - e) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_K: gl.constexpr):
+    """One exact block's raw FP8 scores into the running (m, l): (m, l, rescale, p256).
+
+    Scores S = raw·a + s·q·μ (base 2) with a = ρ_t σ_j s > 0, so max S = max(raw)·a + s·q·μ; the
+    scaling, the shift and the factor 256 = 2^8 of the probabilities are one FMA in the exponent:
+    p256 = exp2(raw·a + (s·q·μ − m + 8)) = 256·exp2(S − m). ``l`` is in units of 256."""
+    if not EVEN_K:
+        raw = gl.where((j * BS + cols8 < LK)[None, :], raw, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(raw, axis=1) * a + q_mu)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    rescale = gl.exp2(m_i - m_use)
+    p = gl.exp2(raw * a[:, None] + (q_mu - m_use + 8.0)[:, None])
+    l_i = l_i * rescale + gl.sum(p, axis=1)
+    return m_new, l_i, rescale, p
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
+            q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+            uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
+            BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr):
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, q0 + c * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
+    if MODE == 2:
+        mbarrier.expect(hb_bar.index(0), hb_desc.block_type.nbytes)
+        _tma_load(hb_desc, [bhk, 0, 0], hb_bar.index(0), _box(hb_smem, hb_desc))
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    n_union = gl.load(ucnt_ptr + pair_row)
+    ubase = uidx_ptr + pair_row * W2
+    code = gl.load(ubase, mask=n_union > 0, other=0)
+    for u in range(n_union):
+        j = code >> 2
+        code = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+        s = u % STAGES
+        mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), kv_bytes)
+        _tma_load(k_desc, [b, hk, j * BS, 0], ready.index(s), _box(k_bufs.index(s), k_desc))
+        _tma_load(v_desc, [b, hk, 0, j * BS], ready.index(s), _box(v_bufs.index(s), v_desc))
+    if MODE > 0:
+        # The tail ring is separate: its first groups load while the exact blocks are computed.
+        c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
+        t = 0
+        for g0 in range(0, NK, C):
+            s = t % TSTAGES
+            mbarrier.wait(tempty.index(s), ((t // TSTAGES) & 1) ^ 1)
+            mbarrier.expect(tready.index(s), c_bytes)
+            _tma_load(kb_desc, [bhk, g0, 0], tready.index(s), _box(kb_bufs.index(s), kb_desc))
+            _tma_load(vb_desc, [bhk, g0, 0], tready.index(s), _box(vb_bufs.index(s), vb_desc))
+            t += 1
+
+
+@gluon.jit
+def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
+              q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+              uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+              qk_scale, scale,
+              CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
+              STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
+              LOG2_BS: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # FP8 products: the same accumulator layouts with wgmma's 32-deep FP8 instruction shape.
+    s8_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 32])
+    o8_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
+    p8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o8_layout, k_width=4)
+    q8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s8_layout, k_width=4)
+    q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    qrow_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    qi = q0 // BS + CID
+    active = qi < NQ
+    row = bh * NQ + qi
+    q_s = q_smem.index(CID)
+    mbarrier.wait(q_bar.index(CID), 0)
+    # The query tile in FP8, one power-of-two scale per row, and the smoothing constant s·q·μ
+    # (base 2) from the unquantised rows.
+    qf = q_s.load(qrow_layout).to(gl.float32)
+    q_inv = _pow2_scale_inv(gl.max(gl.abs(qf), axis=1))
+    q8 = gl.convert_layout((qf * q_inv[:, None]).to(gl.float8e4nv), q8_layout)
+    mu = gl.load(mu_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, qrow_layout)))
+    q_mu = gl.sum(qf * mu[None, :], axis=1) * qk_scale
+    q_rs = qk_scale / q_inv
+
+    row8: gl.constexpr = gl.SliceLayout(1, s8_layout)
+    m_i = gl.full([BS], float("-inf"), gl.float32, layout=row8)
+    l_i = gl.zeros([BS], gl.float32, layout=row8)
+    acc = gl.zeros([BS, D], gl.float32, layout=o8_layout)
+    s8_zero = gl.zeros([BS, BS], gl.float32, layout=s8_layout)
+    o8_zero = gl.zeros([BS, D], gl.float32, layout=o8_layout)
+    cols8 = gl.arange(0, BS, layout=gl.SliceLayout(0, s8_layout))
+    q_mu = gl.convert_layout(q_mu, row8)
+    q_rs = gl.convert_layout(q_rs, row8)
+
+    n_union = gl.load(ucnt_ptr + pair_row)
+    ubase = uidx_ptr + pair_row * W2
+    sig_base = sig_ptr + bhk * NK
+    code_next = gl.load(ubase, mask=n_union > 0, other=0)
+    sig_next = gl.load(sig_base + (code_next >> 2))
+    for u in range(n_union):
+        code = code_next
+        sig = sig_next
+        # The next block's code and key scale, read one entry ahead (code 0 past the end: block 0).
+        code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+        sig_next = gl.load(sig_base + (code_next >> 2))
+        s = u % STAGES
+        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+        if ((code >> CID) & 1) != 0:
+            sc = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
+                               max_num_imprecise_acc=D)
+            raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS, EVEN_K)
+            p8 = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
+            # Each block's P·V starts from zero and is added in float32, so the accumulator's
+            # rescale runs while the tensor cores compute the product (and no FP8 sum spans
+            # more than one block).
+            pv = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
+                               max_num_imprecise_acc=BS)
+            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+            acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+        mbarrier.arrive(empty.index(s), count=1)
+
+    # The exact blocks' numerator back in value units (τ / 256 per channel), then the tail's
+    # input-precision layouts.
+    tau = gl.load(tau_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))) * (1.0 / P_SCALE)
+    acc = gl.convert_layout(acc * tau[None, :], o_layout)
+    m_i = gl.convert_layout(m_i, row_s)
+    l_i = gl.convert_layout(l_i * (1.0 / P_SCALE), row_s)
+    l_tail = gl.zeros([BS], gl.float32, layout=row_s)
+    s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
+    o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
+    cols = gl.arange(0, BS, layout=col_s)
+
+    if MODE > 0:
+        # The input-precision kernel's tail (see .attention): float16 q and centroids, each scaled
+        # by a power of two.
+        qf16 = q_s.load(q16_layout).to(gl.float32)
+        qmax = gl.max(gl.max(gl.abs(qf16), axis=1), axis=0)
+        q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
+        q16 = (qf16 / q_sc).to(gl.float16)
+        sc_scale = qk_scale * q_sc * gl.load(kscale_ptr + bhk)
+        brow = bits_ptr + row * NW
+        lo_next = gl.load(brow, mask=active, other=0)
+        hi_next = gl.load(brow + 1, mask=active & (NW > 1), other=-1)
+        t = 0
+        for g0 in range(0, NK, C):
+            lo = lo_next
+            hi = hi_next
+            w_next = (g0 + C) // 32
+            lo_next = gl.load(brow + w_next, mask=active & (w_next < NW), other=0)
+            if C > 32:
+                hi_next = gl.load(brow + w_next + 1, mask=active & (w_next + 1 < NW), other=-1)
+            s = t % TSTAGES
+            mbarrier.wait(tready.index(s), (t // TSTAGES) & 1)
+            if active:
+                kb = _as_fp16(kb_bufs.index(s))
+                cj = g0 + cols
+                if C > 32:
+                    word = gl.where(cols < 32, lo, hi)
+                else:
+                    word = lo
+                tail = (((word >> (cols % 32)) & 1) == 0) & (cj < NK)
+                sc = warpgroup_mma(q16, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * sc_scale
+                if EVEN_K:
+                    sc = sc + LOG2_BS
+                else:
+                    n_j = gl.maximum(gl.minimum(LK - cj * BS, BS), 1).to(gl.float32)
+                    sc = sc + gl.log2(n_j)[None, :]
+                sc = gl.where(tail[None, :], sc, float("-inf"))
+                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, vb_bufs.index(s), s_layout, o_layout,
+                                                           p_layout)
+                l_tail = l_tail * rescale + ps
+                if not EVEN_K:
+                    if g0 + C >= NK:
+                        n_last = (LK - (NK - 1) * BS).to(gl.float32)
+                        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+                        a_last = gl.sum(gl.where((cj == NK - 1)[None, :], gl.exp2(sc - m_use[:, None]), 0.0), axis=1)
+                        l_tail += a_last * (BS / n_last - 1.0)
+            mbarrier.arrive(tempty.index(s), count=1)
+            t += 1
+
+    if active:
+        if MODE == 2:
+            mbarrier.wait(hb_bar.index(0), 0)
+            qh = warpgroup_mma(q_s, hb_smem, o_zero, use_acc=False, is_async=True)
+            qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh,))
+            a_h = gl.load(alpha_ptr + h)
+            acc += gl.convert_layout(l_tail * (scale * a_h / BS), row_o)[:, None] * qh
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        lse = (m_i + gl.log2(l_i)) * LN2
+        rows = qi * BS + gl.arange(0, BS, layout=row_s)
+        gl.store(lse_ptr + bh * LQ + rows, lse, mask=rows < LQ)
+        q_s.store(out.to(q_s.dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, qi * BS, 0], _box(q_s, o_desc))
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "LKP", "NQ", "NK", "W2", "NW"])
+def _fp8_pair_kernel(
+    q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc,
+    kscale_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
+    H, HK, LQ, LK, LKP, NQ, NK, W2, NW,
+    qk_scale, scale,
+    BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
+    MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
+):
+    pair = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // (H // HK)
+    bhk = b * HK + hk
+    q0 = pair * 2 * BS
+    pair_row = bh * ((NQ + 1) // 2) + pair
+    dtype: gl.constexpr = q_desc.dtype
+    tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], dtype)
+    k8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], gl.float8e4nv)
+    v8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BS], gl.float8e4nv)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, BS, D], tile_layout)
+    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BS, D], k8_layout)
+    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BS], v8_layout)
+    if MODE > 0:
+        kb_bufs = gl.allocate_shared_memory(dtype, [TSTAGES, BS, D], tile_layout)
+        vb_bufs = gl.allocate_shared_memory(dtype, [TSTAGES, BS, D], tile_layout)
+    else:
+        kb_bufs = gl.allocate_shared_memory(dtype, [1, 16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
+        vb_bufs = gl.allocate_shared_memory(dtype, [1, 16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
+    if MODE == 2:
+        hb_smem = gl.allocate_shared_memory(dtype, [D, D], gl.NVMMASharedLayout.get_default_for([D, D], dtype))
+    else:
+        hb_smem = gl.allocate_shared_memory(dtype, [16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    hb_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    tready = gl.allocate_shared_memory(gl.int64, [TSTAGES, 1], mbarrier.MBarrierLayout())
+    tempty = gl.allocate_shared_memory(gl.int64, [TSTAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_bar.index(c), count=1)
+    mbarrier.init(hb_bar.index(0), count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    for s in gl.static_range(TSTAGES):
+        mbarrier.init(tready.index(s), count=1)
+        mbarrier.init(tempty.index(s), count=2)
+
+    gl.warp_specialize([
+        (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
+                   q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+                   uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
+                   BS, C, STAGES, TSTAGES, MODE)),
+        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
+                     q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+                     uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                     qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS)),
+        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
+                     q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+                     uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                     qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS)),
+    ], [4, 4], [240, 240])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+# Ring depths (exact FP8 K+V slots, tail slots) per head dim and whether the mode has a tail: at
+# D=128 two query tiles (32 KB), H̄ (32 KB), 3 FP8 slots (48 KB) and 3 tail slots (96 KB) fit one
+# CTA per SM; without a tail the FP8 ring takes the room.
+STAGES = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 3), (128, False): (6, 1)}
+HEAD_DIMS = (64, 128)
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+
+
+def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+
+
+_launch = Launcher(_fp8_pair_kernel)
+
+
+def attention(
+    q: Tensor, quant, kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor,
+    idx: Tensor, cnt: Tensor, bits: Tensor,
+    *, mode: str, scale: float, block_size: int, lk: int,
+    out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
+    pairs: tuple[Tensor, Tensor] | None = None, stages: tuple[int, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The FP8 pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view, ``quant`` the
+    :class:`pisa_attn.ops.triton.quantize.Quantized` keys and values (``lk`` the true key count),
+    the statistics' tail terms as :func:`.attention.attention` takes them; (out, lse) out."""
+    del cnt
+    b, h, lq, d = q.shape
+    hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
+    bs = block_size
+    nq, nk = -(-lq // bs), lkp // bs
+    if out is None:
+        out = _alloc_like_layout(q)
+    if lse is None:
+        lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
+    uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=pairs)
+    alpha = alpha_arg(alpha, h, q.device)
+    m = MODE_IDS[mode]
+    st, tst = stages or STAGES[d, m > 0]
+    tensors = (q, quant.k8, quant.v8t, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
+               hbar.view(b * hk, d, d))
+    blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs], [1, 1, bs, d], [1, bs, d], [1, bs, d], [1, d, d])
+    scalars = (kscale, uidx, ucnt, bits, lse, alpha, quant.sigma, quant.tau, quant.mu,
+               h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
+    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs))
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
+    descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
+    full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
+    _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
+            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS)
+    return out, lse
+
+
+def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
+                     dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None):
+    """Compile the FP8 pair kernel for sm_90a without a GPU (as :func:`.attention.compile_for_sm90`)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    d, bs = head_dim, 64
+    x = torch.empty(1, 1, bs, d, dtype=dtype)
+    k8 = torch.empty(1, 1, bs, d, dtype=torch.float8_e4m3fn)
+    v8 = torch.empty(1, 1, d, bs, dtype=torch.float8_e4m3fn)
+    c = torch.empty(1, bs, d, dtype=torch.float16)
+    descs = dict(q_desc=_desc(x, [1, 1, bs, d]), k_desc=_desc(k8, [1, 1, bs, d]), v_desc=_desc(v8, [1, 1, d, bs]),
+                 o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
+                 vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
+                 hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
+    st, tst = stages or STAGES[d, mode != "drop"]
+    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
+                      LOG2_BS=math.log2(bs))
+    types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
+                 alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
+    sig = {}
+    for name in _fp8_pair_kernel.arg_names:
+        sig[name] = ("constexpr" if name in constexprs else mangle_type(descs[name]) if name in descs
+                     else types.get(name, "i32"))
+    src = GluonASTSource(fn=_fp8_pair_kernel, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))

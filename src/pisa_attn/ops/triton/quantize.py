@@ -1,0 +1,152 @@
+"""The FP8 exact phase's quantisation pass: e4m3 copies of K and V (math: :mod:`pisa_attn.ops.quant`).
+
+Three launches after the statistics (they read the statistics' float16 centroids):
+
+* ``_mu_kernel`` (one program per kv head): the smoothing vector ``μ``, the mean of the head's
+  centroids ``kbar · kscale``, and a zeroed per-channel maximum of ``|v|``;
+* ``_vmax_kernel`` (a kv head and a run of its key blocks): that maximum, by integer atomic max
+  of the float bits (non-negative floats order as their bit patterns);
+* ``_quant_kernel`` (one program per kv head and key block): one read of the block's keys and
+  values, one write of ``k8 = e4m3((k − μ)/σ_j)`` ``[B, Hk, Lk', D]`` with its per-block scale
+  ``σ`` ``[B, Hk, Nk]``, and of ``v8`` transposed ``[B, Hk, D, Lk']`` with the per-channel
+  scales ``τ`` ``[B, Hk, D]``. ``Lk'`` is ``Lk`` rounded up to whole blocks: the rows past ``Lk``
+  are written as zeros, so the attention kernel's TMA boxes never leave a tensor.
+
+Scales are powers of two built from the exponent bits (exact division, no ``log2``): the kernels
+and the reference round the same numbers the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..launch import Launcher, spec_class
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """(``2^(floor(log2 amax) − 7)``, its reciprocal); ``2^-126`` (and ``2^126``) for tiny or 0."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127 - 7
+    e = tl.where(amax > 0, tl.maximum(e, -126), -126)
+    return ((e + 127) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["NK"])
+def _mu_kernel(kbar_ptr, kscale_ptr, mu_ptr, vmax_ptr, NK, D: tl.constexpr, TJ: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    tl.store(vmax_ptr + bh * D + offs_d, tl.zeros([D], dtype=tl.int32))
+    rows = tl.arange(0, TJ)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for j0 in range(0, NK, TJ):
+        j = j0 + rows
+        kb = tl.load(kbar_ptr + (bh * NK + j[:, None]) * D + offs_d[None, :], mask=(j < NK)[:, None], other=0.0)
+        acc += tl.sum(kb.to(tl.float32), axis=0)
+    tl.store(mu_ptr + bh * D + offs_d, acc / tl.maximum(NK, 1) * tl.load(kscale_ptr + bh))
+
+
+@triton.jit(do_not_specialize=["HK", "LK", "NK", "PER", "CHUNKS"])
+def _vmax_kernel(v_ptr, vmax_ptr, svb, svh, svl, svd, HK, LK, NK, PER, CHUNKS, BS: tl.constexpr, D: tl.constexpr):
+    pid = tl.program_id(0)
+    c = pid % CHUNKS
+    bh = pid // CHUNKS
+    b = (bh // HK).to(tl.int64)
+    h = (bh % HK).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    # elementwise over the run, one reduction across the tile's rows at the end
+    m = tl.zeros([BS, D], dtype=tl.float32)
+    for j in range(c * PER, tl.minimum(NK, c * PER + PER)):
+        rows = j * BS + tl.arange(0, BS)
+        v = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd,
+                    mask=(rows < LK)[:, None], other=0.0)
+        m = tl.maximum(m, tl.abs(v.to(tl.float32)))
+    tl.atomic_max(vmax_ptr + bh.to(tl.int64) * D + offs_d, tl.max(m, axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit(do_not_specialize=["HK", "LK", "LKP", "NK"])
+def _quant_kernel(
+    k_ptr, v_ptr, mu_ptr, vmax_ptr, k8_ptr, sig_ptr, v8_ptr, tau_ptr,
+    skb, skh, skl, skd, svb, svh, svl, svd,
+    HK, LK, LKP, NK,
+    BS: tl.constexpr, D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    j = pid % NK
+    bh = pid // NK
+    b = (bh // HK).to(tl.int64)
+    h = (bh % HK).to(tl.int64)
+    bh = bh.to(tl.int64)
+    rows = j * BS + tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    valid = (rows < LK)[:, None]
+    k = tl.load(k_ptr + b * skb + h * skh + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
+    v = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
+    mu = tl.load(mu_ptr + bh * D + offs_d)
+    kc = tl.where(valid, k.to(tl.float32) - mu[None, :], 0.0)
+    sig, sig_inv = _pow2_scale(tl.max(tl.max(tl.abs(kc), axis=1), axis=0))
+    tl.store(k8_ptr + (bh * LKP + rows[:, None]) * D + offs_d[None, :], (kc * sig_inv).to(tl.float8e4nv))
+    tau, tau_inv = _pow2_scale(tl.load(vmax_ptr + bh * D + offs_d).to(tl.float32, bitcast=True))
+    if j == 0:  # one program per head writes the head's value scales
+        tl.store(tau_ptr + bh * D + offs_d, tau)
+    tl.store(sig_ptr + bh * NK + j, sig)
+    v8 = tl.trans((v.to(tl.float32) * tau_inv[None, :]).to(tl.float8e4nv))  # [D, BS]: the K-major B operand
+    tl.store(v8_ptr + (bh * D + offs_d[:, None]) * LKP + rows[None, :], v8)
+
+
+@dataclass
+class Quantized:
+    """The e4m3 copies of one call's keys and values and their scales (see the module docstring)."""
+
+    mu: Tensor  # [B, Hk, D] float32
+    k8: Tensor  # [B, Hk, Lk', D] float8_e4m3fn
+    sigma: Tensor  # [B, Hk, Nk] float32
+    v8t: Tensor  # [B, Hk, D, Lk'] float8_e4m3fn
+    tau: Tensor  # [B, Hk, D] float32
+    vmax: Tensor  # [B, Hk, D] int32: the bits of max |v| per channel (scratch)
+
+
+def quant_workspace(b: int, hk: int, lk: int, d: int, block_size: int, device) -> Quantized:
+    nk = -(-lk // block_size)
+    lkp = nk * block_size
+    f32 = dict(device=device, dtype=torch.float32)
+    e4 = dict(device=device, dtype=torch.float8_e4m3fn)
+    return Quantized(torch.empty(b, hk, d, **f32), torch.empty(b, hk, lkp, d, **e4), torch.empty(b, hk, nk, **f32),
+                     torch.empty(b, hk, d, lkp, **e4), torch.empty(b, hk, d, **f32),
+                     torch.empty(b, hk, d, device=device, dtype=torch.int32))
+
+
+_launch_mu = Launcher(_mu_kernel)
+_launch_vmax = Launcher(_vmax_kernel)
+_launch_quant = Launcher(_quant_kernel)
+VMAX_BLOCKS = 8  # key blocks per program of the |v| maximum (fewer atomics)
+
+
+def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int,
+             ws: Quantized | None = None) -> Quantized:
+    """e4m3 keys and values of ``[B, Hk, Lk, D]`` views (any strides) for the FP8 attention kernel;
+    ``kbar``/``kscale``: the statistics' float16 centroids and their per-head scale. ``ws``: a
+    :func:`quant_workspace` of these shapes to write into."""
+    b, hk, lk, d = k.shape
+    nk = -(-lk // block_size)
+    if ws is None:
+        ws = quant_workspace(b, hk, lk, d, block_size, k.device)
+    if ws.k8.shape != (b, hk, nk * block_size, d):
+        raise ValueError("ws: a quant_workspace made for other shapes")
+    if b * hk == 0 or nk == 0:
+        ws.mu.zero_()
+        return ws
+    _launch_mu((d,), (b * hk,), (kbar, kscale, ws.mu, ws.vmax, nk), dict(D=d, TJ=32), num_warps=4)
+    chunks = -(-nk // VMAX_BLOCKS)
+    _launch_vmax((v.dtype, block_size, d, spec_class(v, *v.stride())), (b * hk * chunks,),
+                 (v, ws.vmax, *v.stride(), hk, lk, nk, VMAX_BLOCKS, chunks), dict(BS=block_size, D=d),
+                 num_warps=4 if d <= 64 else 8)
+    strides = (*k.stride(), *v.stride())
+    _launch_quant((k.dtype, v.dtype, block_size, d, spec_class(k, v, *strides)), (b * hk * nk,),
+                  (k, v, ws.mu, ws.vmax, ws.k8, ws.sigma, ws.v8t, ws.tau, *strides, hk, lk, nk * block_size, nk),
+                  dict(BS=block_size, D=d), num_warps=4 if d <= 64 else 8)
+    return ws
