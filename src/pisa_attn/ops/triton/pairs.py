@@ -1,21 +1,27 @@
-"""The selection of two adjacent query blocks as one stream: the union of their exact key blocks,
-each entry tagged with which of the two blocks owns it.
+"""Pairs of query blocks of one head that share a K/V stream, and the stream itself: the union of
+their exact key blocks, each entry tagged with which of the two blocks owns it.
 
 A kernel that serves two query blocks from one K/V stream (the Hopper pair kernel) loads every
 block of the union once and lets each query block compute only the blocks it owns, so the
-paper's per-block selection is kept exactly while shared blocks are read once.
+paper's per-block selection is kept exactly while shared blocks are read once. The fewer blocks
+two partners share, the more the stream reads: :func:`pair_match` chooses the partners by how many
+exact blocks they share (a greedy matching inside aligned groups of ``group`` query blocks);
+without it, partners are adjacent (``2p``, ``2p + 1``), which is the matching of groups of 2.
 
-Order: blocks owned by one query block only alternate between the two owners (even, odd, even,
-odd, ...; the longer list's rest follows), then the shared blocks, each class ascending. Both
-consumers of the stream then have work in every window of a few entries; in ascending order a
+Stream order: every owner sees its own blocks in ascending order, whoever its partner is, so a
+query block's arithmetic (the order of its online-softmax steps) does not depend on the pairing.
+Between two consecutive shared blocks, the blocks owned by one partner only alternate between
+the two owners (first, second, first, ...; the longer run's rest follows), then the shared block.
+Both consumers of the stream then have work in every window of a few entries; in ascending order a
 run of one owner's blocks left the other consumer idle (H100, 32K, 12.5 %: the pair kernel
 was no faster than the one-block kernel).
 
 Output, static shapes, no host synchronisation:
 
-* ``uidx`` int32 ``[B, H, ceil(Nq / 2), W2]``: ``j << 2 | owner``, owner bit 0 = the even query
-  block ``2p``, bit 1 = the odd one ``2p + 1``; ``W2 = min(Nk, 2 · W)``; entries past ``ucnt``
-  are unspecified;
+* ``qpair`` int32 ``[B, H, ceil(Nq / 2), 2]`` (:func:`pair_match`): the two query blocks of each
+  pair, the smaller first; a block left alone (an odd count) has the partner ``Nq`` (none);
+* ``uidx`` int32 ``[B, H, ceil(Nq / 2), W2]``: ``j << 2 | owner``, owner bit 0 = the pair's first
+  query block, bit 1 = its second; ``W2 = min(Nk, 2 · W)``; entries past ``ucnt`` are unspecified;
 * ``ucnt`` int32 ``[B, H, ceil(Nq / 2)]``.
 """
 
@@ -29,40 +35,124 @@ from torch import Tensor
 from ..launch import Launcher
 from ._common import next_pow2
 
+# Stream orders (``ORDER`` of the union kernel): ascending per owner, or each owner's own blocks
+# first and the shared ones last (the order before pairing by overlap; a block's order then
+# depends on its partner).
+ORDERS = {"ascending": 0, "owners": 1}
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _popc(x):
+    """Set bits of each int32 (bit tricks: the interpreter has no popc)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
+
+
+@triton.jit(do_not_specialize=["NQ", "NQ2", "NW"])
+def _pair_match_kernel(bits_ptr, qpair_ptr, NQ, NQ2, NW, G: tl.constexpr, NWP: tl.constexpr):
+    grp = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, G)
+    qi = grp * G + i
+    valid = qi < NQ
+    w = tl.arange(0, NWP)
+    x = tl.load(bits_ptr + (bh * NQ + qi)[:, None] * NW + w[None, :], mask=valid[:, None] & (w < NW)[None, :],
+                other=0)
+    shared = tl.sum(_popc(x[:, None, :] & x[None, :, :]), axis=2)  # [G, G]: exact blocks both select
+    cand = (i[:, None] < i[None, :]) & valid[:, None] & valid[None, :]
+    flat = tl.reshape(tl.where(cand, shared, -1), [G * G])
+    fa = tl.arange(0, G * G) // G
+    fb = tl.arange(0, G * G) % G
+    n_valid = tl.sum(valid.to(tl.int32), axis=0)
+    base = qpair_ptr + (bh * NQ2 + grp * (G // 2)) * 2
+    matched = tl.zeros([G], dtype=tl.int32)
+    # Greedy: the pair sharing most blocks first; ties go to the smallest (first, second) index,
+    # so groups of 2 and inputs without overlap pair adjacent blocks.
+    for kk in tl.static_range(G // 2):
+        best = tl.max(flat, axis=0)
+        at = tl.argmax(flat, axis=0, tie_break_left=True)
+        a = at // G
+        b = at % G
+        ok = best >= 0
+        tl.store(base + 2 * kk, grp * G + a, mask=ok)
+        tl.store(base + 2 * kk + 1, grp * G + b, mask=ok)
+        flat = tl.where(((fa == a) | (fa == b) | (fb == a) | (fb == b)) & ok, -1, flat)
+        matched = matched | (((i == a) | (i == b)) & ok).to(tl.int32)
+    lone = tl.min(tl.where(valid & (matched == 0), i, G), axis=0)
+    odd = (n_valid % 2) == 1
+    tl.store(base + 2 * (n_valid // 2), grp * G + lone, mask=odd)
+    tl.store(base + 2 * (n_valid // 2) + 1, NQ, mask=odd)
+
 
 @triton.jit(do_not_specialize=["NQ", "NQ2", "NK", "NW", "W2", "N_PAIRS"])
-def _pair_union_kernel(bits_ptr, uidx_ptr, ucnt_ptr, NQ, NQ2, NK, NW, W2, N_PAIRS,
-                       R: tl.constexpr, NKP: tl.constexpr):
+def _pair_union_kernel(bits_ptr, qpair_ptr, uidx_ptr, ucnt_ptr, NQ, NQ2, NK, NW, W2, N_PAIRS,
+                       R: tl.constexpr, NKP: tl.constexpr, HAS_QPAIR: tl.constexpr, ORDER: tl.constexpr):
     p = tl.program_id(0) * R + tl.arange(0, R)
     pvalid = p < N_PAIRS
-    bh = p // NQ2
-    qa = 2 * (p % NQ2)
-    row_a = bh.to(tl.int64) * NQ + qa
+    bh = (p // NQ2).to(tl.int64)
+    if HAS_QPAIR:
+        qa = tl.load(qpair_ptr + p.to(tl.int64) * 2, mask=pvalid, other=0)
+        qb = tl.load(qpair_ptr + p.to(tl.int64) * 2 + 1, mask=pvalid, other=NQ)
+    else:
+        qa = 2 * (p % NQ2)
+        qb = qa + 1
     cols = tl.arange(0, NKP)
     word = cols // 32
     bit = cols % 32
     m_a = pvalid[:, None] & (cols < NK)[None, :]
-    m_b = m_a & (qa + 1 < NQ)[:, None]
-    wa = tl.load(bits_ptr + row_a[:, None] * NW + word[None, :], mask=m_a, other=0)
-    wb = tl.load(bits_ptr + (row_a + 1)[:, None] * NW + word[None, :], mask=m_b, other=0)
+    m_b = m_a & (qb < NQ)[:, None]
+    wa = tl.load(bits_ptr + (bh * NQ + qa)[:, None] * NW + word[None, :], mask=m_a, other=0)
+    wb = tl.load(bits_ptr + (bh * NQ + qb)[:, None] * NW + word[None, :], mask=m_b, other=0)
     own = ((wa >> bit[None, :]) & 1) | (((wb >> bit[None, :]) & 1) << 1)
     only_a = (own == 1).to(tl.int32)
     only_b = (own == 2).to(tl.int32)
-    both = (own == 3).to(tl.int32)
-    n_a = tl.sum(only_a, axis=1)[:, None]
-    n_b = tl.sum(only_b, axis=1)[:, None]
-    n_ab = tl.minimum(n_a, n_b)
-    r_a = tl.cumsum(only_a, axis=1) - 1
-    r_b = tl.cumsum(only_b, axis=1) - 1
-    r_s = tl.cumsum(both, axis=1) - 1
-    pos = tl.where(own == 1, tl.where(r_a < n_ab, 2 * r_a, n_ab + r_a),
-                   tl.where(own == 2, tl.where(r_b < n_ab, 2 * r_b + 1, n_ab + r_b), n_a + n_b + r_s))
+    both = own == 3
     present = own != 0
+    c_a = tl.cumsum(only_a, axis=1)
+    c_b = tl.cumsum(only_b, axis=1)
+    if ORDER == 0:
+        # Segments end at shared blocks: a segment's start counts (the running counts at the shared
+        # block before it) by a running maximum, its end counts by a reversed running minimum.
+        c_u = tl.cumsum(present.to(tl.int32), axis=1)
+        a0 = tl.associative_scan(tl.where(both, c_a, 0), 1, _max)
+        b0 = tl.associative_scan(tl.where(both, c_b, 0), 1, _max)
+        u0 = tl.associative_scan(tl.where(both, c_u, 0), 1, _max)
+        a1 = tl.minimum(tl.associative_scan(tl.where(both, c_a, NKP + 1), 1, _min, reverse=True),
+                        tl.sum(only_a, axis=1)[:, None])
+        b1 = tl.minimum(tl.associative_scan(tl.where(both, c_b, NKP + 1), 1, _min, reverse=True),
+                        tl.sum(only_b, axis=1)[:, None])
+        n_ab = tl.minimum(a1 - a0, b1 - b0)
+        r_a = c_a - 1 - a0
+        r_b = c_b - 1 - b0
+        pos = tl.where(own == 1, u0 + tl.where(r_a < n_ab, 2 * r_a, n_ab + r_a),
+                       tl.where(own == 2, u0 + tl.where(r_b < n_ab, 2 * r_b + 1, n_ab + r_b), c_u - 1))
+    else:
+        n_a = tl.sum(only_a, axis=1)[:, None]
+        n_b = tl.sum(only_b, axis=1)[:, None]
+        n_ab = tl.minimum(n_a, n_b)
+        r_a = c_a - 1
+        r_b = c_b - 1
+        r_s = tl.cumsum(both.to(tl.int32), axis=1) - 1
+        pos = tl.where(own == 1, tl.where(r_a < n_ab, 2 * r_a, n_ab + r_a),
+                       tl.where(own == 2, tl.where(r_b < n_ab, 2 * r_b + 1, n_ab + r_b), n_a + n_b + r_s))
     tl.store(uidx_ptr + p.to(tl.int64)[:, None] * W2 + pos, cols[None, :] * 4 + own,
              mask=present & pvalid[:, None] & (pos < W2))
     tl.store(ucnt_ptr + p, tl.sum(present.to(tl.int32), axis=1), mask=pvalid)
 
 
+_launch_match = Launcher(_pair_match_kernel)
 _launch = Launcher(_pair_union_kernel)
 
 
@@ -70,11 +160,30 @@ def union_width(n_kv_blocks: int, width: int) -> int:
     return max(1, min(n_kv_blocks, 2 * width))
 
 
-def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *,
-               out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def pair_match(bits: Tensor, group: int, *, out: Tensor | None = None) -> Tensor:
+    """``qpair [B, H, ceil(Nq / 2), 2]`` from the selection bitmask ``bits [B, H, Nq, NW]``
+    (contiguous): inside each aligned group of ``group`` query blocks (a power of two, 2 to 32), the
+    greedy matching by shared exact blocks (the pair sharing most first). ``out``: a preallocated
+    contiguous ``qpair``, written and returned."""
+    if group < 2 or group > 32 or group & (group - 1):
+        raise ValueError(f"group must be a power of two from 2 to 32, got {group}")
+    b, h, nq, nw = bits.shape
+    nq2 = -(-nq // 2)
+    if out is None:
+        out = torch.empty(b, h, nq2, 2, device=bits.device, dtype=torch.int32)
+    nwp = max(1, next_pow2(nw))
+    warps = 4 if group * group * nwp >= 4096 else 1
+    _launch_match((group, nwp, warps), (-(-nq // group), b * h), (bits, out, nq, nq2, nw), dict(G=group, NWP=nwp),
+                  num_warps=warps)
+    return out
+
+
+def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *, qpair: Tensor | None = None,
+               out: tuple[Tensor, Tensor] | None = None, order: str = "ascending") -> tuple[Tensor, Tensor]:
     """(uidx, ucnt) of every pair of query blocks from the selection bitmask ``bits [B, H, Nq, NW]``
-    (contiguous); ``width`` is the selection's list width ``W``. ``out``: preallocated
-    ``(uidx, ucnt)`` of the shapes above (contiguous), written and returned."""
+    (contiguous); ``width`` is the selection's list width ``W``; ``qpair``: the pairs
+    (:func:`pair_match`; None: adjacent blocks). ``out``: preallocated ``(uidx, ucnt)`` of the
+    shapes above (contiguous), written and returned. ``order``: a key of :data:`ORDERS`."""
     b, h, nq, nw = bits.shape
     nq2 = -(-nq // 2)
     w2 = union_width(n_kv_blocks, width)
@@ -87,7 +196,8 @@ def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *,
     warps = max(1, min(8, nkp // 1024))
     r = max(1, min(32, 1024 * warps // nkp))
     n_pairs = b * h * nq2
-    args = (bits, uidx, ucnt, nq, nq2, n_kv_blocks, nw, w2, n_pairs)
-    _launch((nkp, r, warps, bits.data_ptr() % 16 == 0), (triton.cdiv(n_pairs, r),), args, dict(R=r, NKP=nkp),
-            num_warps=warps)
+    has_qpair = qpair is not None
+    args = (bits, qpair if has_qpair else ucnt, uidx, ucnt, nq, nq2, n_kv_blocks, nw, w2, n_pairs)
+    _launch((nkp, r, warps, has_qpair, ORDERS[order], bits.data_ptr() % 16 == 0), (triton.cdiv(n_pairs, r),), args,
+            dict(R=r, NKP=nkp, HAS_QPAIR=has_qpair, ORDER=ORDERS[order]), num_warps=warps)
     return uidx, ucnt
