@@ -189,7 +189,7 @@ DEFAULT_GROUP = gattn.PAIR_GROUP
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 32768, 65536])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 32768, 65536])
     ap.add_argument("--sources", nargs="+", default=["random", "dit"])
     ap.add_argument("--density", type=float, nargs="+", default=[0.125])
     ap.add_argument("--whole", action="store_true", help="also time the whole call (plan/run)")
