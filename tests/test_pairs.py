@@ -34,20 +34,20 @@ def test_pair_union_matches_torch(nq, nk):
     _check_stream(uidx, ucnt, ref_idx, mask, adjacent_pairs(2, 3, nq))
 
 
-@pytest.mark.parametrize("group", [2, 4, 8, 16])
+@pytest.mark.parametrize("group", [4, 8, 16])
 @pytest.mark.parametrize("nq,nk", [(13, 70), (16, 40), (1, 5), (9, 129)],
                          ids=["Nq13-Nk70", "Nq16-Nk40", "Nq1-Nk5", "Nq9-Nk129"])
 def test_pair_match_matches_torch(nq, nk, group):
     g = torch.Generator().manual_seed(nq * 100 + nk + group)
-    mask = _local_mask(2, 3, nq, nk, g)
+    mask = _local_mask(1, 2, nq, nk, g)
     bits, w = _bits(mask)
     qpair = pair_match(bits, group)
     ref = pair_match_torch(bits, group)
     assert torch.equal(qpair, ref)
     # every query block in exactly one pair; the partner of a lone block is Nq (none)
     flat = qpair.flatten(2)
-    for b in range(2):
-        for h in range(3):
+    for b in range(1):
+        for h in range(2):
             got = sorted(x for x in flat[b, h].tolist() if x != nq)
             assert got == list(range(nq))
     uidx, ucnt = pair_union(bits, nk, w, qpair=qpair)
