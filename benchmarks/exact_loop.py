@@ -31,10 +31,10 @@ from pisa_attn.ops.selection import bits_to_mask
 from pisa_attn.ops.triton.pairs import pair_match, pair_union
 
 B, H, D = 2, 16, 128
-# (name, group, stream order): group 2 = adjacent pairs; "owners" = the stream order before
-# pairing by overlap (own blocks first, shared last).
-VARIANTS = (("adjacent-owners", 2, "owners"), ("adjacent", 2, "ascending"), ("overlap-g4", 4, "ascending"),
-            ("overlap-g8", 8, "ascending"), ("overlap-g16", 16, "ascending"))
+# (name, group, stream order): group 2 = adjacent pairs, 4 / 8 = the best matching in groups of 4 / 8
+# query blocks; orders: pisa_attn.ops.triton.pairs.ORDERS.
+VARIANTS = (("adjacent-owners", 2, "owners"), ("adjacent-ascending", 2, "ascending"), ("match4-owners", 4, "owners"),
+            ("match8-owners", 8, "owners"), ("match8-ascending", 8, "ascending"))
 DIT_GRIDS = {4096: (1, 64, 64), 8192: (2, 64, 64), 16384: (4, 64, 64), 32768: (8, 64, 64), 65536: (16, 64, 64)}
 
 
@@ -137,7 +137,7 @@ def bench_length(L: int, sources, density: float, whole: bool, res: dict):
                   f"{row['tail_ms']:.3f} (bound {row['tail_bound_exact_rate_ms']:.3f} / "
                   f"{row['tail_bound_cudnn_rate_ms']:.3f}) {row.get('bit_identical_to_adjacent', '')}", flush=True)
         if whole:
-            for group in (2, 8, 16):
+            for group in (2, 8):
                 for mode in ("hybrid", "drop"):
                     gattn.PAIR_GROUP = group
                     try:
@@ -166,7 +166,7 @@ def dino_overlap(path: str, density: float, res: dict):
         q, k, v = (x if x.dim() == 4 else x[None] for x in (q, k, v))
         _, sel, _ = selection(q.contiguous(), k.contiguous(), v.contiguous(), density)
         nk = -(-k.shape[2] // 64)
-        for name, group, order in VARIANTS[1:]:
+        for name, group in (("adjacent", 2), ("match4", 4), ("match8", 8)):
             ps = pairing_stats(sel.bits, nk, group, sel.idx.shape[-1])
             res["dino"].append(dict(layer=layer, variant=name, density=density, **ps))
             print(f"DINOv2 layer {layer:2} {name:12} overlap {ps['overlap']:.3f} loads/comp "
@@ -179,7 +179,7 @@ def ncu_launches(L: int = 32768):
         q, k, v = qkv(source, L)
         stats, sel, n_sel = selection(q, k, v, 0.125)
         for group in (2, 8):
-            attend_fn(q, k, v, stats, sel, "drop", group, "ascending", n_sel)[0]()
+            attend_fn(q, k, v, stats, sel, "drop", group, "owners", n_sel)[0]()
             torch.cuda.synchronize()
             print(f"ncu launch: {source} group {group}", flush=True)
 

@@ -24,17 +24,18 @@ def _local_mask(b, h, nq, nk, g, p=0.3):
 
 @pytest.mark.parametrize("nq,nk", [(5, 70), (4, 33), (1, 5), (7, 128), (3, 1)],
                          ids=["Nq5-Nk70", "Nq4-Nk33", "Nq1-Nk5", "Nq7-Nk128", "Nq3-Nk1"])
-def test_pair_union_matches_torch(nq, nk):
+@pytest.mark.parametrize("order", ["owners", "ascending"])
+def test_pair_union_matches_torch(nq, nk, order):
     g = torch.Generator().manual_seed(nq * 1000 + nk)
     mask = torch.rand(2, 3, nq, nk, generator=g) < 0.3
     bits, w = _bits(mask)
-    uidx, ucnt = pair_union(bits, nk, w)
-    ref_idx, ref_cnt = pair_union_torch(bits, nk, w)
+    uidx, ucnt = pair_union(bits, nk, w, order=order)
+    ref_idx, ref_cnt = pair_union_torch(bits, nk, w, order=order)
     assert torch.equal(ucnt, ref_cnt)
-    _check_stream(uidx, ucnt, ref_idx, mask, adjacent_pairs(2, 3, nq))
+    _check_stream(uidx, ucnt, ref_idx, mask, adjacent_pairs(2, 3, nq), order)
 
 
-@pytest.mark.parametrize("group", [4, 8, 16])
+@pytest.mark.parametrize("group", [4, 8])
 @pytest.mark.parametrize("nq,nk", [(13, 70), (16, 40), (1, 5), (9, 129)],
                          ids=["Nq13-Nk70", "Nq16-Nk40", "Nq1-Nk5", "Nq9-Nk129"])
 def test_pair_match_matches_torch(nq, nk, group):
@@ -50,10 +51,11 @@ def test_pair_match_matches_torch(nq, nk, group):
         for h in range(2):
             got = sorted(x for x in flat[b, h].tolist() if x != nq)
             assert got == list(range(nq))
-    uidx, ucnt = pair_union(bits, nk, w, qpair=qpair)
-    ref_idx, ref_cnt = pair_union_torch(bits, nk, w, qpair=ref)
-    assert torch.equal(ucnt, ref_cnt)
-    _check_stream(uidx, ucnt, ref_idx, mask, qpair)
+    for order in ("owners", "ascending"):
+        uidx, ucnt = pair_union(bits, nk, w, qpair=qpair, order=order)
+        ref_idx, ref_cnt = pair_union_torch(bits, nk, w, qpair=ref, order=order)
+        assert torch.equal(ucnt, ref_cnt)
+        _check_stream(uidx, ucnt, ref_idx, mask, qpair, order)
 
 
 def test_pair_match_group_of_two_is_adjacency():
@@ -79,7 +81,7 @@ def test_pair_match_prefers_the_partner_sharing_most():
     bits, _ = _bits(mask)
     assert pair_match(bits, 4)[0, 0].tolist() == [[0, 2], [1, 3]]
     with pytest.raises(ValueError, match="group"):
-        pair_match(bits, 3)
+        pair_match(bits, 16)
 
 
 def test_owners_alternate_between_shared_blocks():
@@ -87,19 +89,19 @@ def test_owners_alternate_between_shared_blocks():
     mask[0, 0, 0, [0, 1, 2, 7, 9, 10]] = True  # first: 0 1 2 (own) 7 (shared) 9 10 (own)
     mask[0, 0, 1, [5, 7, 8, 11]] = True  # second: 5 (own) 7 (shared) 8 11 (own)
     bits, _ = _bits(mask, 6)
-    uidx, ucnt = pair_union(bits, 12, 6)
+    uidx, ucnt = pair_union(bits, 12, 6, order="ascending")
     codes = uidx[0, 0, 0, : int(ucnt[0, 0, 0])].tolist()
     assert [(c >> 2, c & 3) for c in codes] == [(0, 1), (5, 2), (1, 1), (2, 1), (7, 3), (9, 1), (8, 2), (10, 1),
                                                (11, 2)]
-    # the order before pairing by overlap: own blocks interleaved, shared ones last
-    uidx, ucnt = pair_union(bits, 12, 6, order="owners")
+    # the default order: own blocks interleaved, shared ones last
+    uidx, ucnt = pair_union(bits, 12, 6)
     codes = uidx[0, 0, 0, : int(ucnt[0, 0, 0])].tolist()
     assert [c >> 2 for c in codes] == [0, 5, 1, 8, 2, 11, 9, 10, 7]
 
 
-def _check_stream(uidx, ucnt, ref_idx, mask, qpair):
+def _check_stream(uidx, ucnt, ref_idx, mask, qpair, order):
     """Equal to the reference; every block of either query block exactly once, tagged with its
-    owners; each owner's blocks in ascending order (independent of the partner)."""
+    owners; in the ascending order, each owner's blocks ascending (independent of the partner)."""
     b_, h_, nq, nk = mask.shape
     for b in range(b_):
         for h in range(h_):
@@ -114,7 +116,7 @@ def _check_stream(uidx, ucnt, ref_idx, mask, qpair):
                 o = mask[b, h, qb].int() if qb < nq else torch.zeros_like(a)
                 assert torch.equal(own, a | (o << 1))
                 assert len(set((codes >> 2).tolist())) == n
-                for bit in (1, 2):
+                for bit in (1, 2) if order == "ascending" else ():
                     js = (codes[(codes & bit) != 0] >> 2).tolist()
                     assert js == sorted(js)
 
@@ -130,9 +132,25 @@ def _mask_of(bits, n_kv_blocks):
     return ((bits[..., None] >> lanes) & 1).reshape(b, h, nq, nw * 32)[..., :n_kv_blocks].bool()
 
 
+def _matchings(group):
+    """Perfect matchings of ``range(group)`` in the kernel's numbering: matching m in mixed radix
+    (group - 1, group - 3, ..., 1), least significant first; at step s the first free block pairs
+    with the c_s-th free block after it (matching 0: adjacent pairs)."""
+    n = 1
+    for c in range(group - 1, 0, -2):
+        n *= c
+    for m in range(n):
+        free, pairs = list(range(group)), []
+        for radix in range(group - 1, 0, -2):
+            c, m = m % radix, m // radix
+            pairs.append((free[0], free[c + 1]))
+            free = free[1:c + 1] + free[c + 2:]
+        yield pairs
+
+
 def pair_match_torch(bits, group: int):
-    """The greedy matching in plain PyTorch: per aligned group, repeatedly the pair sharing most
-    exact blocks (ties: smallest first index, then second), then a lone block with partner Nq."""
+    """The matching in plain PyTorch: per aligned group, the first matching (in the kernel's
+    numbering) with the most shared exact blocks; a group cut short by Nq keeps adjacent pairs."""
     b, h, nq, nw = bits.shape
     mask = _mask_of(bits, nw * 32).int()
     out = torch.empty(b, h, -(-nq // 2), 2, dtype=torch.int32)
@@ -140,22 +158,19 @@ def pair_match_torch(bits, group: int):
         for hi in range(h):
             k = 0
             for g0 in range(0, nq, group):
-                members = list(range(g0, min(nq, g0 + group)))
-                shared = mask[bi, hi, members] @ mask[bi, hi, members].T
-                free = set(members)
-                while len(free) >= 2:
-                    best = max(((int(shared[i - g0, j - g0]), -i, -j) for i in free for j in free if i < j))
-                    i, j = -best[1], -best[2]
-                    out[bi, hi, k] = torch.tensor([i, j])
-                    free -= {i, j}
-                    k += 1
-                if free:
-                    out[bi, hi, k] = torch.tensor([free.pop(), nq])
+                if g0 + group <= nq:
+                    shared = mask[bi, hi, g0:g0 + group] @ mask[bi, hi, g0:g0 + group].T
+                    best = max(_matchings(group), key=lambda m: sum(int(shared[i, j]) for i, j in m))
+                    # max returns the first of equal weights, as the kernel's argmax
+                else:
+                    best = [(i, i + 1) for i in range(0, nq - g0, 2)]
+                for i, j in best:
+                    out[bi, hi, k] = torch.tensor([g0 + i, min(g0 + j, nq)])
                     k += 1
     return out
 
 
-def pair_union_torch(bits, n_kv_blocks: int, width: int, qpair=None):
+def pair_union_torch(bits, n_kv_blocks: int, width: int, qpair=None, order="owners"):
     """The same (uidx, ucnt) in plain PyTorch (the reference the kernel is tested against)."""
     b, h, nq, nw = bits.shape
     mask = _mask_of(bits, n_kv_blocks).int()
@@ -170,7 +185,14 @@ def pair_union_torch(bits, n_kv_blocks: int, width: int, qpair=None):
             for p in range(nq2):
                 qa, qb = qpair[bi, hi, p].tolist()
                 o = mask[bi, hi, qa] | ((mask[bi, hi, qb] << 1) if qb < nq else 0)
-                order, seg_a, seg_b = [], [], []
+                if order == "owners":
+                    a, bb, s = [(o == c).nonzero().flatten().tolist() for c in (1, 2, 3)]
+                    m = min(len(a), len(bb))
+                    seq = [x for pr in zip(a[:m], bb[:m]) for x in pr] + a[m:] + bb[m:] + s
+                    codes[bi, hi, p, : len(seq)] = torch.tensor([j * 4 + int(o[j]) for j in seq], dtype=torch.int32)
+                    cnt[bi, hi, p] = len(seq)
+                    continue
+                seq, seg_a, seg_b = [], [], []
                 for j in range(n_kv_blocks):
                     c = int(o[j])
                     if c == 1:
@@ -179,10 +201,10 @@ def pair_union_torch(bits, n_kv_blocks: int, width: int, qpair=None):
                         seg_b.append(j)
                     elif c == 3:  # a shared block closes a segment
                         m = min(len(seg_a), len(seg_b))
-                        order += [x for pr in zip(seg_a[:m], seg_b[:m]) for x in pr] + seg_a[m:] + seg_b[m:] + [j]
+                        seq += [x for pr in zip(seg_a[:m], seg_b[:m]) for x in pr] + seg_a[m:] + seg_b[m:] + [j]
                         seg_a, seg_b = [], []
                 m = min(len(seg_a), len(seg_b))
-                order += [x for pr in zip(seg_a[:m], seg_b[:m]) for x in pr] + seg_a[m:] + seg_b[m:]
-                codes[bi, hi, p, : len(order)] = torch.tensor([j * 4 + int(o[j]) for j in order], dtype=torch.int32)
-                cnt[bi, hi, p] = len(order)
+                seq += [x for pr in zip(seg_a[:m], seg_b[:m]) for x in pr] + seg_a[m:] + seg_b[m:]
+                codes[bi, hi, p, : len(seq)] = torch.tensor([j * 4 + int(o[j]) for j in seq], dtype=torch.int32)
+                cnt[bi, hi, p] = len(seq)
     return codes, cnt

@@ -8,13 +8,19 @@ two partners share, the more the stream reads: :func:`pair_match` chooses the pa
 exact blocks they share (a greedy matching inside aligned groups of ``group`` query blocks);
 without it, partners are adjacent (``2p``, ``2p + 1``), which is the matching of groups of 2.
 
-Stream order: every owner sees its own blocks in ascending order, whoever its partner is, so a
-query block's arithmetic (the order of its online-softmax steps) does not depend on the pairing.
-Between two consecutive shared blocks, the blocks owned by one partner only alternate between
-the two owners (first, second, first, ...; the longer run's rest follows), then the shared block.
-Both consumers of the stream then have work in every window of a few entries; in ascending order a
-run of one owner's blocks left the other consumer idle (H100, 32K, 12.5 %: the pair kernel
-was no faster than the one-block kernel).
+Stream orders (:data:`ORDERS`). Blocks owned by one partner only alternate between the two owners
+(first, second, first, ...; the longer list's rest follows), so that both consumers of the stream
+have work in every window of a few entries (in plain ascending order a run of one owner's blocks
+left the other consumer idle: H100, 32K, 12.5 %, the pair kernel was no faster than the one-block
+kernel).
+
+* ``"owners"`` (default): all blocks owned by one partner only, alternating, then the shared
+  blocks, each class ascending. The fastest; a block's order of online-softmax steps (so its
+  rounding) depends on its partner.
+* ``"ascending"``: every owner sees its own blocks in ascending order whoever its partner is, so a
+  query block's arithmetic does not depend on the pairing: between two consecutive shared blocks
+  the own blocks alternate, then the shared block. Runs of one owner occur in every segment: up
+  to 9 % slower (H100, 32K, Gaussian inputs).
 
 Output, static shapes, no host synchronisation:
 
@@ -35,10 +41,7 @@ from torch import Tensor
 from ..launch import Launcher
 from ._common import next_pow2
 
-# Stream orders (``ORDER`` of the union kernel): ascending per owner, or each owner's own blocks
-# first and the shared ones last (the order before pairing by overlap; a block's order then
-# depends on its partner).
-ORDERS = {"ascending": 0, "owners": 1}
+ORDERS = {"ascending": 0, "owners": 1}  # ``ORDER`` of the union kernel
 
 
 @triton.jit
@@ -61,39 +64,45 @@ def _popc(x):
 
 
 @triton.jit(do_not_specialize=["NQ", "NQ2", "NW"])
-def _pair_match_kernel(bits_ptr, qpair_ptr, NQ, NQ2, NW, G: tl.constexpr, NWP: tl.constexpr):
+def _pair_match_kernel(bits_ptr, qpair_ptr, NQ, NQ2, NW, G: tl.constexpr, NWP: tl.constexpr,
+                       NM: tl.constexpr, NMP: tl.constexpr):
     grp = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
-    i = tl.arange(0, G)
-    qi = grp * G + i
+    j = tl.arange(0, G)
+    qi = grp * G + j
     valid = qi < NQ
     w = tl.arange(0, NWP)
     x = tl.load(bits_ptr + (bh * NQ + qi)[:, None] * NW + w[None, :], mask=valid[:, None] & (w < NW)[None, :],
                 other=0)
     shared = tl.sum(_popc(x[:, None, :] & x[None, :, :]), axis=2)  # [G, G]: exact blocks both select
-    cand = (i[:, None] < i[None, :]) & valid[:, None] & valid[None, :]
-    flat = tl.reshape(tl.where(cand, shared, -1), [G * G])
-    fa = tl.arange(0, G * G) // G
-    fb = tl.arange(0, G * G) % G
-    n_valid = tl.sum(valid.to(tl.int32), axis=0)
-    base = qpair_ptr + (bh * NQ2 + grp * (G // 2)) * 2
-    matched = tl.zeros([G], dtype=tl.int32)
-    # Greedy: the pair sharing most blocks first; ties go to the smallest (first, second) index,
-    # so groups of 2 and inputs without overlap pair adjacent blocks.
-    for kk in tl.static_range(G // 2):
-        best = tl.max(flat, axis=0)
-        at = tl.argmax(flat, axis=0, tie_break_left=True)
-        a = at // G
-        b = at % G
-        ok = best >= 0
-        tl.store(base + 2 * kk, grp * G + a, mask=ok)
-        tl.store(base + 2 * kk + 1, grp * G + b, mask=ok)
-        flat = tl.where(((fa == a) | (fa == b) | (fb == a) | (fb == b)) & ok, -1, flat)
-        matched = matched | (((i == a) | (i == b)) & ok).to(tl.int32)
-    lone = tl.min(tl.where(valid & (matched == 0), i, G), axis=0)
-    odd = (n_valid % 2) == 1
-    tl.store(base + 2 * (n_valid // 2), grp * G + lone, mask=odd)
-    tl.store(base + 2 * (n_valid // 2) + 1, NQ, mask=odd)
+    # Every perfect matching of the group, numbered in mixed radix (G-1)(G-3)..1: at step s the
+    # first free block pairs with the c-th free block after it. Matching 0 is adjacency.
+    m = tl.arange(0, NMP)
+    rem = m
+    matched = tl.zeros([NMP, G], dtype=tl.int32)
+    pairs = tl.zeros([NMP, G], dtype=tl.int32)
+    weight = tl.zeros([NMP], dtype=tl.int32)
+    for st in tl.static_range(G // 2):
+        choices: tl.constexpr = G - 1 - 2 * st
+        c = rem % choices
+        rem = rem // choices
+        free = matched == 0
+        first = tl.min(tl.where(free, j[None, :], G), axis=1)
+        rank = tl.cumsum(free.to(tl.int32), axis=1)  # the first free block has rank 1
+        second = tl.min(tl.where(free & (rank == c[:, None] + 2), j[None, :], G), axis=1)
+        hit_a = j[None, :] == first[:, None]
+        hit_b = j[None, :] == second[:, None]
+        matched = matched | (hit_a | hit_b).to(tl.int32)
+        both = hit_a[:, :, None] & hit_b[:, None, :]
+        weight += tl.sum(tl.sum(tl.where(both, shared[None, :, :], 0), axis=2), axis=1)
+        pairs = tl.where(j[None, :] == 2 * st, first[:, None], tl.where(j[None, :] == 2 * st + 1, second[:, None], pairs))
+    # The matching sharing most (ties: the lowest number, so adjacency when nothing is gained); a
+    # group cut by Nq keeps adjacent pairs.
+    best = tl.argmax(tl.where(m < NM, weight, -1), axis=0, tie_break_left=True)
+    pick = tl.where((grp + 1) * G <= NQ, best, 0)
+    local = tl.sum(tl.where((m == pick)[:, None], pairs, 0), axis=0)  # [G]: first, second, first, ...
+    q = tl.minimum(grp * G + local, NQ)
+    tl.store(qpair_ptr + (bh * NQ2 + grp * (G // 2)) * 2 + j, q, mask=grp * G + 2 * (j // 2) < NQ)
 
 
 @triton.jit(do_not_specialize=["NQ", "NQ2", "NK", "NW", "W2", "N_PAIRS"])
@@ -160,26 +169,36 @@ def union_width(n_kv_blocks: int, width: int) -> int:
     return max(1, min(n_kv_blocks, 2 * width))
 
 
+def n_matchings(group: int) -> int:
+    """Perfect matchings of ``group`` query blocks: (group - 1)(group - 3)...1."""
+    n = 1
+    for c in range(group - 1, 0, -2):
+        n *= c
+    return n
+
+
 def pair_match(bits: Tensor, group: int, *, out: Tensor | None = None) -> Tensor:
     """``qpair [B, H, ceil(Nq / 2), 2]`` from the selection bitmask ``bits [B, H, Nq, NW]``
-    (contiguous): inside each aligned group of ``group`` query blocks (a power of two, 2 to 32), the
-    greedy matching by shared exact blocks (the pair sharing most first). ``out``: a preallocated
-    contiguous ``qpair``, written and returned."""
-    if group < 2 or group > 32 or group & (group - 1):
-        raise ValueError(f"group must be a power of two from 2 to 32, got {group}")
+    (contiguous): inside each aligned group of ``group`` query blocks (2, 4 or 8), the matching
+    into pairs that shares the most exact blocks (every matching is scored; ties and a group cut
+    short by ``Nq`` keep adjacent pairs). ``out``: a preallocated contiguous ``qpair``, written and
+    returned."""
+    if group not in (2, 4, 8):
+        raise ValueError(f"group must be 2, 4 or 8, got {group}")
     b, h, nq, nw = bits.shape
     nq2 = -(-nq // 2)
     if out is None:
         out = torch.empty(b, h, nq2, 2, device=bits.device, dtype=torch.int32)
     nwp = max(1, next_pow2(nw))
-    warps = 4 if group * group * nwp >= 4096 else 1
-    _launch_match((group, nwp, warps), (-(-nq // group), b * h), (bits, out, nq, nq2, nw), dict(G=group, NWP=nwp),
-                  num_warps=warps)
+    nm = n_matchings(group)
+    warps = 4 if group * group * max(nwp, next_pow2(nm)) >= 4096 else 1
+    _launch_match((group, nwp, warps), (-(-nq // group), b * h), (bits, out, nq, nq2, nw),
+                  dict(G=group, NWP=nwp, NM=nm, NMP=next_pow2(nm)), num_warps=warps)
     return out
 
 
 def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *, qpair: Tensor | None = None,
-               out: tuple[Tensor, Tensor] | None = None, order: str = "ascending") -> tuple[Tensor, Tensor]:
+               out: tuple[Tensor, Tensor] | None = None, order: str = "owners") -> tuple[Tensor, Tensor]:
     """(uidx, ucnt) of every pair of query blocks from the selection bitmask ``bits [B, H, Nq, NW]``
     (contiguous); ``width`` is the selection's list width ``W``; ``qpair``: the pairs
     (:func:`pair_match`; None: adjacent blocks). ``out``: preallocated ``(uidx, ucnt)`` of the
