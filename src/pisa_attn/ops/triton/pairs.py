@@ -83,9 +83,8 @@ def _pair_match_kernel(bits_ptr, qpair_ptr, NQ, NQ2, NW, G: tl.constexpr, NWP: t
     pairs = tl.zeros([NMP, G], dtype=tl.int32)
     weight = tl.zeros([NMP], dtype=tl.int32)
     for st in tl.static_range(G // 2):
-        choices: tl.constexpr = G - 1 - 2 * st
-        c = rem % choices
-        rem = rem // choices
+        c = rem % (G - 1 - 2 * st)
+        rem = rem // (G - 1 - 2 * st)
         free = matched == 0
         first = tl.min(tl.where(free, j[None, :], G), axis=1)
         rank = tl.cumsum(free.to(tl.int32), axis=1)  # the first free block has rank 1
