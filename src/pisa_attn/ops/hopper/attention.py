@@ -329,10 +329,13 @@ STAGES = {64: 4, 128: 3}
 # launch, then the loader gives its registers to the consumers (240 each).
 MAX_REGS = 168
 # Query blocks are paired inside aligned groups of this many blocks by shared exact blocks
-# (:func:`pisa_attn.ops.triton.pairs.pair_match`); 2 pairs adjacent blocks without a table.
-PAIR_GROUP = 8
+# (:func:`pisa_attn.ops.triton.pairs.pair_match`); 2 pairs adjacent blocks without a table. Adjacent:
+# matching in groups of 4 or 8 raised the pair overlap on Gaussian inputs (0.13 -> 0.18) and DINOv2
+# heads (0.20 -> 0.40 on layer 5), not on DiT-like ones (0.65), and was no faster at 32K/64K
+# (H100, benchmarks/results/h100_exact_loop.json): the loop is not bound by L2 alone.
+PAIR_GROUP = 2
 # The stream order (``pairs.ORDERS``): "owners" keeps both consumers busy; "ascending" makes each
-# block's arithmetic independent of its partner, and costs up to 9 % (H100, 32K, random inputs).
+# block's arithmetic independent of its partner, and costs 2-5 % (same measurements).
 PAIR_ORDER = "owners"
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
