@@ -31,12 +31,10 @@ from pisa_attn.ops.selection import bits_to_mask
 from pisa_attn.ops.triton.pairs import pair_match, pair_union
 
 B, H, D = 2, 16, 128
-# (name, group, stream order, deferred P·V wait): group 2 = adjacent pairs, 4 / 8 = the best matching
-# in groups of 4 / 8 query blocks; orders: pisa_attn.ops.triton.pairs.ORDERS; defer: the pair
-# kernel's DEFER_PV.
-VARIANTS = (("adjacent-owners", 2, "owners", False), ("adjacent-ascending", 2, "ascending", False),
-            ("match4-owners", 4, "owners", False), ("match8-owners", 8, "owners", False),
-            ("match8-ascending", 8, "ascending", False), ("adjacent-owners-deferpv", 2, "owners", True))
+# (name, group, stream order): group 2 = adjacent pairs, 4 / 8 = the best matching in groups of 4 / 8
+# query blocks; orders: pisa_attn.ops.triton.pairs.ORDERS.
+VARIANTS = (("adjacent-owners", 2, "owners"), ("adjacent-ascending", 2, "ascending"), ("match4-owners", 4, "owners"),
+            ("match8-owners", 8, "owners"), ("match8-ascending", 8, "ascending"))
 DIT_GRIDS = {4096: (1, 64, 64), 8192: (2, 64, 64), 16384: (4, 64, 64), 32768: (8, 64, 64), 65536: (16, 64, 64)}
 
 
@@ -86,16 +84,16 @@ def pairing_stats(bits, nk: int, group: int, width: int) -> dict:
     return dict(overlap=overlap, loads_per_computed=(ucnt.sum() / mask.sum()).item())
 
 
-def attend_fn(q, k, v, stats, sel, mode, group, order, n_sel, defer=False):
+def attend_fn(q, k, v, stats, sel, mode, group, order, n_sel):
     """(a launch of the attend kernel into fixed buffers, its output buffer)."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     return (lambda: gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=q.shape[-1] ** -0.5,
                                     block_size=64, n_select=n_sel, out=out, lse=lse, pair_group=group,
-                                    pair_order=order, defer_pv=defer)), out
+                                    pair_order=order)), out
 
 
-def bench_length(L: int, sources, density: float, whole: bool, res: dict, variants=None, groups=(2, 8)):
+def bench_length(L: int, sources, density: float, whole: bool, res: dict):
     q, k, v = qkv("random", L)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         est = 2.5e-8 * L * L  # ms at ~660 TFLOP/s for B2-H16-D128
@@ -108,26 +106,23 @@ def bench_length(L: int, sources, density: float, whole: bool, res: dict, varian
         nk = stats.kbar.shape[2]
         nq = sel.bits.shape[2]
         frac = sel.cnt.sum().item() / (B * H * nq * nk)
-        refs = {}
-        for name, group, order, defer in VARIANTS:
-            if variants and name not in variants:
-                continue
+        ref_out = None
+        for name, group, order in VARIANTS:
             ps = pairing_stats(sel.bits, nk, group, sel.idx.shape[-1])
-            row = dict(L=L, source=source, density=density, variant=name, group=group, order=order, defer_pv=defer,
+            row = dict(L=L, source=source, density=density, variant=name, group=group, order=order,
                        computed_fraction=frac, cudnn_ms=t_cudnn, **ps)
             for mode in ("drop", "hybrid"):
-                fn, _ = attend_fn(q, k, v, stats, sel, mode, group, order, n_sel, defer)
+                fn, _ = attend_fn(q, k, v, stats, sel, mode, group, order, n_sel)
                 fn()
                 torch.cuda.synchronize()
                 row[f"{mode}_ms"] = ms(fn, est_ms=t_cudnn * frac)
-            # Bit identity: ascending order across pairings; the deferred wait against adjacent-owners.
-            fn, o = attend_fn(q, k, v, stats, sel, "hybrid", group, order, n_sel, defer)
+            # bit-identity across pairings in the ascending order (the kernel's own output)
+            fn, o = attend_fn(q, k, v, stats, sel, "hybrid", group, order, n_sel)
             fn()
-            ref_key = "owners" if defer else order
-            if group == 2 and not defer:
-                refs.setdefault(order, o.clone())
-            if ref_key in refs and (defer or order == "ascending"):
-                row["bit_identical_to_adjacent"] = bool(torch.equal(o, refs[ref_key]))
+            if order == "ascending":
+                if ref_out is None:
+                    ref_out = o.clone()
+                row["bit_identical_to_adjacent"] = bool(torch.equal(o, ref_out))
             row["pairing_ms"] = ms(lambda: pair_union(sel.bits, nk, sel.idx.shape[-1], order=order, qpair=(
                 pair_match(sel.bits, group) if group > 2 else None)))
             row["share_of_cudnn"] = frac * t_cudnn / row["drop_ms"]
@@ -142,23 +137,22 @@ def bench_length(L: int, sources, density: float, whole: bool, res: dict, varian
                   f"{row['tail_ms']:.3f} (bound {row['tail_bound_exact_rate_ms']:.3f} / "
                   f"{row['tail_bound_cudnn_rate_ms']:.3f}) {row.get('bit_identical_to_adjacent', '')}", flush=True)
         if whole:
-            for group in groups:
-                for defer in (False, True):
-                    for mode in ("hybrid", "drop"):
-                        gattn.PAIR_GROUP, gattn.DEFER_PV = group, defer
-                        try:
-                            p = plan(q, k, PisaSettings(density=density, mode=mode, backend="hopper"))
-                            out = torch.empty_like(q)
-                            fn = lambda p=p, out=out: run(p, q, k, v, out=out)  # noqa: E731
-                            fn()
-                            t = ms(fn, est_ms=t_cudnn * frac * 1.3)
-                        finally:
-                            gattn.PAIR_GROUP, gattn.DEFER_PV = DEFAULT_GROUP, DEFAULT_DEFER
-                        r = dict(L=L, source=source, density=density, mode=mode, group=group, defer_pv=defer,
-                                 whole_ms=t, cudnn_ms=t_cudnn, speedup=t_cudnn / t)
-                        res["whole"].append(r)
-                        print(f"{L:>6} {source:7} whole {mode:6} group {group:2} defer {defer:d}: {t:.3f} ms  "
-                              f"{r['speedup']:.2f}x cuDNN", flush=True)
+            for group in (2, 8):
+                for mode in ("hybrid", "drop"):
+                    gattn.PAIR_GROUP = group
+                    try:
+                        p = plan(q, k, PisaSettings(density=density, mode=mode, backend="hopper"))
+                        out = torch.empty_like(q)
+                        fn = lambda p=p, out=out: run(p, q, k, v, out=out)  # noqa: E731
+                        fn()
+                        t = ms(fn, est_ms=t_cudnn * frac * 1.3)
+                    finally:
+                        gattn.PAIR_GROUP = DEFAULT_GROUP
+                    r = dict(L=L, source=source, density=density, mode=mode, group=group, whole_ms=t,
+                             cudnn_ms=t_cudnn, speedup=t_cudnn / t)
+                    res["whole"].append(r)
+                    print(f"{L:>6} {source:7} whole {mode:6} group {group:2}: {t:.3f} ms  {r['speedup']:.2f}x cuDNN",
+                          flush=True)
         del q, k, v, stats, sel
         torch.cuda.empty_cache()
 
@@ -191,7 +185,6 @@ def ncu_launches(L: int = 32768):
 
 
 DEFAULT_GROUP = gattn.PAIR_GROUP
-DEFAULT_DEFER = gattn.DEFER_PV
 
 
 def main(argv=None):
@@ -202,8 +195,6 @@ def main(argv=None):
     ap.add_argument("--whole", action="store_true", help="also time the whole call (plan/run)")
     ap.add_argument("--dino", default=None, help="DINOv2 q/k/v file (pair overlap only)")
     ap.add_argument("--ncu", action="store_true", help="only the launches to profile")
-    ap.add_argument("--variants", nargs="+", default=None, help="names from VARIANTS (default: all)")
-    ap.add_argument("--whole-groups", type=int, nargs="+", default=[2, 8], help="pair groups of the whole-call rows")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "exact_loop.json"))
     a = ap.parse_args(argv)
     if a.ncu:
@@ -212,11 +203,11 @@ def main(argv=None):
 
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                cudnn=torch.backends.cudnn.version(), shape=f"B{B}-H{H}-D{D}", dtype="bfloat16",
-               default_group=DEFAULT_GROUP, default_defer_pv=DEFAULT_DEFER, attend=[], whole=[], dino=[])
+               default_group=DEFAULT_GROUP, attend=[], whole=[], dino=[])
     print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}, cuDNN {res['cudnn']}", flush=True)
     for density in a.density:
         for L in a.lengths:
-            bench_length(L, a.sources, density, a.whole, res, a.variants, tuple(a.whole_groups))
+            bench_length(L, a.sources, density, a.whole, res)
         if a.dino:
             dino_overlap(a.dino, density, res)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -230,8 +221,7 @@ def main(argv=None):
               f"{r['drop_ms']:8.3f} {r['hybrid_ms']:8.3f} {r['share_of_cudnn']:6.3f} "
               f"{r['tail_ms'] / r['tail_bound_exact_rate_ms']:7.2f}")
     for r in res["whole"]:
-        print(f"{r['L']:>6} {r['source']:7} whole {r['mode']:6} g{r['group']:<2} d{r['defer_pv']:d} "
-              f"{r['whole_ms']:8.3f} ms "
+        print(f"{r['L']:>6} {r['source']:7} whole {r['mode']:6} g{r['group']:<2} {r['whole_ms']:8.3f} ms "
               f"{r['speedup']:5.2f}x")
 
 

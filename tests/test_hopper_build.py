@@ -19,15 +19,14 @@ SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 VARIANTS = {
     "D128-hybrid-bf16": (128, "hybrid", True, "bfloat16", True),
     "D128-drop-ragged-bf16-adjacent": (128, "drop", False, "bfloat16", False),
-    "D128-drop-bf16-adjacent-nodefer": (128, "drop", True, "bfloat16", False, False),
     "D64-zeroth-ragged-fp16": (64, "zeroth", False, "float16", True),
 }
 SCRIPT = """
 import json, re, sys, torch
 from pisa_attn.ops.hopper.attention import compile_for_sm90
 res = {}
-for name, (d, mode, even_k, dtype, has_qpair, *defer) in json.loads(sys.argv[1]).items():
-    k = compile_for_sm90(d, mode, even_k, getattr(torch, dtype), has_qpair=has_qpair, defer_pv=(defer or [None])[0])
+for name, (d, mode, even_k, dtype, has_qpair) in json.loads(sys.argv[1]).items():
+    k = compile_for_sm90(d, mode, even_k, getattr(torch, dtype), has_qpair=has_qpair)
     ptx = k.asm["ptx"]
     res[name] = dict(shared=k.metadata.shared, sm90a=".target sm_90a" in ptx,
                      wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),

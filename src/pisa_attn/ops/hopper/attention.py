@@ -122,10 +122,9 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
 
 @gluon.jit
 def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  p_layout: gl.constexpr, WAIT: gl.constexpr = True):
+                  p_layout: gl.constexpr):
     """One tile of scores (base 2, already scaled) into the running (m, l, acc); also returns the
-    rescale factor and the tile's row sums (the tail normaliser needs both). ``WAIT=False``
-    leaves the P·V product in flight (the caller waits before reading ``acc`` or freeing V)."""
+    rescale factor and the tile's row sums (the tail normaliser needs both)."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     # A row with nothing seen yet keeps finite arithmetic: exp2(-inf - 0) = 0, never NaN.
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -136,8 +135,7 @@ def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl
     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
     pv = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     acc = warpgroup_mma(pv, v_smem, acc, is_async=True)
-    if WAIT:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return m_new, l_i, acc, rescale, ps
 
 
@@ -148,7 +146,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
-              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, DEFER_PV: gl.constexpr):
+              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -179,11 +177,6 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
     n_union = gl.load(ucnt_ptr + pair_row)
     ubase = uidx_ptr + pair_row * W2
     t = 0
-    pend = 0  # DEFER_PV: a P·V product in flight on slot s_pend
-    s_pend = 0
-    if DEFER_PV:
-        # The loop carries an in-flight accumulator: start from one (a product with a zero operand).
-        acc = warpgroup_mma(gl.zeros([BS, BS], q_s.dtype, p_layout), q_s, acc, use_acc=False, is_async=True)
     code_next = gl.load(ubase, mask=n_union > 0, other=0)
     for u in range(n_union):
         code = code_next
@@ -193,39 +186,12 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
         if ((code >> CID) & 1) != 0:
             j = code >> 2
             sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if DEFER_PV:
-                # Q·Kᵀ is queued behind the previous block's P·V: one wait completes both, then
-                # the previous block's slot is free.
-                sc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, acc))
-                if pend != 0:
-                    mbarrier.arrive(empty.index(s_pend), count=1)
-            else:
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            sc = sc * qk_scale
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * qk_scale
             if not EVEN_K:
                 sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
-            m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout, p_layout,
-                                                       not DEFER_PV)
-            if DEFER_PV:
-                pend = 1
-                s_pend = s
-            else:
-                mbarrier.arrive(empty.index(s), count=1)
-        else:
-            if DEFER_PV:
-                # Not ours: first free the slot of a product still in flight (the loader may need
-                # that slot before this consumer owns another block). The wait's value is not
-                # kept: ``acc`` stays an in-flight accumulator on both branches.
-                if pend != 0:
-                    warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                    mbarrier.arrive(empty.index(s_pend), count=1)
-                    pend = 0
-            mbarrier.arrive(empty.index(s), count=1)
+            m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout, p_layout)
+        mbarrier.arrive(empty.index(s), count=1)
         t += 1
-    if DEFER_PV:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if pend != 0:
-            mbarrier.arrive(empty.index(s_pend), count=1)
 
     if MODE > 0:
         # q in float16 scaled by a power of two so its largest entry sits in [2^13, 2^14): the
@@ -307,7 +273,6 @@ def _pair_attn_kernel(
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
-    DEFER_PV: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -345,13 +310,11 @@ def _pair_attn_kernel(
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                      q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                      uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                     qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                     DEFER_PV)),
+                     qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                      q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                      uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                     qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                     DEFER_PV)),
+                     qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR)),
     ], [4, 4], [240, 240])
 
 
@@ -374,8 +337,6 @@ PAIR_GROUP = 2
 # The stream order (``pairs.ORDERS``): "owners" keeps both consumers busy; "ascending" makes each
 # block's arithmetic independent of its partner, and costs 2-5 % (same measurements).
 PAIR_ORDER = "owners"
-# Exact loop: leave each block's P·V product in flight until the next block's Q·Kᵀ is queued.
-DEFER_PV = True
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -407,7 +368,7 @@ def attention(
     *, mode: str, scale: float, block_size: int, n_select: int,
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
     alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
-    pair_group: int | None = None, pair_order: str | None = None, defer_pv: bool | None = None,
+    pair_group: int | None = None, pair_order: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
@@ -417,8 +378,7 @@ def attention(
     ``pair_group``: query blocks are paired by shared exact blocks inside aligned groups of this
     many (None: :data:`PAIR_GROUP`; 2: adjacent blocks); ``pair_order``: the stream order
     (``pairs.ORDERS``; None: :data:`PAIR_ORDER`). Neither changes the function computed; in the
-    ``"ascending"`` order the pairing does not change a single bit of it. ``defer_pv``: see
-    :data:`DEFER_PV` (None: that default); it does not change the result."""
+    ``"ascending"`` order the pairing does not change a single bit of it."""
     del cnt, n_select
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -442,10 +402,9 @@ def attention(
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d])
     scalars = (kscale, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
-    defer = DEFER_PV if defer_pv is None else defer_pv
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
-                      HAS_QPAIR=has_qpair, DEFER_PV=defer)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, defer,
+                      HAS_QPAIR=has_qpair)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:7]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -456,7 +415,7 @@ def attention(
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
-                     has_qpair: bool = True, defer_pv: bool | None = None):
+                     has_qpair: bool = True):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -472,8 +431,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or STAGES[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
-                      LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
-                      DEFER_PV=DEFER_PV if defer_pv is None else defer_pv)
+                      LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair)
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32")
