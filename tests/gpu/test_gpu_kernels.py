@@ -380,3 +380,51 @@ def test_selection_paths_agree_at_real_size(nk_blocks, monkeypatch):
     overlap = ((mask & want).sum() / want.sum()).item()
     print(f"\n[selection Nk={nk_blocks}] overlap with float64 top-k {overlap:.6f}")
     assert overlap > 0.999
+
+
+HOPPER_ONLY = pytest.mark.skipif(_hopper_reason() is not None, reason=f"hopper: {_hopper_reason()}")
+
+
+@HOPPER_ONLY
+@pytest.mark.parametrize("source", ["dit-T4-30x52-H4-D128-ragged", "gauss-B1-H4-Hk2-L8229-D128-gqa-ragged"])
+@pytest.mark.parametrize("mode", ["hybrid", "drop"])
+def test_hopper_pairing_is_bit_identical(source, mode):
+    """In the ascending stream order, whatever query blocks share a CTA (adjacent, or matched by
+    shared exact blocks in groups of 4 or 8), every block's output and LSE are bit for bit the
+    same; the default order with matched pairs matches the float64 reference. The matching must
+    also change the pairs on DiT-like heads."""
+    from pisa_attn import data
+    from pisa_attn.ops.hopper import attention as gattn
+    from pisa_attn.ops.triton.pairs import pair_match
+
+    if source.startswith("dit"):
+        d = data.dit_qkv((4, 30, 52), heads=4, head_dim=128, seed=1, dtype=torch.bfloat16, device="cuda")
+        q, k, v = d.q, d.k, d.v
+    else:
+        q, k, v = qkv(1, 4, 2, 8229, 8229, 128, torch.bfloat16, "bshd", seed=11)
+    plan = make_plan(q, k, 0.125, 64, mode, False, None, "hopper")
+    be = get_backend("hopper")
+    stats = be.prepare(q, k, v, 64)
+    width = spec.selection_width(plan.n_kv_blocks, plan.n_select, 0)
+    sel = be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=width, scale=plan.scale)
+    outs = {}
+    for group, order in ((2, "ascending"), (4, "ascending"), (8, "ascending"), (8, "owners"), (2, "owners")):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+        gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
+                        n_select=plan.n_select, out=out, lse=lse, pair_group=group, pair_order=order)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        outs[group, order] = (out, lse)
+    for group in (4, 8):
+        assert torch.equal(outs[group, "ascending"][0], outs[2, "ascending"][0]), group
+        assert torch.equal(outs[group, "ascending"][1], outs[2, "ascending"][1]), group
+    mask = bits_to_mask(sel.bits, plan.n_kv_blocks)
+    o_ref, lse_ref = ref.pisa_forward(q.double(), k.double(), v.double(), ref.block_stats(k.double(), v.double(), 64),
+                                      mask, mode=mode, scale=plan.scale, block_size=64)
+    for key in ((8, "owners"), (2, "owners"), (8, "ascending")):
+        assert rel_l1(outs[key][0], o_ref) < BF16_TOL, key
+        assert (outs[key][1].double() - lse_ref).abs().max().item() < 1e-2, key
+    if source.startswith("dit"):
+        qpair = pair_match(sel.bits.contiguous(), 8)
+        first = torch.arange(0, qpair.shape[2] * 2, 2, device="cuda", dtype=torch.int32)
+        assert not torch.equal(qpair[..., 0], first.expand_as(qpair[..., 0]))

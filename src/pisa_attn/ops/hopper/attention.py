@@ -1,6 +1,7 @@
 """Warp-specialised Hopper (sm_90) PISA attention in Gluon: two query blocks share K/V loads.
 
-One CTA owns a *pair* of adjacent 64-row query blocks of one head and runs three partitions:
+One CTA owns a *pair* of 64-row query blocks of one head (chosen by how many exact key blocks they
+share, :func:`pisa_attn.ops.triton.pairs.pair_match`, or adjacent) and runs three partitions:
 
 * the loader (default partition, 4 warps, few registers) streams, through a ring of ``STAGES``
   shared-memory slots filled by TMA, first the sorted union of the two blocks' exact key blocks,
@@ -40,7 +41,7 @@ from .. import kernel_constants
 from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
-from ..triton.pairs import pair_union
+from ..triton.pairs import pair_match, pair_union
 
 LN2 = gl.constexpr(kernel_constants.LN2)
 
@@ -69,14 +70,26 @@ else:
 
 
 @gluon.jit
+def _query_block(qpair_ptr, pair_row, pair, c: gl.constexpr, HAS_QPAIR: gl.constexpr):
+    """Query block ``c`` (0 or 1) of the pair: from the pairing table, else adjacent blocks."""
+    if HAS_QPAIR:
+        qi = gl.load(qpair_ptr + pair_row * 2 + c)
+    else:
+        qi = pair * 2 + c
+    return qi
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
             q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-            uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-            BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr):
+            uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
+            BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
+            HAS_QPAIR: gl.constexpr):
     # Both query tiles (a tile past Lq is zero-filled by TMA) and H̄, each on its own barrier.
     for c in gl.static_range(2):
+        qi = _query_block(qpair_ptr, pair_row, pair, c, HAS_QPAIR)
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, q0 + c * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
+        _tma_load(q_desc, [b, h, qi * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
     if MODE == 2:
         mbarrier.expect(hb_bar.index(0), hb_desc.block_type.nbytes)
         _tma_load(hb_desc, [bhk, 0, 0], hb_bar.index(0), _box(hb_smem, hb_desc))
@@ -129,11 +142,11 @@ def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl
 @gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
               q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-              uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, NQ, NK,
+              uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
-              Q_REG: gl.constexpr):
+              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -142,8 +155,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    qi = q0 // BS + CID
-    active = qi < NQ
+    qi = _query_block(qpair_ptr, pair_row, pair, CID, HAS_QPAIR)
+    active = qi < NQ  # a lone block's partner is Nq: its consumer only releases the slots
     row = bh * NQ + qi
     q_s = q_smem.index(CID)
     mbarrier.wait(q_bar.index(CID), 0)
@@ -255,11 +268,11 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
 def _pair_attn_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc,
-    kscale_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr, alpha_ptr,
+    kscale_ptr, uidx_ptr, ucnt_ptr, qpair_ptr, bits_ptr, lse_ptr, alpha_ptr,
     H, HK, LQ, LK, NQ, NK, W2, NW,
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
-    EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr,
+    EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -267,7 +280,6 @@ def _pair_attn_kernel(
     h = bh % H
     hk = h // (H // HK)
     bhk = b * HK + hk
-    q0 = pair * 2 * BS
     pair_row = bh * ((NQ + 1) // 2) + pair
     dtype: gl.constexpr = q_desc.dtype
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], dtype)
@@ -293,16 +305,16 @@ def _pair_attn_kernel(
     gl.warp_specialize([
         (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
                    q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                   uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-                   BS, C, STAGES, MODE)),
+                   uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
+                   BS, C, STAGES, MODE, HAS_QPAIR)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                      q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                     uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, NQ, NK,
-                     qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG)),
+                     uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                     qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                      q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                     uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, NQ, NK,
-                     qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG)),
+                     uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                     qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR)),
     ], [4, 4], [240, 240])
 
 
@@ -316,6 +328,15 @@ STAGES = {64: 4, 128: 3}
 # 12 warps (loader warpgroup + two consumer warpgroups) share the register file: 168 each at
 # launch, then the loader gives its registers to the consumers (240 each).
 MAX_REGS = 168
+# Query blocks are paired inside aligned groups of this many blocks by shared exact blocks
+# (:func:`pisa_attn.ops.triton.pairs.pair_match`); 2 pairs adjacent blocks without a table. Adjacent:
+# matching in groups of 4 or 8 raised the pair overlap on Gaussian inputs (0.13 -> 0.18) and DINOv2
+# heads (0.20 -> 0.40 on layer 5), not on DiT-like ones (0.65), and was no faster at 32K/64K
+# (H100, benchmarks/results/h100_exact_loop.json): the loop is not bound by L2 alone.
+PAIR_GROUP = 2
+# The stream order (``pairs.ORDERS``): "owners" keeps both consumers busy; "ascending" makes each
+# block's arithmetic independent of its partner, and costs 2-5 % (same measurements).
+PAIR_ORDER = "owners"
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -346,13 +367,18 @@ def attention(
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, n_select: int,
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
-    alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor] | None = None,
+    alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
+    pair_group: int | None = None, pair_order: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
     The stream is built from ``bits`` (``idx`` only gives the list width); both kernels take one
     selection. ``alpha``: ``[H]`` float32 weights of the first-order term (None: 1). ``pairs``:
-    (uidx, ucnt) buffers for the pair stream (:func:`pisa_attn.ops.triton.pairs.pair_union`)."""
+    (uidx, ucnt, qpair) buffers for the pair stream (:mod:`pisa_attn.ops.triton.pairs`).
+    ``pair_group``: query blocks are paired by shared exact blocks inside aligned groups of this
+    many (None: :data:`PAIR_GROUP`; 2: adjacent blocks); ``pair_order``: the stream order
+    (``pairs.ORDERS``; None: :data:`PAIR_ORDER`). Neither changes the function computed; in the
+    ``"ascending"`` order the pairing does not change a single bit of it."""
     del cnt, n_select
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -362,16 +388,24 @@ def attention(
         out = _alloc_like_layout(q)
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
-    uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=pairs)
+    group = PAIR_GROUP if pair_group is None else pair_group
+    qpair = None
+    if group > 2 and nq > 2:
+        qpair = pair_match(bits, group, out=None if pairs is None else pairs[2])
+    uidx, ucnt = pair_union(bits, nk, idx.shape[-1], qpair=qpair, out=None if pairs is None else pairs[:2],
+                            order=PAIR_ORDER if pair_order is None else pair_order)
+    has_qpair = qpair is not None
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
     st = stages or STAGES[d]
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d))
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d])
-    scalars = (kscale, uidx, ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk, uidx.shape[-1], bits.shape[-1],
-               scale * LOG2E, scale)
-    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, tuple(x.data_ptr() % 16 == 0 for x in scalars[:6]))
+    scalars = (kscale, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
+               uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
+    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
+                      HAS_QPAIR=has_qpair)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair,
+           tuple(x.data_ptr() % 16 == 0 for x in scalars[:7]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
@@ -380,7 +414,8 @@ def attention(
 
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
-                     dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True):
+                     dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
+                     has_qpair: bool = True):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -396,8 +431,9 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or STAGES[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
-                      LOG2_BS=math.log2(bs), Q_REG=q_reg)
-    types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
+                      LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair)
+    types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
+                 lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}
     for name in _pair_attn_kernel.arg_names:

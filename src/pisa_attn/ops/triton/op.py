@@ -91,7 +91,7 @@ class Workspace:
     stats: Stats
     selection: SelectionWorkspace
     lse: Tensor
-    pairs: tuple[Tensor, Tensor] | None = None
+    pairs: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 def workspace(plan, q: Tensor, k: Tensor, *, pairs: bool = False) -> Workspace:
@@ -106,7 +106,8 @@ def workspace(plan, q: Tensor, k: Tensor, *, pairs: bool = False) -> Workspace:
     if pairs:
         nq2, w2 = -(-plan.n_q_blocks // 2), union_width(plan.n_kv_blocks, plan.width)
         pair_bufs = (torch.empty(b, h, nq2, w2, device=dev, dtype=torch.int32),
-                     torch.empty(b, h, nq2, device=dev, dtype=torch.int32))
+                     torch.empty(b, h, nq2, device=dev, dtype=torch.int32),
+                     torch.empty(b, h, nq2, 2, device=dev, dtype=torch.int32))
     return Workspace(stats, sel, torch.empty(b, h, lq, device=dev, dtype=torch.float32), pair_bufs)
 
 

@@ -1,0 +1,229 @@
+"""The Hopper pair kernel's exact loop: which query blocks share a CTA (adjacent, or matched by
+shared exact blocks), measured against cuDNN SDPA in the same run.
+
+For each length and input (Gaussian q/k/v, the DiT-like generator; B2-H16-D128 bf16, density
+12.5 %, the paper's top-k selection computed once): the attend kernel alone (pairing and union
+launches included) in keep-or-drop and hybrid mode for every pairing variant, the share of
+cuDNN's throughput on the computed blocks (``computed fraction · t_cuDNN / t_drop``), the pair
+overlap (the share of a block's exact blocks its partner also selects) and K/V tiles loaded per
+block computed; the centroid tail (hybrid − drop) against its bound; the whole hybrid call
+(``plan``/``run``, default settings) with adjacent and matched pairs. With ``--dino FILE`` also
+the pair overlap of real DINOv2 heads (their 1370 tokens are too few to time).
+
+    PYTHONPATH=src python3 benchmarks/exact_loop.py --out benchmarks/results/h100_exact_loop.json
+    PYTHONPATH=src python3 benchmarks/exact_loop.py --ncu   # one launch per variant, for ncu -k regex:pair
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pisa_attn import PisaSettings, data, plan, run, spec
+from pisa_attn.attention import get_backend
+from pisa_attn.ops.hopper import attention as gattn
+from pisa_attn.ops.selection import bits_to_mask
+from pisa_attn.ops.triton.pairs import pair_match, pair_union
+
+B, H, D = 2, 16, 128
+# (name, group, stream order): group 2 = adjacent pairs, 4 / 8 = the best matching in groups of 4 / 8
+# query blocks; orders: pisa_attn.ops.triton.pairs.ORDERS.
+VARIANTS = (("adjacent-owners", 2, "owners"), ("adjacent-ascending", 2, "ascending"), ("match4-owners", 4, "owners"),
+            ("match8-owners", 8, "owners"), ("match8-ascending", 8, "ascending"))
+DIT_GRIDS = {4096: (1, 64, 64), 8192: (2, 64, 64), 16384: (4, 64, 64), 32768: (8, 64, 64), 65536: (16, 64, 64)}
+
+
+def qkv(source: str, L: int):
+    if source == "random":
+        g = torch.Generator(device="cuda").manual_seed(L)
+        return tuple(torch.randn(B, H, L, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    d = data.dit_qkv(DIT_GRIDS[L], heads=H, head_dim=D, batch=1, seed=L, dtype=torch.bfloat16, device="cuda")
+    return tuple(x.expand(B, -1, -1, -1).contiguous() for x in (d.q, d.k, d.v))
+
+
+def ms(fn, est_ms: float = 1.0) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=max(25, 3 * est_ms), rep=max(100, 12 * est_ms), return_mode="median")
+
+
+def selection(q, k, v, density):
+    be = get_backend("hopper")
+    stats = be.prepare(q, k, v, 64)
+    nk = stats.kbar.shape[2]
+    n_sel = spec.num_selected(density, nk)
+    sel = be.select(stats.qmean, stats.kmean, n_select=n_sel, width=spec.selection_width(nk, n_sel, 0),
+                    scale=q.shape[-1] ** -0.5)
+    return stats, sel, n_sel
+
+
+def pairing_stats(bits, nk: int, group: int, width: int) -> dict:
+    """Pair overlap (mean over query blocks of shared / own exact blocks) and K/V tiles the stream
+    loads per block computed."""
+    bits = bits.contiguous()
+    nq = bits.shape[2]
+    if group > 2:
+        qpair = pair_match(bits, group).long()
+    else:
+        first = torch.arange(0, nq, 2, device=bits.device)
+        qpair = torch.stack([first, first + 1], -1).expand(*bits.shape[:2], -1, -1)
+    mask = bits_to_mask(bits, nk)
+    pad = torch.cat([mask, torch.zeros_like(mask[:, :, :1])], 2)  # row Nq: the partner "none"
+    a = torch.gather(pad, 2, qpair[..., 0, None].expand(-1, -1, -1, nk))
+    b = torch.gather(pad, 2, qpair[..., 1, None].expand(-1, -1, -1, nk))
+    shared = (a & b).sum(-1).float()
+    real_b = qpair[..., 1] < nq
+    ratios = torch.cat([(shared / a.sum(-1).clamp_min(1)).flatten(), (shared / b.sum(-1).clamp_min(1))[real_b]])
+    overlap = ratios.mean().item()
+    _, ucnt = pair_union(bits, nk, width, qpair=qpair.int().contiguous() if group > 2 else None)
+    return dict(overlap=overlap, loads_per_computed=(ucnt.sum() / mask.sum()).item())
+
+
+def attend_fn(q, k, v, stats, sel, mode, group, order, n_sel):
+    """(a launch of the attend kernel into fixed buffers, its output buffer)."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    return (lambda: gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=q.shape[-1] ** -0.5,
+                                    block_size=64, n_select=n_sel, out=out, lse=lse, pair_group=group,
+                                    pair_order=order)), out
+
+
+def bench_length(L: int, sources, density: float, whole: bool, res: dict):
+    q, k, v = qkv("random", L)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        est = 2.5e-8 * L * L  # ms at ~660 TFLOP/s for B2-H16-D128
+        t_cudnn = ms(lambda: F.scaled_dot_product_attention(q, k, v), est)
+    del q, k, v
+    print(f"\nL={L}: cuDNN SDPA {t_cudnn:.3f} ms", flush=True)
+    for source in sources:
+        q, k, v = qkv(source, L)
+        stats, sel, n_sel = selection(q, k, v, density)
+        nk = stats.kbar.shape[2]
+        nq = sel.bits.shape[2]
+        frac = sel.cnt.sum().item() / (B * H * nq * nk)
+        ref_out = None
+        for name, group, order in VARIANTS:
+            ps = pairing_stats(sel.bits, nk, group, sel.idx.shape[-1])
+            row = dict(L=L, source=source, density=density, variant=name, group=group, order=order,
+                       computed_fraction=frac, cudnn_ms=t_cudnn, **ps)
+            for mode in ("drop", "hybrid"):
+                fn, _ = attend_fn(q, k, v, stats, sel, mode, group, order, n_sel)
+                fn()
+                torch.cuda.synchronize()
+                row[f"{mode}_ms"] = ms(fn, est_ms=t_cudnn * frac)
+            # bit-identity across pairings in the ascending order (the kernel's own output)
+            fn, o = attend_fn(q, k, v, stats, sel, "hybrid", group, order, n_sel)
+            fn()
+            if order == "ascending":
+                if ref_out is None:
+                    ref_out = o.clone()
+                row["bit_identical_to_adjacent"] = bool(torch.equal(o, ref_out))
+            row["pairing_ms"] = ms(lambda: pair_union(sel.bits, nk, sel.idx.shape[-1], order=order, qpair=(
+                pair_match(sel.bits, group) if group > 2 else None)))
+            row["share_of_cudnn"] = frac * t_cudnn / row["drop_ms"]
+            row["tail_ms"] = row["hybrid_ms"] - row["drop_ms"]
+            row["tail_bound_exact_rate_ms"] = row["drop_ms"] / (64 * density)
+            tail_flop = 4 * B * H * L * nk * D
+            row["tail_bound_cudnn_rate_ms"] = tail_flop / (4 * B * H * L * L * D / t_cudnn)
+            res["attend"].append(row)
+            print(f"{L:>6} {source:7} {name:16} overlap {row['overlap']:.3f} loads/comp "
+                  f"{row['loads_per_computed']:.3f} | drop {row['drop_ms']:.3f} hybrid {row['hybrid_ms']:.3f} "
+                  f"pairing {row['pairing_ms']:.3f} ms | share {row['share_of_cudnn']:.3f} | tail "
+                  f"{row['tail_ms']:.3f} (bound {row['tail_bound_exact_rate_ms']:.3f} / "
+                  f"{row['tail_bound_cudnn_rate_ms']:.3f}) {row.get('bit_identical_to_adjacent', '')}", flush=True)
+        if whole:
+            for group in (2, 8):
+                for mode in ("hybrid", "drop"):
+                    gattn.PAIR_GROUP = group
+                    try:
+                        p = plan(q, k, PisaSettings(density=density, mode=mode, backend="hopper"))
+                        out = torch.empty_like(q)
+                        fn = lambda p=p, out=out: run(p, q, k, v, out=out)  # noqa: E731
+                        fn()
+                        t = ms(fn, est_ms=t_cudnn * frac * 1.3)
+                    finally:
+                        gattn.PAIR_GROUP = DEFAULT_GROUP
+                    r = dict(L=L, source=source, density=density, mode=mode, group=group, whole_ms=t,
+                             cudnn_ms=t_cudnn, speedup=t_cudnn / t)
+                    res["whole"].append(r)
+                    print(f"{L:>6} {source:7} whole {mode:6} group {group:2}: {t:.3f} ms  {r['speedup']:.2f}x cuDNN",
+                          flush=True)
+        del q, k, v, stats, sel
+        torch.cuda.empty_cache()
+
+
+def dino_overlap(path: str, density: float, res: dict):
+    from safetensors.torch import load_file
+
+    f = load_file(path)
+    for layer in (0, 5, 11):
+        q, k, v = (f[f"step0.layer{layer}.{n}"].cuda().to(torch.bfloat16) for n in "qkv")
+        q, k, v = (x if x.dim() == 4 else x[None] for x in (q, k, v))
+        _, sel, _ = selection(q.contiguous(), k.contiguous(), v.contiguous(), density)
+        nk = -(-k.shape[2] // 64)
+        for name, group in (("adjacent", 2), ("match4", 4), ("match8", 8)):
+            ps = pairing_stats(sel.bits, nk, group, sel.idx.shape[-1])
+            res["dino"].append(dict(layer=layer, variant=name, density=density, **ps))
+            print(f"DINOv2 layer {layer:2} {name:12} overlap {ps['overlap']:.3f} loads/comp "
+                  f"{ps['loads_per_computed']:.3f}", flush=True)
+
+
+def ncu_launches(L: int = 32768):
+    """One drop-mode attend launch per (input, pairing) for ncu -k regex:pair."""
+    for source in ("random", "dit"):
+        q, k, v = qkv(source, L)
+        stats, sel, n_sel = selection(q, k, v, 0.125)
+        for group in (2, 8):
+            attend_fn(q, k, v, stats, sel, "drop", group, "owners", n_sel)[0]()
+            torch.cuda.synchronize()
+            print(f"ncu launch: {source} group {group}", flush=True)
+
+
+DEFAULT_GROUP = gattn.PAIR_GROUP
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 32768, 65536])
+    ap.add_argument("--sources", nargs="+", default=["random", "dit"])
+    ap.add_argument("--density", type=float, nargs="+", default=[0.125])
+    ap.add_argument("--whole", action="store_true", help="also time the whole call (plan/run)")
+    ap.add_argument("--dino", default=None, help="DINOv2 q/k/v file (pair overlap only)")
+    ap.add_argument("--ncu", action="store_true", help="only the launches to profile")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "exact_loop.json"))
+    a = ap.parse_args(argv)
+    if a.ncu:
+        return ncu_launches()
+    import triton
+
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               cudnn=torch.backends.cudnn.version(), shape=f"B{B}-H{H}-D{D}", dtype="bfloat16",
+               default_group=DEFAULT_GROUP, attend=[], whole=[], dino=[])
+    print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}, cuDNN {res['cudnn']}", flush=True)
+    for density in a.density:
+        for L in a.lengths:
+            bench_length(L, a.sources, density, a.whole, res)
+        if a.dino:
+            dino_overlap(a.dino, density, res)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\nwrote {a.out}")
+    print(f"\n{'L':>6} {'input':7} {'d':>5} {'variant':16} {'overlap':>7} {'drop ms':>8} {'hyb ms':>8} "
+          f"{'share':>6} {'tail/bd':>7}")
+    for r in res["attend"]:
+        print(f"{r['L']:>6} {r['source']:7} {r['density']:5.3f} {r['variant']:16} {r['overlap']:7.3f} "
+              f"{r['drop_ms']:8.3f} {r['hybrid_ms']:8.3f} {r['share_of_cudnn']:6.3f} "
+              f"{r['tail_ms'] / r['tail_bound_exact_rate_ms']:7.2f}")
+    for r in res["whole"]:
+        print(f"{r['L']:>6} {r['source']:7} whole {r['mode']:6} g{r['group']:<2} {r['whole_ms']:8.3f} ms "
+              f"{r['speedup']:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
