@@ -354,7 +354,7 @@ def attention(
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, lk: int,
     out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
-    pairs: tuple[Tensor, Tensor] | None = None, stages: tuple[int, int] | None = None,
+    pairs: tuple[Tensor, ...] | None = None, stages: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The FP8 pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view, ``quant`` the
     :class:`pisa_attn.ops.triton.quantize.Quantized` keys and values (``lk`` the true key count),
@@ -368,7 +368,8 @@ def attention(
         out = _alloc_like_layout(q)
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
-    uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=pairs)
+    # Adjacent pairs (the bf16 kernel's default): the workspace's (uidx, ucnt[, qpair]) buffers.
+    uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=None if pairs is None else pairs[:2])
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
     st, tst = stages or STAGES[d, m > 0]
