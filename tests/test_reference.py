@@ -421,8 +421,9 @@ def test_tail_spread_corrects_the_tail_mass_to_higher_order(mode):
         plain, _ = ref.pisa_forward(q, k, v, ref.block_stats(k, v, bs), sel, **kw)
         assert torch.equal(outs["none"][0], plain)
     assert 3.5 < errs["none", 0.2] / errs["none", 0.1] < 4.5  # O(eps²)
-    assert errs["gauss", 0.2] / errs["gauss", 0.1] > 12  # O(eps⁴)
-    assert errs["gauss", 0.1] < 0.05 * errs["none", 0.1]
+    for sp in ("gauss", "taylor"):
+        assert errs[sp, 0.2] / errs[sp, 0.1] > 12  # O(eps⁴)
+        assert errs[sp, 0.1] < 0.05 * errs["none", 0.1]
 
 
 def test_tail_spread_row_terms_and_checks():
