@@ -101,7 +101,8 @@ def _tiny_whisper(layers=2, width=ew.HEADS * ew.HEAD_DIM, n_ctx=1500, mels=ew.N_
         for ln in ("self_attention", "ffn"):
             t[f"{p}/{ln}/layer_norm/gamma"] = np.ones(width, np.float16)
             t[f"{p}/{ln}/layer_norm/beta"] = w(width)
-        t[f"{p}/self_attention/linear_0/weight"], t[f"{p}/self_attention/linear_0/bias"] = w(3 * width, width), w(3 * width)
+        t[f"{p}/self_attention/linear_0/weight"] = w(3 * width, width)
+        t[f"{p}/self_attention/linear_0/bias"] = w(3 * width)
         t[f"{p}/self_attention/linear_1/weight"], t[f"{p}/self_attention/linear_1/bias"] = w(width, width), w(width)
         t[f"{p}/ffn/linear_0/weight"], t[f"{p}/ffn/linear_0/bias"] = w(64, width), w(64)
         t[f"{p}/ffn/linear_1/weight"], t[f"{p}/ffn/linear_1/bias"] = w(width, 64), w(width)
@@ -114,7 +115,8 @@ def test_ct2_reader_and_encoder_capture(tmp_path):
     w = ew.read_ct2(str(tmp_path / "model.bin"))
     assert set(w) == set(raw)
     assert w["encoder/num_heads"].dtype == torch.int32 and int(w["encoder/num_heads"]) == 6
-    torch.testing.assert_close(w["encoder/conv1/weight"], torch.from_numpy(raw["encoder/conv1/weight"].astype(np.float32)))
+    want = torch.from_numpy(raw["encoder/conv1/weight"].astype(np.float32))
+    torch.testing.assert_close(w["encoder/conv1/weight"], want)
     audio = np.sin(np.arange(ew.SR * 2) * 2 * np.pi * 440 / ew.SR).astype(np.float32) * 0.3
     mel = ew.log_mel(audio)
     assert mel.shape == (ew.N_MELS, 3000) and torch.isfinite(mel).all()

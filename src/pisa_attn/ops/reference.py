@@ -10,7 +10,8 @@ Notation (paper, Sec. 3.2-3.3, with the softmax scale ``s`` written out):
 * ``H_j = Σ_n (k_jn - k̄_j)ᵀ v_jn`` and ``H̄ = (1/N) Σ_j H_j`` (the paper: mean over *all* key
   blocks; with ``hbar_exclude`` the mean over the blocks not excluded, e.g. sink blocks that every
   row computes exactly, whose ``H_j`` would otherwise dominate a term applied to the others);
-* ``α_tj = exp(s q_t·k̄_j)``; with ``tail_spread`` (reference only) ``α_tj = exp(s q_t·k̄_j + ½ s² q_tᵀ Σ_j q_t)``,
+* ``α_tj = exp(s q_t·k̄_j)``; with ``tail_spread`` (reference only)
+  ``α_tj = exp(s q_t·k̄_j + ½ s² q_tᵀ Σ_j q_t)``,
   ``Σ_j`` the block's key covariance (``"gauss"``) or ``tr(Σ_j)/D · I`` (``"trace"``): the block's
   exact ``Σ_n exp(s q·k_n) (1, v_n)`` when its keys are Gaussian and its values linear in them,
   where the paper's ``n_j exp(s q·k̄_j)`` is only a lower bound of the mass (Jensen); ``"taylor"``
