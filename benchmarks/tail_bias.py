@@ -18,7 +18,7 @@ paper's 1) or ``adef`` (:data:`pisa_attn.spec.DEFAULT_ALPHA`), with H̄ over all
 paper), ``-sink`` (without the always-exact and sink-like blocks, ``||H_j − H̄|| > 4x`` the
 median), ``-glob`` (also without the blocks at least half of the query blocks compute exactly:
 H̄ over the blocks it is applied to), or each row's own tail (``row``); the block weight of the
-tail with the spread of q·k inside the block (``+trace``, ``+gauss``, ``+taylor``:
+tail with the spread of q·k inside the block (``+gauss``, ``+trace``, ``+taylor``, ``+taylor-trace``:
 :data:`reference.TAIL_SPREADS`);
 ``first`` (exact block-wise first order, dense cost: the bound of what a better H̄ can give).
 
@@ -58,6 +58,7 @@ TABLE = (
     ("cov, α=0.75, +trace", "cov/hybrid+trace@adef"),
     ("cov, α=0.75, +gauss", "cov/hybrid+gauss@adef"),
     ("cov, α=0.75, +taylor", "cov/hybrid+taylor@adef"),
+    ("cov, α=0.75, +taylor-trace", "cov/hybrid+taylor-trace@adef"),
 )
 
 

@@ -405,7 +405,8 @@ def _spread_keys(eps: float, d: int = 4, nblocks: int = 3, seed: int = 35):
 def test_tail_spread_corrects_the_tail_mass_to_higher_order(mode):
     """All-tail attention on keys of small spread eps: the paper's tail mass n_j exp(s q·k̄_j) is
     off by O(eps²) (Jensen), the spread-corrected one by O(eps⁴) (symmetric keys); "trace" equals
-    "gauss" for isotropic blocks, and "none" is the paper's output bit for bit."""
+    "gauss" for isotropic blocks (so does "taylor-trace" "taylor"), and "none" is the paper's output
+    bit for bit."""
     d, bs = 4, 8
     errs = {}
     for eps in (0.2, 0.1):
@@ -418,6 +419,7 @@ def test_tail_spread_corrects_the_tail_mass_to_higher_order(mode):
         for sp, (_, lse) in outs.items():
             errs[sp, eps] = float((lse.double() - dense_lse).abs().max())
         torch.testing.assert_close(outs["trace"][0], outs["gauss"][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(outs["taylor-trace"][0], outs["taylor"][0], rtol=1e-12, atol=1e-12)
         plain, _ = ref.pisa_forward(q, k, v, ref.block_stats(k, v, bs), sel, **kw)
         assert torch.equal(outs["none"][0], plain)
     assert 3.5 < errs["none", 0.2] / errs["none", 0.1] < 4.5  # O(eps²)

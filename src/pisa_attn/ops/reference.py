@@ -15,7 +15,8 @@ Notation (paper, Sec. 3.2-3.3, with the softmax scale ``s`` written out):
   ``Σ_j`` the block's key covariance (``"gauss"``) or ``tr(Σ_j)/D · I`` (``"trace"``): the block's
   exact ``Σ_n exp(s q·k_n) (1, v_n)`` when its keys are Gaussian and its values linear in them,
   where the paper's ``n_j exp(s q·k̄_j)`` is only a lower bound of the mass (Jensen); ``"taylor"``
-  multiplies by ``1 + ½ s² q_tᵀ Σ_j q_t`` instead (the mass to second order, no Gaussian tail).
+  multiplies by ``1 + ½ s² q_tᵀ Σ_j q_t`` instead (the mass to second order, no Gaussian tail),
+  ``"taylor-trace"`` by ``1 + ½ s² ||q_t||² tr(Σ_j)/D``.
 
 For query block ``i`` with exact set ``S_i`` and tail ``U_i``::
 
@@ -52,8 +53,9 @@ from .stages import Backend, run_plan, run_stages, slice_blocks
 _SLAB_ELEMS = 1 << 26
 # How the tail's block weight accounts for the spread of q·k inside a block (see the module notes):
 # "none" the paper's n_j exp(s q·k̄_j); "gauss" exp(½ s² qᵀΣ_j q) with the block's key covariance;
-# "trace" the same with Σ_j ≈ tr(Σ_j)/D · I; "taylor" the second-order factor 1 + ½ s² qᵀΣ_j q.
-TAIL_SPREADS = ("none", "gauss", "trace", "taylor")
+# "trace" the same with Σ_j ≈ tr(Σ_j)/D · I; "taylor" the second-order factor 1 + ½ s² qᵀΣ_j q;
+# "taylor-trace" that factor with Σ_j ≈ tr(Σ_j)/D · I (one scalar per block, ||q||² per row).
+TAIL_SPREADS = ("none", "gauss", "trace", "taylor", "taylor-trace")
 
 
 @dataclass
@@ -235,7 +237,8 @@ def pisa_forward(
     ``s q H_j = Σ_n (s q·k_n − s q·k̄_j) v_n`` (no D×D per block; one key range only, not sharded).
     ``tail_spread`` (one of :data:`TAIL_SPREADS`, a reference-only variant; not ``"none"`` needs
     ``stats.kcov``): every tail block's weight ``α_tj`` (its denominator, zeroth- and first-order
-    terms alike) is multiplied by ``exp(½ s² q_tᵀ Σ_j q_t)`` (``"taylor"``: ``1 + ½ s² q_tᵀ Σ_j q_t``).
+    terms alike) is multiplied by ``exp(½ s² q_tᵀ Σ_j q_t)`` (``"taylor"``: ``1 + ½ s² q_tᵀ Σ_j q_t``;
+    the ``-trace`` forms with ``Σ_j ≈ tr(Σ_j)/D · I``).
 
     Processes query blocks in chunks so no [Lq, Lk] matrix is ever materialised. Works on any
     key range: with ``stats``/``selected`` restricted to local key blocks and a global ``H̄`` it
@@ -381,7 +384,7 @@ def row_terms(qr: Tensor, k: Tensor, v: Tensor, stats: BlockStats, exact: Tensor
 def _spread_stats(stats: BlockStats, mode: str, tail_spread: str, heads: int, dtype):
     """What :func:`_log_spread` reads: None (the paper's weights, or a mode without a tail), or
     ``(taylor, Σ)`` with the key covariance ``[B, H, N, D, D]`` ("gauss", "taylor") or ``tr(Σ_j)/D``
-    as ``[B, H, N]`` ("trace")."""
+    as ``[B, H, N]`` ("trace", "taylor-trace")."""
     if tail_spread not in TAIL_SPREADS:
         raise ValueError(f"tail_spread must be one of {TAIL_SPREADS}, got {tail_spread!r}")
     if tail_spread == "none" or mode == "drop":
@@ -389,9 +392,10 @@ def _spread_stats(stats: BlockStats, mode: str, tail_spread: str, heads: int, dt
     if stats.kcov is None:
         raise ValueError(f"tail_spread={tail_spread!r} needs the block key covariance: block_stats(with_kcov=True)")
     cov = expand_kv_heads(stats.kcov, heads).to(dtype)
-    if tail_spread == "trace":
-        return False, torch.diagonal(cov, dim1=-2, dim2=-1).mean(-1)
-    return tail_spread == "taylor", cov
+    taylor = tail_spread.startswith("taylor")
+    if tail_spread.endswith("trace"):
+        return taylor, torch.diagonal(cov, dim1=-2, dim2=-1).mean(-1)
+    return taylor, cov
 
 
 def _log_spread(qc: Tensor, spread: tuple[bool, Tensor], scale: float) -> Tensor:
