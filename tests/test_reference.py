@@ -376,3 +376,70 @@ def test_row_terms_of_all_rows_are_the_forward(mode):
     assert (c is None) == (mode in ("zeroth", "drop"))
     torch.testing.assert_close(o0 if c is None else o0 + c, out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse_r, lse)
+
+
+def test_block_key_covariance_is_each_blocks_own():
+    _, k, v = make_qkv(2, 2, 2, 150, 150, 8, seed=34)  # 10 blocks of 16, the last ragged (6 tokens)
+    st = ref.block_stats(k, v, 16, with_kcov=True)
+    assert st.kcov.shape == (2, 2, 10, 8, 8)
+    for j in (0, 4, 9):
+        kk = k[:, :, j * 16 : (j + 1) * 16].double()
+        dev = kk - kk.mean(2, keepdim=True)
+        torch.testing.assert_close(st.kcov[:, :, j], dev.transpose(-1, -2) @ dev / kk.shape[2], rtol=1e-12, atol=1e-12)
+    assert ref.block_stats(k, v, 16).kcov is None
+    assert st.blocks(2, 5).kcov.shape == (2, 2, 3, 8, 8)
+
+
+def _spread_keys(eps: float, d: int = 4, nblocks: int = 3, seed: int = 35):
+    """Blocks of 2d keys k̄_j ± eps·e_c: symmetric (no third moment), covariance eps²/d · I."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(nblocks, d, generator=g, dtype=torch.float64)
+    offs = torch.cat([torch.eye(d), -torch.eye(d)]).double() * eps  # [2d, d]
+    k = (centres[:, None, :] + offs[None]).reshape(1, 1, nblocks * 2 * d, d)
+    v = torch.randn(k.shape, generator=g, dtype=torch.float64)
+    q = torch.randn(1, 1, 2 * d, d, generator=g, dtype=torch.float64) * 2
+    return q, k, v
+
+
+@pytest.mark.parametrize("mode", ["zeroth", "hybrid", "first"])
+def test_tail_spread_corrects_the_tail_mass_to_higher_order(mode):
+    """All-tail attention on keys of small spread eps: the paper's tail mass n_j exp(s q·k̄_j) is
+    off by O(eps²) (Jensen), the spread-corrected one by O(eps⁴) (symmetric keys); "trace" equals
+    "gauss" for isotropic blocks (so does "taylor-trace" "taylor"), and "none" is the paper's output
+    bit for bit."""
+    d, bs = 4, 8
+    errs = {}
+    for eps in (0.2, 0.1):
+        q, k, v = _spread_keys(eps, d)
+        st = ref.block_stats(k, v, bs, with_kcov=True)
+        sel = torch.zeros(1, 1, 1, 3, dtype=torch.bool)  # every block in the tail
+        dense_lse = torch.logsumexp(q @ k.transpose(-1, -2) * d**-0.5, -1)
+        kw = dict(mode=mode, scale=d**-0.5, block_size=bs)
+        outs = {sp: ref.pisa_forward(q, k, v, st, sel, tail_spread=sp, **kw) for sp in ref.TAIL_SPREADS}
+        for sp, (_, lse) in outs.items():
+            errs[sp, eps] = float((lse.double() - dense_lse).abs().max())
+        torch.testing.assert_close(outs["trace"][0], outs["gauss"][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(outs["taylor-trace"][0], outs["taylor"][0], rtol=1e-12, atol=1e-12)
+        plain, _ = ref.pisa_forward(q, k, v, ref.block_stats(k, v, bs), sel, **kw)
+        assert torch.equal(outs["none"][0], plain)
+    assert 3.5 < errs["none", 0.2] / errs["none", 0.1] < 4.5  # O(eps²)
+    for sp in ("gauss", "taylor"):
+        assert errs[sp, 0.2] / errs[sp, 0.1] > 12  # O(eps⁴)
+        assert errs[sp, 0.1] < 0.05 * errs["none", 0.1]
+
+
+def test_tail_spread_row_terms_and_checks():
+    q, k, v = make_qkv(1, 4, 2, 100, 120, 16, seed=36)
+    st = ref.block_stats(k, v, 16, with_kcov=True)
+    sel = ref.select_blocks(ref.selection_scores(ref.block_means(q, 16, torch.float64), st.kmean, 0.25), 2)
+    out, lse = ref.pisa_forward(q, k, v, st, sel, mode="hybrid", scale=0.25, block_size=16, tail_spread="gauss")
+    o0, c, lse_r = ref.row_terms(q, k, v, st, sel.index_select(2, torch.arange(100) // 16), mode="hybrid",
+                                 scale=0.25, block_size=16, tail_spread="gauss")
+    torch.testing.assert_close(o0 + c, out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse_r, lse)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="tail_spread"):
+        ref.pisa_forward(q, k, v, st, sel, mode="hybrid", scale=0.25, block_size=16, tail_spread="exact")
+    with pytest.raises(ValueError, match="with_kcov"):
+        ref.pisa_forward(q, k, v, ref.block_stats(k, v, 16), sel, mode="zeroth", scale=0.25, block_size=16,
+                         tail_spread="trace")

@@ -10,7 +10,13 @@ Notation (paper, Sec. 3.2-3.3, with the softmax scale ``s`` written out):
 * ``H_j = Σ_n (k_jn - k̄_j)ᵀ v_jn`` and ``H̄ = (1/N) Σ_j H_j`` (the paper: mean over *all* key
   blocks; with ``hbar_exclude`` the mean over the blocks not excluded, e.g. sink blocks that every
   row computes exactly, whose ``H_j`` would otherwise dominate a term applied to the others);
-* ``α_tj = exp(s q_t·k̄_j)``.
+* ``α_tj = exp(s q_t·k̄_j)``; with ``tail_spread`` (reference only)
+  ``α_tj = exp(s q_t·k̄_j + ½ s² q_tᵀ Σ_j q_t)``,
+  ``Σ_j`` the block's key covariance (``"gauss"``) or ``tr(Σ_j)/D · I`` (``"trace"``): the block's
+  exact ``Σ_n exp(s q·k_n) (1, v_n)`` when its keys are Gaussian and its values linear in them,
+  where the paper's ``n_j exp(s q·k̄_j)`` is only a lower bound of the mass (Jensen); ``"taylor"``
+  multiplies by ``1 + ½ s² q_tᵀ Σ_j q_t`` instead (the mass to second order, no Gaussian tail),
+  ``"taylor-trace"`` by ``1 + ½ s² ||q_t||² tr(Σ_j)/D``.
 
 For query block ``i`` with exact set ``S_i`` and tail ``U_i``::
 
@@ -45,6 +51,11 @@ from .stages import Backend, run_plan, run_stages, slice_blocks
 
 # Elements of one [B, H, rows, Lk] score slab the chunked reference may hold at once (~256 MB fp32).
 _SLAB_ELEMS = 1 << 26
+# How the tail's block weight accounts for the spread of q·k inside a block (see the module notes):
+# "none" the paper's n_j exp(s q·k̄_j); "gauss" exp(½ s² qᵀΣ_j q) with the block's key covariance;
+# "trace" the same with Σ_j ≈ tr(Σ_j)/D · I; "taylor" the second-order factor 1 + ½ s² qᵀΣ_j q;
+# "taylor-trace" that factor with Σ_j ≈ tr(Σ_j)/D · I (one scalar per block, ||q||² per row).
+TAIL_SPREADS = ("none", "gauss", "trace", "taylor", "taylor-trace")
 
 
 @dataclass
@@ -58,6 +69,8 @@ class BlockStats:
     hdev:  [B, Hk, N]     ||H_j - H̄||_F, only when asked (covariance-aware selection)
     qmean: [B, H, Nq, D]  query block means (from :func:`prepare`; selection reads them)
     hbar_in: [B|1, Hk|1, N] 1 for the blocks H̄ is the mean over, 0 for excluded ones (None: all)
+    kcov:  [B, Hk, N, D, D] within-block key covariance (1/n_j) Σ_n (k_n − k̄_j)ᵀ(k_n − k̄_j), only
+           when asked (the ``tail_spread`` variants of :func:`pisa_forward`; reference only)
     """
 
     kmean: Tensor
@@ -67,15 +80,16 @@ class BlockStats:
     hdev: Tensor | None = None
     qmean: Tensor | None = field(default=None)
     hbar_in: Tensor | None = None
+    kcov: Tensor | None = None
 
-    BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "vsum": 2, "counts": 0, "hdev": 2, "hbar_in": 2}
+    BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "vsum": 2, "counts": 0, "hdev": 2, "hbar_in": 2, "kcov": 2}
     SHARD_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def blocks(self, lo: int, hi: int) -> "BlockStats":
         return slice_blocks(self, lo, hi)
 
     def with_hbar(self, hbar: Tensor) -> "BlockStats":
-        return BlockStats(self.kmean, self.vsum, self.counts, hbar, self.hdev, self.qmean, self.hbar_in)
+        return BlockStats(self.kmean, self.vsum, self.counts, hbar, self.hdev, self.qmean, self.hbar_in, self.kcov)
 
     def for_attend(self) -> "BlockStats":
         self.qmean = self.hdev = None  # in place, like every backend's
@@ -100,12 +114,13 @@ def block_means(x: Tensor, block_size: int, dtype=torch.float32) -> Tensor:
 
 
 def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False,
-                hbar_exclude: Tensor | None = None) -> BlockStats:
+                hbar_exclude: Tensor | None = None, with_kcov: bool = False) -> BlockStats:
     """One pass over k and v: centroids, value sums, H̄ (and ||H_j - H̄||_F when asked).
 
     H̄ needs no per-block D×D tensor: Σ_j H_j = KᵀV − Σ_j k̄_jᵀ V̂_j. ``hbar_exclude`` (bool
     ``[B|1, Hk|1, Nk]``): H̄ is the mean of ``H_j`` over the blocks it leaves (0 if it leaves none),
-    and ``||H_j − H̄||_F`` is taken against that H̄ for every block.
+    and ``||H_j − H̄||_F`` is taken against that H̄ for every block. ``with_kcov``: also each
+    block's key covariance (``BlockStats.kcov``).
     """
     dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
     n = num_blocks(k.shape[2], block_size)
@@ -126,8 +141,13 @@ def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = Fals
     hdev = None
     if with_hdev:
         hdev = _block_h_deviation(kb, vb, kmean, hbar, counts)
+    kcov = None
+    if with_kcov:
+        valid = (torch.arange(block_size, device=k.device)[None, :] < counts[:, None]).to(dtype)  # [N, bs]
+        kc = (kb - kmean[:, :, :, None, :]) * valid[:, :, None]
+        kcov = torch.einsum("bhnsd,bhnse->bhnde", kc, kc) / counts[:, None, None]
     return BlockStats(kmean=kmean, vsum=vsum, counts=counts, hbar=hbar, hdev=hdev,
-                      hbar_in=None if hbar_exclude is None else w)
+                      hbar_in=None if hbar_exclude is None else w, kcov=kcov)
 
 
 def included_blocks(hbar_exclude: Tensor, n: int, dtype, device) -> Tensor:
@@ -205,6 +225,7 @@ def pisa_forward(
     out_dtype: torch.dtype | None = None,
     alpha: Tensor | None = None,
     hbar_scope: str = "global",
+    tail_spread: str = "none",
 ) -> tuple[Tensor, Tensor]:
     """PISA attention for a given exact-set mask. Returns (out [B,H,Lq,D] in ``out_dtype``,
     default q's dtype, lse [B,H,Lq] fp32).
@@ -214,6 +235,10 @@ def pisa_forward(
     ``stats.hbar`` for every row (the paper); ``"row"`` the mean of ``H_j`` over each row's own
     tail blocks (less those ``stats.hbar_in`` excludes), from ``stats.hbar`` and the exact blocks'
     ``s q H_j = Σ_n (s q·k_n − s q·k̄_j) v_n`` (no D×D per block; one key range only, not sharded).
+    ``tail_spread`` (one of :data:`TAIL_SPREADS`, a reference-only variant; not ``"none"`` needs
+    ``stats.kcov``): every tail block's weight ``α_tj`` (its denominator, zeroth- and first-order
+    terms alike) is multiplied by ``exp(½ s² q_tᵀ Σ_j q_t)`` (``"taylor"``: ``1 + ½ s² q_tᵀ Σ_j q_t``;
+    the ``-trace`` forms with ``Σ_j ≈ tr(Σ_j)/D · I``).
 
     Processes query blocks in chunks so no [Lq, Lk] matrix is ever materialised. Works on any
     key range: with ``stats``/``selected`` restricted to local key blocks and a global ``H̄`` it
@@ -225,6 +250,7 @@ def pisa_forward(
     if hbar_scope not in spec.HBAR_SCOPES:
         raise ValueError(f"hbar_scope must be one of {spec.HBAR_SCOPES}, got {hbar_scope!r}")
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    spread = _spread_stats(stats, mode, tail_spread, q.shape[1], dtype)
     b, h, lq, d = q.shape
     lk = k.shape[2]
     nq = num_blocks(lq, block_size)
@@ -251,17 +277,21 @@ def pisa_forward(
         qc = q[:, :, r0:r1].to(dtype)
         row_block = torch.arange(r0, r1, device=q.device) // block_size - i0
         sel = selected[:, :, i0:i1].index_select(2, row_block)  # [B, H, rows, Nk]
-        o, l = _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha, hbar_in=hbar_in)
+        o, l = _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha, hbar_in=hbar_in,
+                      spread=spread)
         out[:, :, r0:r1] = o.to(out.dtype)
         lse[:, :, r0:r1] = l.float()
     return out, lse
 
 
-def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha=None, hbar_in=None):
+def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, alpha=None, hbar_in=None,
+           spread=None):
     """One query chunk: exact + tail terms under a shared running maximum (the softmax merge);
     ``alpha`` ([1, H, 1, 1] or None) weights the first-order term; ``hbar_in`` ([B|1, H|1, N],
-    hybrid only) asks for each row's own tail H̄ over the blocks it marks."""
-    num, corr, denom, m = _terms(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, hbar_in)
+    hybrid only) asks for each row's own tail H̄ over the blocks it marks; ``spread``: see
+    :func:`_spread_stats`."""
+    num, corr, denom, m = _terms(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, hbar_in,
+                                 spread)
     if corr is not None:
         num = num + (corr if alpha is None else corr * alpha)
     out = num / denom.clamp_min(torch.finfo(qc.dtype).tiny)[..., None]
@@ -269,7 +299,7 @@ def _chunk(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, a
     return out, lse
 
 
-def _terms(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, hbar_in=None):
+def _terms(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, hbar_in=None, spread=None):
     """The parts of one query chunk's output, every one shifted by the row's running maximum ``m``:
     (zeroth-order numerator ``N⁰`` [B, H, rows, D], first-order numerator term ``C`` or None for
     the modes without one, denominator ``D`` [B, H, rows], ``m``). ``sel`` [B, H, rows, Nk] is
@@ -282,7 +312,8 @@ def _terms(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, h
     use_tail = mode != "drop"
     if use_tail:
         c = torch.einsum("bhrd,bhjd->bhrj", qc, kmean) * scale
-        c_tail = c.masked_fill(sel, float("-inf"))
+        c_w = c if spread is None else c + _log_spread(qc, spread, scale)
+        c_tail = c_w.masked_fill(sel, float("-inf"))
         m = torch.maximum(m, c_tail.amax(dim=-1))
     # A row with no term at all (possible only for a partial key range, e.g. one ring step in drop
     # mode) keeps m = -inf: shift by 0 instead, so it yields out = 0, lse = -inf and merges cleanly.
@@ -310,7 +341,8 @@ def _terms(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, h
 
 
 def row_terms(qr: Tensor, k: Tensor, v: Tensor, stats: BlockStats, exact: Tensor, *, mode: str, scale: float,
-              block_size: int, hbar_scope: str = "global") -> tuple[Tensor, Tensor | None, Tensor]:
+              block_size: int, hbar_scope: str = "global",
+              tail_spread: str = "none") -> tuple[Tensor, Tensor | None, Tensor]:
     """PISA's output of any query rows split into the parts a tail weight acts on: ``(o⁰, c, lse)``
     with ``o⁰`` the zeroth-order output ``[B, H, R, D]``, ``c`` the normalised first-order
     correction (None for ``"zeroth"``/``"drop"``; ``drop`` gives its own output as ``o⁰``) and the
@@ -318,13 +350,15 @@ def row_terms(qr: Tensor, k: Tensor, v: Tensor, stats: BlockStats, exact: Tensor
 
     ``qr`` ``[B, H, R, D]`` are rows in any order, ``exact`` ``[B, H, R, Nk]`` each row's exact set
     (the selection of the query block it belongs to): calibration reads sampled rows this way.
-    Computed in float32 (float64 for float64 inputs), in chunks of rows like :func:`pisa_forward`.
+    Computed in float32 (float64 for float64 inputs), in chunks of rows like :func:`pisa_forward`
+    (``tail_spread`` as there).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if hbar_scope not in spec.HBAR_SCOPES:
         raise ValueError(f"hbar_scope must be one of {spec.HBAR_SCOPES}, got {hbar_scope!r}")
     dtype = torch.float64 if qr.dtype == torch.float64 else torch.float32
+    spread = _spread_stats(stats, mode, tail_spread, qr.shape[1], dtype)
     b, h, r, d = qr.shape
     lk = k.shape[2]
     kx, vx = expand_kv_heads(k, h), expand_kv_heads(v, h)
@@ -339,12 +373,40 @@ def row_terms(qr: Tensor, k: Tensor, v: Tensor, stats: BlockStats, exact: Tensor
     for r0 in range(0, r, step):
         qc = qr[:, :, r0 : r0 + step].to(dtype)
         num, corr, den, m = _terms(qc, kx, vx, kmean, vsum, hbar, counts, exact[:, :, r0 : r0 + step], tok_block,
-                                   mode, scale, hbar_in)
+                                   mode, scale, hbar_in, spread)
         inv = 1.0 / den.clamp_min(torch.finfo(dtype).tiny)[..., None]
         parts.append((num * inv, None if corr is None else corr * inv, (m + torch.log(den)).float()))
     o0 = torch.cat([x[0] for x in parts], dim=2)
     c = None if parts[0][1] is None else torch.cat([x[1] for x in parts], dim=2)
     return o0, c, torch.cat([x[2] for x in parts], dim=2)
+
+
+def _spread_stats(stats: BlockStats, mode: str, tail_spread: str, heads: int, dtype):
+    """What :func:`_log_spread` reads: None (the paper's weights, or a mode without a tail), or
+    ``(taylor, Σ)`` with the key covariance ``[B, H, N, D, D]`` ("gauss", "taylor") or ``tr(Σ_j)/D``
+    as ``[B, H, N]`` ("trace", "taylor-trace")."""
+    if tail_spread not in TAIL_SPREADS:
+        raise ValueError(f"tail_spread must be one of {TAIL_SPREADS}, got {tail_spread!r}")
+    if tail_spread == "none" or mode == "drop":
+        return None
+    if stats.kcov is None:
+        raise ValueError(f"tail_spread={tail_spread!r} needs the block key covariance: block_stats(with_kcov=True)")
+    cov = expand_kv_heads(stats.kcov, heads).to(dtype)
+    taylor = tail_spread.startswith("taylor")
+    if tail_spread.endswith("trace"):
+        return taylor, torch.diagonal(cov, dim1=-2, dim2=-1).mean(-1)
+    return taylor, cov
+
+
+def _log_spread(qc: Tensor, spread: tuple[bool, Tensor], scale: float) -> Tensor:
+    """The log of the factor on ``α_tj``: ``½ s² q_tᵀ Σ_j q_t`` (``log1p`` of it for "taylor"),
+    ``[B, H, rows, N]``."""
+    taylor, cov = spread
+    if cov.dim() == 3:  # isotropic: tr(Σ_j)/D · ||q_t||²
+        x = 0.5 * scale * scale * (qc * qc).sum(-1, keepdim=True) * cov[:, :, None, :]
+    else:
+        x = 0.5 * scale * scale * torch.einsum("bhrd,bhjde,bhre->bhrj", qc, cov, qc)
+    return torch.log1p(x) if taylor else x
 
 
 def _hbar_in(stats: BlockStats, mode: str, hbar_scope: str, heads: int, dtype, device) -> Tensor | None:
