@@ -498,10 +498,41 @@ def test_fit_kernels_build_for_sm90():
 def test_fit_graphs_copy_host_kept_blocks_once():
     graphs = cal.FitGraphs()
     keep = torch.zeros(10, dtype=torch.bool)
-    assert graphs._on_device(keep, torch.device("cpu")) is keep  # already there: no copy, no entry
-    assert graphs._on_device(None, "cpu") is None and len(graphs._keep) == 0
+    assert graphs.on_device(keep, torch.device("cpu")) is keep  # already there: no copy, no entry
+    assert graphs.on_device(None, "cpu") is None and len(graphs._keep) == 0
     meta = torch.device("meta")
-    a = graphs._on_device(keep[:8], meta)
-    b = graphs._on_device(keep[:8], meta)  # a new view of the same blocks: the same copy
-    c = graphs._on_device(keep[:9], meta)
+    a = graphs.on_device(keep[:8], meta)
+    b = graphs.on_device(keep[:8], meta)  # a new view of the same blocks: the same copy
+    c = graphs.on_device(keep[:9], meta)
     assert a is b and c is not a and a.device == meta and len(graphs._keep) == 2
+
+
+def _warmup_calls(q, k, v, layers: int = 2, steps: int = 2):
+    from pisa_attn.diffusers.hooks import AttentionCall
+
+    for step in range(steps):
+        for layer in range(layers):
+            yield AttentionCall(model="wan", layer=layer, step=step, q=q, k=k, v=v, out=q, dense=True, density=0.25,
+                                mode="hybrid", covariance_aware=False, block_size=64,
+                                meta={"dense_reason": "warmup_step"})
+
+
+def test_side_stream_changes_nothing_on_the_cpu():
+    """``side_stream`` (the default) on the CPU: no stream, the same sums bit for bit as without it."""
+    from pisa_attn.diffusers.calibrate import CalibrationConfig, Calibrator
+    from pisa_attn.diffusers.schedule import Schedule
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 320, 32, generator=g) for _ in range(3))
+    sums = {}
+    for side in (True, False):
+        c = Calibrator(CalibrationConfig(rows=20, side_stream=side), Schedule(dense_steps=2, min_kv_len=0))
+        for call in _warmup_calls(q, k, v):
+            c.observe(call)
+        assert c.calls == 4 and not c._streams and not c._pending
+        sums[side] = {i: s[0] for i, s in c._sums.items()}
+    assert sums[True].keys() == {0, 1}
+    for i in (0, 1):
+        assert torch.equal(sums[True][i], sums[False][i])
+    with pytest.raises(TypeError, match="side_stream"):
+        CalibrationConfig(side_stream=1)

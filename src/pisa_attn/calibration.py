@@ -485,7 +485,7 @@ class FitGraphs:
         if fast_fit_supported(q, mode, block_size) and not torch.compiler.is_compiling():
             from .ops.triton import fit as tfit
 
-            return tfit.fit_sums(q, *self._rows_map(plan, q.device), k, v, self._on_device(keep_blocks, q.device),
+            return tfit.fit_sums(q, *self._rows_map(plan, q.device), k, v, self.on_device(keep_blocks, q.device),
                                  density=density, rules=tuple(rules), scale=scale, block_size=block_size)
         if torch.compiler.is_compiling():  # traced: plain ops, nothing cached
             return _fit_sums(*plan.gather(q), plan.which(q.device), k, v, keep_blocks, **settings)
@@ -508,7 +508,7 @@ class FitGraphs:
             entry.capture(pool)
         return entry.run()
 
-    def _on_device(self, keep: Tensor | None, device) -> Tensor | None:
+    def on_device(self, keep: Tensor | None, device) -> Tensor | None:
         """``keep`` on ``device``, copied once per host tensor (a layout's kept blocks live on the
         host; a host-to-device copy of pageable memory per call would synchronise the stream).
         Kept blocks are read-only: a host tensor changed in place is not copied again."""
