@@ -18,11 +18,13 @@ covariance deviations) and one pass of the sampled rows over the keys, against t
 ``O(Lq·Lk·D)`` dense attention, with no value read back to the host. On CUDA with
 float16/bfloat16 inputs a call is the Triton fit (:mod:`pisa_attn.ops.triton.fit`: the kernels'
 prepare and select stages, one kernel for the rows' dense and per-rule sums over key chunks, one
-merge), launched directly on k and v in place (:class:`pisa_attn.calibration.FitGraphs`, shared
-by the process: :data:`GRAPHS`); other inputs run the reference arithmetic, one CUDA graph per
-call shape on a GPU. H100, bf16, 32 rows, both rules: 0.30 ms of device time per Wan2.1-1.3B 480p
-call (+1.5% on a dense warm-up step), 0.14 ms per FLUX.1 1024² call (+5.2%; one rule +4.6%;
-``benchmarks/calibration_cost.py``, ``benchmarks/results/h100_calibration_cost.json``).
+merge), launched directly on q, k and v in place (:class:`pisa_attn.calibration.FitGraphs`,
+shared by the process: :data:`GRAPHS`) on a side stream that overlaps the model's next operations
+(``CalibrationConfig.side_stream``); other inputs run the reference arithmetic, one CUDA graph
+per call shape on a GPU. H100, bf16, 32 rows, both rules: 0.30 ms of device time per Wan2.1-1.3B
+480p call (+1.3% on a dense warm-up step), 0.14 ms per FLUX.1 1024² call (+3.8%; one rule +3.4%;
++5.7% on the model's own stream; ``benchmarks/calibration_cost.py``,
+``benchmarks/results/h100_calibration_cost.json``).
 """
 
 from __future__ import annotations
