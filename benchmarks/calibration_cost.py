@@ -12,8 +12,9 @@ query rows per call and fits the first-order weight on them in float32, see
 
 ``rN`` is the default calibration (``N`` rows, the selection rule chosen per layer: both rules
 fitted from one pass of the rows; on CUDA with bf16 inputs each call is the Triton fit,
-``pisa_attn.ops.triton.fit``, launched directly), ``rNf`` the same with the run's rule only
-(``choose_selection=False``). The minimum over the timed rounds is the steady state;
+``pisa_attn.ops.triton.fit``, launched directly on a side stream), ``rNf`` the same with the
+run's rule only (``choose_selection=False``), ``rNo`` (GPU) the default on the model's own stream
+(``side_stream=False``). The minimum over the timed rounds is the steady state;
 ``first_ms`` is each setting's first forward (kernel compilation included). ``--count-ops``
 counts, per calibrated call (``Calibrator.observe``), the aten ops dispatched, those that are not
 views (what launches kernels on a GPU) and those that read a value back to the host (a
@@ -22,7 +23,8 @@ synchronisation on a GPU); on the CPU that is the reference arithmetic.
 On a GPU the script also times one calibrated layer call's fit alone at each model's layer shape
 (``fit_calls``): microseconds per call (host enqueue and end to end), launches, the device time per
 kernel (``torch.profiler``: where the time goes) and the weights against the reference arithmetic
-in float32 on the same values.
+in float32 on the same values; ``gathered_*`` the same kernels on copies of the sampled rows and
+their query blocks (``RowPlan.gather``: two concatenations per call) instead of q in place.
 
 Random weights from the real configs (``pisa_attn.bench.model_configs``), bf16 on the GPU, float32
 on the CPU. Writes ``calibration_cost.json`` to ``--out`` (default ``$OUT`` or ``./out``) and
@@ -129,6 +131,8 @@ def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
     for n in args.rows:
         settings.update({f"r{n}": pd.CalibrationConfig(rows=n),
                          f"r{n}f": pd.CalibrationConfig(rows=n, choose_selection=False)})
+        if device.type == "cuda":
+            settings[f"r{n}o"] = pd.CalibrationConfig(rows=n, side_stream=False)
     times = {name: [] for name in settings}
     host = {name: [] for name in settings}
     first = {}
@@ -160,7 +164,7 @@ def measure(kind: str, cfg: dict, grid, text: int, device, dtype, args) -> dict:
     if device.type == "cuda":
         row["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     for n in args.rows:
-        for tag in (t for t in (f"r{n}", f"r{n}f") if t in times):
+        for tag in (t for t in (f"r{n}", f"r{n}f", f"r{n}o") if t in times):
             row[f"calibrated_ms_{tag}"] = min(times[tag])
             row[f"overhead_{tag}"] = row[f"calibrated_ms_{tag}"] / base - 1
     row["tokens"] = int(torch.tensor(grid).prod()) // (4 if kind == "wan" else 1) + (text if kind == "flux" else 0)
@@ -346,6 +350,23 @@ def fit_calls(device, dtype, args) -> list[dict]:
             row["device_us"] = round(sum(kernels.values()), 1)
             row["kernels_us"] = sorted(([n, round(t, 1)] for n, t in kernels.items()), key=lambda x: -x[1])
             row["sdpa_cudnn_us"] = sdpa_cudnn_us(q, k, v)
+            # the same kernels on gathered copies of the rows and their blocks (index tensors made once)
+            from pisa_attn.ops.triton import fit as tfit
+
+            nb, r = len(plan.spans), len(plan.pos)
+            idx = dict(which=plan.which(device).to(torch.int32), rows=torch.arange(r, device=device, dtype=torch.int32),
+                       starts=torch.arange(nb, device=device, dtype=torch.int32) * 64)
+            fkw = {n: kw[n] for n in ("density", "rules", "scale", "block_size", "keep_blocks")}
+
+            def gathered():
+                qb, qr = plan.gather(q)
+                return tfit.fit_sums(qr, idx["rows"], idx["starts"], idx["which"], k, v, q_blocks=qb, **fkw)
+
+            g_sums = gathered()
+            kernels = _kernel_times(gathered)
+            row["gathered_device_us"] = round(sum(kernels.values()), 1)
+            row["gathered_kernels_us"] = sorted(([n, round(t, 1)] for n, t in kernels.items()), key=lambda x: -x[1])
+            row["gathered_sums_equal"] = bool(torch.equal(g_sums, sums))
         # the reference arithmetic (float32 inputs take it) on the same values
         ref = cal._fit_sums(*plan.gather(q.float()), plan.which(device), k.float(), v.float(),
                             kw["keep_blocks"], **{n: kw[n] for n in ("density", "rules", "mode", "scale", "block_size")})
@@ -419,7 +440,7 @@ def main(argv=None) -> int:
         json.dump({"environment": env, "density": args.density, "rows": rows, "fit_calls": calls},
                   f, indent=1)
     print(f"\n=== calibration cost per dense warm-up step ({env['device']}) ===")
-    tags = [t for n in args.rows for t in (f"r{n}", f"r{n}f") if rows and f"calibrated_ms_{t}" in rows[0]]
+    tags = [t for n in args.rows for t in (f"r{n}", f"r{n}f", f"r{n}o") if rows and f"calibrated_ms_{t}" in rows[0]]
     head = f"{'model':6s} {'tokens':>7s} {'H x D':>8s} {'step ms':>9s} " + " ".join(
         f"{t + ' ms':>9s} {'+%':>6s}" for t in tags)
     print(head)
@@ -431,7 +452,8 @@ def main(argv=None) -> int:
         print(f"one fit ({c['model']}, {c['tokens']} keys, {c['rows']} rows): {c['us']:.0f} us end to end, host "
               f"{c['host_us']:.0f} us, {c.get('launches', '?')} launches, device {c.get('device_us', 0):.0f} us; "
               f"clamped weights vs reference max |diff| {c['alpha_max_abs_diff']:.1e}; the layer's dense attention "
-              f"(cuDNN SDPA) {c.get('sdpa_cudnn_us', 0):.0f} us")
+              f"(cuDNN SDPA) {c.get('sdpa_cudnn_us', 0):.0f} us; gathered rows device "
+              f"{c.get('gathered_device_us', 0):.0f} us (sums equal: {c.get('gathered_sums_equal')})")
         for name, t in c.get("kernels_us", [])[:8]:
             print(f"    {t:8.1f} us  {name}")
     return 0

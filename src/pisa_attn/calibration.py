@@ -393,8 +393,11 @@ def _fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, 
     if fast_fit_supported(qr, mode, block_size):
         from .ops.triton import fit as tfit
 
-        return tfit.fit_sums(qblocks, qr, which, k, v, keep_blocks, density=density, rules=rules, scale=scale,
-                             block_size=block_size)
+        r, nb = qr.shape[2], -(-qblocks.shape[2] // block_size)
+        rows = torch.arange(r, device=qr.device, dtype=torch.int32)
+        starts = torch.arange(0, nb * block_size, block_size, device=qr.device, dtype=torch.int32)
+        return tfit.fit_sums(qr, rows, starts, which, k, v, keep_blocks, density=density, rules=rules, scale=scale,
+                             block_size=block_size, q_blocks=qblocks)
     bs = block_size
     dtype = torch.float64 if qr.dtype == torch.float64 else torch.float32
     k, v = k.to(dtype), v.to(dtype)
@@ -440,11 +443,10 @@ class FitGraphs:
     """:func:`fit_rules`' arithmetic for sampled rows, as a calibrated layer call runs it.
 
     On CUDA with float16/bfloat16 inputs and ``"hybrid"`` (:func:`fast_fit_supported`) a call is
-    the Triton fit (:func:`pisa_attn.ops.triton.fit.fit_sums`) launched directly: the rows and
-    their query blocks gathered (two copies), the kernels' prepare and select stages, one pass of
-    the rows over k and v in place, one merge; about a dozen launches, no host synchronisation,
-    no host-to-device copy (the row-to-block map is kept per rows layout on the device, kept
-    blocks given on the host are copied once).
+    the Triton fit (:func:`pisa_attn.ops.triton.fit.fit_sums`) launched directly on q, k and v in
+    place (nothing gathered): the kernels' prepare and select stages, one pass of the rows over k
+    and v, one merge; eight launches and one copy of the rows' positions from pinned memory, no
+    host synchronisation (kept blocks given on the host are copied once).
 
     Elsewhere (float32 inputs, ``mode="first"``) the reference arithmetic is a couple of hundred
     small kernels, whose launches cost more than the fit's arithmetic on a GPU; there each call
@@ -463,13 +465,11 @@ class FitGraphs:
         self.max_graphs = max_graphs
         self._entries: OrderedDict = OrderedDict()
         self._pools: dict = {}
-        self._which: OrderedDict = OrderedDict()
         self._keep: OrderedDict = OrderedDict()
 
     def clear(self) -> None:
         self._entries.clear()
         self._pools.clear()
-        self._which.clear()
         self._keep.clear()
 
     def __len__(self) -> int:
@@ -485,9 +485,8 @@ class FitGraphs:
         if fast_fit_supported(q, mode, block_size) and not torch.compiler.is_compiling():
             from .ops.triton import fit as tfit
 
-            return tfit.fit_sums(*plan.gather(q), self._rows_map(plan, q.device), k, v,
-                                 self._on_device(keep_blocks, q.device), density=density, rules=tuple(rules),
-                                 scale=scale, block_size=block_size)
+            return tfit.fit_sums(q, *self._rows_map(plan, q.device), k, v, self.on_device(keep_blocks, q.device),
+                                 density=density, rules=tuple(rules), scale=scale, block_size=block_size)
         if torch.compiler.is_compiling():  # traced: plain ops, nothing cached
             return _fit_sums(*plan.gather(q), plan.which(q.device), k, v, keep_blocks, **settings)
         capture = capture and q.is_cuda
@@ -509,7 +508,7 @@ class FitGraphs:
             entry.capture(pool)
         return entry.run()
 
-    def _on_device(self, keep: Tensor | None, device) -> Tensor | None:
+    def on_device(self, keep: Tensor | None, device) -> Tensor | None:
         """``keep`` on ``device``, copied once per host tensor (a layout's kept blocks live on the
         host; a host-to-device copy of pageable memory per call would synchronise the stream).
         Kept blocks are read-only: a host tensor changed in place is not copied again."""
@@ -523,15 +522,16 @@ class FitGraphs:
                 self._keep.popitem(last=False)
         return hit[1]
 
-    def _rows_map(self, plan: RowPlan, device) -> Tensor:
-        """``plan.which`` as int32 on ``device``, made once per rows layout (it depends on nothing else)."""
-        key = (plan.shape_key(), str(device))
-        which = self._which.get(key)
-        if which is None:
-            which = self._which[key] = plan.which(device).to(torch.int32)
-            while len(self._which) > 64:
-                self._which.popitem(last=False)
-        return which
+    @staticmethod
+    def _rows_map(plan: RowPlan, device) -> tuple[Tensor, Tensor, Tensor]:
+        """``plan``'s row positions, its blocks' first rows and ``plan.which``, int32 on ``device``:
+        what the Triton fit reads q through in place. One host-to-device copy from pinned memory
+        (no stream synchronisation); the rows are drawn anew per call, so nothing is cached."""
+        host = torch.tensor([*plan.pos, *(a for a, _ in plan.spans), *(plan.block_of(a) for a, e in plan.runs
+                                                                        for _ in range(e - a))], dtype=torch.int32)
+        flat = host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
+        r, nb = len(plan.pos), len(plan.spans)
+        return flat[:r], flat[r : r + nb], flat[r + nb :]
 
 
 class _FitEntry:

@@ -100,3 +100,44 @@ def test_fast_fit_agrees_with_the_reference_fit(shape):
     assert errs[True] < 0.7 * errs[False]  # a clear case: covariance-aware wins by far
     _, chosen = cal.choose_rules({"t": {0: got}})
     assert chosen["t"][0] is True
+
+
+def test_side_stream_fits_equal_the_same_stream_fits():
+    """Calibration's fits on a side stream (``CalibrationConfig.side_stream``) give the model's-stream
+    sums bit for bit, with no host synchronisation, while the model's stream frees each call's
+    q/k/v right after the call and writes NaN into new tensors of their size (the caching allocator
+    must not hand their memory out before the side stream has read it)."""
+    from pisa_attn.diffusers.calibrate import CalibrationConfig, Calibrator
+    from pisa_attn.diffusers.hooks import AttentionCall
+    from pisa_attn.diffusers.schedule import Schedule
+
+    h, text, lk, d = 24, 512, 4608 + 512, 128
+    base = sink_qkv(h, lk, lk, d, seed=3)
+    keep = torch.zeros(-(-lk // 64), dtype=torch.bool)
+    keep[: text // 64] = True  # on the host, as a layout gives them
+    sums = {}
+    for side in (False, True):
+        cal_ = Calibrator(CalibrationConfig(side_stream=side), Schedule(dense_steps=2, min_kv_len=0))
+        for step in range(2):
+            for layer in range(3):
+                if step or layer:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    q, k, v = (x.clone() for x in base)
+                    cal_.observe(AttentionCall(model="flux", layer=layer, step=step, q=q, k=k, v=v, out=q, dense=True,
+                                               density=0.125, mode="hybrid", covariance_aware=False, block_size=64,
+                                               keep_blocks=keep,
+                                               meta={"dense_reason": "warmup_step", "image_range": (text, lk)}))
+                    del q, k, v
+                    junk = [torch.full_like(x, float("nan")) for x in base]  # the freed memory, reused at once
+                    del junk
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        assert bool(cal_._pending) == side and bool(cal_._streams) == side
+        fits = cal_.fits  # joins
+        assert not cal_._pending
+        sums[side] = {i: s[0].clone() for i, s in cal_._sums.items()}
+        assert all(torch.isfinite(s).all() for s in sums[side].values())
+        assert len(fits) == 3
+    for i in range(3):
+        assert torch.equal(sums[True][i], sums[False][i]), i

@@ -18,11 +18,13 @@ covariance deviations) and one pass of the sampled rows over the keys, against t
 ``O(Lq·Lk·D)`` dense attention, with no value read back to the host. On CUDA with
 float16/bfloat16 inputs a call is the Triton fit (:mod:`pisa_attn.ops.triton.fit`: the kernels'
 prepare and select stages, one kernel for the rows' dense and per-rule sums over key chunks, one
-merge), launched directly on k and v in place (:class:`pisa_attn.calibration.FitGraphs`, shared
-by the process: :data:`GRAPHS`); other inputs run the reference arithmetic, one CUDA graph per
-call shape on a GPU. H100, bf16, 32 rows, both rules: 0.30 ms of device time per Wan2.1-1.3B 480p
-call (+1.5% on a dense warm-up step), 0.14 ms per FLUX.1 1024² call (+5.2%; one rule +4.6%;
-``benchmarks/calibration_cost.py``, ``benchmarks/results/h100_calibration_cost.json``).
+merge), launched directly on q, k and v in place (:class:`pisa_attn.calibration.FitGraphs`,
+shared by the process: :data:`GRAPHS`) on a side stream that overlaps the model's next operations
+(``CalibrationConfig.side_stream``); other inputs run the reference arithmetic, one CUDA graph
+per call shape on a GPU. H100, bf16, 32 rows, both rules: 0.30 ms of device time per Wan2.1-1.3B
+480p call (+1.3% on a dense warm-up step), 0.14 ms per FLUX.1 1024² call (+3.8%; one rule +3.4%;
++5.7% on the model's own stream; ``benchmarks/calibration_cost.py``,
+``benchmarks/results/h100_calibration_cost.json``).
 """
 
 from __future__ import annotations
@@ -53,13 +55,19 @@ class CalibrationConfig:
     cuda_graphs: on CUDA, where the Triton fit does not apply (float32 inputs, ``mode="first"``),
     run each call shape's reference fit as one captured CUDA graph
     (:class:`pisa_attn.calibration.FitGraphs`; the same arithmetic, a few launches per call instead
-    of a couple of hundred); False runs it op by op. The Triton fit is launched directly either way."""
+    of a couple of hundred); False runs it op by op. The Triton fit is launched directly either way.
+    side_stream: on CUDA, where the Triton fit applies, run each call's fit on a side stream of the
+    calibrator's, so that it overlaps the model's next operations (the fit only reads q, k and v);
+    the fits are joined to the model's stream when they are read (:attr:`Calibrator.fits`: the
+    table, the frozen weights). The sums are the same bit for bit; on the CPU there are no
+    streams and this changes nothing."""
 
     rows: int = 32
     fit: str = "head"
     seed: int = 0
     choose_selection: bool = True
     cuda_graphs: bool = True
+    side_stream: bool = True
 
     def __post_init__(self):
         n = self.rows
@@ -73,6 +81,8 @@ class CalibrationConfig:
             raise TypeError(f"choose_selection must be True or False, got {self.choose_selection!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if not isinstance(self.side_stream, bool):
+            raise TypeError(f"side_stream must be True or False, got {self.side_stream!r}")
 
 
 CHUNK = 16
@@ -124,6 +134,8 @@ class Calibrator:
         self.calls = 0  # calibrated calls this generation
         self._last_step = -1
         self._remove = None
+        self._streams: dict = {}  # device -> the side stream its fits run on
+        self._pending: set = set()  # devices whose side stream has fits the model's stream has not joined
 
     def attach(self, transformer) -> None:
         self._remove = hooks.add_observer(transformer, self.observe)
@@ -135,6 +147,7 @@ class Calibrator:
 
     def reset(self) -> None:
         """A new generation: forget the fits and the frozen weights."""
+        self.join()
         self._sums.clear()
         self.frozen = None
         self.frozen_rules = None
@@ -164,26 +177,57 @@ class Calibrator:
         keep = None if call.keep_blocks is None else call.keep_blocks[: spec.num_blocks(n, bs)]
         rules = (False, True) if self.config.choose_selection else (bool(call.covariance_aware),)
         q = call.q[b : b + 1, :, start:hi]
+        k, v = call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n]
         plan = cal.row_plan(q.shape[2], bs, rows, (lo - start, hi - start))
-        sums = GRAPHS.sums(q, call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n], plan, density=call.density,
-                           rules=rules, mode=call.mode, scale=call.scale, block_size=bs, keep_blocks=keep,
-                           capture=self.config.cuda_graphs)
+        keep = GRAPHS.on_device(keep, q.device)  # a host tensor is copied once, on the model's stream
+        prev = self._sums.get(call.layer)
+        if prev is None:
+            prev = self._sums[call.layer] = [torch.zeros(len(rules), 4, q.shape[1], device=q.device,
+                                                         dtype=torch.float64), 0, 0]
+        fit = dict(density=call.density, rules=rules, mode=call.mode, scale=call.scale, block_size=bs,
+                   keep_blocks=keep, capture=self.config.cuda_graphs)
+        side = self._side_stream(q, call.mode, bs)
+        if side is None:
+            self.join()  # earlier fits on a side stream add into the same sums
+            prev[0].add_(GRAPHS.sums(q, k, v, plan, **fit))  # add: a graph's output buffer is reused
+        else:
+            side.wait_stream(torch.cuda.current_stream(q.device))
+            with torch.cuda.stream(side):
+                prev[0].add_(GRAPHS.sums(q, k, v, plan, **fit))
+            # made on the model's stream and read on the side one: not reused before the fit is done
+            for t in (q, k, v, prev[0]) + (() if keep is None else (keep,)):
+                t.record_stream(side)
+            self._pending.add(q.device)
         self.calls += 1
         self.settings = {"density": call.density, "mode": call.mode, "covariance_aware": call.covariance_aware,
                          "block_size": bs}
         self._rules = rules
         r = len(plan.pos)
-        prev = self._sums.get(call.layer)
-        if prev is None:
-            self._sums[call.layer] = [sums.clone(), r, r * q.shape[3]]  # the graph's buffer is reused
-        else:
-            prev[0].add_(sums)
-            prev[1] += r
-            prev[2] += r * q.shape[3]
+        prev[1] += r
+        prev[2] += r * q.shape[3]
+
+    def _side_stream(self, q: Tensor, mode: str, block_size: int):
+        """The side stream a call's fit runs on, or None (the model's stream): CUDA, the Triton fit
+        (the CUDA-graph path captures and replays on the model's stream), not while compiling."""
+        if (not self.config.side_stream or not q.is_cuda or torch.compiler.is_compiling()
+                or not cal.fast_fit_supported(q, mode, block_size)):
+            return None
+        side = self._streams.get(q.device)
+        if side is None:
+            side = self._streams[q.device] = torch.cuda.Stream(q.device)
+        return side
+
+    def join(self) -> None:
+        """Make the model's stream wait for the fits enqueued on side streams (no host
+        synchronisation): what reads the running sums comes after this."""
+        for dev in self._pending:
+            torch.cuda.current_stream(dev).wait_stream(self._streams[dev])
+        self._pending.clear()
 
     @property
     def fits(self) -> dict[int, dict[bool, cal.RowFit]]:
         """``{layer: {selection rule: pooled RowFit}}`` of this generation's calibrated calls."""
+        self.join()
         return {layer: cal.row_fits(s, self._rules, rows=r, elems=e) for layer, (s, r, e) in self._sums.items()}
 
     def freeze(self) -> dict[int, Tensor]:

@@ -7,11 +7,11 @@ needs four sums over the rows and channels: ``Σ⟨c, r⟩``, ``Σ‖c‖²``, `
 output less PISA's zeroth-order output and ``c`` the normalised first-order correction, and the
 dense softmax mass on the tail. :func:`fit_sums` computes them with:
 
-1. the Triton prepare stage on the rows' query blocks and all keys (centroids, value means, H̄,
-   and ``‖H_j − H̄‖`` when a rule is covariance-aware: the kernels' own statistics, what the sparse
-   calls will use), then ``_select_kernel``, one program per (batch x head, sampled query block):
-   the float32 pooled scores against every key block and, per rule, ``keep ∪ top-n`` by a sort of
-   int64 keys (ties to the lower block index), as byte masks;
+1. the Triton prepare stage on all keys (centroids, value means, H̄, and ``‖H_j − H̄‖`` when a
+   rule is covariance-aware: the kernels' own statistics, what the sparse calls will use), then
+   ``_select_kernel``, one program per (batch x head, sampled query block): the block's query mean
+   (read from q in place), its float32 pooled scores against every key block and, per rule,
+   ``keep ∪ top-n`` by a sort of int64 keys (ties to the lower block index), as byte masks;
 2. ``_rows_kernel``, one program per (batch x head, row tile, key chunk): the rows' scores against
    the chunk on tensor cores and one online softmax (exp2 domain, one running maximum) carrying
    the dense numerator and denominator and, per rule, PISA's zeroth-order numerator and
@@ -20,8 +20,8 @@ dense softmax mass on the tail. :func:`fit_sums` computes them with:
    and the dense tail mass. ``P·V`` is one product per block whatever the rules: the selection is
    constant over a block, so a rule only decides where the product is added. The centroid score
    ``s·q·k̄_j`` is the mean of the block's token scores (linear in ``k``), taken from the score tile
-   it already holds. k and v are read in place, once by this kernel; nothing of size
-   ``rows x keys`` is stored;
+   it already holds. q (at the rows' positions), k and v are read in place, once by this kernel;
+   nothing of size ``rows x keys`` is stored;
 3. ``_merge_kernel``, one program per (batch x head, row tile, channel slice): the chunks'
    partials rescaled to their common maximum and summed, then ``o⁰ = N⁰/D``,
    ``c = (Σ_U a_j)·s·q·H̄ / D`` (float32 ``H̄``), the dense output, and the four sums over its rows
@@ -73,16 +73,18 @@ def _top(key, cols, n_sel):
     return key >= thr
 
 
-@triton.jit(do_not_specialize=["H", "HK", "NBLK", "NK", "n_sel", "keep_sb", "keep_sh"])
+@triton.jit(do_not_specialize=["H", "HK", "NBLK", "NK", "LQB", "n_sel", "keep_sb", "keep_sh"])
 def _select_kernel(
-    qmean_ptr, kmean_t_ptr, hdev_ptr, keep_ptr, mask_ptr,
-    H, HK, NBLK, NK, n_sel, scale, keep_sb, keep_sh,
-    D: tl.constexpr, DC: tl.constexpr, NKP: tl.constexpr, NR: tl.constexpr, COV0: tl.constexpr,
-    COV1: tl.constexpr, HAS_KEEP: tl.constexpr,
+    q_ptr, start_ptr, kmean_t_ptr, hdev_ptr, keep_ptr, mask_ptr,
+    sqb, sqh, sqr, sqd,
+    H, HK, NBLK, NK, LQB, n_sel, scale, keep_sb, keep_sh,
+    BS: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, NKP: tl.constexpr, NR: tl.constexpr,
+    COV0: tl.constexpr, COV1: tl.constexpr, HAS_KEEP: tl.constexpr,
 ):  # fmt: skip
-    # program (bh, sampled block i): the pooled scores s·q̄_i·k̄_j of every key block in float32,
-    # then per rule (covariance-aware: COV0, COV1) the exact set keep ∪ top-n_sel of the others,
-    # as bytes mask[rule, b, h, i, j]
+    # program (bh, sampled block i): the block's query mean q̄_i (float32, read from q in place:
+    # rows [start_i, min(start_i + BS, LQB))), its pooled scores s·q̄_i·k̄_j against every key
+    # block in float32, then per rule (covariance-aware: COV0, COV1) the exact set
+    # keep ∪ top-n_sel of the others, as bytes mask[rule, b, h, i, j]
     pid = tl.program_id(0)
     i = pid % NBLK
     bh = pid // NBLK
@@ -92,11 +94,15 @@ def _select_kernel(
     cols = tl.arange(0, NKP)
     valid = cols < NK
     kt_base = kmean_t_ptr + (b * HK + hk) * D * NK
-    q_base = qmean_ptr + (bh.to(tl.int64) * NBLK + i) * D
+    start = tl.load(start_ptr + i)
+    qrows = start + tl.arange(0, BS)
+    qval = qrows < tl.minimum(start + BS, LQB)
+    nq = (tl.minimum(start + BS, LQB) - start).to(tl.float32)
+    q_base = q_ptr + b * sqb + h * sqh + qrows.to(tl.int64)[:, None] * sqr
     s = tl.zeros([NKP], tl.float32)
     for d0 in range(0, D, DC):
         dd = d0 + tl.arange(0, DC)
-        qc = tl.load(q_base + dd)
+        qc = tl.sum(tl.load(q_base + dd[None, :] * sqd, mask=qval[:, None], other=0.0).to(tl.float32), axis=0) / nq
         kc = tl.load(kt_base + dd[:, None] * NK + cols[None, :], mask=valid[None, :], other=0.0)
         s += tl.sum(qc[:, None] * kc, axis=0)
     s = s * scale
@@ -125,7 +131,7 @@ def _rule_bits(mask_ptr, row_off, j, rmask):
 
 @triton.jit(do_not_specialize=["H", "HK", "R", "LK", "NK", "NBLK", "RULE_STRIDE", "PER", "CHUNKS", "RTILES", "RP"])
 def _rows_kernel(
-    q_ptr, k_ptr, v_ptr, vbar_ptr, mask_ptr, which_ptr, pv_ptr, ps_ptr,
+    q_ptr, pos_ptr, k_ptr, v_ptr, vbar_ptr, mask_ptr, which_ptr, pv_ptr, ps_ptr,
     sqb, sqh, sqr, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
     H, HK, R, LK, NK, NBLK, RULE_STRIDE, PER, CHUNKS, RTILES, RP, qk_scale,
     BS: tl.constexpr, D: tl.constexpr, RT: tl.constexpr, NR: tl.constexpr, F32: tl.constexpr,
@@ -140,7 +146,8 @@ def _rows_kernel(
     offs_d = tl.arange(0, D)
     rows = t * RT + tl.arange(0, RT)
     rmask = rows < R
-    q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqr + offs_d[None, :] * sqd, mask=rmask[:, None],
+    qpos = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.int64)  # the rows' positions in q
+    q = tl.load(q_ptr + b * sqb + h * sqh + qpos[:, None] * sqr + offs_d[None, :] * sqd, mask=rmask[:, None],
                 other=0.0)
     blk = tl.load(which_ptr + rows, mask=rmask, other=0)
     blk_off = ((b * H + h) * NBLK + blk) * NK  # each row's mask row (rule 0; rule 1 RULE_STRIDE on)
@@ -231,7 +238,7 @@ def _rule_sums(nv, den, asum, dense, qh, rmask):
 
 @triton.jit(do_not_specialize=["H", "HK", "R", "CHUNKS", "RTILES", "RP", "NPROG"])
 def _merge_kernel(
-    q_ptr, hbar_ptr, pv_ptr, ps_ptr, out_ptr,
+    q_ptr, pos_ptr, hbar_ptr, pv_ptr, ps_ptr, out_ptr,
     sqb, sqh, sqr, sqd,
     H, HK, R, CHUNKS, RTILES, RP, NPROG, scale,
     D: tl.constexpr, DS: tl.constexpr, RT: tl.constexpr, NR: tl.constexpr,
@@ -283,7 +290,8 @@ def _merge_kernel(
     zi = 1.0 / tl.where(rmask, z, 1.0)
     dense = acc * zi[:, None]
     # s·q·H̄ on this channel slice (float32 H̄; TF32 products on a GPU)
-    q = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqr + offs_d[None, :] * sqd, mask=rmask[:, None],
+    qpos = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    q = tl.load(q_ptr + b * sqb + h * sqh + qpos[:, None] * sqr + offs_d[None, :] * sqd, mask=rmask[:, None],
                 other=0.0).to(tl.float32)
     hb = tl.load(hbar_ptr + (b * HK + hk) * D * D + offs_d[:, None] * D + cols[None, :])
     qh = tl.dot(q, hb) * scale
@@ -324,17 +332,20 @@ def chunking(batch_heads: int, row_tiles: int, nk: int, device) -> tuple[int, in
     return per, -(-nk // per)
 
 
-def select_masks(qmean: Tensor, kmean: Tensor, hdev: Tensor | None, keep_blocks: Tensor | None, *,
-                 rules: tuple[bool, ...], n_select: int, scale: float) -> Tensor:
-    """Exact-set masks ``[len(rules), B, H, Nq, Nk]`` uint8 of query-block means ``qmean``
-    ``[B, H, Nq, D]`` against the prepare stage's ``kmean`` ``[B, Hk, Nk, D]`` (its transposed view
-    of ``[B, Hk, D, Nk]`` storage) per selection rule: ``keep ∪ top-n_select`` of the float32 pooled
-    scores (``+ log(hdev + ε)`` for a covariance-aware rule), ties to the lower block index. The
-    reference's :func:`pisa_attn.ops.reference.select_blocks` up to float32 rounding of the scores;
-    one launch for both rules."""
-    b, h, nblk, d = qmean.shape
+def select_masks(q: Tensor, starts: Tensor, kmean: Tensor, hdev: Tensor | None, keep_blocks: Tensor | None, *,
+                 rules: tuple[bool, ...], n_select: int, scale: float, block_size: int) -> Tensor:
+    """Exact-set masks ``[len(rules), B, H, Nq, Nk]`` uint8 of ``Nq`` query blocks of ``q``
+    ``[B, H, Lq, D]`` (any strides, read in place: block ``i`` is rows ``[starts[i],
+    min(starts[i] + block_size, Lq))``, ``starts`` int32 ``[Nq]`` on the device) against the
+    prepare stage's ``kmean`` ``[B, Hk, Nk, D]`` (its transposed view of ``[B, Hk, D, Nk]``
+    storage) per selection rule: ``keep ∪ top-n_select`` of the float32 pooled scores of the
+    blocks' float32 query means (``+ log(hdev + ε)`` for a covariance-aware rule), ties to the
+    lower block index. The reference's :func:`pisa_attn.ops.reference.select_blocks` up to float32
+    rounding of the means and scores; one launch for both rules."""
+    b, h, lq, d = q.shape
+    nblk = starts.shape[0]
     hk, nk = kmean.shape[1], kmean.shape[2]
-    dev = qmean.device
+    dev = q.device
     nr = len(rules)
     if nk > MAX_KEY_BLOCKS:
         raise ValueError(f"kmean: {nk} key blocks, more than the fit kernel's {MAX_KEY_BLOCKS}")
@@ -351,44 +362,52 @@ def select_masks(qmean: Tensor, kmean: Tensor, hdev: Tensor | None, keep_blocks:
         keep, ksb, ksh = mask, 0, 0  # never read (HAS_KEEP=False)
     hd = hdev if hdev is not None else mask  # never read without a covariance-aware rule
     nkp = max(16, next_pow2(nk))
-    dc = max(1, min(d, 8192 // nkp))
+    # channels per step: the [D-slice, Nk] centroid tile and the [block, D-slice] query tile
+    dc = max(1, min(d, 8192 // max(nkp, block_size)))
     cov = (bool(rules[0]), bool(rules[-1]))
     kt = kmean.transpose(2, 3)
     if not kt.is_contiguous():
         kt = kt.contiguous()
-    qm = qmean if qmean.is_contiguous() else qmean.contiguous()
+    starts = starts.to(torch.int32) if starts.dtype != torch.int32 else starts
     n_sel = min(max(1, int(n_select)), nk)
-    args = (qm, kt, hd, keep, mask, h, hk, nblk, nk, n_sel, float(scale), ksb, ksh)
-    _launch_select((d, dc, nkp, nr, cov, keep_blocks is not None, spec_class(*args[:5])), (b * h * nblk,), args,
-                   dict(D=d, DC=dc, NKP=nkp, NR=nr, COV0=cov[0], COV1=cov[1], HAS_KEEP=keep_blocks is not None),
-                   num_warps=4)
+    args = (q, starts, kt, hd, keep, mask, *q.stride(), h, hk, nblk, nk, lq, n_sel, float(scale), ksb, ksh)
+    _launch_select((block_size, d, dc, nkp, nr, cov, keep_blocks is not None, spec_class(*args[:10])),
+                   (b * h * nblk,), args,
+                   dict(BS=block_size, D=d, DC=dc, NKP=nkp, NR=nr, COV0=cov[0], COV1=cov[1],
+                        HAS_KEEP=keep_blocks is not None), num_warps=4)
     return mask
 
 
-def fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, keep_blocks: Tensor | None, *,
-             density: float, rules: tuple[bool, ...], scale: float, block_size: int) -> Tensor:
+def fit_sums(q: Tensor, rows: Tensor, starts: Tensor, which: Tensor, k: Tensor, v: Tensor,
+             keep_blocks: Tensor | None, *, density: float, rules: tuple[bool, ...], scale: float, block_size: int,
+             q_blocks: Tensor | None = None) -> Tensor:
     """The sums of :func:`pisa_attn.calibration._fit_sums` for ``"hybrid"``: ``[len(rules), 4, H]``
     float64, per rule (``covariance_aware`` False/True) :data:`pisa_attn.calibration.SUMS`.
 
-    ``qblocks`` ``[B, H, Σ spans, D]``: the sampled rows' whole query blocks (their selection);
-    ``qr`` ``[B, H, R, D]``: the rows; ``which`` ``[R]`` int32/int64 on the device: each row's
-    index into those blocks; ``k``/``v`` ``[B, Hk, Lk, D]`` any strides (read in place);
-    ``keep_blocks`` bool ``[Nk]`` or ``[B|1, H|1, Nk]``. float16/bfloat16, head dims and block
-    sizes of the Triton kernels (CUDA, or CPU under Triton's interpreter)."""
+    Every index is an int32 tensor on the device; q, k and v are read in place (nothing gathered):
+    ``q`` ``[B, H, Lq, D]`` any strides, the fitted rows are ``q[:, :, rows]`` (``rows`` ``[R]``);
+    the sampled query blocks (their selection) start at rows ``starts`` ``[Nb]`` of ``q_blocks``
+    (default ``q``; each block ``block_size`` rows or up to the end); ``which`` ``[R]``: each
+    row's index into ``starts``; ``k``/``v`` ``[B, Hk, Lk, D]`` any strides; ``keep_blocks`` bool
+    ``[Nk]`` or ``[B|1, H|1, Nk]``. float16/bfloat16, head dims and block sizes of the Triton
+    kernels (CUDA, or CPU under Triton's interpreter)."""
     if len(rules) not in (1, 2) or len(set(rules)) != len(rules):
         raise ValueError(f"rules must be one or two distinct selection rules, got {rules!r}")
-    b, h, r, d = qr.shape
+    b, h, _, d = q.shape
+    r = rows.shape[0]
     hk, lk = k.shape[1], k.shape[2]
     bs = block_size
-    dev = qr.device
+    dev = q.device
     nk = spec.num_blocks(lk, bs)
     if nk > MAX_KEY_BLOCKS:
         raise ValueError(f"k: {nk} key blocks, more than the fit kernel's {MAX_KEY_BLOCKS}")
-    st = tprep.prepare(qblocks, k, v, bs, with_hdev=any(rules))
+    # key statistics only: the query block means are the selection kernel's
+    st = tprep.prepare(q[:, :, :0], k, v, bs, with_hdev=any(rules))
     n_sel = min(spec.num_selected(density, nk), nk)
     nr = len(rules)
-    nblk = st.qmean.shape[2]
-    mask = select_masks(st.qmean, st.kmean, st.hdev, keep_blocks, rules=rules, n_select=n_sel, scale=scale)
+    nblk = starts.shape[0]
+    mask = select_masks(q if q_blocks is None else q_blocks, starts, st.kmean, st.hdev, keep_blocks, rules=rules,
+                        n_select=n_sel, scale=scale, block_size=bs)
     rt = row_tile(r)
     rtiles = -(-r // rt)
     rp = rtiles * rt
@@ -396,19 +415,20 @@ def fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, k
     f32 = dict(device=dev, dtype=torch.float32)
     ps = torch.empty(b * h * chunks * rp * (2 + 3 * nr), **f32)
     pv = torch.empty(b * h * chunks * rp * (1 + nr) * d, **f32)
+    rows = rows.to(torch.int32) if rows.dtype != torch.int32 else rows
     which = which.to(torch.int32) if which.dtype != torch.int32 else which
     interp = interpreting()
-    strides = (*qr.stride(), *k.stride(), *v.stride())
-    args = (qr, k, v, st.vbar, mask, which, pv, ps, *strides,
+    strides = (*q.stride(), *k.stride(), *v.stride())
+    args = (q, rows, k, v, st.vbar, mask, which, pv, ps, *strides,
             h, hk, r, lk, nk, nblk, b * h * nblk * nk, per, chunks, rtiles, rp, float(scale) * LOG2E)
-    _launch_rows((bs, d, rt, nr, FIT_TUNING["warps"], FIT_TUNING["stages"], spec_class(qr, k, v, *strides)),
+    _launch_rows((bs, d, rt, nr, FIT_TUNING["warps"], FIT_TUNING["stages"], spec_class(q, k, v, *strides)),
                  (b * h * rtiles * chunks,), args, dict(BS=bs, D=d, RT=rt, NR=nr, F32=interp),
                  num_warps=FIT_TUNING["warps"], num_stages=FIT_TUNING["stages"])
     ds = min(FIT_TUNING["merge_slice"], d)
     nprog = b * rtiles * (d // ds)
     out = torch.empty(nr, SUMS_PER_RULE, h, nprog, device=dev, dtype=torch.float64)
-    margs = (qr, st.hbar, pv, ps, out, *qr.stride(), h, hk, r, chunks, rtiles, rp, nprog, float(scale))
-    _launch_merge((d, ds, rt, nr, spec_class(qr, *qr.stride())), (b * h * rtiles * (d // ds),), margs,
+    margs = (q, rows, st.hbar, pv, ps, out, *q.stride(), h, hk, r, chunks, rtiles, rp, nprog, float(scale))
+    _launch_merge((d, ds, rt, nr, spec_class(q, *q.stride())), (b * h * rtiles * (d // ds),), margs,
                   dict(D=d, DS=ds, RT=rt, NR=nr), num_warps=4)
     return out.sum(-1)
 
@@ -425,15 +445,15 @@ def compile_for_sm90(head_dim: int = 128, rows: int = 32, rules: int = 2, dtype:
     d, rt, nr = head_dim, row_tile(rows), rules
     nkp = max(16, next_pow2(key_blocks))
     kernels = {
-        "select": (_select_kernel, dict(qmean_ptr="*fp32", kmean_t_ptr="*fp32", hdev_ptr="*fp32", keep_ptr="*u8",
-                                        mask_ptr="*u8", scale="fp32"),
-                   dict(D=d, DC=max(1, min(d, 8192 // nkp)), NKP=nkp, NR=nr, COV0=False, COV1=nr == 2, HAS_KEEP=True),
-                   4, 3),
-        "rows": (_rows_kernel, dict(q_ptr=lp, k_ptr=lp, v_ptr=lp, vbar_ptr=lp, mask_ptr="*u8", which_ptr="*i32",
-                                    pv_ptr="*fp32", ps_ptr="*fp32", qk_scale="fp32"),
+        "select": (_select_kernel, dict(q_ptr=lp, start_ptr="*i32", kmean_t_ptr="*fp32", hdev_ptr="*fp32",
+                                        keep_ptr="*u8", mask_ptr="*u8", scale="fp32"),
+                   dict(BS=64, D=d, DC=max(1, min(d, 8192 // max(nkp, 64))), NKP=nkp, NR=nr, COV0=False,
+                        COV1=nr == 2, HAS_KEEP=True), 4, 3),
+        "rows": (_rows_kernel, dict(q_ptr=lp, pos_ptr="*i32", k_ptr=lp, v_ptr=lp, vbar_ptr=lp, mask_ptr="*u8",
+                                    which_ptr="*i32", pv_ptr="*fp32", ps_ptr="*fp32", qk_scale="fp32"),
                  dict(BS=64, D=d, RT=rt, NR=nr, F32=False), FIT_TUNING["warps"], FIT_TUNING["stages"]),
-        "merge": (_merge_kernel, dict(q_ptr=lp, hbar_ptr="*fp32", pv_ptr="*fp32", ps_ptr="*fp32", out_ptr="*fp64",
-                                      scale="fp32"),
+        "merge": (_merge_kernel, dict(q_ptr=lp, pos_ptr="*i32", hbar_ptr="*fp32", pv_ptr="*fp32", ps_ptr="*fp32",
+                                      out_ptr="*fp64", scale="fp32"),
                   dict(D=d, DS=min(FIT_TUNING["merge_slice"], d), RT=rt, NR=nr), 4, 3),
     }
     out = {}
