@@ -193,10 +193,14 @@ def ncu_launches(L: int = 32768):
 
 
 DEFAULT_GROUP = gattn.PAIR_GROUP
-# (name, kernel, pipelined, ring slots: None = the kernel's default)
-SCHEDULES = (("bf16-sequential", "bf16", False, None), ("bf16-pipelined", "bf16", True, None),
-             ("bf16-pipelined-4slots", "bf16", True, 4), ("fp8-sequential", "fp8", False, None),
-             ("fp8-pipelined", "fp8", True, None))
+# (name, kernel, pipelined, ring slots: None = the kernel's default; FP8: (exact, tail) slots per mode).
+# A pipelined consumer holds its last block's slot one block longer: deeper rings are compared.
+FP8_DEEP = {"drop": (8, 1), "hybrid": (5, 2)}
+SCHEDULES = (("bf16-sequential", "bf16", False, None), ("bf16-sequential-4slots", "bf16", False, 4),
+             ("bf16-pipelined", "bf16", True, None), ("bf16-pipelined-4slots", "bf16", True, 4),
+             ("bf16-pipelined-5slots", "bf16", True, 5), ("fp8-sequential", "fp8", False, None),
+             ("fp8-pipelined", "fp8", True, None), ("fp8-sequential-deep", "fp8", False, FP8_DEEP),
+             ("fp8-pipelined-deep", "fp8", True, FP8_DEEP))
 
 
 def bench_schedules(L: int, sources, density: float, res: dict):
@@ -230,7 +234,7 @@ def bench_schedules(L: int, sources, density: float, res: dict):
                 else:
                     fn = lambda m=mode, out=out, lse=lse: gfp8.attention(  # noqa: E731
                         q, qz, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, lk=L, out=out, lse=lse,
-                        pipeline=pipe)
+                        pipeline=pipe, stages=None if slots is None else slots[m])
                 fn()
                 torch.cuda.synchronize()
                 row[f"{mode}_finite"] = bool(torch.isfinite(out).all())

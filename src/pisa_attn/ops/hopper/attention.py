@@ -422,8 +422,10 @@ PAIR_GROUP = 2
 # block's arithmetic independent of its partner, and costs 2-5 % (same measurements).
 PAIR_ORDER = "owners"
 # The exact loop's schedule: True queues each owned block's Q·Kᵀ with the previous one's P·V and
-# runs the softmax under that product (:func:`_exact_pipelined`); False is the sequential loop.
-PIPELINE = True
+# runs the softmax under that product (:func:`_exact_pipelined`); False is the sequential loop,
+# the default: the pipelined loop measured 3-32 % slower on the H100 at 32K/64K (holding a slot one
+# block longer starves the 3-slot ring; 4 slots: 3-15 % slower; benchmarks/results/h100_pipeline.json).
+PIPELINE = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 

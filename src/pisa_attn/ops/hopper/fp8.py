@@ -395,8 +395,9 @@ def _fp8_pair_kernel(
 # CTA per SM; without a tail the FP8 ring takes the room.
 STAGES = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 3), (128, False): (6, 1)}
 HEAD_DIMS = (64, 128)
-# The exact loop's schedule (see :data:`.attention.PIPELINE`).
-PIPELINE = True
+# The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
+# loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
+PIPELINE = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
