@@ -11,7 +11,9 @@ share, :func:`pisa_attn.ops.triton.pairs.pair_match`, or adjacent) and runs thre
   computes only the exact blocks its own selection holds (the union code's owner bits), then
   every centroid group under its own tail bitmask, all in one online softmax (base 2), then the
   first-order term ``ℓ_tail · α_h s (q H̄)`` (``α_h`` from ``alpha_ptr``, one float per query
-  head). A slot is released when both consumers arrived.
+  head). A slot is released when both consumers arrived. The exact blocks run one after the
+  other (Q·Kᵀ, softmax, P·V); ``PIPELINE`` selects an FA3-style schedule instead, each block's
+  Q·Kᵀ and softmax under the previous block's P·V (same results bit for bit; slower as measured).
 
 The selection is the paper's, per 64-row query block; only the loads are shared. The arithmetic
 is the Triton kernel's (``ops/triton/attention.py``): same scaled float16 centroid scores with
