@@ -12,6 +12,14 @@ the pair overlap of real DINOv2 heads (their 1370 tokens are too few to time).
 
     PYTHONPATH=src python3 benchmarks/exact_loop.py --out benchmarks/results/h100_exact_loop.json
     PYTHONPATH=src python3 benchmarks/exact_loop.py --ncu   # one launch per variant, for ncu -k regex:pair
+
+``--schedules`` instead compares the exact loop's schedules on one selection per (length, input):
+the sequential loop and the pipelined one (each block's Q·Kᵀ and softmax under the previous
+block's P·V) of the bf16 pair kernel, with 3 and 4 ring slots, and of the FP8 kernel (quantised
+K/V given), drop and hybrid, cuDNN SDPA in the same run, outputs compared across schedules.
+
+    PYTHONPATH=src python3 benchmarks/exact_loop.py --schedules --lengths 32768 65536 \
+        --out benchmarks/results/h100_pipeline.json
 """
 
 from __future__ import annotations
@@ -185,6 +193,64 @@ def ncu_launches(L: int = 32768):
 
 
 DEFAULT_GROUP = gattn.PAIR_GROUP
+# (name, kernel, pipelined, ring slots: None = the kernel's default; FP8: (exact, tail) slots per mode).
+# A pipelined consumer holds its last block's slot one block longer: deeper rings are compared.
+FP8_DEEP = {"drop": (8, 1), "hybrid": (5, 2)}
+SCHEDULES = (("bf16-sequential", "bf16", False, None), ("bf16-sequential-4slots", "bf16", False, 4),
+             ("bf16-pipelined", "bf16", True, None), ("bf16-pipelined-4slots", "bf16", True, 4),
+             ("bf16-pipelined-5slots", "bf16", True, 5), ("fp8-sequential", "fp8", False, None),
+             ("fp8-pipelined", "fp8", True, None), ("fp8-sequential-deep", "fp8", False, FP8_DEEP),
+             ("fp8-pipelined-deep", "fp8", True, FP8_DEEP))
+
+
+def bench_schedules(L: int, sources, density: float, res: dict):
+    """Each schedule's attend kernel alone on one top-k selection (adjacent pairs, owners order)."""
+    from pisa_attn.ops.hopper import fp8 as gfp8
+    from pisa_attn.ops.triton.quantize import quantize
+
+    q, k, v = qkv("random", L)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        t_cudnn = ms(lambda: F.scaled_dot_product_attention(q, k, v), 2.5e-8 * L * L)
+    del q, k, v
+    print(f"\nL={L}: cuDNN SDPA {t_cudnn:.3f} ms", flush=True)
+    for source in sources:
+        q, k, v = qkv(source, L)
+        stats, sel, n_sel = selection(q, k, v, density)
+        nk = stats.kbar.shape[2]
+        frac = sel.cnt.sum().item() / (B * H * sel.bits.shape[2] * nk)
+        qz = quantize(k, v, stats.kbar, stats.kscale, 64)
+        scale = q.shape[-1] ** -0.5
+        ref = {}
+        for name, kern, pipe, slots in SCHEDULES:
+            row = dict(L=L, source=source, density=density, schedule=name, kernel=kern, pipelined=pipe,
+                       slots=slots, computed_fraction=frac, cudnn_ms=t_cudnn)
+            for mode in ("drop", "hybrid"):
+                out = torch.full_like(q, float("nan"))
+                lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+                if kern == "bf16":
+                    fn = lambda m=mode, out=out, lse=lse: gattn.attention(  # noqa: E731
+                        q, k, v, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, n_select=n_sel, out=out,
+                        lse=lse, pipeline=pipe, stages=slots)
+                else:
+                    fn = lambda m=mode, out=out, lse=lse: gfp8.attention(  # noqa: E731
+                        q, qz, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, lk=L, out=out, lse=lse,
+                        pipeline=pipe, stages=None if slots is None else slots[m])
+                fn()
+                torch.cuda.synchronize()
+                row[f"{mode}_finite"] = bool(torch.isfinite(out).all())
+                base = ref.setdefault((kern, mode), out.clone())
+                row[f"{mode}_bit_identical_to_sequential"] = bool(torch.equal(out, base))
+                row[f"{mode}_rel_l1_to_sequential"] = ((out.double() - base.double()).abs().sum()
+                                                       / base.double().abs().sum()).item()
+                row[f"{mode}_ms"] = ms(fn, est_ms=t_cudnn * frac)
+            row["share_of_cudnn"] = frac * t_cudnn / row["drop_ms"]
+            res["schedules"].append(row)
+            print(f"{L:>6} {source:7} {name:22} drop {row['drop_ms']:.3f} hybrid {row['hybrid_ms']:.3f} ms | share "
+                  f"{row['share_of_cudnn']:.3f} | vs sequential {row['drop_rel_l1_to_sequential']:.1e} / "
+                  f"{row['hybrid_rel_l1_to_sequential']:.1e} (bit-identical {row['drop_bit_identical_to_sequential']}"
+                  f"/{row['hybrid_bit_identical_to_sequential']})", flush=True)
+        del q, k, v, stats, sel, qz, ref
+        torch.cuda.empty_cache()
 
 
 def main(argv=None):
@@ -195,6 +261,7 @@ def main(argv=None):
     ap.add_argument("--whole", action="store_true", help="also time the whole call (plan/run)")
     ap.add_argument("--dino", default=None, help="DINOv2 q/k/v file (pair overlap only)")
     ap.add_argument("--ncu", action="store_true", help="only the launches to profile")
+    ap.add_argument("--schedules", action="store_true", help="compare the exact loop's schedules instead")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "exact_loop.json"))
     a = ap.parse_args(argv)
     if a.ncu:
@@ -203,11 +270,15 @@ def main(argv=None):
 
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                cudnn=torch.backends.cudnn.version(), shape=f"B{B}-H{H}-D{D}", dtype="bfloat16",
-               default_group=DEFAULT_GROUP, attend=[], whole=[], dino=[])
+               default_group=DEFAULT_GROUP, default_pipeline=gattn.PIPELINE, attend=[], whole=[], dino=[],
+               schedules=[])
     print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}, cuDNN {res['cudnn']}", flush=True)
     for density in a.density:
         for L in a.lengths:
-            bench_length(L, a.sources, density, a.whole, res)
+            if a.schedules:
+                bench_schedules(L, a.sources, density, res)
+            else:
+                bench_length(L, a.sources, density, a.whole, res)
         if a.dino:
             dino_overlap(a.dino, density, res)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -220,6 +291,13 @@ def main(argv=None):
         print(f"{r['L']:>6} {r['source']:7} {r['density']:5.3f} {r['variant']:16} {r['overlap']:7.3f} "
               f"{r['drop_ms']:8.3f} {r['hybrid_ms']:8.3f} {r['share_of_cudnn']:6.3f} "
               f"{r['tail_ms'] / r['tail_bound_exact_rate_ms']:7.2f}")
+    if res["schedules"]:
+        print(f"\n{'L':>6} {'input':7} {'schedule':22} {'drop ms':>8} {'hyb ms':>8} {'share':>6} {'x seq drop':>10}")
+        seq = {(r["L"], r["source"], r["kernel"]): r for r in res["schedules"] if not r["pipelined"]}
+        for r in res["schedules"]:
+            base = seq[r["L"], r["source"], r["kernel"]]
+            print(f"{r['L']:>6} {r['source']:7} {r['schedule']:22} {r['drop_ms']:8.3f} {r['hybrid_ms']:8.3f} "
+                  f"{r['share_of_cudnn']:6.3f} {base['drop_ms'] / r['drop_ms']:10.3f}")
     for r in res["whole"]:
         print(f"{r['L']:>6} {r['source']:7} whole {r['mode']:6} g{r['group']:<2} {r['whole_ms']:8.3f} ms "
               f"{r['speedup']:5.2f}x")

@@ -16,21 +16,26 @@ import pytest
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 
 SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
+# (head dim, mode, even Lk, dtype, pairing table, exact-loop schedule: False sequential (the
+# default), True pipelined)
 VARIANTS = {
-    "D128-hybrid-bf16": (128, "hybrid", True, "bfloat16", True),
-    "D128-drop-ragged-bf16-adjacent": (128, "drop", False, "bfloat16", False),
-    "D64-zeroth-ragged-fp16": (64, "zeroth", False, "float16", True),
+    "D128-hybrid-bf16": (128, "hybrid", True, "bfloat16", True, False),
+    "D128-drop-ragged-bf16-adjacent": (128, "drop", False, "bfloat16", False, False),
+    "D64-zeroth-ragged-fp16": (64, "zeroth", False, "float16", True, False),
+    "D128-hybrid-bf16-pipelined": (128, "hybrid", True, "bfloat16", True, True),
+    "D64-drop-ragged-fp16-pipelined": (64, "drop", False, "float16", True, True),
 }
 SCRIPT = """
 import json, re, sys, torch
 from pisa_attn.ops.hopper.attention import compile_for_sm90
 res = {}
-for name, (d, mode, even_k, dtype, has_qpair) in json.loads(sys.argv[1]).items():
-    k = compile_for_sm90(d, mode, even_k, getattr(torch, dtype), has_qpair=has_qpair)
+for name, (d, mode, even_k, dtype, has_qpair, pipe) in json.loads(sys.argv[1]).items():
+    k = compile_for_sm90(d, mode, even_k, getattr(torch, dtype), has_qpair=has_qpair, pipeline=pipe)
     ptx = k.asm["ptx"]
     res[name] = dict(shared=k.metadata.shared, sm90a=".target sm_90a" in ptx,
                      wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),
                      tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
+                     wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
                      setmaxnreg=len(re.findall(r"setmaxnreg", ptx)),
                      local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)), cubin=len(k.asm["cubin"]))
 print(json.dumps(res))
@@ -58,6 +63,8 @@ def test_pair_kernel_builds_for_sm90a(built, name):
     assert r["tma"] >= 4  # q, k, v in, o out
     assert r["setmaxnreg"] > 0
     assert r["local"] == 0
+    # The pipelined loop waits for the scores alone while the previous block's P·V runs.
+    assert (r["wait1"] > 0) == VARIANTS[name][5]
 
 
 PAIRS_SCRIPT = """

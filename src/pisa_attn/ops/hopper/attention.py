@@ -11,7 +11,9 @@ share, :func:`pisa_attn.ops.triton.pairs.pair_match`, or adjacent) and runs thre
   computes only the exact blocks its own selection holds (the union code's owner bits), then
   every centroid group under its own tail bitmask, all in one online softmax (base 2), then the
   first-order term ``ℓ_tail · α_h s (q H̄)`` (``α_h`` from ``alpha_ptr``, one float per query
-  head). A slot is released when both consumers arrived.
+  head). A slot is released when both consumers arrived. The exact blocks run one after the
+  other (Q·Kᵀ, softmax, P·V); ``PIPELINE`` selects an FA3-style schedule instead, each block's
+  Q·Kᵀ and softmax under the previous block's P·V (same results bit for bit; slower as measured).
 
 The selection is the paper's, per 64-row query block; only the loads are shared. The arithmetic
 is the Triton kernel's (``ops/triton/attention.py``): same scaled float16 centroid scores with
@@ -140,13 +142,89 @@ def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl
 
 
 @gluon.jit
+def _softmax_p(m_i, l_i, s, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """The online-softmax update of one tile of scores without the accumulator: (m, l, rescale,
+    P as the P·V product's register operand)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    rescale = gl.exp2(m_i - m_use)
+    p = gl.exp2(s - m_use[:, None])
+    l_i = l_i * rescale + gl.sum(p, axis=1)
+    return m_new, l_i, rescale, gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def _flush_pv(acc, p, v_bufs, empty, tp, STAGES: gl.constexpr):
+    """The pending block's P·V into ``acc``, then its slot back to the loader."""
+    sp = tp % STAGES
+    tok = warpgroup_mma(p, v_bufs.index(sp), acc, is_async=True)
+    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(tok, p))
+    mbarrier.arrive(empty.index(sp), count=1)
+    return acc
+
+
+@gluon.jit
+def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ubase, n_union, m_i, l_i, acc, s_zero, cols, qk_scale, LK,
+                     CID: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
+                     s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """The exact blocks with each block's Q·Kᵀ and softmax under the previous owned block's P·V
+    (FA3's intra-warpgroup schedule): per owned block, Q·Kᵀ(j) and P·V(j-1) are queued, the wait
+    for the older group (the scores) lets the softmax of j run while the tensor cores compute
+    P·V(j-1), then the second wait, the slot of j-1 goes back and ``acc`` is rescaled to j's
+    maximum. The P of the last owned block (``tp``: its stream entry, -1 none) is carried in
+    registers with its P·V not yet issued, so no product is in flight across iterations.
+
+    A consumer holds at most one slot past its position. Before waiting on an entry ``STAGES`` or
+    more past the held one it flushes (issues and waits that P·V, releases the slot): the loader
+    fills entry u only once entry u - STAGES is released by both consumers, so holding it would
+    deadlock when the other consumer owns a long run of the stream."""
+    p = gl.zeros([BS, BS], v_bufs.dtype, layout=p_layout)
+    tp = n_union * 0 - 1
+    code_next = gl.load(ubase, mask=n_union > 0, other=0)
+    for u in range(n_union):
+        code = code_next
+        code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+        s = u % STAGES
+        if (tp >= 0) & (u - tp >= STAGES):
+            acc = _flush_pv(acc, p, v_bufs, empty, tp, STAGES)
+            tp = -1
+        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+        if ((code >> CID) & 1) != 0:
+            s_tok = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if tp >= 0:
+                sp = tp % STAGES
+                a_tok = warpgroup_mma(p, v_bufs.index(sp), acc, is_async=True)
+                # The oldest group only (the scores): P·V(j-1) stays on the tensor cores.
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
+                if not EVEN_K:
+                    sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
+                m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, p_layout, v_bufs.dtype)
+                acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(a_tok, p))
+                mbarrier.arrive(empty.index(sp), count=1)
+            else:
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
+                if not EVEN_K:
+                    sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
+                m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, p_layout, v_bufs.dtype)
+            # acc holds the blocks before j at the old maximum: rescale it after their P·V.
+            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
+            p = p_new
+            tp = u
+        else:
+            mbarrier.arrive(empty.index(s), count=1)
+    if tp >= 0:
+        acc = _flush_pv(acc, p, v_bufs, empty, tp, STAGES)
+    return m_i, l_i, acc
+
+
+@gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
               q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
               uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
-              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr):
+              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -176,22 +254,27 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
 
     n_union = gl.load(ucnt_ptr + pair_row)
     ubase = uidx_ptr + pair_row * W2
-    t = 0
-    code_next = gl.load(ubase, mask=n_union > 0, other=0)
-    for u in range(n_union):
-        code = code_next
-        code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
-        s = t % STAGES
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        if ((code >> CID) & 1) != 0:
-            j = code >> 2
-            sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * qk_scale
-            if not EVEN_K:
-                sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
-            m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout, p_layout)
-        mbarrier.arrive(empty.index(s), count=1)
-        t += 1
+    if PIPELINE:
+        m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ubase, n_union, m_i, l_i, acc, s_zero,
+                                         cols, qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout, o_layout, p_layout)
+    else:
+        # The reference loop: Q·Kᵀ, wait, softmax, P·V, wait, one block after the other.
+        code_next = gl.load(ubase, mask=n_union > 0, other=0)
+        for u in range(n_union):
+            code = code_next
+            code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+            s = u % STAGES
+            mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+            if ((code >> CID) & 1) != 0:
+                j = code >> 2
+                sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * qk_scale
+                if not EVEN_K:
+                    sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
+                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout,
+                                                           p_layout)
+            mbarrier.arrive(empty.index(s), count=1)
+    t = n_union
 
     if MODE > 0:
         # q in float16 scaled by a power of two so its largest entry sits in [2^13, 2^14): the
@@ -273,6 +356,7 @@ def _pair_attn_kernel(
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
+    PIPELINE: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -310,11 +394,13 @@ def _pair_attn_kernel(
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                      q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                      uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                     qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR)),
+                     qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                     PIPELINE)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                      q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                      uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                     qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR)),
+                     qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                     PIPELINE)),
     ], [4, 4], [240, 240])
 
 
@@ -337,6 +423,11 @@ PAIR_GROUP = 2
 # The stream order (``pairs.ORDERS``): "owners" keeps both consumers busy; "ascending" makes each
 # block's arithmetic independent of its partner, and costs 2-5 % (same measurements).
 PAIR_ORDER = "owners"
+# The exact loop's schedule: True queues each owned block's Q·Kᵀ with the previous one's P·V and
+# runs the softmax under that product (:func:`_exact_pipelined`); False is the sequential loop,
+# the default: the pipelined loop measured 3-32 % slower on the H100 at 32K/64K (holding a slot one
+# block longer starves the 3-slot ring; 4 slots: 3-15 % slower; benchmarks/results/h100_pipeline.json).
+PIPELINE = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -368,7 +459,7 @@ def attention(
     *, mode: str, scale: float, block_size: int, n_select: int,
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
     alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
-    pair_group: int | None = None, pair_order: str | None = None,
+    pair_group: int | None = None, pair_order: str | None = None, pipeline: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
@@ -378,7 +469,9 @@ def attention(
     ``pair_group``: query blocks are paired by shared exact blocks inside aligned groups of this
     many (None: :data:`PAIR_GROUP`; 2: adjacent blocks); ``pair_order``: the stream order
     (``pairs.ORDERS``; None: :data:`PAIR_ORDER`). Neither changes the function computed; in the
-    ``"ascending"`` order the pairing does not change a single bit of it."""
+    ``"ascending"`` order the pairing does not change a single bit of it. ``pipeline``: the exact
+    loop's schedule (None: :data:`PIPELINE`); both compute the same function (the same operations
+    in the same order per block)."""
     del cnt, n_select
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -398,13 +491,14 @@ def attention(
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
     st = stages or STAGES[d]
+    pipe = PIPELINE if pipeline is None else bool(pipeline)
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d))
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d])
     scalars = (kscale, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
-                      HAS_QPAIR=has_qpair)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair,
+                      HAS_QPAIR=has_qpair, PIPELINE=pipe)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:7]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -415,7 +509,7 @@ def attention(
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
-                     has_qpair: bool = True):
+                     has_qpair: bool = True, pipeline: bool | None = None):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -431,7 +525,8 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or STAGES[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
-                      LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair)
+                      LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
+                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline))
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32")

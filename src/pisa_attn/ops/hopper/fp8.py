@@ -118,7 +118,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
-              LOG2_BS: gl.constexpr):
+              LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -162,28 +162,85 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     sig_base = sig_ptr + bhk * NK
     code_next = gl.load(ubase, mask=n_union > 0, other=0)
     sig_next = gl.load(sig_base + (code_next >> 2))
-    for u in range(n_union):
-        code = code_next
-        sig = sig_next
-        # The next block's code and key scale, read one entry ahead (code 0 past the end: block 0).
-        code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
-        sig_next = gl.load(sig_base + (code_next >> 2))
-        s = u % STAGES
-        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-        if ((code >> CID) & 1) != 0:
-            sc = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
-                               max_num_imprecise_acc=D)
-            raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS, EVEN_K)
-            p8 = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
-            # Each block's P·V starts from zero and is added in float32, so the accumulator's
-            # rescale runs while the tensor cores compute the product (and no FP8 sum spans
-            # more than one block).
-            pv = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
+    if PIPELINE:
+        # As the input-precision kernel's pipelined loop (.attention._exact_pipelined): this
+        # block's Q·Kᵀ and the previous owned block's P·V are queued together and the softmax runs
+        # under the P·V; the last owned block's P (entry ``tp``, -1 none) waits in registers, and
+        # is flushed before the loop waits on an entry STAGES past its slot. (The wait cannot
+        # take the 8-bit P as a dependency; ptxas keeps an in-flight wgmma's registers.)
+        p8 = gl.zeros([BS, BS], gl.float8e4nv, layout=p8_layout)
+        tp = n_union * 0 - 1
+        for u in range(n_union):
+            code = code_next
+            sig = sig_next
+            code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+            sig_next = gl.load(sig_base + (code_next >> 2))
+            s = u % STAGES
+            if (tp >= 0) & (u - tp >= STAGES):
+                sp = tp % STAGES
+                pv = warpgroup_mma(p8, v_bufs.index(sp).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
+                                   max_num_imprecise_acc=BS)
+                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                mbarrier.arrive(empty.index(sp), count=1)
+                acc = acc + pv
+                tp = -1
+            mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+            if ((code >> CID) & 1) != 0:
+                sc = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
+                                   max_num_imprecise_acc=D)
+                if tp >= 0:
+                    sp = tp % STAGES
+                    pv = warpgroup_mma(p8, v_bufs.index(sp).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
+                                       max_num_imprecise_acc=BS)
+                    raw = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+                    m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
+                                                          EVEN_K)
+                    p8_new = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
+                    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                    mbarrier.arrive(empty.index(sp), count=1)
+                    # The previous block's product is at the previous maximum: add, then rescale.
+                    acc = (acc + pv) * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                else:
+                    raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                    m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
+                                                          EVEN_K)
+                    p8_new = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
+                    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                p8 = p8_new
+                tp = u
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+        if tp >= 0:
+            sp = tp % STAGES
+            pv = warpgroup_mma(p8, v_bufs.index(sp).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
                                max_num_imprecise_acc=BS)
-            acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
-            acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-        mbarrier.arrive(empty.index(s), count=1)
+            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            mbarrier.arrive(empty.index(sp), count=1)
+            acc = acc + pv
+    else:
+        for u in range(n_union):
+            code = code_next
+            sig = sig_next
+            # The next block's code and key scale, read one entry ahead (code 0 past the end: block 0).
+            code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+            sig_next = gl.load(sig_base + (code_next >> 2))
+            s = u % STAGES
+            mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+            if ((code >> CID) & 1) != 0:
+                sc = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
+                                   max_num_imprecise_acc=D)
+                raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
+                                                      EVEN_K)
+                p8 = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
+                # Each block's P·V starts from zero and is added in float32, so the accumulator's
+                # rescale runs while the tensor cores compute the product (and no FP8 sum spans
+                # more than one block).
+                pv = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
+                                   max_num_imprecise_acc=BS)
+                acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            mbarrier.arrive(empty.index(s), count=1)
 
     # The exact blocks' numerator back in value units (τ / 256 per channel), then the tail's
     # input-precision layouts.
@@ -269,7 +326,7 @@ def _fp8_pair_kernel(
     H, HK, LQ, LK, LKP, NQ, NK, W2, NW,
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
-    MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
+    MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -321,11 +378,11 @@ def _fp8_pair_kernel(
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
-                     qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS)),
+                     qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
-                     qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS)),
+                     qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE)),
     ], [4, 4], [240, 240])
 
 
@@ -338,6 +395,9 @@ def _fp8_pair_kernel(
 # CTA per SM; without a tail the FP8 ring takes the room.
 STAGES = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 3), (128, False): (6, 1)}
 HEAD_DIMS = (64, 128)
+# The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
+# loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
+PIPELINE = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
@@ -355,10 +415,12 @@ def attention(
     *, mode: str, scale: float, block_size: int, lk: int,
     out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
     pairs: tuple[Tensor, ...] | None = None, stages: tuple[int, int] | None = None,
+    pipeline: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The FP8 pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view, ``quant`` the
     :class:`pisa_attn.ops.triton.quantize.Quantized` keys and values (``lk`` the true key count),
-    the statistics' tail terms as :func:`.attention.attention` takes them; (out, lse) out."""
+    the statistics' tail terms as :func:`.attention.attention` takes them; (out, lse) out.
+    ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`)."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
@@ -378,8 +440,10 @@ def attention(
     blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs], [1, 1, bs, d], [1, bs, d], [1, bs, d], [1, d, d])
     scalars = (kscale, uidx, ucnt, bits, lse, alpha, quant.sigma, quant.tau, quant.mu,
                h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
-    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs))
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
+    pipe = PIPELINE if pipeline is None else bool(pipeline)
+    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
+                      PIPELINE=pipe)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
@@ -388,7 +452,8 @@ def attention(
 
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
-                     dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None):
+                     dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None,
+                     pipeline: bool | None = None):
     """Compile the FP8 pair kernel for sm_90a without a GPU (as :func:`.attention.compile_for_sm90`)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -405,7 +470,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
     st, tst = stages or STAGES[d, mode != "drop"]
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
-                      LOG2_BS=math.log2(bs))
+                      LOG2_BS=math.log2(bs), PIPELINE=PIPELINE if pipeline is None else bool(pipeline))
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}
