@@ -117,7 +117,9 @@ def test_arguments_per_stage():
                             "sd35-compiled")
     assert a.fractions == {"wan14b-compiled": 0.5} and a.budgets["flux"] == 30 and a.budgets["hunyuan"] == 150
     assert b.parse_args(["--budget-s", "20"]).budgets["wan14b"] == 20
-    for bad in (["--stages", "wan99"], ["--fraction", "1.5"], ["--budget-s", "nope=3"], ["--flux-sweep", "1000"]):
+    assert b.parse_args([]).precision == "input" and b.parse_args(["--precision", "fp8"]).precision == "fp8"
+    for bad in (["--stages", "wan99"], ["--fraction", "1.5"], ["--budget-s", "nope=3"], ["--flux-sweep", "1000"],
+                ["--precision", "fp4"]):
         with pytest.raises(SystemExit):
             b.parse_args(bad)
 

@@ -58,7 +58,7 @@ def attention_calls(stage: Stage, case: dc.Case, cov: bool, args, dense_names) -
     best = order[0]
     lens = None if mask is None else key_lengths(mask, 1, seq.length)
     settings = PisaSettings(density=case.density, mode=args.mode, covariance_aware=cov, block_size=args.block_size,
-                            layout="bshd")
+                            layout="bshd", precision=args.precision)
     plans: dict = {}  # planned once, as apply_pisa does per call shape
     pisa, _ = stage.measure(lambda: sparse_attention(q, k, v, seq, lens, settings, plans=plans), **kw)
     path, _ = stage.measure(lambda: dense_attention(q, k, v, mask, None, False), **kw)
@@ -68,7 +68,8 @@ def attention_calls(stage: Stage, case: dc.Case, cov: bool, args, dense_names) -
         "dense_backend": best,
         "dense_order": order,
         "pisa_ms": pisa["ms"],
-        "pisa_backend": _choose_backend("auto", q.transpose(1, 2), args.mode, args.block_size),
+        "pisa_backend": _choose_backend("auto", q.transpose(1, 2), args.mode, args.block_size)
+        + ("_fp8" if args.precision == "fp8" else ""),
         "pisa_dense_path_ms": path["ms"],
         "speedup": timed[best] / pisa["ms"],
     }

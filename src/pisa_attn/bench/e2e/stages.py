@@ -8,6 +8,7 @@ import math
 import os
 from dataclasses import replace
 
+from ... import spec
 from .. import dit_cases as dc
 from .. import e2e_estimates as est
 
@@ -69,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: all blocks eager; the cases' compile fraction compiled)")  # fmt: skip
     p.add_argument("--density", type=float, default=None, help="override every case's density")
     p.add_argument("--mode", default="hybrid", choices=("hybrid", "zeroth", "first", "drop"))
+    p.add_argument("--precision", default="input", choices=spec.PRECISIONS,
+                   help="the exact blocks' precision (fp8: the Hopper kernel only)")
     p.add_argument("--min-kv-len", type=int, default=None,
                    help="apply_pisa's min_kv_len for the PISA forwards (default: the library's; 0 runs every "
                         "managed call sparse)")
