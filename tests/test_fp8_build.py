@@ -3,16 +3,11 @@ tests/test_hopper_build.py does for the input-precision kernel; subprocess for t
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from sm90_build import SMEM_LIMIT, build
 
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 
-SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 # (head dim, mode, even Lk, dtype, exact-loop schedule: False sequential (the default), True pipelined)
 VARIANTS = {
     "D128-hybrid-bf16": (128, "hybrid", True, "bfloat16", False),
@@ -20,31 +15,12 @@ VARIANTS = {
     "D64-zeroth-ragged-fp16": (64, "zeroth", False, "float16", False),
     "D128-hybrid-ragged-bf16-pipelined": (128, "hybrid", False, "bfloat16", True),
 }
-SCRIPT = """
-import json, re, sys, torch
-from pisa_attn.ops.hopper.fp8 import compile_for_sm90
-res = {}
-for name, (d, mode, even_k, dtype, pipe) in json.loads(sys.argv[1]).items():
-    k = compile_for_sm90(d, mode, even_k, getattr(torch, dtype), pipeline=pipe)
-    ptx = k.asm["ptx"]
-    res[name] = dict(shared=k.metadata.shared, sm90a=".target sm_90a" in ptx,
-                     fp8_wgmma=len(re.findall(r"wgmma\\.mma_async[^\\n]*\\.e4m3\\.e4m3", ptx)),
-                     wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),
-                     tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
-                     wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
-                     setmaxnreg=len(re.findall(r"setmaxnreg", ptx)),
-                     local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)), cubin=len(k.asm["cubin"]))
-print(json.dumps(res))
-"""
 
 
 @pytest.fixture(scope="module")
 def built():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(VARIANTS)], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return build("from pisa_attn.ops.hopper.fp8 import compile_for_sm90",
+                 "compile_for_sm90(args[0], args[1], args[2], getattr(torch, args[3]), pipeline=args[4])", VARIANTS)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

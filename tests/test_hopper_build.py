@@ -6,16 +6,11 @@ which ``triton.language`` functions cannot be compiled.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from sm90_build import SMEM_LIMIT, build, run_script
 
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 
-SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 # (head dim, mode, even Lk, dtype, pairing table, exact-loop schedule: False sequential (the
 # default), True pipelined)
 VARIANTS = {
@@ -25,30 +20,13 @@ VARIANTS = {
     "D128-hybrid-bf16-pipelined": (128, "hybrid", True, "bfloat16", True, True),
     "D64-drop-ragged-fp16-pipelined": (64, "drop", False, "float16", True, True),
 }
-SCRIPT = """
-import json, re, sys, torch
-from pisa_attn.ops.hopper.attention import compile_for_sm90
-res = {}
-for name, (d, mode, even_k, dtype, has_qpair, pipe) in json.loads(sys.argv[1]).items():
-    k = compile_for_sm90(d, mode, even_k, getattr(torch, dtype), has_qpair=has_qpair, pipeline=pipe)
-    ptx = k.asm["ptx"]
-    res[name] = dict(shared=k.metadata.shared, sm90a=".target sm_90a" in ptx,
-                     wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),
-                     tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
-                     wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
-                     setmaxnreg=len(re.findall(r"setmaxnreg", ptx)),
-                     local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)), cubin=len(k.asm["cubin"]))
-print(json.dumps(res))
-"""
 
 
 @pytest.fixture(scope="module")
 def built():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(VARIANTS)], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return build("from pisa_attn.ops.hopper.attention import compile_for_sm90",
+                 "compile_for_sm90(args[0], args[1], args[2], getattr(torch, args[3]), has_qpair=args[4], "
+                 "pipeline=args[5])", VARIANTS)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -89,6 +67,4 @@ print("built")
 
 def test_pair_stream_kernels_build_for_sm90():
     """The pairing and union kernels compile (the interpreter accepts code the compiler refuses)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", PAIRS_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0 and "built" in p.stdout, p.stderr[-4000:]
+    assert "built" in run_script(PAIRS_SCRIPT).stdout

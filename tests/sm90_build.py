@@ -1,0 +1,44 @@
+"""Cross-compiling kernels for sm_90a on a machine without a GPU (Triton ships ``ptxas``), in a
+subprocess: the test session runs Triton's interpreter (TRITON_INTERPRET=1), under which kernels
+cannot be compiled. :func:`build` returns, per variant, what the tests assert on the PTX."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
+
+_SCRIPT = """
+import json, re, sys, torch
+{imports}
+res = {{}}
+for name, args in json.loads(sys.argv[1]).items():
+    k = {call}
+    ptx = k.asm["ptx"]
+    res[name] = dict(shared=k.metadata.shared, sm90a=".target sm_90a" in ptx,
+                     fp8_wgmma=len(re.findall(r"wgmma\\.mma_async[^\\n]*\\.e4m3\\.e4m3", ptx)),
+                     wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),
+                     tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
+                     wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
+                     setmaxnreg=len(re.findall(r"setmaxnreg", ptx)),
+                     local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)), cubin=len(k.asm["cubin"]))
+print(json.dumps(res))
+"""
+
+
+def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -c script args`` without the interpreter flag; fails the test with its stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+def build(imports: str, call: str, variants: dict) -> dict:
+    """Compile every variant (``call``: an expression of ``args``, the variant's tuple) and count
+    in its PTX: wgmma (all, FP8), TMA copies, ``wait_group 1``, setmaxnreg, local loads/stores."""
+    p = run_script(_SCRIPT.format(imports=imports, call=call), json.dumps(variants))
+    return json.loads(p.stdout.strip().splitlines()[-1])
