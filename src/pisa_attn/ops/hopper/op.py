@@ -53,6 +53,15 @@ def unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
     return None
 
 
+def _pair_buffers(ws: _top.Workspace | None, stats: _top.Stats, selection: Selection):
+    """The plan's pair-stream buffers when this selection's width fits them, else None (allocated
+    per call)."""
+    if ws is None or ws.pairs is None:
+        return None
+    fits = ws.pairs[0].shape[-1] == union_width(stats.kbar.shape[2], selection.idx.shape[-1])
+    return ws.pairs if fits else None
+
+
 def attend(
     q: Tensor,
     k: Tensor,
@@ -82,11 +91,7 @@ def attend(
     if (out_dtype not in (None, q.dtype)) or _gattn.tma_unsupported_reason(q, k, v, out) is not None:
         return _top.attend(q, k, v, stats, selection, mode=mode, scale=scale, block_size=block_size,
                            n_select=n_select, out_dtype=out_dtype, alpha=alpha, out=out, lse=lse)
-    pairs = None
-    if ws is not None and ws.pairs is not None:  # the plan's pair buffers, when this selection's width fits them
-        nk = stats.kbar.shape[2]
-        if ws.pairs[0].shape[-1] == union_width(nk, selection.idx.shape[-1]):
-            pairs = ws.pairs
+    pairs = _pair_buffers(ws, stats, selection)
     return _gattn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
                             n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, lse=lse,
                             alpha=alpha, pairs=pairs)
@@ -155,11 +160,7 @@ def attend_fp8(
         raise ValueError(f"precision='fp8' needs q and out readable through TMA: {reason}")
     quant = ws.quant if isinstance(ws, Fp8Workspace) else None
     quant = _quant.quantize(k, v, stats.kbar, stats.kscale, block_size, ws=quant)
-    pairs = None
-    if ws is not None and ws.pairs is not None:
-        nk = stats.kbar.shape[2]
-        if ws.pairs[0].shape[-1] == union_width(nk, selection.idx.shape[-1]):
-            pairs = ws.pairs
+    pairs = _pair_buffers(ws, stats, selection)
     return _fp8.attention(q, quant, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
                           lk=k.shape[2], out=out, lse=lse, alpha=alpha, pairs=pairs)
 
