@@ -32,6 +32,7 @@ from .. import calibration as cal
 from .. import metrics, spec
 from ..attention import make_plan, pisa_attention
 from ..ops import reference as ref
+from ..ops.quant import fp8_pisa_forward
 from . import argtypes as at
 from .study_sources import CapturedSource, Sample, SyntheticSource, synthetic_grid
 
@@ -77,6 +78,7 @@ class StudyConfig:
     token_rows: int | None = None  # query rows sampled for per-token score histograms
     bins: int = 60
     plots: bool = True
+    fp8: bool = False  # also the default hybrid with the exact blocks in the FP8 quantised math
 
     def resolved(self) -> StudyConfig:
         """Presets filled in and every field validated (ValueError/TypeError naming the field)."""
@@ -144,6 +146,10 @@ class StudyConfig:
                     except ValueError:
                         raise ValueError(f"{name} of the synthetic source must be multiples of 64 tokens "
                                          f"(>= 64), got {n!r}") from None
+        if not isinstance(self.fp8, bool):
+            raise TypeError(f"fp8 must be a bool, got {self.fp8!r}")
+        if self.fp8 and "hybrid" not in self.modes:
+            raise ValueError(f"fp8 adds a variant of the default hybrid: it needs 'hybrid' in modes, got {self.modes!r}")
         if any(w not in WEIGHTS for w in self.weights):
             raise ValueError(f"weights must be a subset of {WEIGHTS}, got {self.weights!r}")
         if self.calib_source is not None and (self.source == "synthetic" or not os.path.isfile(self.calib_source)):
@@ -245,6 +251,20 @@ class _Study:
                     rel[name].append(metrics.rel_l1(out, exact))
                     rel_head[name].append(metrics.rel_l1_per_head(out, exact).tolist())
                     self._tick(f"{name} d={d:g} L={s.length}")
+        if self.cfg.fp8 and weighted and "hybrid" in modes:
+            # The default hybrid (alpha = spec.DEFAULT_ALPHA) with the exact blocks' Q·Kᵀ and P·V in
+            # FP8 e4m3, as ops/quant.py states the Hopper kernel's math (PyTorch, any device).
+            alpha = torch.full((q.shape[1],), spec.DEFAULT_ALPHA, dtype=torch.float32, device=q.device)
+            for c in covs:
+                name = variant("hybrid-fp8", c)
+                rel[name], rel_head[name] = [], []
+                for d in densities:
+                    out, _ = fp8_pisa_forward(q, s.k, s.v, stats.kmean, stats.vsum, stats.hbar, sels[(d, c)].selected,
+                                              mode="hybrid", scale=q.shape[-1] ** -0.5, block_size=bs, alpha=alpha)
+                    out = out[:, :, cut]
+                    rel[name].append(metrics.rel_l1(out, exact))
+                    rel_head[name].append(metrics.rel_l1_per_head(out, exact).tolist())
+                    self._tick(f"{name} d={d:g} L={s.length}")
         return {"rel_l1": rel, "rel_l1_per_head": rel_head, "tail": tail, "estimate": estimate, "sels": sels,
                 "alpha": alphas, "partner": None if partner is None else partner.name}
 
@@ -263,7 +283,7 @@ class _Study:
         reuse = len(tiled) == len(fixed) and set(cfg.tiling_modes) <= set(cfg.modes)
         if "calibrated" in cfg.weights and "hybrid" in cfg.modes:
             self.partners = source.calibration(cfg.calib_source) if cfg.calib_source else source.calibration()
-        n_var = (len(cfg.modes) + len(self.weighted(cfg.modes))) * len(self.covs)
+        n_var = (len(cfg.modes) + len(self.weighted(cfg.modes)) + int(cfg.fp8)) * len(self.covs)
         total = len(fixed) * (1 + n_var * len(cfg.densities))
         total += sum(len(ss) for _, ss in sweep if not self._reuses(ss, fixed)) * (1 + n_var)
         total += len(tiled) * (1 + len(cfg.tiling_modes) * len(cfg.densities)) * (1 if reuse else 2)
@@ -607,6 +627,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots", dest="plots", action="store_true", default=None,
                    help="draw the PNG plots (needs matplotlib; default: when matplotlib is installed)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="write study.json only")
+    p.add_argument("--fp8", action="store_true",
+                   help="also the default hybrid with its exact blocks in FP8 e4m3 (precision='fp8''s math, "
+                        "ops/quant.py), beside the input precision")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=_cmd)
 
