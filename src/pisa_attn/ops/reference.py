@@ -245,12 +245,7 @@ def pisa_forward(
     yields a partial result that merges with others exactly through the returned LSE (the
     numerator and denominator are both sums over key blocks).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if hbar_scope not in spec.HBAR_SCOPES:
-        raise ValueError(f"hbar_scope must be one of {spec.HBAR_SCOPES}, got {hbar_scope!r}")
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    spread = _spread_stats(stats, mode, tail_spread, q.shape[1], dtype)
+    dtype, spread = _tail_setup(q, stats, mode, hbar_scope, tail_spread)
     b, h, lq, d = q.shape
     lk = k.shape[2]
     nq = num_blocks(lq, block_size)
@@ -353,12 +348,7 @@ def row_terms(qr: Tensor, k: Tensor, v: Tensor, stats: BlockStats, exact: Tensor
     Computed in float32 (float64 for float64 inputs), in chunks of rows like :func:`pisa_forward`
     (``tail_spread`` as there).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if hbar_scope not in spec.HBAR_SCOPES:
-        raise ValueError(f"hbar_scope must be one of {spec.HBAR_SCOPES}, got {hbar_scope!r}")
-    dtype = torch.float64 if qr.dtype == torch.float64 else torch.float32
-    spread = _spread_stats(stats, mode, tail_spread, qr.shape[1], dtype)
+    dtype, spread = _tail_setup(qr, stats, mode, hbar_scope, tail_spread)
     b, h, r, d = qr.shape
     lk = k.shape[2]
     kx, vx = expand_kv_heads(k, h), expand_kv_heads(v, h)
@@ -379,6 +369,17 @@ def row_terms(qr: Tensor, k: Tensor, v: Tensor, stats: BlockStats, exact: Tensor
     o0 = torch.cat([x[0] for x in parts], dim=2)
     c = None if parts[0][1] is None else torch.cat([x[1] for x in parts], dim=2)
     return o0, c, torch.cat([x[2] for x in parts], dim=2)
+
+
+def _tail_setup(q: Tensor, stats: BlockStats, mode: str, hbar_scope: str, tail_spread: str):
+    """The checks and working precision shared by :func:`pisa_forward` and :func:`row_terms`:
+    ``(dtype, spread statistics)`` (float64 for float64 queries, else float32)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if hbar_scope not in spec.HBAR_SCOPES:
+        raise ValueError(f"hbar_scope must be one of {spec.HBAR_SCOPES}, got {hbar_scope!r}")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return dtype, _spread_stats(stats, mode, tail_spread, q.shape[1], dtype)
 
 
 def _spread_stats(stats: BlockStats, mode: str, tail_spread: str, heads: int, dtype):
