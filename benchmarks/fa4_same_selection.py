@@ -1,0 +1,178 @@
+"""FlashAttention-4's block-sparse forward and pisa-attn's Hopper attend on ONE selection, cuDNN SDPA in
+the same run.
+
+For each length and input (Gaussian q/k/v and the DiT-like generator; B2-H16-D128 bf16, density 12.5 %)
+the paper's top-k selection is computed once by pisa-attn's select stage and handed to both kernels:
+
+* ``fa4_bs64x64``: FA4 (``flash_attn.cute``) with 64 x 64 sparse blocks, the selection as its "full"
+  block list (the form its SM90 path compiles), on ``[B, L, H, D]`` copies of q/k/v;
+* ``pisa_drop`` / ``pisa_hybrid``: pisa-attn's Hopper attend kernel alone (pair stream included) in
+  keep-or-drop and hybrid mode, on ``[B, H, L, D]``;
+* ``pisa_call``: the whole default hybrid call (``plan``/``run``: statistics, selection, attend);
+* ``cudnn``: dense SDPA with the cuDNN backend.
+
+FA4 and pisa keep-or-drop compute the same exact attention over the same blocks, so their outputs are
+compared (rel-L1 on every row). ``share`` is the share of cuDNN's throughput on the computed blocks
+(``computed fraction · t_cuDNN / t``). FA4 comes from a ``pip install --target`` folder (``--site``,
+see ``../shared/tools/side_by_side.py`` for carrying its wheels); its ``.pth`` files are run here.
+
+    PYTHONPATH=src python3 benchmarks/fa4_same_selection.py --site /tmp/site --out $OUT/fa4_same_selection.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import site
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+B, H, D = 2, 16, 128
+DIT_GRIDS = {4096: (1, 64, 64), 8192: (2, 64, 64), 16384: (4, 64, 64), 32768: (8, 64, 64), 65536: (16, 64, 64)}
+
+
+def add_site(path: str | None) -> None:
+    """A ``--target`` install is not a site dir: run its ``.pth`` files (nvidia-cutlass-dsl puts its
+    ``dsl_packages`` on ``sys.path`` from one)."""
+    if path:
+        site.addsitedir(path)
+    for d in list(sys.path):
+        pk = os.path.join(d, "nvidia_cutlass_dsl", "dsl_packages")
+        if os.path.isdir(pk) and pk not in sys.path:
+            sys.path.insert(0, pk)
+
+
+def ms(fn, est_ms: float = 1.0) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=max(25, 3 * est_ms), rep=max(100, 12 * est_ms), return_mode="median")
+
+
+def qkv(source: str, L: int):
+    from pisa_attn import data
+
+    if source == "random":
+        g = torch.Generator(device="cuda").manual_seed(L)
+        return tuple(torch.randn(B, H, L, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    d = data.dit_qkv(DIT_GRIDS[L], heads=H, head_dim=D, batch=1, seed=L, dtype=torch.bfloat16, device="cuda")
+    return tuple(x.expand(B, -1, -1, -1).contiguous() for x in (d.q, d.k, d.v))
+
+
+def rel_l1(a, b) -> float:
+    return ((a.float() - b.float()).abs().sum() / b.float().abs().sum()).item()
+
+
+def bench(L: int, source: str, density: float, t_cudnn: float) -> dict:
+    from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    from pisa_attn import PisaSettings, plan, run, spec
+    from pisa_attn.attention import get_backend
+    from pisa_attn.ops.hopper import attention as gattn
+
+    q, k, v = qkv(source, L)
+    scale = D ** -0.5
+    be = get_backend("hopper")
+    stats = be.prepare(q, k, v, 64)
+    nk = stats.kbar.shape[2]
+    n_sel = spec.num_selected(density, nk)
+    sel = be.select(stats.qmean, stats.kmean, n_select=n_sel, width=spec.selection_width(nk, n_sel, 0), scale=scale)
+    if not bool((sel.cnt == n_sel).all()):
+        raise RuntimeError("top-k selection with uneven counts: FA4's list needs one count per row here")
+    idx = sel.idx[..., :n_sel].sort(dim=-1).values.to(torch.int32).contiguous()
+    nq = idx.shape[2]
+    frac = n_sel / nk
+    row = dict(L=L, source=source, density=density, n_select=n_sel, computed_fraction=frac, cudnn_ms=t_cudnn)
+    est = t_cudnn * frac
+
+    # FA4 on the same blocks, "full" list (no mask_mod); [B, L, H, D] copies.
+    qf, kf, vf = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    zc = torch.zeros((B, H, nq), dtype=torch.int32, device="cuda")
+    zi = torch.zeros((B, H, nq, 1), dtype=torch.int32, device="cuda")
+    cnt = torch.full((B, H, nq), n_sel, dtype=torch.int32, device="cuda")
+    bst = BlockSparseTensorsTorch(mask_block_cnt=zc, mask_block_idx=zi, full_block_cnt=cnt, full_block_idx=idx,
+                                  block_size=(64, 64))
+    of = torch.empty_like(qf)
+    lf = torch.empty((B, H, L), device="cuda", dtype=torch.float32)
+
+    def fa4():
+        _flash_attn_fwd(qf, kf, vf, softmax_scale=scale, block_sparse_tensors=bst, return_lse=True, out=of, lse=lf)
+
+    fa4()
+    torch.cuda.synchronize()
+    row["fa4_bs64x64_ms"] = ms(fa4, est)
+
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    for mode in ("drop", "hybrid"):
+        fn = (lambda m=mode: gattn.attention(q, k, v, *stats.tail(), *sel, mode=m, scale=scale, block_size=64,
+                                             n_select=n_sel, out=out, lse=lse))
+        fn()
+        torch.cuda.synchronize()
+        if mode == "drop":
+            row["rel_l1_fa4_vs_pisa_drop"] = rel_l1(of.transpose(1, 2), out)
+            row["lse_max_abs_diff"] = (lf - lse).abs().max().item()
+        row[f"pisa_{mode}_ms"] = ms(fn, est)
+    p = plan(q, k, PisaSettings(density=density, backend="hopper"))
+    call_out = torch.empty_like(q)
+    run(p, q, k, v, out=call_out)
+    torch.cuda.synchronize()
+    row["pisa_call_ms"] = ms(lambda: run(p, q, k, v, out=call_out), est)
+    for name in ("fa4_bs64x64", "pisa_drop"):
+        row[f"{name}_share"] = frac * t_cudnn / row[f"{name}_ms"]
+    for name in ("fa4_bs64x64", "pisa_drop", "pisa_hybrid", "pisa_call"):
+        row[f"{name}_speedup"] = t_cudnn / row[f"{name}_ms"]
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 32768, 65536])
+    ap.add_argument("--sources", nargs="+", default=["random", "dit"])
+    ap.add_argument("--density", type=float, default=0.125)
+    ap.add_argument("--site", default=None, help="pip --target folder holding flash-attn-4 and its dependencies")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fa4_same_selection.json"))
+    a = ap.parse_args()
+    add_site(a.site)
+    import flash_attn
+    import triton
+
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               cudnn=torch.backends.cudnn.version(), flash_attn=getattr(flash_attn, "__version__", "?"),
+               B=B, H=H, D=D, rows=[])
+    for L in a.lengths:
+        q, k, v = qkv("random", L)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            t_cudnn = ms(lambda: F.scaled_dot_product_attention(q, k, v), 2.5e-8 * L * L)
+        del q, k, v
+        for source in a.sources:
+            try:
+                row = bench(L, source, a.density, t_cudnn)
+            except Exception as e:  # one failing case costs one row, not the run
+                row = dict(L=L, source=source, error=f"{type(e).__name__}: {e}"[:300])
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\n{res['device']}, torch {res['torch']}, triton {res['triton']}, flash-attn {res['flash_attn']}")
+    print(f"{'L':>6} {'input':>7} {'cuDNN':>8} {'FA4 64x64':>15} {'pisa drop':>15} {'pisa hybrid':>12} "
+          f"{'pisa call':>12} {'FA4-pisa rL1':>12}")
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['L']:>6} {r['source']:>7} ERROR {r['error'][:80]}")
+            continue
+        print(f"{r['L']:>6} {r['source']:>7} {r['cudnn_ms']:>8.3f} "
+              f"{r['fa4_bs64x64_ms']:>7.3f} ({r['fa4_bs64x64_share']:.2f}) {r['pisa_drop_ms']:>7.3f} ({r['pisa_drop_share']:.2f}) "
+              f"{r['pisa_hybrid_ms']:>7.3f} {r['pisa_hybrid_speedup']:>3.1f}x {r['pisa_call_ms']:>7.3f} {r['pisa_call_speedup']:>3.1f}x "
+              f"{r['rel_l1_fa4_vs_pisa_drop']:>12.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
