@@ -138,11 +138,13 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fa4_same_selection.json"))
     a = ap.parse_args()
     add_site(a.site)
-    import flash_attn
+    from importlib.metadata import version
+
     import triton
 
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               cudnn=torch.backends.cudnn.version(), flash_attn=getattr(flash_attn, "__version__", "?"),
+               cudnn=torch.backends.cudnn.version(), flash_attn=version("flash-attn-4"),
+               cutlass_dsl=version("nvidia-cutlass-dsl"),
                B=B, H=H, D=D, rows=[])
     for L in a.lengths:
         q, k, v = qkv("random", L)
