@@ -189,5 +189,6 @@ def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int
     v8t, tau = (ws.v8t, ws.tau) if with_v else (ws.k8, ws.sigma)
     _launch_quant((k.dtype, v.dtype, block_size, d, qk_fmt, with_v, spec_class(k, v, *strides)), (b * hk * nk,),
                   (k, v, ws.mu, vmax, ws.k8, ws.sigma, v8t, tau, *strides, hk, lk, nk * block_size, nk),
-                  dict(BS=block_size, D=d, K_INT8=qk_fmt == "int8", WITH_V=with_v), num_warps=4 if d <= 64 else 8)
+                  dict(BS=block_size, D=d, K_INT8=qk_fmt == "int8", WITH_V=with_v), num_warps=4 if d <= 64 else 8,
+                  enable_fp_fusion=False)  # each rounding where the reference has it (no a·b + 0.5 in one FMA)
     return ws
