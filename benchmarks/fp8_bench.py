@@ -193,6 +193,54 @@ def accuracy(density: float, qkv_file: str | None, precisions=LOWP) -> list[dict
     return rows
 
 
+def sweep(L: int, density: float, precisions=LOWP) -> dict:
+    """The exact phase (drop and hybrid attend, same selection) per precision under schedule
+    variants of the low-precision kernel: the default, the pipelined loop, P·V accumulated in the
+    wgmma, and other ring depths for P·V in the input dtype."""
+    from pisa_attn.ops.hopper import fp8 as lowk
+    from pisa_attn.ops.triton.quantize import quantize
+    from pisa_attn.spec import PRODUCT_FORMATS
+
+    g = torch.Generator(device="cuda").manual_seed(L)
+    q, k, v = (torch.randn(2, 16, L, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    hop = get_backend("hopper")
+    p = plan(q, k, PisaSettings(density=density, backend="hopper"))
+    _, sel = run(p, q, k, v, out=out, return_selection=True)
+    stats = hop.prepare(q, k, v, 64)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    res = dict(L=L)
+    for mode in ("drop", "hybrid"):
+        res[f"input_{mode}_ms"] = bench_ms(lambda m=mode: hop.attend(
+            q, k, v, stats, sel, mode=m, scale=128 ** -0.5, block_size=64, out=out, lse=lse))
+    variants = {"default": {}, "pipelined": dict(pipeline=True), "pv_accumulate": dict(pv_accumulate=True)}
+    for prec in precisions:
+        qz = quantize(k, v, stats.kbar, stats.kscale, 64, precision=prec)
+        vv = v if PRODUCT_FORMATS[prec][1] == "input" else None
+        vs = dict(variants)
+        if vv is not None:
+            vs.update({"stages_2_3": dict(stages=(2, 3), modes=("hybrid",)), "stages_5_1": dict(stages=(5, 1), modes=("drop",)),
+                       "pv_accumulate_stages_5_1": dict(pv_accumulate=True, stages=(5, 1), modes=("drop",))})
+        for name, kw in vs.items():
+            kw = dict(kw)
+            modes = kw.pop("modes", ("drop", "hybrid"))
+            for mode in modes:
+                try:
+                    t = bench_ms(lambda m=mode, kw=kw: lowk.attention(
+                        q, qz, *stats.tail(), *sel, mode=m, scale=128 ** -0.5, block_size=64, lk=L, out=out,
+                        lse=lse, v=vv, **kw))
+                except Exception as e:  # a variant that does not build or fit is reported, not fatal
+                    print(f"sweep {prec} {name} {mode}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                res[f"{prec}_{name}_{mode}_ms"] = t
+                print(f"sweep L={L} {prec:8s} {name:26s} {mode:6s} {t:.3f} ms ({res[f'input_{mode}_ms'] / t:.2f}x "
+                      f"the bf16 kernel {res[f'input_{mode}_ms']:.3f})", flush=True)
+        del qz
+    del q, k, v, out, stats
+    torch.cuda.empty_cache()
+    return res
+
+
 def table(res) -> None:
     """The short summary, printed last."""
     precs = res["precisions"]
@@ -216,6 +264,8 @@ def main(argv=None):
     ap.add_argument("--speed-only", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")
     ap.add_argument("--precisions", nargs="+", default=list(LOWP), choices=LOWP)
+    ap.add_argument("--sweep", type=int, default=None, metavar="L",
+                    help="also time the exact phase under schedule variants at length L")
     ap.add_argument("--ncu", type=int, default=None, metavar="L",
                     help="only run one hybrid call per precision (input first) at length L (for ncu)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_bench.json"))
@@ -238,6 +288,8 @@ def main(argv=None):
         res["magnitude"] = magnitude_check(a.precisions)
     if not a.accuracy_only:
         res["speed"] = speed(a.lengths, a.density, a.precisions)
+    if a.sweep:
+        res["sweep"] = sweep(a.sweep, a.density, a.precisions)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -19,7 +19,7 @@ fi
 if [[ " $STEPS " == *" ncu "* ]]; then
   # the two attention kernels at one length: bound by what (SOL), memory, warp stalls
   timeout "${NCU_TIMEOUT:-200}" ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-    --section ComputeWorkloadAnalysis -k regex:"pair_attn|fp8_pair" -c 2 python3 benchmarks/fp8_bench.py --ncu "${NCU_LENGTH:-32768}" \
+    --section ComputeWorkloadAnalysis -k regex:"pair_attn|fp8_pair" -c "${NCU_COUNT:-2}" python3 benchmarks/fp8_bench.py --ncu "${NCU_LENGTH:-32768}" ${NCU_ARGS:-} \
     2>&1 | tee "$OUT/fp8_ncu.log" || rc=1
 fi
 echo "=== summary ==="

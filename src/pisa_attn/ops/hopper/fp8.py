@@ -92,13 +92,14 @@ def _pv_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PV_FP8: gl.const
 
 
 @gluon.jit
-def _pv_issue(pa, v_slot, zero, PV_FP8: gl.constexpr, BS: gl.constexpr):
-    """One exact block's P·V from zero, issued: against the transposed e4m3 tile or ``v``'s own."""
+def _pv_issue(pa, v_slot, acc, PV_FP8: gl.constexpr, BS: gl.constexpr, USE_ACC: gl.constexpr = False):
+    """One exact block's P·V, issued (from zero, or into ``acc`` with ``USE_ACC``): against the
+    transposed e4m3 tile or ``v``'s own."""
     if PV_FP8:
-        return warpgroup_mma(pa, v_slot.permute((1, 0)), zero, use_acc=False, is_async=True,
+        return warpgroup_mma(pa, v_slot.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True,
                              max_num_imprecise_acc=BS)
     else:
-        return warpgroup_mma(pa, v_slot, zero, use_acc=False, is_async=True)
+        return warpgroup_mma(pa, v_slot, acc, use_acc=USE_ACC, is_async=True)
 
 
 @gluon.jit
@@ -165,7 +166,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
-              LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV_FP8: gl.constexpr):
+              LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV_FP8: gl.constexpr,
+              PV_ACC: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -287,12 +289,17 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
                                                       EVEN_K)
                 p8 = _pv_operand(p, q_s.dtype, p8_layout, PV_FP8)
-                # Each block's P·V starts from zero and is added in float32, so the accumulator's
-                # rescale runs while the tensor cores compute the product (and no FP8 sum spans
-                # more than one block).
-                pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV_FP8, BS)
-                acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
-                acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                if PV_ACC:  # the input kernel's way: rescale, then accumulate in the wgmma
+                    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                    acc = _pv_issue(p8, v_bufs.index(s), acc, PV_FP8, BS, True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                else:
+                    # Each block's P·V starts from zero and is added in float32, so the
+                    # accumulator's rescale runs while the tensor cores compute the product (and
+                    # no FP8 sum spans more than one block).
+                    pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV_FP8, BS)
+                    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                    acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             mbarrier.arrive(empty.index(s), count=1)
 
     # The exact blocks' numerator back in value units (τ / 256 per channel, or 1 / 256), then the
@@ -383,7 +390,7 @@ def _fp8_pair_kernel(
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
-    QK_INT8: gl.constexpr, PV_FP8: gl.constexpr,
+    QK_INT8: gl.constexpr, PV_FP8: gl.constexpr, PV_ACC: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -440,12 +447,12 @@ def _fp8_pair_kernel(
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                      qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV_FP8)),
+                     QK_INT8, PV_FP8, PV_ACC)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                      qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV_FP8)),
+                     QK_INT8, PV_FP8, PV_ACC)),
     ], [4, 4], [240, 240])
 
 
@@ -466,6 +473,9 @@ HEAD_DIMS = (64, 128)
 # The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
 # loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
 PIPELINE = False
+# The sequential loop's P·V: False from zero, added in float32 (FP8 4.25 -> 4.04 ms at 32K against
+# accumulating in the wgmma); True into the accumulator, as the input-precision kernel.
+PV_ACCUMULATE = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
               torch.int8: gl.int8}
 
@@ -484,14 +494,15 @@ def attention(
     *, mode: str, scale: float, block_size: int, lk: int,
     out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
     pairs: tuple[Tensor, ...] | None = None, stages: tuple[int, int] | None = None,
-    pipeline: bool | None = None, v: Tensor | None = None,
+    pipeline: bool | None = None, v: Tensor | None = None, pv_accumulate: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The low-precision pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
     ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
     of ``Q·Kᵀ``) and values (``lk`` the true key count), the statistics' tail terms as
     :func:`.attention.attention` takes them; (out, lse) out. ``v``: the ``[B, Hk, Lk, D]`` values
     for ``P·V`` in the input dtype (then ``quant`` holds no value copy), None for e4m3 ``P·V``.
-    ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`)."""
+    ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: the
+    sequential loop's P·V (None: :data:`PV_ACCUMULATE`)."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
@@ -518,9 +529,10 @@ def attention(
     scalars = (kscale, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu,
                h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     pipe = PIPELINE if pipeline is None else bool(pipeline)
+    pv_acc = PV_ACCUMULATE if pv_accumulate is None else bool(pv_accumulate)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
-                      PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8,
+                      PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -552,7 +564,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     st, tst = stages or (STAGES if pv_fp8 else STAGES_V16)[d, mode != "drop"]
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), PIPELINE=PIPELINE if pipeline is None else bool(pipeline),
-                      QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8)
+                      QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE)
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}
