@@ -468,14 +468,18 @@ def _fp8_pair_kernel(
 # P·V in the input dtype (``"int8"``) takes a 16-bit V tile per slot (24 KB at D=128 instead of
 # 16): fewer slots in the same room.
 STAGES = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (5, 2), (128, False): (8, 1)}
-STAGES_V16 = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 2), (128, False): (7, 1)}
+# At D=128 in drop mode 5 slots measured faster than 7 (exact phase 4.34 -> 4.24 ms at 32K,
+# results/h100_fp8_sweep.json); 4 with a tail do not fit.
+STAGES_V16 = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 2), (128, False): (5, 1)}
 HEAD_DIMS = (64, 128)
 # The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
 # loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
 PIPELINE = False
-# The sequential loop's P·V: False from zero, added in float32 (FP8 4.25 -> 4.04 ms at 32K against
-# accumulating in the wgmma); True into the accumulator, as the input-precision kernel.
-PV_ACCUMULATE = False
+# The sequential loop's P·V per format (key: P·V in e4m3): from zero and added in float32 (False),
+# or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
+# 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
+# accumulator 4.34 vs 4.57 ms.
+PV_ACCUMULATE = {True: False, False: True}
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
               torch.int8: gl.int8}
 
@@ -502,7 +506,7 @@ def attention(
     :func:`.attention.attention` takes them; (out, lse) out. ``v``: the ``[B, Hk, Lk, D]`` values
     for ``P·V`` in the input dtype (then ``quant`` holds no value copy), None for e4m3 ``P·V``.
     ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: the
-    sequential loop's P·V (None: :data:`PV_ACCUMULATE`)."""
+    sequential loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format)."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
@@ -529,7 +533,7 @@ def attention(
     scalars = (kscale, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu,
                h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     pipe = PIPELINE if pipeline is None else bool(pipeline)
-    pv_acc = PV_ACCUMULATE if pv_accumulate is None else bool(pv_accumulate)
+    pv_acc = PV_ACCUMULATE[pv_fp8] if pv_accumulate is None else bool(pv_accumulate)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
                       PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc)
     key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc,
@@ -564,7 +568,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     st, tst = stages or (STAGES if pv_fp8 else STAGES_V16)[d, mode != "drop"]
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), PIPELINE=PIPELINE if pipeline is None else bool(pipeline),
-                      QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE)
+                      QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE[pv_fp8])
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}
