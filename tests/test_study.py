@@ -172,6 +172,21 @@ def test_low_precision_variants_beside_the_default():
         StudyConfig(precisions=("int4",)).resolved()
 
 
+def test_cli_precision_flags(tmp_path):
+    """--precision is repeatable and --fp8 still adds hybrid-fp8."""
+    parser = argparse.ArgumentParser(prog="pisa-attn")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["study", "--size", "tiny", "--out", str(tmp_path), "--modes", "hybrid",
+                              "--no-covariance", "--weights", "default", "--densities", "0.25", "--length", "256",
+                              "--lengths", "256", "--heads", "2", "--no-plots", "--no-progress",
+                              "--precision", "int8", "--precision", "int8-fp8", "--fp8"])
+    assert args.func(args) == 0
+    r = json.loads((tmp_path / "study.json").read_text())
+    assert r["variants"] == ["hybrid", "hybrid-default", "hybrid-fp8", "hybrid-int8", "hybrid-int8-fp8"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["study", "--precision", "input"])
+
+
 @pytest.mark.parametrize(
     "kwargs, word",
     [
