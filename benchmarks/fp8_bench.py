@@ -1,16 +1,18 @@
-"""``precision="fp8"`` against the bf16 Hopper kernel and cuDNN, in one run on one GPU.
+"""The low precisions (``fp8``, ``int8-fp8``, ``int8``) against the bf16 Hopper kernel and cuDNN,
+in one run on one GPU.
 
     PYTHONPATH=src python3 benchmarks/fp8_bench.py --out benchmarks/results/h100_fp8.json
-        [--lengths 4096 32768 65536] [--accuracy-only | --speed-only]
+        [--lengths 4096 32768 65536] [--precisions fp8 int8-fp8 int8] [--accuracy-only | --speed-only]
 
 Speed (B2-H16-D128 bf16, Gaussian q/k/v, density 12.5 %, device ms by ``triton.testing.do_bench``,
-median, L2 flushed before each call): cuDNN SDPA; whole planned calls (``run``) of bf16 and FP8
-PISA, hybrid and drop, at the default settings (covariance-aware selection); the exact phase alone
-on one selection: the bf16 pair kernel, the FP8 pair kernel (quantised K/V given), the quantisation
-pass, both in drop mode (exact blocks only) and hybrid mode (with the tail).
-Accuracy: rel-L1 against float64 dense attention of bf16 and FP8 PISA (hybrid, 12.5 %) on
+median, L2 flushed before each call): cuDNN SDPA; whole planned hybrid calls (``run``) per
+precision at the default settings (covariance-aware selection); the exact phase alone on one
+selection: the bf16 pair kernel and the low-precision pair kernel (quantised K/V given) in drop
+mode (exact blocks only) and hybrid mode (with the tail), and the quantisation pass.
+Accuracy: rel-L1 and 1 − cos against float64 dense attention per precision (hybrid, 12.5 %) on
 DiT-like inputs (:func:`pisa_attn.data.dit_qkv`), Gaussian inputs and the real DINOv2 layers in
-``--qkv-file`` (each on its own selection; the FP8-vs-bf16 difference on the FP8 run's selection).
+``--qkv-file`` (each on its own selection; the growth over input-precision PISA also on the same
+selection); no NaN/inf at 10x and 30x DiT-like q/k. A short table is printed last.
 """
 
 from __future__ import annotations
@@ -65,9 +67,14 @@ def kernel_times(fn, n: int) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def speed(lengths, density: float) -> list[dict]:
-    from pisa_attn.ops.hopper import fp8 as fp8k
+LOWP = ("fp8", "int8-fp8", "int8")
+PRECISIONS = ("input", *LOWP)
+
+
+def speed(lengths, density: float, precisions=LOWP) -> list[dict]:
+    from pisa_attn.ops.hopper import fp8 as lowk
     from pisa_attn.ops.triton.quantize import quantize
+    from pisa_attn.spec import PRODUCT_FORMATS
 
     rows = []
     hop = get_backend("hopper")
@@ -78,93 +85,175 @@ def speed(lengths, density: float) -> list[dict]:
         row = dict(L=L)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             row["cudnn_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v))
-        sels = {}
-        for prec in ("input", "fp8"):
-            for mode in ("hybrid", "drop"):
-                p = plan(q, k, PisaSettings(density=density, mode=mode, backend="hopper", precision=prec))
-                _, sel = run(p, q, k, v, out=out, return_selection=True)
-                sels[mode] = sel
-                row[f"{prec}_{mode}_ms"] = bench_ms(lambda p=p: run(p, q, k, v, out=out))
-                row[f"{prec}_{mode}_x_cudnn"] = row["cudnn_ms"] / row[f"{prec}_{mode}_ms"]
-        # The exact phase alone, on one selection (the bf16 hybrid plan's, with its statistics).
+        sel = None
+        for prec in ("input", *precisions):  # whole planned hybrid calls
+            p = plan(q, k, PisaSettings(density=density, mode="hybrid", backend="hopper", precision=prec))
+            _, s_ = run(p, q, k, v, out=out, return_selection=True)
+            sel = s_ if prec == "input" else sel
+            row[f"{prec}_hybrid_ms"] = bench_ms(lambda p=p: run(p, q, k, v, out=out))
+            row[f"{prec}_hybrid_x_cudnn"] = row["cudnn_ms"] / row[f"{prec}_hybrid_ms"]
+        # The exact phase alone, on one selection (the bf16 hybrid plan's, with its statistics):
+        # drop mode = exact blocks only, hybrid = with the tail; low precision without its pass.
         stats = hop.prepare(q, k, v, 64)
         scale = 128 ** -0.5
-        qz = quantize(k, v, stats.kbar, stats.kscale, 64)
         lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-        row["quantize_ms"] = bench_ms(lambda: quantize(k, v, stats.kbar, stats.kscale, 64, ws=qz))
         for mode in ("drop", "hybrid"):
-            sel = sels["hybrid"]
-            row[f"attend_bf16_{mode}_ms"] = bench_ms(lambda m=mode: hop.attend(
+            row[f"attend_input_{mode}_ms"] = bench_ms(lambda m=mode: hop.attend(
                 q, k, v, stats, sel, mode=m, scale=scale, block_size=64, out=out, lse=lse))
-            row[f"attend_fp8_kernel_{mode}_ms"] = bench_ms(lambda m=mode: fp8k.attention(
-                q, qz, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, lk=L, out=out, lse=lse))
-            row[f"attend_fp8_speedup_{mode}"] = row[f"attend_bf16_{mode}_ms"] / row[f"attend_fp8_kernel_{mode}_ms"]
-            row[f"attend_fp8_with_quantize_speedup_{mode}"] = row[f"attend_bf16_{mode}_ms"] / (
-                row[f"attend_fp8_kernel_{mode}_ms"] + row["quantize_ms"])
-        # Where an FP8 hybrid call's GPU time goes, kernel by kernel (torch.profiler, 10 calls).
-        p = plan(q, k, PisaSettings(density=density, backend="hopper", precision="fp8"))
-        row["fp8_hybrid_kernels_ms"] = kernel_times(lambda: run(p, q, k, v, out=out), 10)
-        p = plan(q, k, PisaSettings(density=density, backend="hopper"))
-        row["input_hybrid_kernels_ms"] = kernel_times(lambda: run(p, q, k, v, out=out), 10)
+        for prec in precisions:
+            qz = quantize(k, v, stats.kbar, stats.kscale, 64, precision=prec)
+            vv = v if PRODUCT_FORMATS[prec][1] == "input" else None
+            row[f"quantize_{prec}_ms"] = bench_ms(lambda qz=qz, prec=prec: quantize(
+                k, v, stats.kbar, stats.kscale, 64, ws=qz, precision=prec))
+            for mode in ("drop", "hybrid"):
+                t = bench_ms(lambda m=mode, qz=qz, vv=vv: lowk.attention(
+                    q, qz, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, lk=L, out=out, lse=lse, v=vv))
+                row[f"attend_{prec}_{mode}_ms"] = t
+                row[f"attend_{prec}_{mode}_speedup"] = row[f"attend_input_{mode}_ms"] / t
+                row[f"attend_{prec}_{mode}_with_quantize_speedup"] = row[f"attend_input_{mode}_ms"] / (
+                    t + row[f"quantize_{prec}_ms"])
+            del qz
+        # Where a hybrid call's GPU time goes, kernel by kernel (torch.profiler, 10 calls).
+        for prec in ("input", *precisions):
+            p = plan(q, k, PisaSettings(density=density, backend="hopper", precision=prec))
+            row[f"{prec}_hybrid_kernels_ms"] = kernel_times(lambda p=p: run(p, q, k, v, out=out), 10)
         rows.append(row)
-        calls = " | ".join(f"{name} hybrid {row[f'{prec}_hybrid_ms']:.3f} ({row[f'{prec}_hybrid_x_cudnn']:.2f}x) drop "
-                           f"{row[f'{prec}_drop_ms']:.3f} ({row[f'{prec}_drop_x_cudnn']:.2f}x)"
-                           for name, prec in (("bf16", "input"), ("fp8", "fp8")))
-        print(f"L={L:6d} cuDNN {row['cudnn_ms']:.3f} ms | {calls}", flush=True)
-        print(f"         exact phase (drop) bf16 {row['attend_bf16_drop_ms']:.3f} fp8 "
-              f"{row['attend_fp8_kernel_drop_ms']:.3f} ({row['attend_fp8_speedup_drop']:.2f}x) | attend hybrid bf16 "
-              f"{row['attend_bf16_hybrid_ms']:.3f} fp8 "
-              f"{row['attend_fp8_kernel_hybrid_ms']:.3f} ({row['attend_fp8_speedup_hybrid']:.2f}x) | quantize "
-              f"{row['quantize_ms']:.3f}", flush=True)
-        for name, prec in (("fp8", "fp8"), ("bf16", "input")):
-            kernels = row[f"{prec}_hybrid_kernels_ms"].items()
-            print(f"         {name} hybrid kernels (ms): " + ", ".join(f"{k_} {t:.3f}" for k_, t in kernels))
-        del q, k, v, out, stats, qz
+        print(f"L={L:6d} cuDNN {row['cudnn_ms']:.3f} ms | whole hybrid: " + " | ".join(
+            f"{prec} {row[f'{prec}_hybrid_ms']:.3f} ({row[f'{prec}_hybrid_x_cudnn']:.2f}x)"
+            for prec in ("input", *precisions)), flush=True)
+        for mode in ("drop", "hybrid"):
+            print(f"         attend {mode}: input {row[f'attend_input_{mode}_ms']:.3f} | " + " | ".join(
+                f"{prec} {row[f'attend_{prec}_{mode}_ms']:.3f} ({row[f'attend_{prec}_{mode}_speedup']:.2f}x)"
+                for prec in precisions), flush=True)
+        print("         quantisation pass: " + " | ".join(f"{prec} {row[f'quantize_{prec}_ms']:.3f}"
+                                                         for prec in precisions), flush=True)
+        for prec in ("input", *precisions):
+            kernels = list(row[f"{prec}_hybrid_kernels_ms"].items())[:6]
+            print(f"         {prec} hybrid kernels (ms): " + ", ".join(f"{k_} {t:.3f}" for k_, t in kernels))
+        del q, k, v, out, stats
         torch.cuda.empty_cache()
     return rows
 
 
-def _accuracy_case(name, q, k, v, scale, density) -> dict:
+def _accuracy_case(name, q, k, v, scale, density, precisions=LOWP) -> dict:
     truth = dense64(q, k, v, scale)
     res = dict(case=name, shape=list(q.shape), kv_heads=k.shape[1])
-    outs = {}
-    for prec in ("input", "fp8"):
+    for prec in ("input", *precisions):
         p = plan(q, k, PisaSettings(density=density, backend="hopper", precision=prec, scale=scale))
         o, sel = run(p, q, k, v, return_selection=True)
-        outs[prec] = (o, sel)
+        of = o.double()
         res[f"{prec}_rel_l1"] = rel_l1(o, truth)
+        res[f"{prec}_one_minus_cos"] = (1 - F.cosine_similarity(of.flatten(), truth.flatten(), dim=0)).item()
         res[f"{prec}_finite"] = bool(torch.isfinite(o).all())
-    pb = plan(q, k, PisaSettings(density=density, backend="hopper", scale=scale))
-    same = run(pb, q, k, v, selection=outs["fp8"][1])
-    res["bf16_same_selection_rel_l1"] = rel_l1(same, truth)
-    res["fp8_vs_bf16_same_selection"] = rel_l1(outs["fp8"][0], same)
-    res["growth"] = res["fp8_rel_l1"] / res["input_rel_l1"] - 1.0
-    res["growth_same_selection"] = res["fp8_rel_l1"] / res["bf16_same_selection_rel_l1"] - 1.0
-    print(f"{name:34s} bf16 {res['input_rel_l1']:.4e}  fp8 {res['fp8_rel_l1']:.4e}  growth {100 * res['growth']:+.2f}%"
-          f" (same selection {100 * res['growth_same_selection']:+.2f}%)  fp8-vs-bf16 "
-          f"{res['fp8_vs_bf16_same_selection']:.2e}", flush=True)
+        if prec != "input":
+            res[f"{prec}_growth"] = res[f"{prec}_rel_l1"] / res["input_rel_l1"] - 1.0
+            pb = plan(q, k, PisaSettings(density=density, backend="hopper", scale=scale))
+            same = run(pb, q, k, v, selection=sel)
+            res[f"{prec}_vs_input_same_selection"] = rel_l1(o, same)
+            res[f"{prec}_growth_same_selection"] = res[f"{prec}_rel_l1"] / rel_l1(same, truth) - 1.0
+    print(f"{name:34s} input {res['input_rel_l1']:.4e} | " + " | ".join(
+        f"{prec} {res[f'{prec}_rel_l1']:.4e} ({100 * res[f'{prec}_growth']:+.2f}%, same sel "
+        f"{100 * res[f'{prec}_growth_same_selection']:+.2f}%)" for prec in precisions), flush=True)
     return res
 
 
-def accuracy(density: float, qkv_file: str | None) -> list[dict]:
+def magnitude_check(precisions=LOWP) -> list[dict]:
+    """No NaN/inf at 10x and 30x the DiT-like q/k (scores 100x and 900x), every precision."""
+    from pisa_attn.data import dit_qkv
+
+    rows = []
+    d = dit_qkv((4, 32, 32), heads=8, head_dim=128, batch=1, dtype=torch.bfloat16, device="cuda")
+    for mag in (10.0, 30.0):
+        q, k = (d.q.float() * mag).bfloat16(), (d.k.float() * mag).bfloat16()
+        for prec in ("input", *precisions):
+            o = run(plan(q, k, PisaSettings(backend="hopper", precision=prec)), q, k, d.v)
+            rows.append(dict(mag=mag, precision=prec, finite=bool(torch.isfinite(o).all())))
+    print("magnitude 10x/30x finite: " + ", ".join(f"{r['precision']}@{r['mag']:g}x {r['finite']}" for r in rows))
+    return rows
+
+
+def accuracy(density: float, qkv_file: str | None, precisions=LOWP) -> list[dict]:
     from pisa_attn.data import dit_qkv
 
     rows = []
     for grid, heads in (((4, 32, 32), 16), ((16, 32, 32), 8)):
         d = dit_qkv(grid, heads=heads, head_dim=128, batch=1, dtype=torch.bfloat16, device="cuda")
         rows.append(_accuracy_case(f"dit-{'x'.join(map(str, grid))}-H{heads}-D128", d.q, d.k, d.v, 128 ** -0.5,
-                                   density))
+                                   density, precisions))
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 16, 4096, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    rows.append(_accuracy_case("gaussian-L4096-H16-D128", q, k, v, 128 ** -0.5, density))
+    rows.append(_accuracy_case("gaussian-L4096-H16-D128", q, k, v, 128 ** -0.5, density, precisions))
     if qkv_file and os.path.exists(qkv_file):
         from pisa_attn.qkv_file import read_qkv_file
 
         for e in read_qkv_file(qkv_file).entries:
             q, k, v = (x.to("cuda", torch.bfloat16) for x in (e.q, e.k, e.v))
             scale = float(e.info.get("scale") or q.shape[-1] ** -0.5)
-            rows.append(_accuracy_case(f"dinov2-{e.name}", q, k, v, scale, density))
+            rows.append(_accuracy_case(f"dinov2-{e.name}", q, k, v, scale, density, precisions))
     return rows
+
+
+def sweep(L: int, density: float, precisions=LOWP) -> dict:
+    """The exact phase (drop and hybrid attend, same selection) per precision under schedule
+    variants of the low-precision kernel: the default, the pipelined loop, P·V accumulated in the
+    wgmma, and other ring depths for P·V in the input dtype."""
+    from pisa_attn.ops.hopper import fp8 as lowk
+    from pisa_attn.ops.triton.quantize import quantize
+    from pisa_attn.spec import PRODUCT_FORMATS
+
+    g = torch.Generator(device="cuda").manual_seed(L)
+    q, k, v = (torch.randn(2, 16, L, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    hop = get_backend("hopper")
+    p = plan(q, k, PisaSettings(density=density, backend="hopper"))
+    _, sel = run(p, q, k, v, out=out, return_selection=True)
+    stats = hop.prepare(q, k, v, 64)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    res = dict(L=L)
+    for mode in ("drop", "hybrid"):
+        res[f"input_{mode}_ms"] = bench_ms(lambda m=mode: hop.attend(
+            q, k, v, stats, sel, mode=m, scale=128 ** -0.5, block_size=64, out=out, lse=lse))
+    variants = {"default": {}, "pipelined": dict(pipeline=True), "pv_accumulate": dict(pv_accumulate=True)}
+    for prec in precisions:
+        qz = quantize(k, v, stats.kbar, stats.kscale, 64, precision=prec)
+        vv = v if PRODUCT_FORMATS[prec][1] == "input" else None
+        vs = dict(variants)
+        if vv is not None:
+            vs.update({"stages_2_3": dict(stages=(2, 3), modes=("hybrid",)), "stages_5_1": dict(stages=(5, 1), modes=("drop",)),
+                       "pv_accumulate_stages_5_1": dict(pv_accumulate=True, stages=(5, 1), modes=("drop",))})
+        for name, kw in vs.items():
+            kw = dict(kw)
+            modes = kw.pop("modes", ("drop", "hybrid"))
+            for mode in modes:
+                try:
+                    t = bench_ms(lambda m=mode, kw=kw: lowk.attention(
+                        q, qz, *stats.tail(), *sel, mode=m, scale=128 ** -0.5, block_size=64, lk=L, out=out,
+                        lse=lse, v=vv, **kw))
+                except Exception as e:  # a variant that does not build or fit is reported, not fatal
+                    print(f"sweep {prec} {name} {mode}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                res[f"{prec}_{name}_{mode}_ms"] = t
+                print(f"sweep L={L} {prec:8s} {name:26s} {mode:6s} {t:.3f} ms ({res[f'input_{mode}_ms'] / t:.2f}x "
+                      f"the bf16 kernel {res[f'input_{mode}_ms']:.3f})", flush=True)
+        del qz
+    del q, k, v, out, stats
+    torch.cuda.empty_cache()
+    return res
+
+
+def table(res) -> None:
+    """The short summary, printed last."""
+    precs = res["precisions"]
+    print("\n=== accuracy: rel-L1 vs float64 dense (growth over input-precision PISA) ===")
+    for r in res.get("accuracy", []):
+        print(f"{r['case'][:30]:30s} input {r['input_rel_l1']:.4f} | " + " | ".join(
+            f"{p} {r[f'{p}_rel_l1']:.4f} {100 * r[f'{p}_growth']:+5.1f}%" for p in precs))
+    print("=== speed (ms; x = cuDNN / call; exact phase: speed-up over the bf16 kernel, drop mode) ===")
+    for r in res.get("speed", []):
+        print(f"L={r['L']:6d} cuDNN {r['cudnn_ms']:.3f} | bf16 {r['input_hybrid_ms']:.3f} "
+              f"({r['input_hybrid_x_cudnn']:.2f}x) | " + " | ".join(
+                  f"{p} {r[f'{p}_hybrid_ms']:.3f} ({r[f'{p}_hybrid_x_cudnn']:.2f}x) exact "
+                  f"{r[f'attend_{p}_drop_speedup']:.2f}x q {r[f'quantize_{p}_ms']:.3f}" for p in precs))
 
 
 def main(argv=None):
@@ -174,14 +263,17 @@ def main(argv=None):
     ap.add_argument("--qkv-file", default=QKV_FILE)
     ap.add_argument("--speed-only", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")
+    ap.add_argument("--precisions", nargs="+", default=list(LOWP), choices=LOWP)
+    ap.add_argument("--sweep", type=int, default=None, metavar="L",
+                    help="also time the exact phase under schedule variants at length L")
     ap.add_argument("--ncu", type=int, default=None, metavar="L",
-                    help="only run one bf16 and one FP8 hybrid call at length L (for ncu)")
+                    help="only run one hybrid call per precision (input first) at length L (for ncu)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_bench.json"))
     a = ap.parse_args(argv)
     if a.ncu:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(2, 16, a.ncu, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        for prec in ("input", "fp8"):
+        for prec in ("input", *a.precisions):
             p = plan(q, k, PisaSettings(density=a.density, backend="hopper", precision=prec))
             run(p, q, k, v)
         torch.cuda.synchronize()
@@ -189,16 +281,20 @@ def main(argv=None):
     import triton
 
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               shape="B2-H16-D128", dtype="bfloat16", density=a.density)
+               shape="B2-H16-D128", dtype="bfloat16", density=a.density, precisions=a.precisions)
     print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}", flush=True)
     if not a.speed_only:
-        res["accuracy"] = accuracy(a.density, a.qkv_file)
+        res["accuracy"] = accuracy(a.density, a.qkv_file, a.precisions)
+        res["magnitude"] = magnitude_check(a.precisions)
     if not a.accuracy_only:
-        res["speed"] = speed(a.lengths, a.density)
+        res["speed"] = speed(a.lengths, a.density, a.precisions)
+    if a.sweep:
+        res["sweep"] = sweep(a.sweep, a.density, a.precisions)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {a.out}")
+    table(res)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ for name, args in json.loads(sys.argv[1]).items():
     ptx = k.asm["ptx"]
     res[name] = dict(shared=k.metadata.shared, sm90a=".target sm_90a" in ptx,
                      fp8_wgmma=len(re.findall(r"wgmma\\.mma_async[^\\n]*\\.e4m3\\.e4m3", ptx)),
+                     s8_wgmma=len(re.findall(r"wgmma\\.mma_async[^\\n]*\\.s8\\.s8", ptx)),
                      wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),
                      tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
                      wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
@@ -39,6 +40,6 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
 
 def build(imports: str, call: str, variants: dict) -> dict:
     """Compile every variant (``call``: an expression of ``args``, the variant's tuple) and count
-    in its PTX: wgmma (all, FP8), TMA copies, ``wait_group 1``, setmaxnreg, local loads/stores."""
+    in its PTX: wgmma (all, FP8, INT8), TMA copies, ``wait_group 1``, setmaxnreg, local loads/stores."""
     p = run_script(_SCRIPT.format(imports=imports, call=call), json.dumps(variants))
     return json.loads(p.stdout.strip().splitlines()[-1])

@@ -1,6 +1,7 @@
-"""precision="fp8" on the CPU: the quantised reference (what is rounded where), the quantisation
-kernel under Triton's interpreter, the settings and the errors at the call (the kernel itself:
-tests/test_fp8_build.py cross-compiles it, tests/gpu/test_gpu_fp8.py runs it)."""
+"""The low precisions (``fp8``, ``int8-fp8``, ``int8``) on the CPU: the quantised reference (what is
+rounded where), the quantisation kernel under Triton's interpreter, the settings and the errors at
+the call (the kernel itself: tests/test_fp8_build.py cross-compiles it, tests/gpu/test_gpu_fp8.py
+runs it)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pisa_attn.ops import reference as ref
 
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 E4M3_FINITE = E4M3_VALUES[torch.isfinite(E4M3_VALUES)]
+LOWP = ["fp8", "int8-fp8", "int8"]
 
 
 def rel_l1(a, b):
@@ -68,38 +70,92 @@ def _case(mag=1.0, lk=1000, hk=2, h=4, seed=0):
     return q, k, v
 
 
+def _lowp(precision, q, k, v, st, mask, mode="hybrid"):
+    return quant.lowp_pisa_forward(q, k, v, st.kmean, st.vsum, st.hbar, mask, mode=mode, scale=64**-0.5,
+                                   block_size=64, precision=precision)
+
+
+@pytest.mark.parametrize("precision", LOWP)
 @pytest.mark.parametrize("mode", ["hybrid", "zeroth", "drop"])
-def test_fp8_reference_close_to_float64_pisa(mode):
+def test_lowp_reference_close_to_float64_pisa(mode, precision):
     q, k, v = _case()
     out, _, mask = ref.pisa_reference(q.double(), k.double(), v.double(), density=0.125, mode=mode)
     st = ref.block_stats(k.float(), v.float(), 64)
-    o8, l8 = quant.fp8_pisa_forward(q, k, v, st.kmean, st.vsum, st.hbar, mask, mode=mode, scale=64**-0.5,
-                                    block_size=64)
+    o8, l8 = _lowp(precision, q, k, v, st, mask, mode)
     assert torch.isfinite(o8).all() and torch.isfinite(l8).all()
     assert rel_l1(o8, out) < 2e-2
 
 
-def test_fp8_reference_is_not_the_unquantised_math():
-    """The rounding is really there (a reference that skipped it would pass the bound above)."""
+def test_lowp_reference_is_not_the_unquantised_math():
+    """The rounding is really there (a reference that skipped it would pass the bound above), and
+    the precisions order as the formats do: int8 Q·Kᵀ (7 bits) beats e4m3 (3 bits), and P·V in the
+    input dtype beats e4m3."""
     q, k, v = _case()
     out, _, mask = ref.pisa_reference(q.double(), k.double(), v.double(), density=0.125)
     st = ref.block_stats(k.float(), v.float(), 64)
-    o8, _ = quant.fp8_pisa_forward(q, k, v, st.kmean, st.vsum, st.hbar, mask, mode="hybrid", scale=64**-0.5,
-                                   block_size=64)
-    assert rel_l1(o8, out) > 1e-3
+    o16, _ = ref.pisa_forward(q.float(), k.float(), v.float(), st, mask, mode="hybrid", scale=64**-0.5,
+                              block_size=64)
+    err = {p: rel_l1(_lowp(p, q, k, v, st, mask)[0], o16) for p in LOWP}
+    assert err["fp8"] > 1e-3 and err["int8"] > 1e-5
+    assert err["int8"] < err["int8-fp8"] < err["fp8"]
+    assert err["int8"] < err["fp8"] / 3
 
 
+@pytest.mark.parametrize("precision", LOWP)
 @pytest.mark.parametrize("mag", [10.0, 30.0])
-def test_fp8_reference_large_magnitude_is_finite(mag):
+def test_lowp_reference_large_magnitude_is_finite(mag, precision):
     q, k, v = _case(mag=mag)
     out, _, mask = ref.pisa_reference(q.double(), k.double(), v.double(), density=0.125)
     st = ref.block_stats(k.float(), v.float(), 64)
-    o8, l8 = quant.fp8_pisa_forward(q, k, v, st.kmean, st.vsum, st.hbar, mask, mode="hybrid", scale=64**-0.5,
-                                    block_size=64)
+    o8, l8 = _lowp(precision, q, k, v, st, mask)
     assert torch.isfinite(o8).all() and torch.isfinite(l8).all()
+    if precision == "int8":  # the scores' error grows with their magnitude, int8's slower than e4m3's
+        assert rel_l1(o8, out) < rel_l1(_lowp("fp8", q, k, v, st, mask)[0], out) / 2
 
 
-def test_fp8_reference_tail_maximum_row():
+def test_lowp_reference_refuses_the_input_precision():
+    q, k, v = _case(lk=128)
+    st = ref.block_stats(k.float(), v.float(), 64)
+    mask = torch.ones(1, 4, 2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="precision must be a low precision"):
+        _lowp("input", q, k, v, st, mask)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        _lowp("int4", q, k, v, st, mask)
+
+
+def test_int8_scale_and_rounding():
+    amax = torch.tensor([0.0, 1e-30, 1.0, 127.0, 3e4])
+    sc, inv = quant.int8_scale(amax)
+    assert sc[0] == 0 and inv[0] == 0
+    assert torch.equal(sc[1:], amax[1:] / torch.tensor(127.0)) and torch.equal(inv[1:], torch.tensor(127.0) / amax[1:])
+    assert inv[3] == 1.0
+    x = torch.tensor([0.5, -0.5, 1.5, 2.5, -2.5, 0.49999997, 126.6, 200.0, -300.0, 0.0])
+    y = quant.to_int8(x, torch.tensor(1.0))
+    assert y.dtype == torch.int8
+    # half away from zero as trunc(y ± 0.5) in float32 (0.49999997 + 0.5 rounds to 1), clamped to ±127
+    assert y.tolist() == [1, -1, 2, 3, -3, 1, 127, 127, -127, 0]
+
+
+def test_quantize_k_int8_codes_and_scales():
+    torch.manual_seed(0)
+    k = (torch.randn(2, 3, 200, 64) * 5 + 2).bfloat16()
+    mu = k.float().mean(2)
+    k8, sig = quant.quantize_k(k, mu, 64, "int8")
+    assert k8.dtype == torch.int8 and k8.shape == (2, 3, 256, 64) and sig.shape == (2, 3, 4)
+    assert (k8[:, :, 200:] == 0).all()
+    kc = torch.nn.functional.pad(k.float() - mu[:, :, None], (0, 0, 0, 56)).view(2, 3, 4, -1)
+    assert torch.equal(sig, kc.abs().amax(-1) / torch.tensor(127.0))
+    # each block's largest entry maps to ±127; every entry within half a step
+    assert (k8.view(2, 3, 4, -1).abs().amax(-1) == 127).all()
+    kd = quant.dequantized_k(k8, sig, 200, 64)
+    step = sig.repeat_interleave(64, 2)[:, :, :200, None]
+    assert ((kd - (k.float() - mu[:, :, None])).abs() <= step * 0.5001).all()
+    with pytest.raises(ValueError, match="fmt must be"):
+        quant.quantize_k(k, mu, 64, "int4")
+
+
+@pytest.mark.parametrize("precision", LOWP)
+def test_lowp_reference_tail_maximum_row(precision):
     """A row whose largest score is a tail centroid: no NaN, close to float64 PISA."""
     q, k, v = _case(lk=1024, hk=4)
     k = k.clone()
@@ -109,8 +165,7 @@ def test_fp8_reference_tail_maximum_row():
     mask[..., 0] = True  # only block 0 exact: block 8 (the maximum) is in the tail
     out, _ = ref.pisa_forward(q.double(), k.double(), v.double(), ref.block_stats(k.double(), v.double(), 64), mask,
                               mode="hybrid", scale=64**-0.5, block_size=64)
-    o8, l8 = quant.fp8_pisa_forward(q, k, v, st.kmean, st.vsum, st.hbar, mask, mode="hybrid", scale=64**-0.5,
-                                    block_size=64)
+    o8, l8 = _lowp(precision, q, k, v, st, mask)
     assert torch.isfinite(o8).all() and torch.isfinite(l8).all()
     assert rel_l1(o8, out) < 2e-2
 
@@ -136,29 +191,60 @@ def test_quantize_kernel_interpreted(monkeypatch):
     assert (qz.v8t.float() == v8t.float()).float().mean() > 0.9
 
 
-def test_precision_setting():
+@pytest.mark.parametrize("precision", ["int8-fp8", "int8"])
+def test_quantize_kernel_int8_interpreted(monkeypatch, precision):
+    """The int8 keys of the Triton pass bit for bit (ragged Lk, 30x magnitude); no value copy for
+    P·V in the input dtype."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from pisa_attn.ops.triton.quantize import quantize
+
+    torch.manual_seed(2)
+    k = (torch.randn(1, 2, 200, 64) * 90 + 30).bfloat16()
+    v = torch.randn(1, 2, 200, 64).bfloat16()
+    kbar = (k.float().view(1, 2, -1, 8, 64).mean(3)[:, :, :4] / 64).half()
+    kscale = torch.tensor([[64.0, 64.0]])
+    qz = quantize(k, v, kbar, kscale, 64, precision=precision)
+    mu = quant.head_key_mean(kbar, kscale)
+    assert torch.equal(qz.mu, mu)
+    k8, sig = quant.quantize_k(k, mu, 64, "int8")
+    assert qz.k8.dtype == torch.int8
+    assert torch.equal(qz.sigma, sig) and torch.equal(qz.k8, k8)
+    if precision == "int8":
+        assert qz.v8t.numel() == 0 and qz.tau.numel() == 0
+    else:
+        v8t, tau = quant.quantize_v(v, 64)
+        assert torch.equal(qz.tau, tau)
+        assert (qz.v8t.float() == v8t.float()).float().mean() > 0.9
+    with pytest.raises(ValueError, match="another precision"):
+        quantize(k, v, kbar, kscale, 64, ws=qz, precision="fp8")
+
+
+@pytest.mark.parametrize("precision", LOWP)
+def test_precision_setting(precision):
     assert PisaSettings().precision == "input"
-    assert PisaSettings(precision="fp8").precision == "fp8"
+    assert PisaSettings(precision=precision).precision == precision
     with pytest.raises(ValueError, match="precision must be one of"):
         PisaSettings(precision="bf16")
-    with pytest.raises(ValueError, match="precision='fp8' runs on the hopper backend only"):
-        PisaSettings(precision="fp8", backend="triton")
+    with pytest.raises(ValueError, match=f"precision='{precision}' runs on the hopper backend only"):
+        PisaSettings(precision=precision, backend="triton")
 
 
-def test_precision_fp8_refused_off_hopper():
+@pytest.mark.parametrize("precision", LOWP)
+def test_precision_lowp_refused_off_hopper(precision):
     q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="precision='fp8'"):
-        pisa_attention(q, q, q, precision="fp8")
-    with pytest.raises(ValueError, match="precision='fp8'"):
-        plan(q, q, PisaSettings(precision="fp8"))
+    with pytest.raises(ValueError, match=f"precision='{precision}'"):
+        pisa_attention(q, q, q, precision=precision)
+    with pytest.raises(ValueError, match=f"precision='{precision}'"):
+        plan(q, q, PisaSettings(precision=precision))
     with pytest.raises(ValueError, match="precision"):
         pisa_attention(q, q, q, precision="fp16")
 
 
-def test_precision_fp8_refused_by_the_ring():
-    """Sharded keys merge float32 partial outputs, which the FP8 kernel does not write."""
+@pytest.mark.parametrize("precision", LOWP)
+def test_precision_lowp_refused_by_the_ring(precision):
+    """Sharded keys merge float32 partial outputs, which the low-precision kernel does not write."""
     from pisa_attn.parallel import ring_pisa_attention
 
     q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="precision='fp8' is not supported by ring_pisa_attention"):
-        ring_pisa_attention(q, q, q, group=None, settings=PisaSettings(precision="fp8"))
+    with pytest.raises(ValueError, match=f"precision='{precision}' is not supported by ring_pisa_attention"):
+        ring_pisa_attention(q, q, q, group=None, settings=PisaSettings(precision=precision))

@@ -143,6 +143,50 @@ def test_fp8_variant_is_the_quantised_math_beside_the_default():
         StudyConfig(modes=("zeroth",), fp8=True).resolved()
 
 
+def test_low_precision_variants_beside_the_default():
+    """--precision NAME (repeatable) adds hybrid-NAME per low precision, in its quantised math;
+    INT8 Q·Kᵀ with P·V in the input dtype stays closest to the default."""
+    from pisa_attn import spec
+    from pisa_attn.ops.quant import lowp_pisa_forward
+
+    cfg = StudyConfig(size="tiny", modes=("hybrid",), covariance=False, weights=("default",), densities=(0.25,),
+                      lengths=(512,), precisions=("int8", "int8-fp8"), fp8=True, plots=False)
+    assert cfg.resolved().low_precisions == ("fp8", "int8", "int8-fp8")
+    r = run_study(cfg, progress=False)
+    for p in spec.PRODUCT_FORMATS:
+        assert f"hybrid-{p}" in r["variants"]
+    c = cfg.resolved()
+    (s,) = SyntheticSource(heads=c.heads, head_dim=c.head_dim, seed=0, text_tokens=0, dtype=torch.float32,
+                           device="cpu").fixed(c.length)
+    stats = ref.block_stats(s.k, s.v, 64)
+    sel = metrics.select(s.q, s.k, s.v, density=0.25, block_size=64, covariance_aware=False, stats=stats)
+    alpha = torch.full((c.heads,), spec.DEFAULT_ALPHA)
+    out, _ = lowp_pisa_forward(s.q, s.k, s.v, stats.kmean, stats.vsum, stats.hbar, sel.selected, mode="hybrid",
+                               scale=c.head_dim ** -0.5, block_size=64, alpha=alpha, precision="int8")
+    dense = torch.nn.functional.scaled_dot_product_attention(s.q, s.k, s.v)
+    ds = r["density_sweep"]["rel_l1"]
+    assert ds["hybrid-int8"][0] == pytest.approx(metrics.rel_l1(out, dense), rel=1e-5)
+    gap = {p: abs(ds[f"hybrid-{p}"][0] - ds["hybrid-default"][0]) for p in spec.PRODUCT_FORMATS}
+    assert gap["int8"] < gap["fp8"]
+    with pytest.raises(ValueError, match="precisions must be a subset"):
+        StudyConfig(precisions=("int4",)).resolved()
+
+
+def test_cli_precision_flags(tmp_path):
+    """--precision is repeatable and --fp8 still adds hybrid-fp8."""
+    parser = argparse.ArgumentParser(prog="pisa-attn")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["study", "--size", "tiny", "--out", str(tmp_path), "--modes", "hybrid",
+                              "--no-covariance", "--weights", "default", "--densities", "0.25", "--length", "256",
+                              "--lengths", "256", "--heads", "2", "--no-plots", "--no-progress",
+                              "--precision", "int8", "--precision", "int8-fp8", "--fp8"])
+    assert args.func(args) == 0
+    r = json.loads((tmp_path / "study.json").read_text())
+    assert r["variants"] == ["hybrid", "hybrid-default", "hybrid-fp8", "hybrid-int8", "hybrid-int8-fp8"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["study", "--precision", "input"])
+
+
 @pytest.mark.parametrize(
     "kwargs, word",
     [

@@ -36,8 +36,10 @@ log = logging.getLogger("pisa_attn")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
-INFERENCE_ONLY = ("hopper", "hopper_fp8", "triton")  # backends whose kernels have no backward
-FP8_BACKEND = "hopper_fp8"  # the Hopper backend with FP8 exact blocks: what precision="fp8" runs
+# The Hopper backend with low-precision exact blocks, per precision (spec.PRODUCT_FORMATS)
+LOWP_BACKENDS = {"fp8": "hopper_fp8", "int8-fp8": "hopper_int8_fp8", "int8": "hopper_int8"}
+FP8_BACKEND = LOWP_BACKENDS["fp8"]
+INFERENCE_ONLY = ("hopper", *LOWP_BACKENDS.values(), "triton")  # backends whose kernels have no backward
 
 _logged: set[str] = set()
 
@@ -153,12 +155,12 @@ def _load_backend(name: str) -> Backend:
         except ImportError as e:  # triton not installed
             raise ValueError(f"the triton backend is unavailable: triton cannot be imported ({e})") from None
         return op.BACKEND
-    if name in ("hopper", FP8_BACKEND):
+    if name == "hopper" or name in LOWP_BACKENDS.values():
         try:
             from .ops.hopper import op
         except ImportError as e:  # no triton, or a triton without Gluon
             raise ValueError(f"the hopper backend is unavailable: its Gluon kernel cannot be imported ({e})") from None
-        return op.FP8_BACKEND if name == FP8_BACKEND else op.BACKEND
+        return op.BACKEND if name == "hopper" else op.LOWP_BACKENDS[name]
     raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {name!r}")
 
 
@@ -173,13 +175,14 @@ def _reason(name: str, q: Tensor, mode: str, block_size: int) -> str | None:
 
 
 def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int, precision: str = "input") -> str:
-    if precision == "fp8":  # the FP8 kernel or an error, never another precision
+    if precision != "input":  # the low-precision kernel or an error, never another precision
         if backend not in ("auto", "hopper"):
-            raise ValueError(f"precision='fp8' runs on the hopper backend only, got backend={backend!r}")
-        reason = _reason(FP8_BACKEND, q, mode, block_size)
+            raise ValueError(f"precision={precision!r} runs on the hopper backend only, got backend={backend!r}")
+        name = LOWP_BACKENDS[precision]
+        reason = _reason(name, q, mode, block_size)
         if reason is not None:
-            raise ValueError(f"precision='fp8' is not supported for this call: {reason}")
-        return FP8_BACKEND
+            raise ValueError(f"precision={precision!r} is not supported for this call: {reason}")
+        return name
     if backend == "reference":
         return "reference"
     if backend in ("triton", "hopper"):
@@ -695,9 +698,9 @@ def _op_plan(be: Backend, q: Tensor, k: Tensor, n_select: int, width: int, mode:
     """The plan (``"bhsd"``, with a workspace) whose runs compute what the op's arguments ask:
     its selection width and number of selected blocks are the op's, not derived from a density."""
     b, h, lq, d = q.shape
-    fp8 = be.name == FP8_BACKEND
+    precision = next((p for p, n in LOWP_BACKENDS.items() if n == be.name), "input")
     s = PisaSettings(block_size=block_size, mode=mode, covariance_aware=covariance_aware, scale=scale,
-                     backend="hopper" if fp8 else be.name, precision="fp8" if fp8 else "input",
+                     backend="hopper" if precision != "input" else be.name, precision=precision,
                      query_block=None if query_block == block_size else query_block)
     p = PisaPlan(
         settings=s, q_shape=tuple(q.shape), kv_shape=tuple(k.shape), dtype=q.dtype, device=q.device, batch=b,
@@ -793,9 +796,11 @@ def pisa_attention(
             kernels for supported CUDA inputs, else the reference), ``"hopper"`` (force the
             warp-specialised sm_90 kernel), ``"triton"`` (force the portable kernels; CPU tensors
             need ``TRITON_INTERPRET=1``), ``"reference"`` (force PyTorch).
-        precision: ``"input"`` (the exact blocks in the input dtype) or ``"fp8"`` (their two
-            products in FP8 e4m3 on the Hopper kernel, the tail in the input dtype; a call the FP8
-            kernel cannot serve is a ValueError, never another precision).
+        precision: ``"input"`` (the exact blocks in the input dtype), or on the Hopper kernel
+            ``"fp8"`` (their two products in FP8 e4m3), ``"int8-fp8"`` (Q·Kᵀ in INT8, P·V in e4m3)
+            or ``"int8"`` (Q·Kᵀ in INT8, P·V in the input dtype); the tail stays in the input
+            dtype; a call the low-precision kernel cannot serve is a ValueError, never another
+            precision.
         settings: a :class:`PisaSettings` instead of the loose settings arguments above (which
             must then keep their defaults; ``alpha`` may still be given per call).
 

@@ -106,8 +106,9 @@ class PisaSettings:
         scale: softmax scale; None means ``1 / sqrt(D)``.
         backend: ``"auto"``, ``"hopper"``, ``"triton"`` or ``"reference"``.
         layout: ``"bhsd"`` (``[B, H, L, D]``) or ``"bshd"`` (``[B, L, H, D]``) for q, k, v and out.
-        precision: ``"input"`` (the exact blocks in the input dtype) or ``"fp8"`` (their products
-            in FP8 e4m3 on the Hopper kernel; :data:`pisa_attn.spec.PRECISIONS`).
+        precision: ``"input"`` (the exact blocks in the input dtype), or on the Hopper kernel
+            ``"fp8"`` (their products in FP8 e4m3), ``"int8-fp8"`` (Q·Kᵀ in INT8, P·V in e4m3) or
+            ``"int8"`` (Q·Kᵀ in INT8, P·V in the input dtype); :data:`pisa_attn.spec.PRECISIONS`.
     """
 
     density: float = 0.125
@@ -154,8 +155,9 @@ class PisaSettings:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         put(self, "alpha", normalize_alpha(self.alpha, self.mode))
         spec.check_precision(self.precision)
-        if self.precision == "fp8" and self.backend not in ("auto", "hopper"):
-            raise ValueError(f"precision='fp8' runs on the hopper backend only, got backend={self.backend!r}")
+        if self.precision != "input" and self.backend not in ("auto", "hopper"):
+            raise ValueError(f"precision={self.precision!r} runs on the hopper backend only, "
+                             f"got backend={self.backend!r}")
 
     # ---------------------------------------------------------------- derived facts
     @property

@@ -472,8 +472,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="also time cuDNN SDPA and PISA replayed from CUDA graphs (no Python/launch overhead)")
     p.add_argument("--backend", default="auto", choices=("auto", "hopper", "triton"),
                    help="PISA kernel backend (auto: hopper on sm_90, else triton)")
-    p.add_argument("--precision", default="input", choices=("input", "fp8"),
-                   help="precision of PISA's exact blocks (fp8: the Hopper kernel's FP8 exact phase)")
+    p.add_argument("--precision", default="input", choices=("input", "fp8", "int8-fp8", "int8"),
+                   help="precision of PISA's exact blocks (fp8, int8-fp8, int8: the Hopper kernel's low-precision "
+                        "exact phase, pisa_attn.spec.PRECISIONS)")
     p.add_argument("--data", default="random", choices=("random", "dit"),
                    help="Gaussian q/k/v, or the DiT-like generator on an (L/1024, 32, 32) grid")
     p.add_argument("--query-block", type=int, choices=(128, 256), default=None,

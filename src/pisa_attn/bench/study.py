@@ -32,7 +32,7 @@ from .. import calibration as cal
 from .. import metrics, spec
 from ..attention import make_plan, pisa_attention
 from ..ops import reference as ref
-from ..ops.quant import fp8_pisa_forward
+from ..ops.quant import lowp_pisa_forward
 from . import argtypes as at
 from .study_sources import CapturedSource, Sample, SyntheticSource, synthetic_grid
 
@@ -78,7 +78,15 @@ class StudyConfig:
     token_rows: int | None = None  # query rows sampled for per-token score histograms
     bins: int = 60
     plots: bool = True
-    fp8: bool = False  # also the default hybrid with the exact blocks in the FP8 quantised math
+    fp8: bool = False  # shorthand for "fp8" in precisions
+    # also the default hybrid with the exact blocks in these low precisions' quantised math
+    # (spec.PRODUCT_FORMATS: "fp8", "int8-fp8", "int8"), variants "hybrid-<precision>"
+    precisions: tuple[str, ...] = ()
+
+    @property
+    def low_precisions(self) -> tuple[str, ...]:
+        """``precisions``, with ``"fp8"`` first when ``fp8`` is set (no repeats)."""
+        return tuple(dict.fromkeys((("fp8",) if self.fp8 is True else ()) + tuple(self.precisions)))
 
     def resolved(self) -> StudyConfig:
         """Presets filled in and every field validated (ValueError/TypeError naming the field)."""
@@ -104,6 +112,7 @@ class StudyConfig:
             weights=tuple(self.weights),
             tiling_modes=tuple(self.tiling_modes),
             entries=tuple(self.entries) if self.entries else None,
+            precisions=tuple(self.precisions) if isinstance(self.precisions, (list, tuple)) else self.precisions,
         )
         c._validate()
         return c
@@ -148,8 +157,11 @@ class StudyConfig:
                                          f"(>= 64), got {n!r}") from None
         if not isinstance(self.fp8, bool):
             raise TypeError(f"fp8 must be a bool, got {self.fp8!r}")
-        if self.fp8 and "hybrid" not in self.modes:
-            raise ValueError(f"fp8 adds a variant of the default hybrid: it needs 'hybrid' in modes, got {self.modes!r}")
+        if not isinstance(self.precisions, tuple) or any(p not in spec.PRODUCT_FORMATS for p in self.precisions):
+            raise ValueError(f"precisions must be a subset of {tuple(spec.PRODUCT_FORMATS)}, got {self.precisions!r}")
+        if self.low_precisions and "hybrid" not in self.modes:
+            raise ValueError(f"fp8 / precisions add variants of the default hybrid: they need 'hybrid' in modes, "
+                             f"got {self.modes!r}")
         if any(w not in WEIGHTS for w in self.weights):
             raise ValueError(f"weights must be a subset of {WEIGHTS}, got {self.weights!r}")
         if self.calib_source is not None and (self.source == "synthetic" or not os.path.isfile(self.calib_source)):
@@ -251,16 +263,18 @@ class _Study:
                     rel[name].append(metrics.rel_l1(out, exact))
                     rel_head[name].append(metrics.rel_l1_per_head(out, exact).tolist())
                     self._tick(f"{name} d={d:g} L={s.length}")
-        if self.cfg.fp8 and weighted and "hybrid" in modes:
+        for prec in (self.cfg.low_precisions if weighted and "hybrid" in modes else ()):
             # The default hybrid (alpha = spec.DEFAULT_ALPHA) with the exact blocks' Q·Kᵀ and P·V in
-            # FP8 e4m3, as ops/quant.py states the Hopper kernel's math (PyTorch, any device).
+            # this precision's formats, as ops/quant.py states the Hopper kernel's math (PyTorch,
+            # any device).
             alpha = torch.full((q.shape[1],), spec.DEFAULT_ALPHA, dtype=torch.float32, device=q.device)
             for c in covs:
-                name = variant("hybrid-fp8", c)
+                name = variant(f"hybrid-{prec}", c)
                 rel[name], rel_head[name] = [], []
                 for d in densities:
-                    out, _ = fp8_pisa_forward(q, s.k, s.v, stats.kmean, stats.vsum, stats.hbar, sels[(d, c)].selected,
-                                              mode="hybrid", scale=q.shape[-1] ** -0.5, block_size=bs, alpha=alpha)
+                    out, _ = lowp_pisa_forward(q, s.k, s.v, stats.kmean, stats.vsum, stats.hbar, sels[(d, c)].selected,
+                                               mode="hybrid", scale=q.shape[-1] ** -0.5, block_size=bs, alpha=alpha,
+                                               precision=prec)
                     out = out[:, :, cut]
                     rel[name].append(metrics.rel_l1(out, exact))
                     rel_head[name].append(metrics.rel_l1_per_head(out, exact).tolist())
@@ -283,7 +297,7 @@ class _Study:
         reuse = len(tiled) == len(fixed) and set(cfg.tiling_modes) <= set(cfg.modes)
         if "calibrated" in cfg.weights and "hybrid" in cfg.modes:
             self.partners = source.calibration(cfg.calib_source) if cfg.calib_source else source.calibration()
-        n_var = (len(cfg.modes) + len(self.weighted(cfg.modes)) + int(cfg.fp8)) * len(self.covs)
+        n_var = (len(cfg.modes) + len(self.weighted(cfg.modes)) + len(cfg.low_precisions)) * len(self.covs)
         total = len(fixed) * (1 + n_var * len(cfg.densities))
         total += sum(len(ss) for _, ss in sweep if not self._reuses(ss, fixed)) * (1 + n_var)
         total += len(tiled) * (1 + len(cfg.tiling_modes) * len(cfg.densities)) * (1 if reuse else 2)
@@ -627,9 +641,11 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots", dest="plots", action="store_true", default=None,
                    help="draw the PNG plots (needs matplotlib; default: when matplotlib is installed)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="write study.json only")
-    p.add_argument("--fp8", action="store_true",
-                   help="also the default hybrid with its exact blocks in FP8 e4m3 (precision='fp8''s math, "
-                        "ops/quant.py), beside the input precision")
+    p.add_argument("--precision", dest="precisions", action="append", default=[],
+                   choices=tuple(spec.PRODUCT_FORMATS), metavar="NAME",
+                   help="also the default hybrid with its exact blocks in this low precision's quantised math "
+                        f"(ops/quant.py), beside the input precision; repeatable: {', '.join(spec.PRODUCT_FORMATS)}")
+    p.add_argument("--fp8", action="store_true", help="the same as --precision fp8")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=_cmd)
 

@@ -1,39 +1,54 @@
-"""The FP8 exact phase's quantised math in PyTorch: what is rounded where (the statement the FP8
-Hopper kernel, :mod:`pisa_attn.ops.hopper.fp8`, and the quantisation kernel,
+"""The low-precision exact phase's quantised math in PyTorch: what is rounded where (the statement
+the Hopper kernel, :mod:`pisa_attn.ops.hopper.fp8`, and the quantisation pass,
 :mod:`pisa_attn.ops.triton.quantize`, are tested against).
 
-Only the exact blocks' two products run in FP8 e4m3 (3 mantissa bits, largest finite 448); the
+Only the exact blocks' two products are quantised, each in one format
+(:data:`pisa_attn.spec.PRODUCT_FORMATS`): ``Q·Kᵀ`` in FP8 e4m3 (``"fp8"``) or INT8 (``"int8-fp8"``,
+``"int8"``), ``P·V`` in FP8 e4m3 (``"fp8"``, ``"int8-fp8"``) or the input dtype (``"int8"``). The
 centroid tail, the first-order term, the online softmax and every accumulation stay as in the
 input-precision kernel (float32 accumulators, float16/bfloat16 tensor-core operands).
 
-Every scale is a power of two, ``2^(floor(log2 amax) − 7)``: the largest entry of what a scale
-covers lands in ``[128, 256)`` (every entry above ``amax·2^-14`` is a normal e4m3 number), and
-dividing by it is exact, so the one rounding is the cast to e4m3 (round to nearest even). A zero
-``amax`` gets the scale ``2^-126`` (the result is 0 either way; never a division by zero).
+**e4m3** (3 mantissa bits, largest finite 448): every scale is a power of two,
+``2^(floor(log2 amax) − 7)``: the largest entry of what a scale covers lands in ``[128, 256)``
+(every entry above ``amax·2^-14`` is a normal e4m3 number), and dividing by it is exact, so the
+one rounding is the cast to e4m3 (round to nearest even). A zero ``amax`` gets the scale
+``2^-126`` (the result is 0 either way; never a division by zero).
+
+**int8** (symmetric, ``[-127, 127]``): the scale of what a scale covers is ``amax / 127`` and the
+codes are ``round(x · (127 / amax))`` (both quotients one float32 division rounded to nearest,
+the product rounded to float32, then ``trunc(y ± 0.5)`` with the sum in float32: half away from
+zero, except that the sum itself may round up, e.g. 0.49999997 → 1; clamped to ±127); a zero ``amax`` gives scale 0 and codes 0. The products are exact in the int32
+accumulator (``|Σ| ≤ 128·127² < 2^24``, so also exact as float32) and the scales multiply the
+float32 result.
 
 * **Keys**, per kv head, smoothed by one vector ``μ`` (the mean of the head's block centroids):
-  ``k8_n = e4m3((k_n − μ) / σ_j)`` with one scale ``σ_j`` per key block (a per-token scale was
-  0.5 % more accurate on DiT-like inputs and cost a vector of loads per block in the kernel). Smoothing shifts every
-  exact score of query row ``t`` by the same constant ``s·q_t·μ`` (one number per row, whatever
-  the key block), which the kernel adds back in float32 from the unquantised ``q``: the scores,
-  the softmax and the log-sum-exp are those of the unsmoothed keys, up to the rounding of ``k − μ``.
-  (A per-block mean ``k̄_j`` smooths a little better but needs ``q_t·k̄_j`` per exact block and
-  row inside the loop; measured on DiT-like and DINOv2 inputs in notes/fp8.md.)
-* **Queries**: ``q8_t = e4m3(q_t / ρ_t)``, one scale per query row (computed in the kernel's
-  registers; a row scale multiplies a whole row of scores, a free per-row factor).
-* **Scores** of an exact block: ``S_tn = s·(q8_t·k8_n)·ρ_t·σ_j + s·q_t·μ`` (float32 accumulation).
-* **Probabilities**: ``P8_tn = e4m3(256·exp(S_tn − m_t))`` (``exp ≤ 1``, so ``256·p ≤ 256 < 448``;
-  the factor keeps probabilities down to ``2^-14`` normal); the denominator sums the unrounded
-  ``exp(S_tn − m_t)``. ``m_t`` is the running maximum when the block is processed: the kernel
-  takes a row's exact blocks in ascending block order before any tail block, so it is the
-  largest exact score of blocks ``≤ j``; the product is rescaled exactly to the row's final
-  maximum afterwards.
-* **Values**, per kv head and channel ``d``: ``v8_nd = e4m3(v_nd / τ_d)``, stored transposed
-  ``[B, Hk, D, Lk']`` (the K-major layout an FP8 wgmma B operand needs), ``Lk'`` = ``Lk`` rounded
-  up to whole blocks (zeros past ``Lk``). One scale per channel for the whole head lets every
-  exact block add into one float32 accumulator (each block's product from zero); the exact part
-  of the numerator is
-  ``(Σ_j P8_j · v8_j) ⊙ τ / 256``, scaled once after the exact blocks.
+  ``k8_n = Q((k_n − μ) / σ_j)`` (``k − μ`` in float32) with one scale ``σ_j`` per key block (a
+  per-token scale was 0.5 % more accurate with e4m3 on DiT-like inputs and cost a vector of loads
+  per block in the kernel). Smoothing shifts every exact score of query row ``t`` by the same
+  constant ``s·q_t·μ`` (one number per row, whatever the key block), which the kernel adds back
+  in float32 from the unquantised ``q``: the scores, the softmax and the log-sum-exp are those
+  of the unsmoothed keys, up to the rounding of ``k − μ``. (A per-block mean ``k̄_j`` smooths a
+  little better but needs ``q_t·k̄_j`` per exact block and row inside the loop; measured on
+  DiT-like and DINOv2 inputs in notes/fp8.md.)
+* **Queries**: ``q8_t = Q(q_t / ρ_t)``, one scale per query row (computed in the kernel's
+  registers from ``q`` in float32; a row scale multiplies a whole row of scores, a free per-row
+  factor). The kernel's int8 ``127 / amax`` is the GPU's fast float32 division (within 2 ulp of
+  the reference's): a code can differ by one where ``q_t·127/amax`` lands within that of a
+  half-integer.
+* **Scores** of an exact block: ``S_tn = s·(q8_t·k8_n)·ρ_t·σ_j + s·q_t·μ`` (float32).
+* **Probabilities**: ``P_tn = R(256·exp(S_tn − m_t)) / 256`` with ``R`` the cast to e4m3 or, for
+  ``P·V`` in the input dtype, to the input dtype (``exp ≤ 1``, so ``256·p ≤ 256 < 448``; the factor
+  keeps e4m3 probabilities down to ``2^-14`` normal, and is exact in 16 bits); the denominator
+  sums the unrounded ``exp(S_tn − m_t)``. ``m_t`` is the running maximum when the block is
+  processed: the kernel takes a row's exact blocks in ascending block order before any tail
+  block, so it is the largest exact score of blocks ``≤ j``; the product is rescaled exactly to
+  the row's final maximum afterwards.
+* **Values** in e4m3, per kv head and channel ``d``: ``v8_nd = e4m3(v_nd / τ_d)``, stored
+  transposed ``[B, Hk, D, Lk']`` (the K-major layout an FP8 wgmma B operand needs), ``Lk'`` =
+  ``Lk`` rounded up to whole blocks (zeros past ``Lk``). One scale per channel for the whole head
+  lets every exact block add into one float32 accumulator (each block's product from zero); the
+  exact part of the numerator is ``(Σ_j P8_j · v8_j) ⊙ τ``, scaled once after the exact blocks.
+  In the input dtype the values are ``v`` as given.
 """
 
 from __future__ import annotations
@@ -41,13 +56,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..spec import expand_kv_heads, num_blocks
+from ..spec import PRODUCT_FORMATS, check_precision, expand_kv_heads, num_blocks
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 P_SCALE = 256.0
 """Probabilities are multiplied by this before their cast to e4m3 (and the product divided back)."""
 MIN_EXP = -126
+INT8_MAX = 127.0
 
 
 def pow2_scale(amax: Tensor) -> Tensor:
@@ -62,6 +78,34 @@ def to_e4m3(x: Tensor) -> Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
+def int8_scale(amax: Tensor) -> tuple[Tensor, Tensor]:
+    """``(amax / 127, 127 / amax)`` in float32 (each one rounded division), ``(0, 0)`` where
+    ``amax`` is 0."""
+    a = amax.float()
+    pos = a > 0
+    safe = torch.where(pos, a, torch.ones_like(a))
+    c = torch.full_like(a, INT8_MAX)
+    return torch.where(pos, safe / c, 0.0), torch.where(pos, c / safe, 0.0)
+
+
+def to_int8(x: Tensor, inv: Tensor) -> Tensor:
+    """``x·inv`` (float32) to int8 as ``trunc(y ± 0.5)`` (the sum in float32), clamped to ±127."""
+    y = x.float() * inv.float()
+    return torch.trunc(y + torch.where(y >= 0, 0.5, -0.5)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def quantize_block_rows(x: Tensor, amax: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    """``(codes, scale)`` of ``x`` under one scale per entry of ``amax`` (broadcast against ``x``)
+    in format ``fmt`` (``"e4m3"`` or ``"int8"``); the codes as float8_e4m3fn or int8."""
+    if fmt == "e4m3":
+        sc = pow2_scale(amax)
+        return to_e4m3(x / sc), sc
+    if fmt == "int8":
+        sc, inv = int8_scale(amax)
+        return to_int8(x, inv), sc
+    raise ValueError(f"fmt must be 'e4m3' or 'int8', got {fmt!r}")
+
+
 def head_key_mean(kbar: Tensor, kscale: Tensor) -> Tensor:
     """``μ`` ``[B, Hk, D]`` float32: the mean over key blocks of the statistics' float16
     centroids ``kbar`` ``[B, Hk, Nk, D]`` times their per-head power of two ``kscale`` ``[B, Hk]``.
@@ -69,54 +113,86 @@ def head_key_mean(kbar: Tensor, kscale: Tensor) -> Tensor:
     return kbar.float().mean(2) * kscale.float()[..., None]
 
 
-def quantize_kv(k: Tensor, v: Tensor, mu: Tensor, block_size: int):
-    """``(k8 [B, Hk, Lk', D], sigma [B, Hk, Nk], v8t [B, Hk, D, Lk'], tau [B, Hk, D])`` from
-    ``[B, Hk, Lk, D]`` keys and values (see the module docstring); ``Lk'`` = ``Nk·block_size``,
-    rows past ``Lk`` are zero."""
+def quantize_k(k: Tensor, mu: Tensor, block_size: int, fmt: str = "e4m3") -> tuple[Tensor, Tensor]:
+    """``(k8 [B, Hk, Lk', D], sigma [B, Hk, Nk])``: the smoothed keys ``k − μ`` of ``[B, Hk, Lk, D]``
+    keys in ``fmt`` (``"e4m3"``: float8_e4m3fn, ``"int8"``: int8), one scale per key block;
+    ``Lk'`` = ``Nk·block_size``, rows past ``Lk`` are zero."""
     b, hk, lk, d = k.shape
     nk = num_blocks(lk, block_size)
-    lkp = nk * block_size
-    pad = lkp - lk
     kc = k.float() - mu.float()[:, :, None, :]
-    kc = torch.nn.functional.pad(kc, (0, 0, 0, pad))
-    sigma = pow2_scale(kc.view(b, hk, nk, block_size * d).abs().amax(-1))
-    k8 = to_e4m3(kc / sigma.repeat_interleave(block_size, 2)[..., None])
+    kc = torch.nn.functional.pad(kc, (0, 0, 0, nk * block_size - lk))
+    amax = kc.view(b, hk, nk, block_size * d).abs().amax(-1)
+    k8, sigma = quantize_block_rows(kc, amax.repeat_interleave(block_size, 2)[..., None], fmt)
+    return k8, sigma[..., ::block_size, 0]
+
+
+def quantize_kv(k: Tensor, v: Tensor, mu: Tensor, block_size: int):
+    """``(k8 [B, Hk, Lk', D], sigma [B, Hk, Nk], v8t [B, Hk, D, Lk'], tau [B, Hk, D])`` from
+    ``[B, Hk, Lk, D]`` keys and values, all in e4m3 (see the module docstring); ``Lk'`` =
+    ``Nk·block_size``, rows past ``Lk`` are zero."""
+    k8, sigma = quantize_k(k, mu, block_size, "e4m3")
+    v8t, tau = quantize_v(v, block_size)
+    return k8, sigma, v8t, tau
+
+
+def quantize_v(v: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """``(v8t [B, Hk, D, Lk'], tau [B, Hk, D])``: e4m3 values, one scale per channel and kv head,
+    transposed, rows past ``Lk`` zero."""
+    lk = v.shape[2]
+    pad = num_blocks(lk, block_size) * block_size - lk
     vf = torch.nn.functional.pad(v.float(), (0, 0, 0, pad))
     tau = pow2_scale(vf.abs().amax(2))
     v8 = to_e4m3(vf / tau[:, :, None, :])
-    return k8, sigma, v8.transpose(2, 3).contiguous(), tau
+    return v8.transpose(2, 3).contiguous(), tau
 
 
-def quantize_rows(q: Tensor) -> tuple[Tensor, Tensor]:
-    """``(q8, rho)``: one power-of-two scale per row of ``q`` ``[..., D]``."""
-    rho = pow2_scale(q.float().abs().amax(-1))
-    return to_e4m3(q.float() / rho[..., None]), rho
+def quantize_rows(q: Tensor, fmt: str = "e4m3") -> tuple[Tensor, Tensor]:
+    """``(q8, rho)``: one scale per row of ``q`` ``[..., D]`` in ``fmt``."""
+    qf = q.float()
+    q8, rho = quantize_block_rows(qf, qf.abs().amax(-1, keepdim=True), fmt)
+    return q8, rho[..., 0]
+
+
+def dequantized_k(k8: Tensor, sigma: Tensor, lk: int, block_size: int) -> Tensor:
+    """The float32 keys (still smoothed: without ``μ``) the quantised ``Q·Kᵀ`` sees, ``Lk`` rows."""
+    return (k8.float() * sigma.repeat_interleave(block_size, 2)[..., None])[:, :, :lk]
 
 
 def dequantized_kv(k8: Tensor, sigma: Tensor, v8t: Tensor, tau: Tensor, lk: int, block_size: int):
     """The float32 keys (still smoothed: without ``μ``) and values the FP8 products see, ``Lk`` rows."""
-    kd = k8.float() * sigma.repeat_interleave(block_size, 2)[..., None]
     vd = v8t.float().transpose(2, 3) * tau[:, :, None, :]
-    return kd[:, :, :lk], vd[:, :, :lk]
+    return dequantized_k(k8, sigma, lk, block_size), vd[:, :, :lk]
 
 
-def fp8_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tensor, hbar: Tensor, selected: Tensor,
-                     *, mode: str, scale: float, block_size: int, alpha: Tensor | None = None,
-                     mu: Tensor | None = None, rows_per_chunk: int = 1024) -> tuple[Tensor, Tensor]:
-    """PISA with the exact blocks in the quantised math above: ``(out [B, H, Lq, D] float32, lse)``.
+def lowp_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tensor, hbar: Tensor, selected: Tensor,
+                      *, mode: str, scale: float, block_size: int, precision: str = "fp8",
+                      alpha: Tensor | None = None, mu: Tensor | None = None,
+                      rows_per_chunk: int = 1024) -> tuple[Tensor, Tensor]:
+    """PISA with the exact blocks in the quantised math above, the products in the formats of
+    ``precision`` (:data:`pisa_attn.spec.PRODUCT_FORMATS`): ``(out [B, H, Lq, D] float32, lse)``.
 
     ``kmean``/``vsum`` ``[B, Hk, Nk, D]``, ``hbar`` ``[B, Hk, D, D]`` (float32 statistics, as
     :func:`pisa_attn.ops.reference.block_stats` returns them), ``selected`` bool ``[B, H, Nq, Nk]``,
     ``mu`` ``[B, Hk, D]`` (default: the mean of ``kmean``). The tail is computed in float32 from
     the statistics (the kernel reads their float16/bfloat16 copies)."""
+    check_precision(precision)
+    if precision not in PRODUCT_FORMATS:
+        raise ValueError(f"precision must be a low precision {tuple(PRODUCT_FORMATS)}, got {precision!r}")
+    qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
     b, h, lq, d = q.shape
     lk = k.shape[2]
     nk = num_blocks(lk, block_size)
     if mu is None:
         mu = kmean.float().mean(2)
-    k8, sigma, v8t, tau = quantize_kv(k, v, mu, block_size)
-    kd, vd = dequantized_kv(k8, sigma, v8t, tau, lk, block_size)
-    kd, vd = expand_kv_heads(kd, h), expand_kv_heads(vd, h)
+    k8, sigma = quantize_k(k, mu, block_size, qk_fmt)
+    k8x = expand_kv_heads(k8.float()[:, :, :lk], h)
+    sig_tok = expand_kv_heads(sigma.repeat_interleave(block_size, 2)[:, :, None, :lk], h)
+    if pv_fmt == "e4m3":
+        v8t, tau = quantize_v(v, block_size)
+        vd = v8t.float().transpose(2, 3)[:, :, :lk] * tau[:, :, None, :]
+    else:  # the values as given; P rounded to their dtype
+        vd = v.float()
+    vd = expand_kv_heads(vd, h)
     mux = expand_kv_heads(mu.float()[:, :, None, :], h)
     kmx, vsx, hbx = (expand_kv_heads(x.float(), h) for x in (kmean, vsum, hbar))
     counts = torch.full((nk,), float(block_size), device=q.device)
@@ -127,10 +203,11 @@ def fp8_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tenso
     for r0 in range(0, lq, rows_per_chunk):
         r1 = min(lq, r0 + rows_per_chunk)
         qc = q[:, :, r0:r1].float()
-        q8, rho = quantize_rows(qc)
+        q8, rho = quantize_rows(qc, qk_fmt)
         sel = selected.index_select(2, torch.arange(r0, r1, device=q.device) // block_size)
         exact_tok = sel.index_select(-1, tok_block)
-        s = (q8.float() @ kd.transpose(-1, -2)) * rho[..., None] * scale + (qc @ mux.transpose(-1, -2)) * scale
+        raw = q8.float() @ k8x.transpose(-1, -2)
+        s = raw * (sig_tok * (rho[..., None] * scale)) + (qc @ mux.transpose(-1, -2)) * scale
         s = s.masked_fill(~exact_tok, float("-inf"))
         m = s.amax(-1)
         use_tail = mode != "drop"
@@ -146,7 +223,7 @@ def fp8_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tenso
         sp = sp.view(*s.shape[:3], nk, block_size)
         m_run = sp.amax(-1).cummax(-1).values
         m_run = torch.where(torch.isfinite(m_run), m_run, m[..., None].expand_as(m_run))  # no exact block yet
-        p8 = to_e4m3(P_SCALE * torch.exp(sp - m_run[..., None])).float() / P_SCALE
+        p8 = _round_p(P_SCALE * torch.exp(sp - m_run[..., None]), pv_fmt, v.dtype) / P_SCALE
         p8 = (p8 * torch.exp(m_run - m[..., None])[..., None]).flatten(-2)[..., :lk]
         num = p8 @ vd
         if use_tail:
@@ -160,3 +237,14 @@ def fp8_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tenso
         out[:, :, r0:r1] = num / denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
         lse[:, :, r0:r1] = m + torch.log(denom)
     return out, lse
+
+
+def fp8_pisa_forward(*args, **kwargs) -> tuple[Tensor, Tensor]:
+    """:func:`lowp_pisa_forward` with both products in e4m3 (``precision="fp8"``)."""
+    return lowp_pisa_forward(*args, precision="fp8", **kwargs)
+
+
+def _round_p(p256: Tensor, pv_fmt: str, dtype: torch.dtype) -> Tensor:
+    if pv_fmt == "e4m3":
+        return to_e4m3(p256).float()
+    return p256.to(dtype).float() if dtype in (torch.float16, torch.bfloat16) else p256

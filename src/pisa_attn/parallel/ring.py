@@ -114,9 +114,9 @@ def ring_pisa_attention(
     s, alpha = settings_of(settings, alpha, density=density, block_size=block_size, mode=mode,
                            covariance_aware=covariance_aware, scale=scale, layout=layout, backend=backend,
                            query_block=query_block)
-    if s.precision == "fp8":  # sharded keys merge float32 partials, which the FP8 kernel does not write
-        raise ValueError("precision='fp8' is not supported by ring_pisa_attention (the FP8 kernel writes no float32 "
-                         "partial outputs to merge across ranks): use precision='input'")
+    if s.precision != "input":  # sharded keys merge float32 partials, which the low-precision kernel does not write
+        raise ValueError(f"precision={s.precision!r} is not supported by ring_pisa_attention (the low-precision kernel writes "
+                         "no float32 partial outputs to merge across ranks): use precision='input'")
     qh, kh, vh, sh = check_inputs(q, k, v, group=group, settings=s, what="ring_pisa_attention",
                                   return_lse=return_lse, seq_lens=seq_lens, alpha=alpha)
     density, block_size, mode, covariance_aware = s.density, s.block_size, s.mode, s.covariance_aware

@@ -68,9 +68,9 @@ def unified_pisa_attention(
     s, alpha = settings_of(settings, alpha, density=density, block_size=block_size, mode=mode,
                            covariance_aware=covariance_aware, scale=scale, layout=layout, backend=backend,
                            query_block=query_block)
-    if s.precision == "fp8":  # sharded keys merge float32 partials, which the FP8 kernel does not write
-        raise ValueError("precision='fp8' is not supported by unified_pisa_attention (the FP8 kernel writes no float32 "
-                         "partial outputs to merge across ranks): use precision='input'")
+    if s.precision != "input":  # sharded keys merge float32 partials, which the low-precision kernel does not write
+        raise ValueError(f"precision={s.precision!r} is not supported by unified_pisa_attention (the low-precision kernel writes "
+                         "no float32 partial outputs to merge across ranks): use precision='input'")
     validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale, layout=s.layout,
              backend=s.backend, covariance_aware=s.covariance_aware, return_lse=return_lse,
              query_block=s.query_block, alpha=alpha)

@@ -68,8 +68,7 @@ def attention_calls(stage: Stage, case: dc.Case, cov: bool, args, dense_names) -
         "dense_backend": best,
         "dense_order": order,
         "pisa_ms": pisa["ms"],
-        "pisa_backend": _choose_backend("auto", q.transpose(1, 2), args.mode, args.block_size)
-        + ("_fp8" if args.precision == "fp8" else ""),
+        "pisa_backend": _choose_backend("auto", q.transpose(1, 2), args.mode, args.block_size, args.precision),
         "pisa_dense_path_ms": path["ms"],
         "speedup": timed[best] / pisa["ms"],
     }

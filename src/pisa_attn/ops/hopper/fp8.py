@@ -1,19 +1,23 @@
-"""The Hopper pair kernel with its exact blocks in FP8 e4m3 (Gluon, sm_90a).
+"""The Hopper pair kernel with its exact blocks in low precision (Gluon, sm_90a).
 
 Same structure as :mod:`.attention` (a loader partition streaming through TMA, two consumer
 warpgroups for a pair of adjacent 64-row query blocks, one online softmax in base 2, the same pair
 stream ``(uidx, ucnt)`` from :func:`pisa_attn.ops.triton.pairs.pair_union`), with the exact phase's
-two products on FP8 tensor cores (twice the bf16 rate, half the bytes of every K/V tile):
+products on 8-bit tensor cores (twice the bf16 rate, half the bytes of every 8-bit tile). Two
+constexprs pick the formats (:data:`pisa_attn.spec.PRODUCT_FORMATS`):
 
-* ``Q·Kᵀ``: the query tile is quantised in the consumer's registers (one power-of-two scale per
-  row) and is the register A operand (``k_width = 4``); the keys are the pre-quantised smoothed
-  ``k8`` ``[B, Hk, Lk', D]`` (the quantisation pass, :mod:`pisa_attn.ops.triton.quantize`); the
-  scores are rescaled per row and per key token and the smoothing constant ``s·q_t·μ`` (one float
-  per row, computed once from the unquantised ``q``) is added back.
-* ``P·V``: ``e4m3(256·p)`` in registers against ``v8`` stored transposed ``[B, Hk, D, Lk']`` (an
-  FP8 wgmma B operand must be K-major), one product per block added to a float32 accumulator
-  (one value scale per channel for the whole head); the accumulator is multiplied by ``τ / 256``
-  once, after the exact blocks and before the tail adds to it.
+* ``Q·Kᵀ`` (``QK_INT8``: int8 x int8 -> int32, else e4m3 x e4m3 -> float32): the query tile is
+  quantised in the consumer's registers (one scale per row: a power of two for e4m3, ``amax/127``
+  for int8) and is the register A operand (``k_width = 4``); the keys are the pre-quantised
+  smoothed ``k8`` ``[B, Hk, Lk', D]`` (the quantisation pass, :mod:`pisa_attn.ops.triton.quantize`);
+  the scores are rescaled per row and per key block and the smoothing constant ``s·q_t·μ`` (one
+  float per row, computed once from the unquantised ``q``) is added back.
+* ``P·V`` (``PV_FP8``): ``e4m3(256·p)`` in registers against ``v8`` stored transposed
+  ``[B, Hk, D, Lk']`` (an FP8 wgmma B operand must be K-major), one value scale per channel for
+  the whole head, the accumulator multiplied by ``τ / 256`` once, after the exact blocks and
+  before the tail adds to it; or ``256·p`` in the input dtype against ``v`` itself (the input
+  kernel's operands; the 256 is exact). Either way one product per block is added to a float32
+  accumulator.
 
 The centroid tail and the first-order term are the input-precision kernel's (float16 centroid
 scores, bf16/fp16 ``P·V̂``), on a second ring of shared-memory slots (their tiles are twice the
@@ -39,6 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ...spec import PRODUCT_FORMATS
 from .. import kernel_constants
 from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
@@ -56,6 +61,45 @@ def _pow2_scale_inv(amax):
     e = ((amax.to(gl.int32, bitcast=True) >> 23) & 255) - 127 - 7
     e = gl.where(amax > 0, gl.maximum(e, -126), -126)
     return ((127 - e) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _qk_issue(q8, k_slot, zero, QK_INT8: gl.constexpr, D: gl.constexpr):
+    """One exact block's quantised Q·Kᵀ, issued (int32 or float32 accumulator)."""
+    if QK_INT8:
+        return warpgroup_mma(q8, k_slot.permute((1, 0)), zero, use_acc=False, is_async=True)
+    else:
+        return warpgroup_mma(q8, k_slot.permute((1, 0)), zero, use_acc=False, is_async=True,
+                             max_num_imprecise_acc=D)
+
+
+@gluon.jit
+def _qk_raw(sc, num_outstanding: gl.constexpr, QK_INT8: gl.constexpr):
+    """The issued Q·Kᵀ's raw scores in float32 (int32 sums are exact there: < 2^24)."""
+    raw = warpgroup_mma_wait(num_outstanding=num_outstanding, deps=(sc,))
+    if QK_INT8:
+        raw = raw.to(gl.float32)
+    return raw
+
+
+@gluon.jit
+def _pv_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PV_FP8: gl.constexpr):
+    """256·p as P·V's register A operand: e4m3, or the input dtype."""
+    if PV_FP8:
+        return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    else:
+        return gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def _pv_issue(pa, v_slot, acc, PV_FP8: gl.constexpr, BS: gl.constexpr, USE_ACC: gl.constexpr = False):
+    """One exact block's P·V, issued (from zero, or into ``acc`` with ``USE_ACC``): against the
+    transposed e4m3 tile or ``v``'s own."""
+    if PV_FP8:
+        return warpgroup_mma(pa, v_slot.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True,
+                             max_num_imprecise_acc=BS)
+    else:
+        return warpgroup_mma(pa, v_slot, acc, use_acc=USE_ACC, is_async=True)
 
 
 @gluon.jit
@@ -79,7 +123,8 @@ def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_
 def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
             q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
             uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-            BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr):
+            BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr,
+            PV_FP8: gl.constexpr):
     for c in gl.static_range(2):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, q0 + c * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
@@ -97,7 +142,10 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), kv_bytes)
         _tma_load(k_desc, [b, hk, j * BS, 0], ready.index(s), _box(k_bufs.index(s), k_desc))
-        _tma_load(v_desc, [b, hk, 0, j * BS], ready.index(s), _box(v_bufs.index(s), v_desc))
+        if PV_FP8:
+            _tma_load(v_desc, [b, hk, 0, j * BS], ready.index(s), _box(v_bufs.index(s), v_desc))
+        else:
+            _tma_load(v_desc, [b, hk, j * BS, 0], ready.index(s), _box(v_bufs.index(s), v_desc))
     if MODE > 0:
         # The tail ring is separate: its first groups load while the exact blocks are computed.
         c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
@@ -118,14 +166,17 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
-              LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr):
+              LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV_FP8: gl.constexpr,
+              PV_ACC: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # FP8 products: the same accumulator layouts with wgmma's 32-deep FP8 instruction shape.
+    # 8-bit products: the same accumulator layouts with wgmma's 32-deep 8-bit instruction shape;
+    # P·V in the input dtype keeps the input kernel's.
     s8_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 32])
-    o8_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
-    p8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o8_layout, k_width=4)
+    o8_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D, 32 if PV_FP8 else 16])
+    p8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o8_layout, k_width=4 if PV_FP8 else 2)
     q8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s8_layout, k_width=4)
     q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     qrow_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -138,20 +189,30 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     row = bh * NQ + qi
     q_s = q_smem.index(CID)
     mbarrier.wait(q_bar.index(CID), 0)
-    # The query tile in FP8, one power-of-two scale per row, and the smoothing constant s·q·μ
-    # (base 2) from the unquantised rows.
+    # The query tile in 8 bits, one scale per row, and the smoothing constant s·q·μ (base 2) from
+    # the unquantised rows.
     qf = q_s.load(qrow_layout).to(gl.float32)
-    q_inv = _pow2_scale_inv(gl.max(gl.abs(qf), axis=1))
-    q8 = gl.convert_layout((qf * q_inv[:, None]).to(gl.float8e4nv), q8_layout)
+    q_amax = gl.max(gl.abs(qf), axis=1)
+    if QK_INT8:
+        pos = q_amax > 0
+        q_inv = gl.where(pos, 127.0 / gl.where(pos, q_amax, 1.0), 0.0)
+        y = qf * q_inv[:, None]
+        # round half away from zero (the cast truncates), clamped to ±127
+        y = gl.minimum(gl.maximum(y + gl.where(y >= 0, 0.5, -0.5), -127.0), 127.0)
+        q8 = gl.convert_layout(y.to(gl.int8), q8_layout)
+        q_rs = qk_scale * (q_amax / 127.0)
+    else:
+        q_inv = _pow2_scale_inv(q_amax)
+        q8 = gl.convert_layout((qf * q_inv[:, None]).to(gl.float8e4nv), q8_layout)
+        q_rs = qk_scale / q_inv
     mu = gl.load(mu_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, qrow_layout)))
     q_mu = gl.sum(qf * mu[None, :], axis=1) * qk_scale
-    q_rs = qk_scale / q_inv
 
     row8: gl.constexpr = gl.SliceLayout(1, s8_layout)
     m_i = gl.full([BS], float("-inf"), gl.float32, layout=row8)
     l_i = gl.zeros([BS], gl.float32, layout=row8)
     acc = gl.zeros([BS, D], gl.float32, layout=o8_layout)
-    s8_zero = gl.zeros([BS, BS], gl.float32, layout=s8_layout)
+    s8_zero = gl.zeros([BS, BS], gl.int32 if QK_INT8 else gl.float32, layout=s8_layout)
     o8_zero = gl.zeros([BS, D], gl.float32, layout=o8_layout)
     cols8 = gl.arange(0, BS, layout=gl.SliceLayout(0, s8_layout))
     q_mu = gl.convert_layout(q_mu, row8)
@@ -168,7 +229,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
         # under the P·V; the last owned block's P (entry ``tp``, -1 none) waits in registers, and
         # is flushed before the loop waits on an entry STAGES past its slot. (The wait cannot
         # take the 8-bit P as a dependency; ptxas keeps an in-flight wgmma's registers.)
-        p8 = gl.zeros([BS, BS], gl.float8e4nv, layout=p8_layout)
+        p8 = _pv_operand(gl.zeros([BS, BS], gl.float32, layout=s8_layout), q_s.dtype, p8_layout, PV_FP8)
         tp = n_union * 0 - 1
         for u in range(n_union):
             code = code_next
@@ -178,33 +239,30 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             s = u % STAGES
             if (tp >= 0) & (u - tp >= STAGES):
                 sp = tp % STAGES
-                pv = warpgroup_mma(p8, v_bufs.index(sp).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
-                                   max_num_imprecise_acc=BS)
+                pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
                 pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
                 mbarrier.arrive(empty.index(sp), count=1)
                 acc = acc + pv
                 tp = -1
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
             if ((code >> CID) & 1) != 0:
-                sc = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
-                                   max_num_imprecise_acc=D)
+                sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
                 if tp >= 0:
                     sp = tp % STAGES
-                    pv = warpgroup_mma(p8, v_bufs.index(sp).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
-                                       max_num_imprecise_acc=BS)
-                    raw = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+                    pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
+                    raw = _qk_raw(sc, 1, QK_INT8)
                     m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
                                                           EVEN_K)
-                    p8_new = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
+                    p8_new = _pv_operand(p, q_s.dtype, p8_layout, PV_FP8)
                     pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
                     mbarrier.arrive(empty.index(sp), count=1)
                     # The previous block's product is at the previous maximum: add, then rescale.
                     acc = (acc + pv) * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                 else:
-                    raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                    raw = _qk_raw(sc, 0, QK_INT8)
                     m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
                                                           EVEN_K)
-                    p8_new = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
+                    p8_new = _pv_operand(p, q_s.dtype, p8_layout, PV_FP8)
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                 p8 = p8_new
                 tp = u
@@ -212,8 +270,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 mbarrier.arrive(empty.index(s), count=1)
         if tp >= 0:
             sp = tp % STAGES
-            pv = warpgroup_mma(p8, v_bufs.index(sp).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
-                               max_num_imprecise_acc=BS)
+            pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
             pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             mbarrier.arrive(empty.index(sp), count=1)
             acc = acc + pv
@@ -227,25 +284,31 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             s = u % STAGES
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
             if ((code >> CID) & 1) != 0:
-                sc = warpgroup_mma(q8, k_bufs.index(s).permute((1, 0)), s8_zero, use_acc=False, is_async=True,
-                                   max_num_imprecise_acc=D)
-                raw = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
+                raw = _qk_raw(sc, 0, QK_INT8)
                 m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
                                                       EVEN_K)
-                p8 = gl.convert_layout(p.to(gl.float8e4nv), p8_layout)
-                # Each block's P·V starts from zero and is added in float32, so the accumulator's
-                # rescale runs while the tensor cores compute the product (and no FP8 sum spans
-                # more than one block).
-                pv = warpgroup_mma(p8, v_bufs.index(s).permute((1, 0)), o8_zero, use_acc=False, is_async=True,
-                                   max_num_imprecise_acc=BS)
-                acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
-                acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                p8 = _pv_operand(p, q_s.dtype, p8_layout, PV_FP8)
+                if PV_ACC:  # the input kernel's way: rescale, then accumulate in the wgmma
+                    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                    acc = _pv_issue(p8, v_bufs.index(s), acc, PV_FP8, BS, True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                else:
+                    # Each block's P·V starts from zero and is added in float32, so the
+                    # accumulator's rescale runs while the tensor cores compute the product (and
+                    # no FP8 sum spans more than one block).
+                    pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV_FP8, BS)
+                    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                    acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             mbarrier.arrive(empty.index(s), count=1)
 
-    # The exact blocks' numerator back in value units (τ / 256 per channel), then the tail's
-    # input-precision layouts.
-    tau = gl.load(tau_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))) * (1.0 / P_SCALE)
-    acc = gl.convert_layout(acc * tau[None, :], o_layout)
+    # The exact blocks' numerator back in value units (τ / 256 per channel, or 1 / 256), then the
+    # tail's input-precision layouts.
+    if PV_FP8:
+        tau = gl.load(tau_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))) * (1.0 / P_SCALE)
+        acc = gl.convert_layout(acc * tau[None, :], o_layout)
+    else:
+        acc = gl.convert_layout(acc * (1.0 / P_SCALE), o_layout)
     m_i = gl.convert_layout(m_i, row_s)
     l_i = gl.convert_layout(l_i * (1.0 / P_SCALE), row_s)
     l_tail = gl.zeros([BS], gl.float32, layout=row_s)
@@ -327,6 +390,7 @@ def _fp8_pair_kernel(
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
+    QK_INT8: gl.constexpr, PV_FP8: gl.constexpr, PV_ACC: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -338,12 +402,16 @@ def _fp8_pair_kernel(
     pair_row = bh * ((NQ + 1) // 2) + pair
     dtype: gl.constexpr = q_desc.dtype
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], dtype)
-    k8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], gl.float8e4nv)
+    k8_dtype: gl.constexpr = k_desc.dtype  # int8 or e4m3
+    k8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], k8_dtype)
     v8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BS], gl.float8e4nv)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, BS, D], tile_layout)
-    k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BS, D], k8_layout)
-    v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BS], v8_layout)
+    k_bufs = gl.allocate_shared_memory(k8_dtype, [STAGES, BS, D], k8_layout)
+    if PV_FP8:
+        v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BS], v8_layout)
+    else:
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
     if MODE > 0:
         kb_bufs = gl.allocate_shared_memory(dtype, [TSTAGES, BS, D], tile_layout)
         vb_bufs = gl.allocate_shared_memory(dtype, [TSTAGES, BS, D], tile_layout)
@@ -374,15 +442,17 @@ def _fp8_pair_kernel(
         (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
                    q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                    uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-                   BS, C, STAGES, TSTAGES, MODE)),
+                   BS, C, STAGES, TSTAGES, MODE, PV_FP8)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
-                     qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE)),
+                     qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
+                     QK_INT8, PV_FP8, PV_ACC)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
-                     qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE)),
+                     qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
+                     QK_INT8, PV_FP8, PV_ACC)),
     ], [4, 4], [240, 240])
 
 
@@ -395,12 +465,23 @@ def _fp8_pair_kernel(
 # (64 KB) in one CTA per SM; without a tail the FP8 ring takes the room. Deeper exact rings measured
 # faster than (3, 3) / (6, 1) on the H100 (hybrid -2 to -10 % at 32K, drop up to -5 %; outputs
 # bit-identical; benchmarks/results/h100_schedules.json).
+# P·V in the input dtype (``"int8"``) takes a 16-bit V tile per slot (24 KB at D=128 instead of
+# 16): fewer slots in the same room.
 STAGES = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (5, 2), (128, False): (8, 1)}
+# At D=128 in drop mode 5 slots measured faster than 7 (exact phase 4.34 -> 4.24 ms at 32K,
+# results/h100_fp8_sweep.json); 4 with a tail do not fit.
+STAGES_V16 = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 2), (128, False): (5, 1)}
 HEAD_DIMS = (64, 128)
 # The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
 # loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
 PIPELINE = False
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+# The sequential loop's P·V per format (key: P·V in e4m3): from zero and added in float32 (False),
+# or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
+# 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
+# accumulator 4.34 vs 4.57 ms.
+PV_ACCUMULATE = {True: False, False: True}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+              torch.int8: gl.int8}
 
 
 def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
@@ -417,12 +498,15 @@ def attention(
     *, mode: str, scale: float, block_size: int, lk: int,
     out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
     pairs: tuple[Tensor, ...] | None = None, stages: tuple[int, int] | None = None,
-    pipeline: bool | None = None,
+    pipeline: bool | None = None, v: Tensor | None = None, pv_accumulate: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The FP8 pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view, ``quant`` the
-    :class:`pisa_attn.ops.triton.quantize.Quantized` keys and values (``lk`` the true key count),
-    the statistics' tail terms as :func:`.attention.attention` takes them; (out, lse) out.
-    ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`)."""
+    """The low-precision pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
+    ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
+    of ``Q·Kᵀ``) and values (``lk`` the true key count), the statistics' tail terms as
+    :func:`.attention.attention` takes them; (out, lse) out. ``v``: the ``[B, Hk, Lk, D]`` values
+    for ``P·V`` in the input dtype (then ``quant`` holds no value copy), None for e4m3 ``P·V``.
+    ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: the
+    sequential loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format)."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
@@ -436,16 +520,24 @@ def attention(
     uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=None if pairs is None else pairs[:2])
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
-    st, tst = stages or STAGES[d, m > 0]
-    tensors = (q, quant.k8, quant.v8t, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
+    pv_fp8 = v is None
+    if pv_fp8 == (quant.v8t.numel() == 0 and b * hk * d > 0):
+        raise ValueError("v: pass the values exactly when quant holds no e4m3 copy of them (P·V in the input dtype)")
+    qk_int8 = quant.k8.dtype == torch.int8
+    st, tst = stages or (STAGES if pv_fp8 else STAGES_V16)[d, m > 0]
+    tensors = (q, quant.k8, quant.v8t if pv_fp8 else v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
                hbar.view(b * hk, d, d))
-    blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs], [1, 1, bs, d], [1, bs, d], [1, bs, d], [1, d, d])
-    scalars = (kscale, uidx, ucnt, bits, lse, alpha, quant.sigma, quant.tau, quant.mu,
+    blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs] if pv_fp8 else [1, 1, bs, d], [1, 1, bs, d], [1, bs, d],
+              [1, bs, d], [1, d, d])
+    tau = quant.tau if pv_fp8 else quant.sigma  # unread without e4m3 values
+    scalars = (kscale, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu,
                h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     pipe = PIPELINE if pipeline is None else bool(pipeline)
+    pv_acc = PV_ACCUMULATE[pv_fp8] if pv_accumulate is None else bool(pv_accumulate)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
-                      PIPELINE=pipe)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
+                      PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc,
+           tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
@@ -455,24 +547,28 @@ def attention(
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None,
-                     pipeline: bool | None = None):
-    """Compile the FP8 pair kernel for sm_90a without a GPU (as :func:`.attention.compile_for_sm90`)."""
+                     pipeline: bool | None = None, precision: str = "fp8"):
+    """Compile the low-precision pair kernel for sm_90a without a GPU (as
+    :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``."""
+    qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
+    pv_fp8 = pv_fmt == "e4m3"
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     d, bs = head_dim, 64
     x = torch.empty(1, 1, bs, d, dtype=dtype)
-    k8 = torch.empty(1, 1, bs, d, dtype=torch.float8_e4m3fn)
-    v8 = torch.empty(1, 1, d, bs, dtype=torch.float8_e4m3fn)
+    k8 = torch.empty(1, 1, bs, d, dtype=torch.int8 if qk_fmt == "int8" else torch.float8_e4m3fn)
+    v8 = torch.empty(1, 1, d, bs, dtype=torch.float8_e4m3fn) if pv_fp8 else x
     c = torch.empty(1, bs, d, dtype=torch.float16)
-    descs = dict(q_desc=_desc(x, [1, 1, bs, d]), k_desc=_desc(k8, [1, 1, bs, d]), v_desc=_desc(v8, [1, 1, d, bs]),
+    descs = dict(q_desc=_desc(x, [1, 1, bs, d]), k_desc=_desc(k8, [1, 1, bs, d]), v_desc=_desc(v8, [1, 1, d, bs] if pv_fp8 else [1, 1, bs, d]),
                  o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
-    st, tst = stages or STAGES[d, mode != "drop"]
+    st, tst = stages or (STAGES if pv_fp8 else STAGES_V16)[d, mode != "drop"]
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
-                      LOG2_BS=math.log2(bs), PIPELINE=PIPELINE if pipeline is None else bool(pipeline))
+                      LOG2_BS=math.log2(bs), PIPELINE=PIPELINE if pipeline is None else bool(pipeline),
+                      QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE[pv_fp8])
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}

@@ -4,8 +4,9 @@ kernel (:mod:`.attention`) for attend. Inference only.
 It runs on sm_90 GPUs (H100, H200) with a Triton that ships Gluon (3.6 or newer), for float16 /
 bfloat16, head dims 64 and 128 and 64-token blocks; ``backend="auto"`` prefers it there.
 
-``FP8_BACKEND`` (``"hopper_fp8"``, what ``precision="fp8"`` runs) shares prepare and select and
-attends with the FP8 pair kernel (:mod:`.fp8`) after the quantisation pass
+``LOWP_BACKENDS`` (``"hopper_fp8"``, ``"hopper_int8_fp8"``, ``"hopper_int8"``: what
+``precision="fp8"``, ``"int8-fp8"``, ``"int8"`` run) share prepare and select and attend with the
+low-precision pair kernel (:mod:`.fp8`) after the quantisation pass
 (:mod:`pisa_attn.ops.triton.quantize`).
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...spec import PRODUCT_FORMATS
 from .. import fused as _fused
 from ..selection import Selection
 from ..stages import Backend
@@ -113,23 +115,23 @@ BACKEND = _fused.register(
             _top.score_scratch, workspace))
 
 
-# ---------------------------------------------------------------- precision="fp8"
+# ------------------------------------------------- precision="fp8", "int8-fp8", "int8"
 @dataclass
 class Fp8Workspace(_top.Workspace):
-    """The Hopper workspace plus the e4m3 copies of K and V and their scales."""
+    """The Hopper workspace plus the quantised copies of K (and V) and their scales."""
 
     quant: _quant.Quantized | None = None
 
 
 def fp8_unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
-    """None when the FP8 pair kernel handles this call, else why not."""
+    """None when the low-precision pair kernel handles this call, else why not."""
     reason = unsupported_reason(q, mode, block_size)
     if reason is None and q.shape[-1] not in _fp8.HEAD_DIMS:
-        reason = f"head dim {q.shape[-1]} (the FP8 kernel is built for head dims {_fp8.HEAD_DIMS})"
+        reason = f"head dim {q.shape[-1]} (the low-precision kernel is built for head dims {_fp8.HEAD_DIMS})"
     return reason
 
 
-def attend_fp8(
+def attend_lowp(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -145,40 +147,51 @@ def attend_fp8(
     out: Tensor | None = None,
     lse: Tensor | None = None,
     ws: Fp8Workspace | None = None,
+    precision: str = "fp8",
 ) -> tuple[Tensor, Tensor]:
-    """Quantise k and v (:func:`pisa_attn.ops.triton.quantize.quantize`), then the FP8 pair kernel
-    under ``selection``: (out in q's dtype, lse fp32). There is no other FP8 kernel to run a call
-    this one cannot serve: such a call is a ValueError naming ``precision``."""
+    """Quantise k (and v) (:func:`pisa_attn.ops.triton.quantize.quantize`), then the low-precision
+    pair kernel under ``selection``: (out in q's dtype, lse fp32). There is no other low-precision
+    kernel to run a call this one cannot serve: such a call is a ValueError naming ``precision``."""
     del n_select
     if out is None:
         out = _tattn._alloc_like_layout(q, out_dtype)
     if out_dtype not in (None, q.dtype):
-        raise ValueError(f"precision='fp8' writes the output in q's dtype ({q.dtype}), not {out_dtype} "
-                         "(a float32 partial for a sharded call is not supported in FP8)")
-    reason = _gattn.tma_unsupported_reason(q, out)
+        raise ValueError(f"precision={precision!r} writes the output in q's dtype ({q.dtype}), not {out_dtype} "
+                         "(a float32 partial for a sharded call is not supported in low precision)")
+    v_in = PRODUCT_FORMATS[precision][1] == "input"  # P·V reads v itself through TMA
+    reason = _gattn.tma_unsupported_reason(q, out) if not v_in else _gattn.tma_unsupported_reason(q, v, out)
     if reason is not None:
-        raise ValueError(f"precision='fp8' needs q and out readable through TMA: {reason}")
+        raise ValueError(f"precision={precision!r} needs q{', v' if v_in else ''} and out readable through TMA: "
+                         f"{reason}")
     quant = ws.quant if isinstance(ws, Fp8Workspace) else None
-    quant = _quant.quantize(k, v, stats.kbar, stats.kscale, block_size, ws=quant)
+    quant = _quant.quantize(k, v, stats.kbar, stats.kscale, block_size, ws=quant, precision=precision)
     pairs = _pair_buffers(ws, stats, selection)
     return _fp8.attention(q, quant, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
-                          lk=k.shape[2], out=out, lse=lse, alpha=alpha, pairs=pairs)
+                          lk=k.shape[2], out=out, lse=lse, alpha=alpha, pairs=pairs, v=v if v_in else None)
 
 
-def fp8_workspace(plan, q: Tensor, k: Tensor) -> Fp8Workspace:
-    """The Hopper workspace plus the quantisation pass's buffers."""
-    ws = workspace(plan, q, k)
-    b, hk, lk, d = k.shape
-    quant = _quant.quant_workspace(b, hk, lk, d, plan.block_size, q.device)
-    return Fp8Workspace(ws.stats, ws.selection, ws.lse, ws.pairs, quant)
+def _lowp_backend(precision: str, name: str) -> Backend:
+    """The Hopper backend whose attend runs the exact blocks in ``precision``."""
+
+    def attend_p(*args, **kwargs):
+        return attend_lowp(*args, precision=precision, **kwargs)
+
+    def workspace_p(plan, q: Tensor, k: Tensor) -> Fp8Workspace:
+        ws = workspace(plan, q, k)
+        b, hk, lk, d = k.shape
+        quant = _quant.quant_workspace(b, hk, lk, d, plan.block_size, q.device, precision)
+        return Fp8Workspace(ws.stats, ws.selection, ws.lse, ws.pairs, quant)
+
+    def forward_p(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+                  alpha: Tensor | None = None):
+        return _fused.forward(be, q, k, v, plan, keep, n_keep_max, alpha)
+
+    be = _fused.register(Backend(name, _top.prepare, _top.select, attend_p, _top.deviation, forward_p,
+                                 fp8_unsupported_reason, _top.score_scratch, workspace_p))
+    return be
 
 
-def forward_fp8(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
-                alpha: Tensor | None = None):
-    """One FP8 call on one device (through the registered op when traced): (out, lse)."""
-    return _fused.forward(FP8_BACKEND, q, k, v, plan, keep, n_keep_max, alpha)
-
-
-FP8_BACKEND = _fused.register(
-    Backend("hopper_fp8", _top.prepare, _top.select, attend_fp8, _top.deviation, forward_fp8, fp8_unsupported_reason,
-            _top.score_scratch, fp8_workspace))
+# precision -> backend (the names pisa_attn.attention.LOWP_BACKENDS gives them)
+LOWP_BACKENDS = {n: _lowp_backend(p, n) for p, n in
+                 (("fp8", "hopper_fp8"), ("int8-fp8", "hopper_int8_fp8"), ("int8", "hopper_int8"))}
+FP8_BACKEND = LOWP_BACKENDS["hopper_fp8"]

@@ -1,18 +1,23 @@
-"""The FP8 exact phase's quantisation pass: e4m3 copies of K and V (math: :mod:`pisa_attn.ops.quant`).
+"""The low-precision exact phase's quantisation pass: e4m3 or int8 copies of K and e4m3 copies of
+V (math: :mod:`pisa_attn.ops.quant`).
 
-Three launches after the statistics (they read the statistics' float16 centroids):
+Up to three launches after the statistics (they read the statistics' float16 centroids):
 
 * ``_mu_kernel`` (one program per kv head): the smoothing vector ``μ``, the mean of the head's
   centroids ``kbar · kscale``, and a zeroed per-channel maximum of ``|v|``;
 * ``_vmax_kernel`` (a kv head and a run of its key blocks): that maximum, by integer atomic max
   of the float bits (non-negative floats order as their bit patterns);
 * ``_quant_kernel`` (one program per kv head and key block): one read of the block's keys and
-  values, one write of ``k8 = e4m3((k − μ)/σ_j)`` ``[B, Hk, Lk', D]`` with its per-block scale
-  ``σ`` ``[B, Hk, Nk]``, and of ``v8`` transposed ``[B, Hk, D, Lk']`` with the per-channel
-  scales ``τ`` ``[B, Hk, D]``. ``Lk'`` is ``Lk`` rounded up to whole blocks: the rows past ``Lk``
-  are written as zeros, so the attention kernel's TMA boxes never leave a tensor.
+  values, one write of ``k8 = Q((k − μ)/σ_j)`` ``[B, Hk, Lk', D]`` (e4m3 or int8) with its
+  per-block scale ``σ`` ``[B, Hk, Nk]``, and of ``v8`` transposed ``[B, Hk, D, Lk']`` with the
+  per-channel scales ``τ`` ``[B, Hk, D]``. ``Lk'`` is ``Lk`` rounded up to whole blocks: the rows
+  past ``Lk`` are written as zeros, so the attention kernel's TMA boxes never leave a tensor.
 
-Scales are powers of two built from the exponent bits (exact division, no ``log2``): the kernels
+When ``P·V`` runs in the input dtype (``precision="int8"``) there is no ``|v|`` pass and no value
+copy: only the keys are read and written.
+
+e4m3 scales are powers of two built from the exponent bits (exact division, no ``log2``); int8
+scales are ``amax/127`` and ``127/amax`` by correctly rounded division (``div_rn``): the kernels
 and the reference round the same numbers the same way.
 """
 
@@ -25,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...spec import PRODUCT_FORMATS
 from ..launch import Launcher, spec_class
 
 
@@ -36,11 +42,21 @@ def _pow2_scale(amax):
     return ((e + 127) << 23).to(tl.float32, bitcast=True), ((127 - e) << 23).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _int8_scale(amax):
+    """(``amax / 127``, ``127 / amax``), each correctly rounded; (0, 0) for 0."""
+    pos = amax > 0
+    safe = tl.where(pos, amax, 1.0)
+    return tl.where(pos, tl.math.div_rn(safe, 127.0), 0.0), tl.where(pos, tl.math.div_rn(127.0, safe), 0.0)
+
+
 @triton.jit(do_not_specialize=["NK"])
-def _mu_kernel(kbar_ptr, kscale_ptr, mu_ptr, vmax_ptr, NK, D: tl.constexpr, TJ: tl.constexpr):
+def _mu_kernel(kbar_ptr, kscale_ptr, mu_ptr, vmax_ptr, NK, D: tl.constexpr, TJ: tl.constexpr,
+               ZERO_VMAX: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
-    tl.store(vmax_ptr + bh * D + offs_d, tl.zeros([D], dtype=tl.int32))
+    if ZERO_VMAX:
+        tl.store(vmax_ptr + bh * D + offs_d, tl.zeros([D], dtype=tl.int32))
     rows = tl.arange(0, TJ)
     acc = tl.zeros([D], dtype=tl.float32)
     for j0 in range(0, NK, TJ):
@@ -73,7 +89,7 @@ def _quant_kernel(
     k_ptr, v_ptr, mu_ptr, vmax_ptr, k8_ptr, sig_ptr, v8_ptr, tau_ptr,
     skb, skh, skl, skd, svb, svh, svl, svd,
     HK, LK, LKP, NK,
-    BS: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, D: tl.constexpr, K_INT8: tl.constexpr, WITH_V: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = pid % NK
@@ -85,39 +101,56 @@ def _quant_kernel(
     offs_d = tl.arange(0, D)
     valid = (rows < LK)[:, None]
     k = tl.load(k_ptr + b * skb + h * skh + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
-    v = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
     mu = tl.load(mu_ptr + bh * D + offs_d)
     kc = tl.where(valid, k.to(tl.float32) - mu[None, :], 0.0)
-    sig, sig_inv = _pow2_scale(tl.max(tl.max(tl.abs(kc), axis=1), axis=0))
-    tl.store(k8_ptr + (bh * LKP + rows[:, None]) * D + offs_d[None, :], (kc * sig_inv).to(tl.float8e4nv))
-    tau, tau_inv = _pow2_scale(tl.load(vmax_ptr + bh * D + offs_d).to(tl.float32, bitcast=True))
-    if j == 0:  # one program per head writes the head's value scales
-        tl.store(tau_ptr + bh * D + offs_d, tau)
+    kmax = tl.max(tl.max(tl.abs(kc), axis=1), axis=0)
+    if K_INT8:
+        sig, sig_inv = _int8_scale(kmax)
+        y = kc * sig_inv
+        # round half away from zero (the cast truncates), clamp to the symmetric range
+        k8 = tl.minimum(tl.maximum(y + tl.where(y >= 0, 0.5, -0.5), -127.0), 127.0).to(tl.int8)
+    else:
+        sig, sig_inv = _pow2_scale(kmax)
+        k8 = (kc * sig_inv).to(tl.float8e4nv)
+    tl.store(k8_ptr + (bh * LKP + rows[:, None]) * D + offs_d[None, :], k8)
     tl.store(sig_ptr + bh * NK + j, sig)
-    v8 = tl.trans((v.to(tl.float32) * tau_inv[None, :]).to(tl.float8e4nv))  # [D, BS]: the K-major B operand
-    tl.store(v8_ptr + (bh * D + offs_d[:, None]) * LKP + rows[None, :], v8)
+    if WITH_V:
+        v = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
+        tau, tau_inv = _pow2_scale(tl.load(vmax_ptr + bh * D + offs_d).to(tl.float32, bitcast=True))
+        if j == 0:  # one program per head writes the head's value scales
+            tl.store(tau_ptr + bh * D + offs_d, tau)
+        v8 = tl.trans((v.to(tl.float32) * tau_inv[None, :]).to(tl.float8e4nv))  # [D, BS]: the K-major B operand
+        tl.store(v8_ptr + (bh * D + offs_d[:, None]) * LKP + rows[None, :], v8)
 
 
 @dataclass
 class Quantized:
-    """The e4m3 copies of one call's keys and values and their scales (see the module docstring)."""
+    """The quantised copies of one call's keys (and values) and their scales (see the module
+    docstring). Without value copies (``precision="int8"``) ``v8t``, ``tau`` and ``vmax`` are
+    empty."""
 
     mu: Tensor  # [B, Hk, D] float32
-    k8: Tensor  # [B, Hk, Lk', D] float8_e4m3fn
+    k8: Tensor  # [B, Hk, Lk', D] float8_e4m3fn or int8
     sigma: Tensor  # [B, Hk, Nk] float32
     v8t: Tensor  # [B, Hk, D, Lk'] float8_e4m3fn
     tau: Tensor  # [B, Hk, D] float32
     vmax: Tensor  # [B, Hk, D] int32: the bits of max |v| per channel (scratch)
 
 
-def quant_workspace(b: int, hk: int, lk: int, d: int, block_size: int, device) -> Quantized:
+_K_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def quant_workspace(b: int, hk: int, lk: int, d: int, block_size: int, device, precision: str = "fp8") -> Quantized:
+    """Buffers of :func:`quantize` for ``precision`` (:data:`pisa_attn.spec.PRODUCT_FORMATS`)."""
+    qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
     nk = -(-lk // block_size)
     lkp = nk * block_size
     f32 = dict(device=device, dtype=torch.float32)
     e4 = dict(device=device, dtype=torch.float8_e4m3fn)
-    return Quantized(torch.empty(b, hk, d, **f32), torch.empty(b, hk, lkp, d, **e4), torch.empty(b, hk, nk, **f32),
-                     torch.empty(b, hk, d, lkp, **e4), torch.empty(b, hk, d, **f32),
-                     torch.empty(b, hk, d, device=device, dtype=torch.int32))
+    n = 1 if pv_fmt == "e4m3" else 0
+    return Quantized(torch.empty(b, hk, d, **f32), torch.empty(b, hk, lkp, d, device=device, dtype=_K_DTYPES[qk_fmt]),
+                     torch.empty(b, hk, nk, **f32), torch.empty(b * n, hk, d, lkp, **e4),
+                     torch.empty(b * n, hk, d, **f32), torch.empty(b * n, hk, d, device=device, dtype=torch.int32))
 
 
 _launch_mu = Launcher(_mu_kernel)
@@ -127,26 +160,35 @@ VMAX_BLOCKS = 8  # key blocks per program of the |v| maximum (fewer atomics)
 
 
 def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int,
-             ws: Quantized | None = None) -> Quantized:
-    """e4m3 keys and values of ``[B, Hk, Lk, D]`` views (any strides) for the FP8 attention kernel;
+             ws: Quantized | None = None, precision: str = "fp8") -> Quantized:
+    """Quantised keys (and values) of ``[B, Hk, Lk, D]`` views (any strides) for the low-precision
+    attention kernel, in the formats of ``precision`` (:data:`pisa_attn.spec.PRODUCT_FORMATS`);
     ``kbar``/``kscale``: the statistics' float16 centroids and their per-head scale. ``ws``: a
-    :func:`quant_workspace` of these shapes to write into."""
+    :func:`quant_workspace` of these shapes and this precision to write into."""
+    qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
+    with_v = pv_fmt == "e4m3"
     b, hk, lk, d = k.shape
     nk = -(-lk // block_size)
     if ws is None:
-        ws = quant_workspace(b, hk, lk, d, block_size, k.device)
-    if ws.k8.shape != (b, hk, nk * block_size, d):
-        raise ValueError("ws: a quant_workspace made for other shapes")
+        ws = quant_workspace(b, hk, lk, d, block_size, k.device, precision)
+    if (ws.k8.shape != (b, hk, nk * block_size, d) or ws.k8.dtype != _K_DTYPES[qk_fmt]
+            or ws.v8t.shape != (b if with_v else 0, hk, d, nk * block_size)):
+        raise ValueError(f"ws: a quant_workspace made for other shapes or another precision than {precision!r}")
     if b * hk == 0 or nk == 0:
         ws.mu.zero_()
         return ws
-    _launch_mu((d,), (b * hk,), (kbar, kscale, ws.mu, ws.vmax, nk), dict(D=d, TJ=32), num_warps=4)
-    chunks = -(-nk // VMAX_BLOCKS)
-    _launch_vmax((v.dtype, block_size, d, spec_class(v, *v.stride())), (b * hk * chunks,),
-                 (v, ws.vmax, *v.stride(), hk, lk, nk, VMAX_BLOCKS, chunks), dict(BS=block_size, D=d),
-                 num_warps=4 if d <= 64 else 8)
+    # without values, the (empty) value buffers stand in for the unused pointers
+    vmax = ws.vmax if with_v else ws.sigma
+    _launch_mu((d,), (b * hk,), (kbar, kscale, ws.mu, vmax, nk), dict(D=d, TJ=32, ZERO_VMAX=with_v), num_warps=4)
+    if with_v:
+        chunks = -(-nk // VMAX_BLOCKS)
+        _launch_vmax((v.dtype, block_size, d, spec_class(v, *v.stride())), (b * hk * chunks,),
+                     (v, ws.vmax, *v.stride(), hk, lk, nk, VMAX_BLOCKS, chunks), dict(BS=block_size, D=d),
+                     num_warps=4 if d <= 64 else 8)
     strides = (*k.stride(), *v.stride())
-    _launch_quant((k.dtype, v.dtype, block_size, d, spec_class(k, v, *strides)), (b * hk * nk,),
-                  (k, v, ws.mu, ws.vmax, ws.k8, ws.sigma, ws.v8t, ws.tau, *strides, hk, lk, nk * block_size, nk),
-                  dict(BS=block_size, D=d), num_warps=4 if d <= 64 else 8)
+    v8t, tau = (ws.v8t, ws.tau) if with_v else (ws.k8, ws.sigma)
+    _launch_quant((k.dtype, v.dtype, block_size, d, qk_fmt, with_v, spec_class(k, v, *strides)), (b * hk * nk,),
+                  (k, v, ws.mu, vmax, ws.k8, ws.sigma, v8t, tau, *strides, hk, lk, nk * block_size, nk),
+                  dict(BS=block_size, D=d, K_INT8=qk_fmt == "int8", WITH_V=with_v), num_warps=4 if d <= 64 else 8,
+                  enable_fp_fusion=False)  # each rounding where the reference has it (no a·b + 0.5 in one FMA)
     return ws
