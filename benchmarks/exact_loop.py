@@ -214,9 +214,13 @@ LOOP_VARIANTS = (("global-joint", False, False, False, None), ("smem-joint", Tru
                  ("smem-split-pipelined-4slots", True, True, True, 4))
 
 
-def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict):
+def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict, rounds: int = 3):
     """Each loop variant's attend kernel alone on one top-k selection (adjacent pairs, owners
-    order), drop and hybrid; the whole call (plan/run, default settings) once per input."""
+    order), drop and hybrid, timed in ``rounds`` interleaved rounds (every variant once per round;
+    the median of the rounds is reported: run-to-run drift hits all variants alike); the whole call
+    (plan/run, default settings) once per input."""
+    import statistics
+
     q, k, v = qkv("random", L)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         t_cudnn = ms(lambda: F.scaled_dot_product_attention(q, k, v), 2.5e-8 * L * L)
@@ -229,10 +233,10 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict)
         frac = sel.cnt.sum().item() / (B * H * sel.bits.shape[2] * nk)
         ps = pairing_stats(sel.bits, nk, 2, sel.idx.shape[-1])
         scale = q.shape[-1] ** -0.5
-        ref = {}
+        ref, rows, fns = {}, [], []
         for name, codes, split, pipe, slots in LOOP_VARIANTS:
             row = dict(L=L, source=source, density=density, variant=name, codes_smem=codes, kv_split=split,
-                       pipelined=pipe, slots=slots, computed_fraction=frac, cudnn_ms=t_cudnn, **ps)
+                       pipelined=pipe, slots=slots, computed_fraction=frac, cudnn_ms=t_cudnn, rounds=rounds, **ps)
             for mode in ("drop", "hybrid"):
                 out = torch.full_like(q, float("nan"))
                 lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
@@ -244,7 +248,16 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict)
                 row[f"{mode}_finite"] = bool(torch.isfinite(out).all())
                 base = ref.setdefault(mode, (out.clone(), lse.clone()))
                 row[f"{mode}_bit_identical_to_first"] = bool(torch.equal(out, base[0]) and torch.equal(lse, base[1]))
-                row[f"{mode}_ms"] = ms(fn, est_ms=t_cudnn * frac)
+                row[f"{mode}_ms_rounds"] = []
+                fns.append((row, mode, fn))
+            rows.append(row)
+        for _ in range(rounds):
+            for row, mode, fn in fns:
+                row[f"{mode}_ms_rounds"].append(ms(fn, est_ms=t_cudnn * frac))
+        for row in rows:
+            name = row["variant"]
+            for mode in ("drop", "hybrid"):
+                row[f"{mode}_ms"] = statistics.median(row[f"{mode}_ms_rounds"])
             row["share_of_cudnn"] = frac * t_cudnn / row["drop_ms"]
             row["tail_ms"] = row["hybrid_ms"] - row["drop_ms"]
             row["tail_bound_exact_rate_ms"] = row["drop_ms"] / (64 * density)
@@ -253,19 +266,30 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict)
             res["loop_variants"].append(row)
             print(f"{L:>6} {source:7} {name:28} drop {row['drop_ms']:.3f} hybrid {row['hybrid_ms']:.3f} ms | share "
                   f"{row['share_of_cudnn']:.3f} | {row['exact_tflops']:.0f} TFLOP/s | bit-identical "
-                  f"{row['drop_bit_identical_to_first']}/{row['hybrid_bit_identical_to_first']}", flush=True)
+                  f"{row['drop_bit_identical_to_first']}/{row['hybrid_bit_identical_to_first']} | drop rounds "
+                  + " ".join(f"{t:.3f}" for t in row["drop_ms_rounds"]), flush=True)
         if whole:
-            for mode in ("hybrid", "drop"):
-                p = plan(q, k, PisaSettings(density=density, mode=mode, backend="hopper"))
-                out = torch.empty_like(q)
-                fn = lambda p=p, out=out: run(p, q, k, v, out=out)  # noqa: E731
-                fn()
-                t = ms(fn, est_ms=t_cudnn * frac * 1.3)
-                r = dict(L=L, source=source, density=density, mode=mode, group=DEFAULT_GROUP, whole_ms=t,
-                         cudnn_ms=t_cudnn, speedup=t_cudnn / t)
-                res["whole"].append(r)
-                print(f"{L:>6} {source:7} whole {mode:6}: {t:.3f} ms  {r['speedup']:.2f}x cuDNN", flush=True)
-        del q, k, v, stats, sel, ref
+            # the whole call with the kernel's defaults, and with the previous protocol (codes from
+            # global memory, one barrier per slot)
+            defaults = (gattn.CODES, gattn.KV_SPLIT)
+            for proto in ("default", "global-joint"):
+                for mode in ("hybrid", "drop"):
+                    if proto != "default":
+                        gattn.CODES, gattn.KV_SPLIT = False, False
+                    try:
+                        p = plan(q, k, PisaSettings(density=density, mode=mode, backend="hopper"))
+                        out = torch.empty_like(q)
+                        fn = lambda p=p, out=out: run(p, q, k, v, out=out)  # noqa: E731
+                        fn()
+                        t = ms(fn, est_ms=t_cudnn * frac * 1.3)
+                    finally:
+                        gattn.CODES, gattn.KV_SPLIT = defaults
+                    r = dict(L=L, source=source, density=density, mode=mode, group=DEFAULT_GROUP, protocol=proto,
+                             whole_ms=t, cudnn_ms=t_cudnn, speedup=t_cudnn / t)
+                    res["whole"].append(r)
+                    print(f"{L:>6} {source:7} whole {mode:6} {proto:12}: {t:.3f} ms  {r['speedup']:.2f}x cuDNN",
+                          flush=True)
+        del q, k, v, stats, sel, ref, fns
         torch.cuda.empty_cache()
 
 
@@ -341,6 +365,7 @@ def main(argv=None):
     ap.add_argument("--schedules", action="store_true", help="compare the exact loop's schedules instead")
     ap.add_argument("--loop-variants", action="store_true",
                     help="compare the stream / barrier protocols of the bf16 kernel instead")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of --loop-variants")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "exact_loop.json"))
     a = ap.parse_args(argv)
     if a.ncu:
@@ -357,7 +382,7 @@ def main(argv=None):
             if a.schedules:
                 bench_schedules(L, a.sources, density, res)
             elif a.loop_variants:
-                bench_loop_variants(L, a.sources, density, a.whole, res)
+                bench_loop_variants(L, a.sources, density, a.whole, res, a.rounds)
             else:
                 bench_length(L, a.sources, density, a.whole, res)
         if a.dino:
@@ -390,8 +415,8 @@ def main(argv=None):
                   f"{r['share_of_cudnn']:6.3f} {base['drop_ms'] / r['drop_ms']:7.3f} {r['exact_tflops']:7.0f} "
                   f"{str(same):>5}")
     for r in res["whole"]:
-        print(f"{r['L']:>6} {r['source']:7} whole {r['mode']:6} g{r['group']:<2} {r['whole_ms']:8.3f} ms "
-              f"{r['speedup']:5.2f}x")
+        print(f"{r['L']:>6} {r['source']:7} whole {r['mode']:6} g{r['group']:<2} {r.get('protocol', ''):12} "
+              f"{r['whole_ms']:8.3f} ms {r['speedup']:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def test_pair_kernel_builds_for_sm90a(built, name):
     # and no global load of a code in any loop; past 8 chunks the codes stay in global memory.
     codes, entries = VARIANTS[name][6], VARIANTS[name][8]
     staged = codes and entries <= 2048
-    assert r["tma2d"] == (-(-entries // min(256, max(4, 1 << (entries - 1).bit_length()))) if staged else 0)
+    assert r["tma2d"] == (-(-entries // max(32, min(256, 1 << (entries - 1).bit_length()))) if staged else 0)
 
 
 def test_staged_stream_codes_leave_no_global_code_load(built):

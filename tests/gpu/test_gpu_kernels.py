@@ -525,22 +525,24 @@ def test_hopper_stream_protocols_are_bit_identical(source, monkeypatch):
     mask = bits_to_mask(sel.bits, nk)
     o_ref, lse_ref = ref.pisa_forward(q.double(), k.double(), v.double(), ref.block_stats(k.double(), v.double(), 64),
                                       mask, mode=mode, scale=plan.scale, block_size=64)
-    # (codes, kv_split, pipeline, slots, chunk width): chunks of 16 codes split a stream into
-    # several TMA copies; chunks of 4 exceed the limit of 8 chunks on the uneven masks (64 codes:
-    # read from global memory) and not on the Gaussian one (32 codes: 8 chunks).
-    variants = ((False, False, False, None, 256), (True, False, False, None, 256), (False, True, False, None, 256),
-                (True, True, False, None, 16), (True, True, False, None, 4), (True, True, True, 4, 256))
+    # (codes, kv_split, pipeline, slots, chunk width, chunk limit): chunks of 32 codes split the
+    # uneven masks' 64-entry streams into two TMA copies; a limit of 1 chunk sends them to global
+    # memory (the Gaussian selection's 32 entries still fit one chunk).
+    variants = ((False, False, False, None, 256, 8), (True, False, False, None, 256, 8),
+                (False, True, False, None, 256, 8), (True, True, False, None, 32, 8), (True, True, False, None, 32, 1),
+                (True, True, True, 4, 256, 8))
     for order in ("owners", "ascending"):
         outs = {}
-        for codes, split, pipe, st, chunk in variants:
+        for codes, split, pipe, st, chunk, limit in variants:
             monkeypatch.setattr(gattn, "CODE_CHUNK", chunk)
+            monkeypatch.setattr(gattn, "CODES_MAX_CHUNKS", limit)
             out = torch.full_like(q, float("nan"))
             lse = torch.full(q.shape[:3], float("nan"), device="cuda")
             gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
                             n_select=plan.n_select, out=out, lse=lse, pair_order=order, pipeline=pipe, stages=st,
                             codes=codes, kv_split=split)
             torch.cuda.synchronize()
-            outs[codes, split, pipe, st, chunk] = (out, lse)
+            outs[codes, split, pipe, st, chunk, limit] = (out, lse)
         base_out, base_lse = outs[variants[0]]
         assert torch.isfinite(base_out).all() and torch.isfinite(base_lse).all()
         for key, (out, lse) in outs.items():

@@ -577,7 +577,8 @@ PIPELINE = False
 # The pair's stream codes: copied into shared memory by one TMA per CTA (chunks of up to
 # CODE_CHUNK codes, the TMA box limit; at most CODES_MAX_CHUNKS chunks, 8 KB), so that neither the
 # loader nor the consumers load from global memory inside the loop; a longer stream (more than
-# 2048 union entries) is read from global memory, one entry ahead.
+# 2048 union entries) is read from global memory, one entry ahead. A chunk is at least 32 codes:
+# a TMA copy's shared-memory destination must be 128-byte aligned.
 CODES = True
 CODE_CHUNK = 256
 CODES_MAX_CHUNKS = 8
@@ -597,10 +598,10 @@ def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
 
 def code_chunks(w2: int, codes: bool) -> tuple[bool, int, int]:
     """(codes staged in shared memory, chunk width, chunks) for a stream of width ``w2``."""
-    cw = min(CODE_CHUNK, max(4, triton.next_power_of_2(w2)))
+    cw = max(32, min(CODE_CHUNK, triton.next_power_of_2(w2)))
     nch = -(-w2 // cw)
     if not codes or nch > CODES_MAX_CHUNKS:
-        return False, 4, 1  # a 16-byte buffer, never loaded
+        return False, 32, 1  # a 128-byte buffer, never loaded
     return True, cw, nch
 
 
