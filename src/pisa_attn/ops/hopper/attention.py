@@ -103,6 +103,15 @@ def _codes_view(codes_smem, NCH: gl.constexpr, CW: gl.constexpr):
 
 
 @gluon.jit
+def _await_v_landed(ready_v, s, t, STAGES: gl.constexpr):
+    """Wait until V of entry ``t - STAGES`` (the slot's previous use) has landed, before K of entry
+    ``t`` is loaded. A consumer waits on V's barrier only for the entries it owns, so it may skip
+    that phase; once it has seen K of t land it then knows V's barrier is in t's phase or later,
+    and a parity wait cannot mistake the unfinished phase t - STAGES for t's."""
+    mbarrier.wait(ready_v.index(s), ((t // STAGES) & 1) ^ 1)
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
             q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v, empty_v,
             uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
@@ -146,6 +155,8 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
         s = t % STAGES
         # A fresh mbarrier counts as having completed phase 1: the first pass never waits.
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        if KV_SPLIT:
+            _await_v_landed(ready_v, s, t, STAGES)
         mbarrier.expect(ready.index(s), kv_bytes)
         _tma_load(k_desc, [b, hk, j * BS, 0], ready.index(s), _box(k_bufs.index(s), k_desc))
         if KV_SPLIT:
@@ -164,6 +175,8 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
         for g0 in range(0, NK, C):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            if KV_SPLIT:
+                _await_v_landed(ready_v, s, t, STAGES)
             mbarrier.expect(ready.index(s), c_bytes)
             _tma_load(kb_desc, [bhk, g0, 0], ready.index(s), _box(k_bufs.index(s), kb_desc))
             if KV_SPLIT:
@@ -577,14 +590,17 @@ PIPELINE = False
 # The pair's stream codes: copied into shared memory by one TMA per CTA (chunks of up to
 # CODE_CHUNK codes, the TMA box limit; at most CODES_MAX_CHUNKS chunks, 8 KB), so that neither the
 # loader nor the consumers load from global memory inside the loop; a longer stream (more than
-# 2048 union entries) is read from global memory, one entry ahead. A chunk is at least 32 codes:
-# a TMA copy's shared-memory destination must be 128-byte aligned.
+# 2048 union entries) is read from global memory, one entry ahead, and so is a stream of fewer than
+# 32 entries: a chunk is at least 32 codes (a TMA copy's shared-memory destination must be 128-byte
+# aligned) and a TMA box no wider than the stream.
 CODES = True
 CODE_CHUNK = 256
 CODES_MAX_CHUNKS = 8
 # K and V of a slot on separate barriers: Q·Kᵀ starts when K has landed, V lands under the
-# softmax, and K's half of the slot goes back as soon as the scores are in.
-KV_SPLIT = True
+# softmax, and K's half of the slot goes back as soon as the scores are in. Off: it was no faster
+# on the H100 at 32K/64K (the ring does not run dry; benchmarks/results/h100_exact_loop_v2.json)
+# and costs two more barrier arrivals per block.
+KV_SPLIT = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -598,9 +614,9 @@ def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
 
 def code_chunks(w2: int, codes: bool) -> tuple[bool, int, int]:
     """(codes staged in shared memory, chunk width, chunks) for a stream of width ``w2``."""
-    cw = max(32, min(CODE_CHUNK, triton.next_power_of_2(w2)))
+    cw = min(CODE_CHUNK, 1 << (max(w2, 1).bit_length() - 1))  # a box no wider than the stream
     nch = -(-w2 // cw)
-    if not codes or nch > CODES_MAX_CHUNKS:
+    if not codes or cw < 32 or nch > CODES_MAX_CHUNKS:
         return False, 32, 1  # a 128-byte buffer, never loaded
     return True, cw, nch
 
