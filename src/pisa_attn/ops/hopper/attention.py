@@ -6,14 +6,17 @@ share, :func:`pisa_attn.ops.triton.pairs.pair_match`, or adjacent) and runs thre
 * the loader (default partition, 4 warps, few registers) streams, through a ring of ``STAGES``
   shared-memory slots filled by TMA, first the sorted union of the two blocks' exact key blocks,
   then the head's centroid groups (``kbar``/``vbar``, ``C = BS`` centroids a slot), and loads
-  both query tiles and ``H̄`` once;
+  both query tiles, ``H̄`` and the pair's stream codes (``CODES``: into shared memory, so no
+  partition loads from global memory in its loop) once;
 * two consumer warpgroups (worker partitions), one per query block, walk the same stream: each
   computes only the exact blocks its own selection holds (the union code's owner bits), then
   every centroid group under its own tail bitmask, all in one online softmax (base 2), then the
   first-order term ``ℓ_tail · α_h s (q H̄)`` (``α_h`` from ``alpha_ptr``, one float per query
-  head). A slot is released when both consumers arrived. The exact blocks run one after the
-  other (Q·Kᵀ, softmax, P·V); ``PIPELINE`` selects an FA3-style schedule instead, each block's
-  Q·Kᵀ and softmax under the previous block's P·V (same results bit for bit; slower as measured).
+  head). A slot is released when both consumers arrived (``KV_SPLIT``: K and V on separate
+  barriers, K released after Q·Kᵀ, V by its owners). The exact blocks run one after the other
+  (Q·Kᵀ, softmax, P·V); ``PIPELINE`` selects an FA3-style schedule instead, each block's Q·Kᵀ and
+  softmax under the previous block's P·V. Every protocol computes the same bits; the defaults are
+  the ones measured fastest or no slower (``notes/kernel-notes.md``).
 
 The selection is the paper's, per 64-row query block; only the loads are shared. The arithmetic
 is the Triton kernel's (``ops/triton/attention.py``): same scaled float16 centroid scores with
@@ -593,6 +596,8 @@ PIPELINE = False
 # 2048 union entries) is read from global memory, one entry ahead, and so is a stream of fewer than
 # 32 entries: a chunk is at least 32 codes (a TMA copy's shared-memory destination must be 128-byte
 # aligned) and a TMA box no wider than the stream.
+# Neutral to slightly faster on the H100 (no L1TEX-scoreboard stalls left; whole call 1-5 % faster
+# in 7 of 8 cases at 32K/64K, within noise; benchmarks/results/h100_exact_loop_v2.json).
 CODES = True
 CODE_CHUNK = 256
 CODES_MAX_CHUNKS = 8
