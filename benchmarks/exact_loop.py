@@ -20,6 +20,15 @@ K/V given), drop and hybrid, cuDNN SDPA in the same run, outputs compared across
 
     PYTHONPATH=src python3 benchmarks/exact_loop.py --schedules --lengths 32768 65536 \
         --out benchmarks/results/h100_pipeline.json
+
+``--loop-variants`` compares the bf16 kernel's stream and barrier protocols on one selection per
+(length, input): the stream codes read from global memory or staged in shared memory by one TMA,
+K and V on one barrier per slot or on separate ones, with the sequential and the pipelined loop
+and 3 or 4 ring slots; drop and hybrid, outputs compared bit for bit with the first variant (the
+previous default), cuDNN SDPA in the same run; with ``--whole`` also the whole hybrid call.
+
+    PYTHONPATH=src python3 benchmarks/exact_loop.py --loop-variants --whole --lengths 4096 8192 32768 65536 \
+        --out benchmarks/results/h100_exact_loop_v2.json
 """
 
 from __future__ import annotations
@@ -182,14 +191,105 @@ def dino_overlap(path: str, density: float, res: dict):
 
 
 def ncu_launches(L: int = 32768):
-    """One drop-mode attend launch per (input, pairing) for ncu -k regex:pair."""
+    """One drop-mode attend launch per (input, loop variant: the previous protocol, then the
+    present one) for ncu -k regex:pair."""
     for source in ("random", "dit"):
         q, k, v = qkv(source, L)
         stats, sel, n_sel = selection(q, k, v, 0.125)
-        for group in (2, 8):
-            attend_fn(q, k, v, stats, sel, "drop", group, "owners", n_sel)[0]()
+        for name, codes, split, pipe, slots in LOOP_VARIANTS[:2]:
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+            gattn.attention(q, k, v, *stats.tail(), *sel, mode="drop", scale=q.shape[-1] ** -0.5, block_size=64,
+                            n_select=n_sel, out=out, lse=lse, codes=codes, kv_split=split, pipeline=pipe,
+                            stages=slots)
             torch.cuda.synchronize()
-            print(f"ncu launch: {source} group {group}", flush=True)
+            print(f"ncu launch: {source} {name}", flush=True)
+
+
+# (name, stream codes in shared memory, K/V on separate barriers, pipelined loop, ring slots: None =
+# the kernel's default). The first is the previous default, the second the present one.
+LOOP_VARIANTS = (("global-joint", False, False, False, None), ("smem-joint", True, False, False, None),
+                 ("global-split", False, True, False, None), ("smem-split", True, True, False, None),
+                 ("smem-split-4slots", True, True, False, 4), ("smem-split-pipelined", True, True, True, None))
+
+
+def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict, rounds: int = 3):
+    """Each loop variant's attend kernel alone on one top-k selection (adjacent pairs, owners
+    order), drop and hybrid, timed in ``rounds`` interleaved rounds (every variant once per round;
+    the median of the rounds is reported: run-to-run drift hits all variants alike); the whole call
+    (plan/run, default settings) once per input."""
+    import statistics
+
+    q, k, v = qkv("random", L)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        t_cudnn = ms(lambda: F.scaled_dot_product_attention(q, k, v), 2.5e-8 * L * L)
+    del q, k, v
+    print(f"\nL={L}: cuDNN SDPA {t_cudnn:.3f} ms", flush=True)
+    for source in sources:
+        q, k, v = qkv(source, L)
+        stats, sel, n_sel = selection(q, k, v, density)
+        nk = stats.kbar.shape[2]
+        frac = sel.cnt.sum().item() / (B * H * sel.bits.shape[2] * nk)
+        ps = pairing_stats(sel.bits, nk, 2, sel.idx.shape[-1])
+        scale = q.shape[-1] ** -0.5
+        ref, rows, fns = {}, [], []
+        for name, codes, split, pipe, slots in LOOP_VARIANTS:
+            row = dict(L=L, source=source, density=density, variant=name, codes_smem=codes, kv_split=split,
+                       pipelined=pipe, slots=slots, computed_fraction=frac, cudnn_ms=t_cudnn, rounds=rounds, **ps)
+            for mode in ("drop", "hybrid"):
+                out = torch.full_like(q, float("nan"))
+                lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+                fn = lambda m=mode, out=out, lse=lse, c=codes, sp=split, pi=pipe, st=slots: gattn.attention(  # noqa: E731
+                    q, k, v, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, n_select=n_sel, out=out,
+                    lse=lse, codes=c, kv_split=sp, pipeline=pi, stages=st)
+                fn()
+                torch.cuda.synchronize()
+                row[f"{mode}_finite"] = bool(torch.isfinite(out).all())
+                base = ref.setdefault(mode, (out.clone(), lse.clone()))
+                row[f"{mode}_bit_identical_to_first"] = bool(torch.equal(out, base[0]) and torch.equal(lse, base[1]))
+                row[f"{mode}_ms_rounds"] = []
+                fns.append((row, mode, fn))
+            rows.append(row)
+        for _ in range(rounds):
+            for row, mode, fn in fns:
+                row[f"{mode}_ms_rounds"].append(ms(fn, est_ms=t_cudnn * frac))
+        for row in rows:
+            name = row["variant"]
+            for mode in ("drop", "hybrid"):
+                row[f"{mode}_ms"] = statistics.median(row[f"{mode}_ms_rounds"])
+            row["share_of_cudnn"] = frac * t_cudnn / row["drop_ms"]
+            row["tail_ms"] = row["hybrid_ms"] - row["drop_ms"]
+            row["tail_bound_exact_rate_ms"] = row["drop_ms"] / (64 * density)
+            # bf16 tensor-core rate on the computed blocks (4·64·64·D FLOP per block computed)
+            row["exact_tflops"] = 4 * 64 * 64 * D * sel.cnt.sum().item() / (row["drop_ms"] * 1e9)
+            res["loop_variants"].append(row)
+            print(f"{L:>6} {source:7} {name:28} drop {row['drop_ms']:.3f} hybrid {row['hybrid_ms']:.3f} ms | share "
+                  f"{row['share_of_cudnn']:.3f} | {row['exact_tflops']:.0f} TFLOP/s | bit-identical "
+                  f"{row['drop_bit_identical_to_first']}/{row['hybrid_bit_identical_to_first']} | drop rounds "
+                  + " ".join(f"{t:.3f}" for t in row["drop_ms_rounds"]), flush=True)
+        if whole:
+            # the whole call with the kernel's defaults, and with the previous protocol (codes from
+            # global memory, one barrier per slot)
+            defaults = (gattn.CODES, gattn.KV_SPLIT)
+            for proto in ("default", "global-joint"):
+                for mode in ("hybrid", "drop"):
+                    if proto != "default":
+                        gattn.CODES, gattn.KV_SPLIT = False, False
+                    try:
+                        p = plan(q, k, PisaSettings(density=density, mode=mode, backend="hopper"))
+                        out = torch.empty_like(q)
+                        fn = lambda p=p, out=out: run(p, q, k, v, out=out)  # noqa: E731
+                        fn()
+                        t = ms(fn, est_ms=t_cudnn * frac * 1.3)
+                    finally:
+                        gattn.CODES, gattn.KV_SPLIT = defaults
+                    r = dict(L=L, source=source, density=density, mode=mode, group=DEFAULT_GROUP, protocol=proto,
+                             whole_ms=t, cudnn_ms=t_cudnn, speedup=t_cudnn / t)
+                    res["whole"].append(r)
+                    print(f"{L:>6} {source:7} whole {mode:6} {proto:12}: {t:.3f} ms  {r['speedup']:.2f}x cuDNN",
+                          flush=True)
+        del q, k, v, stats, sel, ref, fns
+        torch.cuda.empty_cache()
 
 
 DEFAULT_GROUP = gattn.PAIR_GROUP
@@ -262,6 +362,9 @@ def main(argv=None):
     ap.add_argument("--dino", default=None, help="DINOv2 q/k/v file (pair overlap only)")
     ap.add_argument("--ncu", action="store_true", help="only the launches to profile")
     ap.add_argument("--schedules", action="store_true", help="compare the exact loop's schedules instead")
+    ap.add_argument("--loop-variants", action="store_true",
+                    help="compare the stream / barrier protocols of the bf16 kernel instead")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of --loop-variants")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "exact_loop.json"))
     a = ap.parse_args(argv)
     if a.ncu:
@@ -270,13 +373,15 @@ def main(argv=None):
 
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                cudnn=torch.backends.cudnn.version(), shape=f"B{B}-H{H}-D{D}", dtype="bfloat16",
-               default_group=DEFAULT_GROUP, default_pipeline=gattn.PIPELINE, attend=[], whole=[], dino=[],
-               schedules=[])
+               default_group=DEFAULT_GROUP, default_pipeline=gattn.PIPELINE, default_codes_smem=gattn.CODES,
+               default_kv_split=gattn.KV_SPLIT, attend=[], whole=[], dino=[], schedules=[], loop_variants=[])
     print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}, cuDNN {res['cudnn']}", flush=True)
     for density in a.density:
         for L in a.lengths:
             if a.schedules:
                 bench_schedules(L, a.sources, density, res)
+            elif a.loop_variants:
+                bench_loop_variants(L, a.sources, density, a.whole, res, a.rounds)
             else:
                 bench_length(L, a.sources, density, a.whole, res)
         if a.dino:
@@ -298,9 +403,19 @@ def main(argv=None):
             base = seq[r["L"], r["source"], r["kernel"]]
             print(f"{r['L']:>6} {r['source']:7} {r['schedule']:22} {r['drop_ms']:8.3f} {r['hybrid_ms']:8.3f} "
                   f"{r['share_of_cudnn']:6.3f} {base['drop_ms'] / r['drop_ms']:10.3f}")
+    if res["loop_variants"]:
+        print(f"\n{'L':>6} {'input':7} {'variant':28} {'drop ms':>8} {'hyb ms':>8} {'share':>6} {'x first':>7} "
+              f"{'TFLOP/s':>7} {'bits':>5}")
+        first = {(r["L"], r["source"]): r for r in res["loop_variants"] if r["variant"] == LOOP_VARIANTS[0][0]}
+        for r in res["loop_variants"]:
+            base = first[r["L"], r["source"]]
+            same = r["drop_bit_identical_to_first"] and r["hybrid_bit_identical_to_first"]
+            print(f"{r['L']:>6} {r['source']:7} {r['variant']:28} {r['drop_ms']:8.3f} {r['hybrid_ms']:8.3f} "
+                  f"{r['share_of_cudnn']:6.3f} {base['drop_ms'] / r['drop_ms']:7.3f} {r['exact_tflops']:7.0f} "
+                  f"{str(same):>5}")
     for r in res["whole"]:
-        print(f"{r['L']:>6} {r['source']:7} whole {r['mode']:6} g{r['group']:<2} {r['whole_ms']:8.3f} ms "
-              f"{r['speedup']:5.2f}x")
+        print(f"{r['L']:>6} {r['source']:7} whole {r['mode']:6} g{r['group']:<2} {r.get('protocol', ''):12} "
+              f"{r['whole_ms']:8.3f} ms {r['speedup']:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -493,3 +493,60 @@ def test_hopper_pipelined_loop_is_bit_identical(source, mode):
             assert torch.equal(lse, base_lse), (order, key)
         assert rel_l1(base_out, o_ref) < BF16_TOL, order
         assert (base_lse.double() - lse_ref).abs().max().item() < 1e-2, order
+
+
+@HOPPER_ONLY
+@pytest.mark.parametrize("source", ["gauss-B1-H4-Hk2-L8229-D128-bf16-gqa-ragged", "uneven-B1-H2-L4096-D128-bf16",
+                                    "uneven-B1-H2-Lq4000-Lk4100-D64-fp16"])
+def test_hopper_stream_protocols_are_bit_identical(source, monkeypatch):
+    """The stream codes read from global memory or staged in shared memory (in one chunk, in
+    several, or past the chunk limit), K and V on one barrier per slot or on separate ones (a sole
+    owner releasing V for its partner, a lone query block's consumer in the tail), sequential or
+    pipelined, 3 or 4 slots, both stream orders: bit for bit the same output and LSE, within the
+    bf16 bound of the float64 reference."""
+    from pisa_attn.ops.hopper import attention as gattn
+
+    mode = "hybrid"  # the exact loop and the tail (drop runs the same exact loop)
+    if source.startswith("gauss"):
+        q, k, v = qkv(1, 4, 2, 8229, 8229, 128, torch.bfloat16, "bshd", seed=21)
+    elif "D128" in source:
+        q, k, v = qkv(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "bhsd", seed=23)
+    else:
+        q, k, v = qkv(1, 2, 2, 4000, 4100, 64, torch.float16, "bhsd", seed=24)
+    plan = make_plan(q, k, 0.125, 64, mode, False, None, "hopper")
+    be = get_backend("hopper")
+    stats = be.prepare(q, k, v, 64)
+    nk = plan.n_kv_blocks
+    if source.startswith("uneven"):
+        sel = Selection.from_mask(_uneven_mask(q.shape[0], q.shape[1], -(-q.shape[2] // 64), nk, q.device))
+    else:
+        width = spec.selection_width(nk, plan.n_select, 0)
+        sel = be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=width, scale=plan.scale)
+    mask = bits_to_mask(sel.bits, nk)
+    o_ref, lse_ref = ref.pisa_forward(q.double(), k.double(), v.double(), ref.block_stats(k.double(), v.double(), 64),
+                                      mask, mode=mode, scale=plan.scale, block_size=64)
+    # (codes, kv_split, pipeline, slots, chunk width, chunk limit): chunks of 32 codes split the
+    # uneven masks' 64-entry streams into two TMA copies; a limit of 1 chunk sends them to global
+    # memory (the Gaussian selection's 32 entries still fit one chunk).
+    variants = ((False, False, False, None, 256, 8), (True, False, False, None, 256, 8),
+                (False, True, False, None, 256, 8), (True, True, False, None, 32, 8), (True, True, False, None, 32, 1),
+                (True, True, True, 4, 256, 8))
+    for order in ("owners", "ascending"):
+        outs = {}
+        for codes, split, pipe, st, chunk, limit in variants:
+            monkeypatch.setattr(gattn, "CODE_CHUNK", chunk)
+            monkeypatch.setattr(gattn, "CODES_MAX_CHUNKS", limit)
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+            gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
+                            n_select=plan.n_select, out=out, lse=lse, pair_order=order, pipeline=pipe, stages=st,
+                            codes=codes, kv_split=split)
+            torch.cuda.synchronize()
+            outs[codes, split, pipe, st, chunk, limit] = (out, lse)
+        base_out, base_lse = outs[variants[0]]
+        assert torch.isfinite(base_out).all() and torch.isfinite(base_lse).all()
+        for key, (out, lse) in outs.items():
+            assert torch.equal(out, base_out), (order, key, rel_l1(out, base_out))
+            assert torch.equal(lse, base_lse), (order, key)
+        assert rel_l1(base_out, o_ref) < BF16_TOL, order
+        assert (base_lse.double() - lse_ref).abs().max().item() < 1e-2, order

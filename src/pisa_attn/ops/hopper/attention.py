@@ -6,14 +6,17 @@ share, :func:`pisa_attn.ops.triton.pairs.pair_match`, or adjacent) and runs thre
 * the loader (default partition, 4 warps, few registers) streams, through a ring of ``STAGES``
   shared-memory slots filled by TMA, first the sorted union of the two blocks' exact key blocks,
   then the head's centroid groups (``kbar``/``vbar``, ``C = BS`` centroids a slot), and loads
-  both query tiles and ``H̄`` once;
+  both query tiles, ``H̄`` and the pair's stream codes (``CODES``: into shared memory, so no
+  partition loads from global memory in its loop) once;
 * two consumer warpgroups (worker partitions), one per query block, walk the same stream: each
   computes only the exact blocks its own selection holds (the union code's owner bits), then
   every centroid group under its own tail bitmask, all in one online softmax (base 2), then the
   first-order term ``ℓ_tail · α_h s (q H̄)`` (``α_h`` from ``alpha_ptr``, one float per query
-  head). A slot is released when both consumers arrived. The exact blocks run one after the
-  other (Q·Kᵀ, softmax, P·V); ``PIPELINE`` selects an FA3-style schedule instead, each block's
-  Q·Kᵀ and softmax under the previous block's P·V (same results bit for bit; slower as measured).
+  head). A slot is released when both consumers arrived (``KV_SPLIT``: K and V on separate
+  barriers, K released after Q·Kᵀ, V by its owners). The exact blocks run one after the other
+  (Q·Kᵀ, softmax, P·V); ``PIPELINE`` selects an FA3-style schedule instead, each block's Q·Kᵀ and
+  softmax under the previous block's P·V. Every protocol computes the same bits; the defaults are
+  the ones measured fastest or no slower (``notes/kernel-notes.md``).
 
 The selection is the paper's, per 64-row query block; only the loads are shared. The arithmetic
 is the Triton kernel's (``ops/triton/attention.py``): same scaled float16 centroid scores with
@@ -60,6 +63,10 @@ if hasattr(gl.shared_memory_descriptor, "reinterpret"):
     @gluon.jit
     def _as_fp16(buf):
         return buf.reinterpret(gl.float16, buf.shape, buf.type.layout)
+
+    @gluon.jit
+    def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+        return buf.reinterpret(dtype, shape, layout)
 else:
     @gluon.jit
     def _box(buf, desc):
@@ -69,6 +76,10 @@ else:
     @gluon.jit
     def _as_fp16(buf):
         return buf._reinterpret(gl.float16, buf.shape, buf.type.layout)
+
+    @gluon.jit
+    def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+        return buf._reinterpret(dtype, shape, layout)
 
 
 @gluon.jit
@@ -82,12 +93,40 @@ def _query_block(qpair_ptr, pair_row, pair, c: gl.constexpr, HAS_QPAIR: gl.const
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
-            q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+def _code(codes, u, CODE_L: gl.constexpr):
+    """Stream entry ``u`` from the shared-memory copy of the pair's stream (``[W2S, 1]`` view)."""
+    return gl.max(codes.index(u).load(CODE_L), axis=0)
+
+
+@gluon.jit
+def _codes_view(codes_smem, NCH: gl.constexpr, CW: gl.constexpr):
+    """The TMA buffer of the stream codes (``[NCH, 1, CW]``, unswizzled) seen as one code per row."""
+    return _reinterpret(codes_smem, gl.int32, [NCH * CW, 1],
+                        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+
+
+@gluon.jit
+def _await_v_landed(ready_v, s, t, STAGES: gl.constexpr):
+    """Wait until V of entry ``t - STAGES`` (the slot's previous use) has landed, before K of entry
+    ``t`` is loaded. A consumer waits on V's barrier only for the entries it owns, so it may skip
+    that phase; once it has seen K of t land it then knows V's barrier is in t's phase or later,
+    and a parity wait cannot mistake the unfinished phase t - STAGES for t's."""
+    mbarrier.wait(ready_v.index(s), ((t // STAGES) & 1) ^ 1)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
+            q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v, empty_v,
             uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
-            HAS_QPAIR: gl.constexpr):
-    # Both query tiles (a tile past Lq is zero-filled by TMA) and H̄, each on its own barrier.
+            HAS_QPAIR: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr,
+            KV_SPLIT: gl.constexpr):
+    # The pair's stream codes first (one TMA into shared memory, when CODES), then both query tiles
+    # (a tile past Lq is zero-filled by TMA) and H̄, each on its own barrier.
+    if CODES:
+        mbarrier.expect(code_bar.index(0), NCH * cd_desc.block_type.nbytes)
+        for c in gl.static_range(NCH):
+            _tma_load(cd_desc, [pair_row, c * CW], code_bar.index(0), _box(codes_smem.index(c), cd_desc))
     for c in gl.static_range(2):
         qi = _query_block(qpair_ptr, pair_row, pair, c, HAS_QPAIR)
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
@@ -95,38 +134,67 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
     if MODE == 2:
         mbarrier.expect(hb_bar.index(0), hb_desc.block_type.nbytes)
         _tma_load(hb_desc, [bhk, 0, 0], hb_bar.index(0), _box(hb_smem, hb_desc))
-    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    if KV_SPLIT:
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+    else:
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    CODE_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     n_union = gl.load(ucnt_ptr + pair_row)
     ubase = uidx_ptr + pair_row * W2
+    codes = _codes_view(codes_smem, NCH, CW)
     t = 0
-    # Every scalar read of the stream is issued one entry ahead, off the critical path.
-    code = gl.load(ubase, mask=n_union > 0, other=0)
+    # Every read of the stream is issued one entry ahead, off the critical path.
+    if CODES:
+        mbarrier.wait(code_bar.index(0), 0)
+        code = _code(codes, 0, CODE_L)
+    else:
+        code = gl.load(ubase, mask=n_union > 0, other=0)
     for u in range(n_union):
         j = code >> 2
-        code = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+        if CODES:
+            code = _code(codes, gl.minimum(u + 1, NCH * CW - 1), CODE_L)
+        else:
+            code = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
         s = t % STAGES
         # A fresh mbarrier counts as having completed phase 1: the first pass never waits.
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        if KV_SPLIT:
+            _await_v_landed(ready_v, s, t, STAGES)
         mbarrier.expect(ready.index(s), kv_bytes)
         _tma_load(k_desc, [b, hk, j * BS, 0], ready.index(s), _box(k_bufs.index(s), k_desc))
-        _tma_load(v_desc, [b, hk, j * BS, 0], ready.index(s), _box(v_bufs.index(s), v_desc))
+        if KV_SPLIT:
+            # V on its own barriers: K of the next entries streams in while V is still in use.
+            mbarrier.wait(empty_v.index(s), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [b, hk, j * BS, 0], ready_v.index(s), _box(v_bufs.index(s), v_desc))
+        else:
+            _tma_load(v_desc, [b, hk, j * BS, 0], ready.index(s), _box(v_bufs.index(s), v_desc))
         t += 1
     if MODE > 0:
-        c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
+        if KV_SPLIT:
+            c_bytes: gl.constexpr = kb_desc.block_type.nbytes
+        else:
+            c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
         for g0 in range(0, NK, C):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+            if KV_SPLIT:
+                _await_v_landed(ready_v, s, t, STAGES)
             mbarrier.expect(ready.index(s), c_bytes)
             _tma_load(kb_desc, [bhk, g0, 0], ready.index(s), _box(k_bufs.index(s), kb_desc))
-            _tma_load(vb_desc, [bhk, g0, 0], ready.index(s), _box(v_bufs.index(s), vb_desc))
+            if KV_SPLIT:
+                mbarrier.wait(empty_v.index(s), ((t // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready_v.index(s), vb_desc.block_type.nbytes)
+                _tma_load(vb_desc, [bhk, g0, 0], ready_v.index(s), _box(v_bufs.index(s), vb_desc))
+            else:
+                _tma_load(vb_desc, [bhk, g0, 0], ready.index(s), _box(v_bufs.index(s), vb_desc))
             t += 1
 
 
 @gluon.jit
-def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  p_layout: gl.constexpr):
-    """One tile of scores (base 2, already scaled) into the running (m, l, acc); also returns the
-    rescale factor and the tile's row sums (the tail normaliser needs both)."""
+def _softmax_core(m_i, l_i, acc, s, o_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """The online-softmax update of one tile of scores (base 2, already scaled): (m, l, acc
+    rescaled, the rescale factor, the tile's row sums, P as the P·V product's register operand)."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     # A row with nothing seen yet keeps finite arithmetic: exp2(-inf - 0) = 0, never NaN.
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -135,10 +203,52 @@ def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl
     ps = gl.sum(p, axis=1)
     l_i = l_i * rescale + ps
     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
-    pv = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    pv = gl.convert_layout(p.to(dtype), p_layout)
+    return m_new, l_i, acc, rescale, ps, pv
+
+
+@gluon.jit
+def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  p_layout: gl.constexpr):
+    """One tile of scores (base 2, already scaled) into the running (m, l, acc); also returns the
+    rescale factor and the tile's row sums (the tail normaliser needs both)."""
+    m_new, l_i, acc, rescale, ps, pv = _softmax_core(m_i, l_i, acc, s, o_layout, p_layout, v_smem.dtype)
     acc = warpgroup_mma(pv, v_smem, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return m_new, l_i, acc, rescale, ps
+
+
+@gluon.jit
+def _softmax_step_v(m_i, l_i, acc, s, v_smem, v_bar, v_phase, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """:func:`_softmax_step` with V on its own barrier, waited only before P·V: the softmax runs
+    while V lands (the same operations in the same order)."""
+    m_new, l_i, acc, rescale, ps, pv = _softmax_core(m_i, l_i, acc, s, o_layout, p_layout, v_smem.dtype)
+    mbarrier.wait(v_bar, v_phase)
+    acc = warpgroup_mma(pv, v_smem, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return m_new, l_i, acc, rescale, ps
+
+
+@gluon.jit
+def _release_v(empty, empty_v, s, sole, KV_SPLIT: gl.constexpr):
+    """An owned stream entry's V (with KV_SPLIT; else its whole slot) back to the loader. V's
+    barrier counts owners only: a block's sole owner arrives for its partner too."""
+    if KV_SPLIT:
+        mbarrier.arrive(empty_v.index(s), count=1)
+        mbarrier.arrive(empty_v.index(s), count=1, pred=sole)
+    else:
+        mbarrier.arrive(empty.index(s), count=1)
+
+
+@gluon.jit
+def _stream_code(codes, ubase, n_union, i, CODES: gl.constexpr, NCODES: gl.constexpr, CODE_L: gl.constexpr):
+    """Entry ``i`` of the pair's stream: from its shared-memory copy (CODES), else from global
+    memory (0 past the end)."""
+    if CODES:
+        c = _code(codes, gl.minimum(i, NCODES - 1), CODE_L)
+    else:
+        c = gl.load(ubase + i, mask=i < n_union, other=0)
+    return c
 
 
 @gluon.jit
@@ -154,25 +264,30 @@ def _softmax_p(m_i, l_i, s, p_layout: gl.constexpr, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _flush_pv(acc, p, v_bufs, empty, tp, STAGES: gl.constexpr):
-    """The pending block's P·V into ``acc``, then its slot back to the loader."""
+def _flush_pv(acc, p, v_bufs, empty, ready_v, empty_v, tp, sole, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr):
+    """The pending block's P·V into ``acc``, then its slot (its V with KV_SPLIT) back to the loader."""
     sp = tp % STAGES
+    if KV_SPLIT:
+        mbarrier.wait(ready_v.index(sp), (tp // STAGES) & 1)
     tok = warpgroup_mma(p, v_bufs.index(sp), acc, is_async=True)
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(tok, p))
-    mbarrier.arrive(empty.index(sp), count=1)
+    _release_v(empty, empty_v, sp, sole, KV_SPLIT)
     return acc
 
 
 @gluon.jit
-def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ubase, n_union, m_i, l_i, acc, s_zero, cols, qk_scale, LK,
+def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ready_v, empty_v, codes, ubase, n_union, m_i, l_i, acc,
+                     s_zero, cols, qk_scale, LK,
                      CID: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
-                     s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+                     s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                     CODES: gl.constexpr, NCODES: gl.constexpr, CODE_L: gl.constexpr, KV_SPLIT: gl.constexpr):
     """The exact blocks with each block's Q·Kᵀ and softmax under the previous owned block's P·V
     (FA3's intra-warpgroup schedule): per owned block, Q·Kᵀ(j) and P·V(j-1) are queued, the wait
     for the older group (the scores) lets the softmax of j run while the tensor cores compute
     P·V(j-1), then the second wait, the slot of j-1 goes back and ``acc`` is rescaled to j's
     maximum. The P of the last owned block (``tp``: its stream entry, -1 none) is carried in
-    registers with its P·V not yet issued, so no product is in flight across iterations.
+    registers with its P·V not yet issued, so no product is in flight across iterations. With
+    KV_SPLIT, K of j goes back as soon as its scores are in, and only V of j-1 is held.
 
     A consumer holds at most one slot past its position. Before waiting on an entry ``STAGES`` or
     more past the held one it flushes (issues and waits that P·V, releases the slot): the loader
@@ -180,29 +295,36 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ubase, n_union, m_i, l_i,
     deadlock when the other consumer owns a long run of the stream."""
     p = gl.zeros([BS, BS], v_bufs.dtype, layout=p_layout)
     tp = n_union * 0 - 1
-    code_next = gl.load(ubase, mask=n_union > 0, other=0)
+    sole = n_union < 0  # whether entry tp has one owner (this consumer)
+    code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCODES, CODE_L)
     for u in range(n_union):
         code = code_next
-        code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+        code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCODES, CODE_L)
         s = u % STAGES
         if (tp >= 0) & (u - tp >= STAGES):
-            acc = _flush_pv(acc, p, v_bufs, empty, tp, STAGES)
+            acc = _flush_pv(acc, p, v_bufs, empty, ready_v, empty_v, tp, sole, STAGES, KV_SPLIT)
             tp = -1
         mbarrier.wait(ready.index(s), (u // STAGES) & 1)
         if ((code >> CID) & 1) != 0:
             s_tok = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             if tp >= 0:
                 sp = tp % STAGES
+                if KV_SPLIT:
+                    mbarrier.wait(ready_v.index(sp), (tp // STAGES) & 1)
                 a_tok = warpgroup_mma(p, v_bufs.index(sp), acc, is_async=True)
                 # The oldest group only (the scores): P·V(j-1) stays on the tensor cores.
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
+                if KV_SPLIT:
+                    mbarrier.arrive(empty.index(s), count=1)
                 if not EVEN_K:
                     sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
                 m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, p_layout, v_bufs.dtype)
                 acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(a_tok, p))
-                mbarrier.arrive(empty.index(sp), count=1)
+                _release_v(empty, empty_v, sp, sole, KV_SPLIT)
             else:
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
+                if KV_SPLIT:
+                    mbarrier.arrive(empty.index(s), count=1)
                 if not EVEN_K:
                     sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
                 m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, p_layout, v_bufs.dtype)
@@ -210,21 +332,23 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ubase, n_union, m_i, l_i,
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
             p = p_new
             tp = u
+            sole = (code & 3) != 3
         else:
             mbarrier.arrive(empty.index(s), count=1)
     if tp >= 0:
-        acc = _flush_pv(acc, p, v_bufs, empty, tp, STAGES)
+        acc = _flush_pv(acc, p, v_bufs, empty, ready_v, empty_v, tp, sole, STAGES, KV_SPLIT)
     return m_i, l_i, acc
 
 
 @gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-              q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+              q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v, empty_v,
               uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
-              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr):
+              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
+              CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, KV_SPLIT: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -254,26 +378,40 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
 
     n_union = gl.load(ucnt_ptr + pair_row)
     ubase = uidx_ptr + pair_row * W2
+    CODE_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    codes = _codes_view(codes_smem, NCH, CW)
+    if CODES:
+        mbarrier.wait(code_bar.index(0), 0)
     if PIPELINE:
-        m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ubase, n_union, m_i, l_i, acc, s_zero,
-                                         cols, qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout, o_layout, p_layout)
+        m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ready_v, empty_v, codes, ubase, n_union,
+                                         m_i, l_i, acc, s_zero, cols, qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout,
+                                         o_layout, p_layout, CODES, NCH * CW, CODE_L, KV_SPLIT)
     else:
         # The reference loop: Q·Kᵀ, wait, softmax, P·V, wait, one block after the other.
-        code_next = gl.load(ubase, mask=n_union > 0, other=0)
+        code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCH * CW, CODE_L)
         for u in range(n_union):
             code = code_next
-            code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+            code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCH * CW, CODE_L)
             s = u % STAGES
-            mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+            ph = (u // STAGES) & 1
+            mbarrier.wait(ready.index(s), ph)
             if ((code >> CID) & 1) != 0:
                 j = code >> 2
                 sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * qk_scale
                 if not EVEN_K:
                     sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
-                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout,
-                                                           p_layout)
-            mbarrier.arrive(empty.index(s), count=1)
+                if KV_SPLIT:
+                    mbarrier.arrive(empty.index(s), count=1)  # K is read: the loader may refill it
+                    m_i, l_i, acc, rescale, ps = _softmax_step_v(m_i, l_i, acc, sc, v_bufs.index(s),
+                                                                 ready_v.index(s), ph, o_layout, p_layout)
+                    _release_v(empty, empty_v, s, (code & 3) != 3, KV_SPLIT)
+                else:
+                    m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout,
+                                                               o_layout, p_layout)
+                    mbarrier.arrive(empty.index(s), count=1)
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
     t = n_union
 
     if MODE > 0:
@@ -299,7 +437,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
             if C > 32:
                 hi_next = gl.load(brow + w_next + 1, mask=active & (w_next + 1 < NW), other=-1)
             s = t % STAGES
-            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            ph = (t // STAGES) & 1
+            mbarrier.wait(ready.index(s), ph)
             if active:
                 kb = _as_fp16(k_bufs.index(s))
                 cj = g0 + cols
@@ -310,13 +449,21 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                 tail = (((word >> (cols % 32)) & 1) == 0) & (cj < NK)
                 sc = warpgroup_mma(q16, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * sc_scale
+                if KV_SPLIT:
+                    mbarrier.arrive(empty.index(s), count=1)
                 if EVEN_K:
                     sc = sc + LOG2_BS
                 else:
                     n_j = gl.maximum(gl.minimum(LK - cj * BS, BS), 1).to(gl.float32)
                     sc = sc + gl.log2(n_j)[None, :]
                 sc = gl.where(tail[None, :], sc, float("-inf"))
-                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout, p_layout)
+                if KV_SPLIT:
+                    m_i, l_i, acc, rescale, ps = _softmax_step_v(m_i, l_i, acc, sc, v_bufs.index(s), ready_v.index(s),
+                                                                 ph, o_layout, p_layout)
+                    mbarrier.arrive(empty_v.index(s), count=1)
+                else:
+                    m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout,
+                                                               p_layout)
                 # l_tail holds BS·Σα: every block but a ragged last one has n_j = BS.
                 l_tail = l_tail * rescale + ps
                 if not EVEN_K:
@@ -325,7 +472,13 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                         m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
                         a_last = gl.sum(gl.where((cj == NK - 1)[None, :], gl.exp2(sc - m_use[:, None]), 0.0), axis=1)
                         l_tail += a_last * (BS / n_last - 1.0)
-            mbarrier.arrive(empty.index(s), count=1)
+                if not KV_SPLIT:
+                    mbarrier.arrive(empty.index(s), count=1)
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                if KV_SPLIT:  # V's barrier phase may be arrived on only once it is V's turn
+                    mbarrier.wait(ready_v.index(s), ph)
+                    mbarrier.arrive(empty_v.index(s), count=1)
             t += 1
 
     if active:
@@ -350,13 +503,13 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
 
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
 def _pair_attn_kernel(
-    q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc,
+    q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc, cd_desc,
     kscale_ptr, uidx_ptr, ucnt_ptr, qpair_ptr, bits_ptr, lse_ptr, alpha_ptr,
     H, HK, LQ, LK, NQ, NK, W2, NW,
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
-    PIPELINE: gl.constexpr,
+    PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, KV_SPLIT: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -375,32 +528,41 @@ def _pair_attn_kernel(
         hb_smem = gl.allocate_shared_memory(dtype, [D, D], gl.NVMMASharedLayout.get_default_for([D, D], dtype))
     else:
         hb_smem = gl.allocate_shared_memory(dtype, [16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
+    # The pair's stream codes (CODES: copied once by TMA; read by the loader and both consumers).
+    codes_smem = gl.allocate_shared_memory(gl.int32, [NCH, 1, CW], cd_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     hb_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    code_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    # ready/empty: a slot's K and V together, or K alone with KV_SPLIT (V then on ready_v/empty_v).
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_bar.index(c), count=1)
     mbarrier.init(hb_bar.index(0), count=1)
+    mbarrier.init(code_bar.index(0), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release every slot
+        mbarrier.init(ready_v.index(s), count=1)
+        mbarrier.init(empty_v.index(s), count=2)  # two arrivals from the owners (a sole owner: both)
 
     gl.warp_specialize([
-        (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
-                   q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                   uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
-                   BS, C, STAGES, MODE, HAS_QPAIR)),
+        (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
+                   q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v,
+                   empty_v, uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
+                   BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, KV_SPLIT)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-                     q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                     uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                     q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v,
+                     empty_v, uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                      qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                     PIPELINE)),
+                     PIPELINE, CODES, NCH, CW, KV_SPLIT)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-                     q_smem, k_bufs, v_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                     uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                     q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v,
+                     empty_v, uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                      qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                     PIPELINE)),
+                     PIPELINE, CODES, NCH, CW, KV_SPLIT)),
     ], [4, 4], [240, 240])
 
 
@@ -428,12 +590,40 @@ PAIR_ORDER = "owners"
 # the default: the pipelined loop measured 3-32 % slower on the H100 at 32K/64K (holding a slot one
 # block longer starves the 3-slot ring; 4 slots: 3-15 % slower; benchmarks/results/h100_pipeline.json).
 PIPELINE = False
+# The pair's stream codes: copied into shared memory by one TMA per CTA (chunks of up to
+# CODE_CHUNK codes, the TMA box limit; at most CODES_MAX_CHUNKS chunks, 8 KB), so that neither the
+# loader nor the consumers load from global memory inside the loop; a longer stream (more than
+# 2048 union entries) is read from global memory, one entry ahead, and so is a stream of fewer than
+# 32 entries: a chunk is at least 32 codes (a TMA copy's shared-memory destination must be 128-byte
+# aligned) and a TMA box no wider than the stream.
+# Neutral to slightly faster on the H100 (no L1TEX-scoreboard stalls left; whole call 1-5 % faster
+# in 7 of 8 cases at 32K/64K, within noise; benchmarks/results/h100_exact_loop_v2.json).
+CODES = True
+CODE_CHUNK = 256
+CODES_MAX_CHUNKS = 8
+# K and V of a slot on separate barriers: Q·Kᵀ starts when K has landed, V lands under the
+# softmax, and K's half of the slot goes back as soon as the scores are in. Off: it was no faster
+# on the H100 at 32K/64K (the ring does not run dry; benchmarks/results/h100_exact_loop_v2.json)
+# and costs two more barrier arrivals per block.
+KV_SPLIT = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
+    if x.dtype == torch.int32:  # the stream codes: unswizzled, read one code at a time
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    else:
+        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
     return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
+
+
+def code_chunks(w2: int, codes: bool) -> tuple[bool, int, int]:
+    """(codes staged in shared memory, chunk width, chunks) for a stream of width ``w2``."""
+    cw = min(CODE_CHUNK, 1 << (max(w2, 1).bit_length() - 1))  # a box no wider than the stream
+    nch = -(-w2 // cw)
+    if not codes or cw < 32 or nch > CODES_MAX_CHUNKS:
+        return False, 32, 1  # a 128-byte buffer, never loaded
+    return True, cw, nch
 
 
 _launch = Launcher(_pair_attn_kernel)
@@ -460,6 +650,7 @@ def attention(
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
     alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
     pair_group: int | None = None, pair_order: str | None = None, pipeline: bool | None = None,
+    codes: bool | None = None, kv_split: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
@@ -471,7 +662,9 @@ def attention(
     (``pairs.ORDERS``; None: :data:`PAIR_ORDER`). Neither changes the function computed; in the
     ``"ascending"`` order the pairing does not change a single bit of it. ``pipeline``: the exact
     loop's schedule (None: :data:`PIPELINE`); both compute the same function (the same operations
-    in the same order per block)."""
+    in the same order per block). ``codes``: stage the stream codes in shared memory (None:
+    :data:`CODES`); ``kv_split``: K and V on separate barriers (None: :data:`KV_SPLIT`); neither
+    changes a bit of the result."""
     del cnt, n_select
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -492,13 +685,17 @@ def attention(
     m = MODE_IDS[mode]
     st = stages or STAGES[d]
     pipe = PIPELINE if pipeline is None else bool(pipeline)
-    tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d))
-    blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d])
+    w2 = uidx.shape[-1]
+    use_codes, cw, nch = code_chunks(w2, CODES if codes is None else bool(codes))
+    split = KV_SPLIT if kv_split is None else bool(kv_split)
+    tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
+               uidx.view(-1, w2))
+    blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d], [1, cw])
     scalars = (kscale, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
-                      HAS_QPAIR=has_qpair, PIPELINE=pipe)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe,
+                      HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, KV_SPLIT=split)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, split,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:7]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -509,7 +706,8 @@ def attention(
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
-                     has_qpair: bool = True, pipeline: bool | None = None):
+                     has_qpair: bool = True, pipeline: bool | None = None, codes: bool | None = None,
+                     kv_split: bool | None = None, union_entries: int = 128):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -524,9 +722,12 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
+    use_codes, cw, nch = code_chunks(union_entries, CODES if codes is None else bool(codes))
+    descs["cd_desc"] = _desc(torch.empty(1, union_entries, dtype=torch.int32), [1, cw])
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or STAGES[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
-                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline))
+                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw,
+                      KV_SPLIT=KV_SPLIT if kv_split is None else bool(kv_split))
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32")

@@ -27,7 +27,8 @@ Output, static shapes, no host synchronisation:
 * ``qpair`` int32 ``[B, H, ceil(Nq / 2), 2]`` (:func:`pair_match`): the two query blocks of each
   pair, the smaller first; a block left alone (an odd count) has the partner ``Nq`` (none);
 * ``uidx`` int32 ``[B, H, ceil(Nq / 2), W2]``: ``j << 2 | owner``, owner bit 0 = the pair's first
-  query block, bit 1 = its second; ``W2 = min(Nk, 2 · W)``; entries past ``ucnt`` are unspecified;
+  query block, bit 1 = its second; ``W2 = min(Nk, 2 · W)`` rounded up to a multiple of 4; entries
+  past ``ucnt`` are unspecified;
 * ``ucnt`` int32 ``[B, H, ceil(Nq / 2)]``.
 """
 
@@ -165,7 +166,9 @@ _launch = Launcher(_pair_union_kernel)
 
 
 def union_width(n_kv_blocks: int, width: int) -> int:
-    return max(1, min(n_kv_blocks, 2 * width))
+    """Entries per pair's stream: at most both lists' widths, at most every key block, rounded up
+    to a multiple of 4 (16-byte rows, so that a kernel can copy a stream by TMA)."""
+    return -(-max(1, min(n_kv_blocks, 2 * width)) // 4) * 4
 
 
 def n_matchings(group: int) -> int:
