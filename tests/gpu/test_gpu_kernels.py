@@ -118,10 +118,12 @@ def test_matches_fp64_reference(name, mode, backend):
 
 
 @pytest.mark.parametrize("backend", KERNELS)
-def test_alpha_per_query_head_matches_fp64_reference(backend):
+def test_alpha_per_query_head_matches_fp64_reference(backend, monkeypatch):
     """The first-order weight of each QUERY head (GQA: heads of one kv head differ): weight 0 is the
     zeroth-order kernel bit for bit, weight 1 the unweighted kernel bit for bit, every head matches
-    the float64 reference with the same weights."""
+    the float64 reference with the same weights. One kernel configuration for every launch: the
+    autotuner may give the modes different tail-group sizes, which sum in another order."""
+    monkeypatch.setenv("PISA_ATTN_AUTOTUNE", "0")
     b, h, hk, lq, lk, d, dtype, layout, density = CASES["B1-H4-Hk2-L8229-D128-bf16-bshd-gqa-ragged"]
     q, k, v = qkv(b, h, hk, lq, lk, d, dtype, layout, seed=17)
     v = (v.float() + 2.0 * k.float()).to(dtype)  # values along the keys' deviations: H̄ matters
