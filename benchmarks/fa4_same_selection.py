@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-B, H, D = 2, 16, 128
-DIT_GRIDS = {4096: (1, 64, 64), 8192: (2, 64, 64), 16384: (4, 64, 64), 32768: (8, 64, 64), 65536: (16, 64, 64)}
+from exact_loop import B, D, H, ms, qkv  # the same inputs and timer as the exact-loop benchmark
 
 
 def add_site(path: str | None) -> None:
@@ -44,22 +43,6 @@ def add_site(path: str | None) -> None:
         pk = os.path.join(d, "nvidia_cutlass_dsl", "dsl_packages")
         if os.path.isdir(pk) and pk not in sys.path:
             sys.path.insert(0, pk)
-
-
-def ms(fn, est_ms: float = 1.0) -> float:
-    import triton
-
-    return triton.testing.do_bench(fn, warmup=max(25, 3 * est_ms), rep=max(100, 12 * est_ms), return_mode="median")
-
-
-def qkv(source: str, L: int):
-    from pisa_attn import data
-
-    if source == "random":
-        g = torch.Generator(device="cuda").manual_seed(L)
-        return tuple(torch.randn(B, H, L, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    d = data.dit_qkv(DIT_GRIDS[L], heads=H, head_dim=D, batch=1, seed=L, dtype=torch.bfloat16, device="cuda")
-    return tuple(x.expand(B, -1, -1, -1).contiguous() for x in (d.q, d.k, d.v))
 
 
 def rel_l1(a, b) -> float:

@@ -443,30 +443,22 @@ def _uneven_mask(b, h, nq, nk, device):
     return mask
 
 
-@HOPPER_ONLY
-@pytest.mark.parametrize("source", ["gauss-B1-H4-Hk2-L8229-D128-bf16-gqa-ragged", "gauss-B2-H2-Lq4096-Lk6000-D64-fp16",
-                                    "dit-T4-30x52-H4-D128-bf16", "uneven-B1-H2-L4096-D128-bf16",
-                                    "uneven-B1-H2-Lq4000-Lk4100-D64-fp16"])
-@pytest.mark.parametrize("mode", ["hybrid", "drop"])
-def test_hopper_pipelined_loop_is_bit_identical(source, mode):
-    """The pipelined exact loop (Q·Kᵀ and softmax of a block under the previous block's P·V) does
-    the sequential loop's operations in the same order: bit for bit the same output and LSE, in
-    both stream orders, with 3 to 5 ring slots, and within the bf16 bound of the float64
-    reference."""
+def _stream_case(source: str, mode: str, seed: int):
+    """Inputs named by a test id, their plan, statistics, selection (the kernel's own, or the uneven
+    mask) and the float64 reference output and LSE under that selection."""
     from pisa_attn import data
-    from pisa_attn.ops.hopper import attention as gattn
 
     if source.startswith("dit"):
         d = data.dit_qkv((4, 30, 52), heads=4, head_dim=128, seed=2, dtype=torch.bfloat16, device="cuda")
         q, k, v = d.q, d.k, d.v
     elif source.startswith("gauss-B1"):
-        q, k, v = qkv(1, 4, 2, 8229, 8229, 128, torch.bfloat16, "bshd", seed=12)
+        q, k, v = qkv(1, 4, 2, 8229, 8229, 128, torch.bfloat16, "bshd", seed=seed)
     elif source.startswith("gauss-B2"):
-        q, k, v = qkv(2, 2, 2, 4096, 6000, 64, torch.float16, "bhsd", seed=13)
+        q, k, v = qkv(2, 2, 2, 4096, 6000, 64, torch.float16, "bhsd", seed=seed + 1)
     elif "D128" in source:
-        q, k, v = qkv(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "bhsd", seed=14)
+        q, k, v = qkv(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "bhsd", seed=seed + 2)
     else:
-        q, k, v = qkv(1, 2, 2, 4000, 4100, 64, torch.float16, "bhsd", seed=15)
+        q, k, v = qkv(1, 2, 2, 4000, 4100, 64, torch.float16, "bhsd", seed=seed + 3)
     plan = make_plan(q, k, 0.125, 64, mode, False, None, "hopper")
     be = get_backend("hopper")
     stats = be.prepare(q, k, v, 64)
@@ -479,6 +471,22 @@ def test_hopper_pipelined_loop_is_bit_identical(source, mode):
     mask = bits_to_mask(sel.bits, nk)
     o_ref, lse_ref = ref.pisa_forward(q.double(), k.double(), v.double(), ref.block_stats(k.double(), v.double(), 64),
                                       mask, mode=mode, scale=plan.scale, block_size=64)
+    return q, k, v, plan, stats, sel, o_ref, lse_ref
+
+
+@HOPPER_ONLY
+@pytest.mark.parametrize("source", ["gauss-B1-H4-Hk2-L8229-D128-bf16-gqa-ragged", "gauss-B2-H2-Lq4096-Lk6000-D64-fp16",
+                                    "dit-T4-30x52-H4-D128-bf16", "uneven-B1-H2-L4096-D128-bf16",
+                                    "uneven-B1-H2-Lq4000-Lk4100-D64-fp16"])
+@pytest.mark.parametrize("mode", ["hybrid", "drop"])
+def test_hopper_pipelined_loop_is_bit_identical(source, mode):
+    """The pipelined exact loop (Q·Kᵀ and softmax of a block under the previous block's P·V) does
+    the sequential loop's operations in the same order: bit for bit the same output and LSE, in
+    both stream orders, with 3 to 5 ring slots, and within the bf16 bound of the float64
+    reference."""
+    from pisa_attn.ops.hopper import attention as gattn
+
+    q, k, v, plan, stats, sel, o_ref, lse_ref = _stream_case(source, mode, seed=12)
     for order in ("owners", "ascending"):
         outs = {}
         for pipe, st in ((False, None), (True, None), (True, 3), (True, 4), (True, 5)):
@@ -509,24 +517,7 @@ def test_hopper_stream_protocols_are_bit_identical(source, monkeypatch):
     from pisa_attn.ops.hopper import attention as gattn
 
     mode = "hybrid"  # the exact loop and the tail (drop runs the same exact loop)
-    if source.startswith("gauss"):
-        q, k, v = qkv(1, 4, 2, 8229, 8229, 128, torch.bfloat16, "bshd", seed=21)
-    elif "D128" in source:
-        q, k, v = qkv(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "bhsd", seed=23)
-    else:
-        q, k, v = qkv(1, 2, 2, 4000, 4100, 64, torch.float16, "bhsd", seed=24)
-    plan = make_plan(q, k, 0.125, 64, mode, False, None, "hopper")
-    be = get_backend("hopper")
-    stats = be.prepare(q, k, v, 64)
-    nk = plan.n_kv_blocks
-    if source.startswith("uneven"):
-        sel = Selection.from_mask(_uneven_mask(q.shape[0], q.shape[1], -(-q.shape[2] // 64), nk, q.device))
-    else:
-        width = spec.selection_width(nk, plan.n_select, 0)
-        sel = be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=width, scale=plan.scale)
-    mask = bits_to_mask(sel.bits, nk)
-    o_ref, lse_ref = ref.pisa_forward(q.double(), k.double(), v.double(), ref.block_stats(k.double(), v.double(), 64),
-                                      mask, mode=mode, scale=plan.scale, block_size=64)
+    q, k, v, plan, stats, sel, o_ref, lse_ref = _stream_case(source, mode, seed=21)
     # (codes, kv_split, pipeline, slots, chunk width, chunk limit): chunks of 32 codes split the
     # uneven masks' 64-entry streams into two TMA copies; a limit of 1 chunk sends them to global
     # memory (the Gaussian selection's 32 entries still fit one chunk).

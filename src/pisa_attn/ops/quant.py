@@ -239,11 +239,6 @@ def lowp_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tens
     return out, lse
 
 
-def fp8_pisa_forward(*args, **kwargs) -> tuple[Tensor, Tensor]:
-    """:func:`lowp_pisa_forward` with both products in e4m3 (``precision="fp8"``)."""
-    return lowp_pisa_forward(*args, precision="fp8", **kwargs)
-
-
 def _round_p(p256: Tensor, pv_fmt: str, dtype: torch.dtype) -> Tensor:
     if pv_fmt == "e4m3":
         return to_e4m3(p256).float()
