@@ -120,6 +120,32 @@ def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_
 
 
 @gluon.jit
+def _turn_wait(turn, u, CID: gl.constexpr, PINGPONG: gl.constexpr):
+    """Wait for this consumer's turn at union entry ``u`` (``PINGPONG``: the two consumers issue
+    their products in turns, consumer 0 first at every entry).
+
+    Every consumer takes one turn per union entry, owned or not (an entry it skips is a turn that
+    issues nothing), so both take exactly ``n_union`` turns and neither waits for a turn its
+    partner never gives. ``turn[c]`` completes phase k when the partner has passed its turn at
+    entry k; consumer 0 waits at entry u for phase u − 1 (at entry 0 the fresh barrier's phase
+    "−1", complete), consumer 1 for phase u. A barrier is never two phases ahead of its waiter (each arrival needs the waiter's
+    previous turn), so the parity names the phase. The slot waits come first and release as
+    without turns (a consumer flushes a held slot before waiting), so no cycle through the loader:
+    entry u's slot needs only entries ≤ u − STAGES released, and both consumers release those
+    before their turn at u."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(CID), (u & 1) ^ (1 - CID))
+
+
+@gluon.jit
+def _turn_pass(turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
+    """Hand the turn to the partner once this entry's products are issued (``PINGPONG``): its
+    products run on the tensor cores while this consumer's softmax runs."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - CID), count=1)
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
             q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
             uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
@@ -161,13 +187,13 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
 
 @gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
-              q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+              q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty, turn,
               uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
               LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV_FP8: gl.constexpr,
-              PV_ACC: gl.constexpr):
+              PV_ACC: gl.constexpr, PINGPONG: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -245,11 +271,13 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 acc = acc + pv
                 tp = -1
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+            _turn_wait(turn, u, CID, PINGPONG)
             if ((code >> CID) & 1) != 0:
                 sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
                 if tp >= 0:
                     sp = tp % STAGES
                     pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
+                    _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 1, QK_INT8)
                     m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
                                                           EVEN_K)
@@ -259,6 +287,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                     # The previous block's product is at the previous maximum: add, then rescale.
                     acc = (acc + pv) * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                 else:
+                    _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 0, QK_INT8)
                     m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
                                                           EVEN_K)
@@ -267,6 +296,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 p8 = p8_new
                 tp = u
             else:
+                _turn_pass(turn, CID, PINGPONG)
                 mbarrier.arrive(empty.index(s), count=1)
         if tp >= 0:
             sp = tp % STAGES
@@ -283,8 +313,10 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             sig_next = gl.load(sig_base + (code_next >> 2))
             s = u % STAGES
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+            _turn_wait(turn, u, CID, PINGPONG)
             if ((code >> CID) & 1) != 0:
                 sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
+                _turn_pass(turn, CID, PINGPONG)
                 raw = _qk_raw(sc, 0, QK_INT8)
                 m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
                                                       EVEN_K)
@@ -300,6 +332,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                     pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV_FP8, BS)
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                     acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            else:
+                _turn_pass(turn, CID, PINGPONG)
             mbarrier.arrive(empty.index(s), count=1)
 
     # The exact blocks' numerator back in value units (τ / 256 per channel, or 1 / 256), then the
@@ -390,7 +424,7 @@ def _fp8_pair_kernel(
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
-    QK_INT8: gl.constexpr, PV_FP8: gl.constexpr, PV_ACC: gl.constexpr,
+    QK_INT8: gl.constexpr, PV_FP8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -428,8 +462,10 @@ def _fp8_pair_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     tready = gl.allocate_shared_memory(gl.int64, [TSTAGES, 1], mbarrier.MBarrierLayout())
     tempty = gl.allocate_shared_memory(gl.int64, [TSTAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
     mbarrier.init(hb_bar.index(0), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
@@ -445,14 +481,14 @@ def _fp8_pair_kernel(
                    BS, C, STAGES, TSTAGES, MODE, PV_FP8)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-                     uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                     turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                      qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV_FP8, PV_ACC)),
+                     QK_INT8, PV_FP8, PV_ACC, PINGPONG)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-                     uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                     turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                      qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV_FP8, PV_ACC)),
+                     QK_INT8, PV_FP8, PV_ACC, PINGPONG)),
     ], [4, 4], [240, 240])
 
 
@@ -475,6 +511,9 @@ HEAD_DIMS = (64, 128)
 # The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
 # loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
 PIPELINE = False
+# The two consumers issue their products in turns, one per union entry (:func:`_turn_wait`), so
+# one's softmax runs under the other's products instead of both in step (FA3's ping-pong).
+PINGPONG = False
 # The sequential loop's P·V per format (key: P·V in e4m3): from zero and added in float32 (False),
 # or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
 # 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
@@ -499,6 +538,7 @@ def attention(
     out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
     pairs: tuple[Tensor, ...] | None = None, stages: tuple[int, int] | None = None,
     pipeline: bool | None = None, v: Tensor | None = None, pv_accumulate: bool | None = None,
+    pingpong: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The low-precision pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
     ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
@@ -506,7 +546,8 @@ def attention(
     :func:`.attention.attention` takes them; (out, lse) out. ``v``: the ``[B, Hk, Lk, D]`` values
     for ``P·V`` in the input dtype (then ``quant`` holds no value copy), None for e4m3 ``P·V``.
     ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: the
-    sequential loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format)."""
+    sequential loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format);
+    ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`)."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
@@ -534,9 +575,10 @@ def attention(
                h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     pipe = PIPELINE if pipeline is None else bool(pipeline)
     pv_acc = PV_ACCUMULATE[pv_fp8] if pv_accumulate is None else bool(pv_accumulate)
+    pp = PINGPONG if pingpong is None else bool(pingpong)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
-                      PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc,
+                      PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc, PINGPONG=pp)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc, pp,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -547,7 +589,7 @@ def attention(
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None,
-                     pipeline: bool | None = None, precision: str = "fp8"):
+                     pipeline: bool | None = None, precision: str = "fp8", pingpong: bool | None = None):
     """Compile the low-precision pair kernel for sm_90a without a GPU (as
     :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``."""
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
@@ -568,7 +610,8 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     st, tst = stages or (STAGES if pv_fp8 else STAGES_V16)[d, mode != "drop"]
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), PIPELINE=PIPELINE if pipeline is None else bool(pipeline),
-                      QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE[pv_fp8])
+                      QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE[pv_fp8],
+                      PINGPONG=PINGPONG if pingpong is None else bool(pingpong))
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}
