@@ -103,6 +103,18 @@ def _pv_issue(pa, v_slot, acc, PV_FP8: gl.constexpr, BS: gl.constexpr, USE_ACC: 
 
 
 @gluon.jit
+def _pv_flush(pa, v_slot, acc, zero, PV_FP8: gl.constexpr, BS: gl.constexpr, PV_ACC: gl.constexpr):
+    """A held block's P·V added to ``acc`` at once (into it in the wgmma with ``PV_ACC``)."""
+    if PV_ACC:
+        acc = _pv_issue(pa, v_slot, acc, PV_FP8, BS, True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    else:
+        pv = _pv_issue(pa, v_slot, zero, PV_FP8, BS)
+        acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+    return acc
+
+
+@gluon.jit
 def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_K: gl.constexpr):
     """One exact block's raw FP8 scores into the running (m, l): (m, l, rescale, p256).
 
@@ -265,10 +277,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             s = u % STAGES
             if (tp >= 0) & (u - tp >= STAGES):
                 sp = tp % STAGES
-                pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
-                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                acc = _pv_flush(p8, v_bufs.index(sp), acc, o8_zero, PV_FP8, BS, PV_ACC)
                 mbarrier.arrive(empty.index(sp), count=1)
-                acc = acc + pv
                 tp = -1
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
             _turn_wait(turn, u, CID, PINGPONG)
@@ -276,7 +286,10 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
                 if tp >= 0:
                     sp = tp % STAGES
-                    pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
+                    if PV_ACC:  # into the accumulator (at the previous maximum), rescaled after
+                        pv = _pv_issue(p8, v_bufs.index(sp), acc, PV_FP8, BS, True)
+                    else:
+                        pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
                     _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 1, QK_INT8)
                     m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
@@ -285,7 +298,10 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                     pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
                     mbarrier.arrive(empty.index(sp), count=1)
                     # The previous block's product is at the previous maximum: add, then rescale.
-                    acc = (acc + pv) * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                    if PV_ACC:
+                        acc = pv * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                    else:
+                        acc = (acc + pv) * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                 else:
                     _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 0, QK_INT8)
@@ -300,10 +316,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 mbarrier.arrive(empty.index(s), count=1)
         if tp >= 0:
             sp = tp % STAGES
-            pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
-            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            acc = _pv_flush(p8, v_bufs.index(sp), acc, o8_zero, PV_FP8, BS, PV_ACC)
             mbarrier.arrive(empty.index(sp), count=1)
-            acc = acc + pv
     else:
         for u in range(n_union):
             code = code_next
@@ -514,7 +528,7 @@ PIPELINE = False
 # The two consumers issue their products in turns, one per union entry (:func:`_turn_wait`), so
 # one's softmax runs under the other's products instead of both in step (FA3's ping-pong).
 PINGPONG = False
-# The sequential loop's P·V per format (key: P·V in e4m3): from zero and added in float32 (False),
+# The exact loop's P·V per format (key: P·V in e4m3): from zero and added in float32 (False),
 # or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
 # 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
 # accumulator 4.34 vs 4.57 ms.
@@ -545,8 +559,8 @@ def attention(
     of ``Q·Kᵀ``) and values (``lk`` the true key count), the statistics' tail terms as
     :func:`.attention.attention` takes them; (out, lse) out. ``v``: the ``[B, Hk, Lk, D]`` values
     for ``P·V`` in the input dtype (then ``quant`` holds no value copy), None for e4m3 ``P·V``.
-    ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: the
-    sequential loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format);
+    ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: either
+    loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format);
     ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`)."""
     del cnt
     b, h, lq, d = q.shape
