@@ -202,13 +202,15 @@ VARIANTS = {
     "pipelined_pingpong": dict(pipeline=True, pingpong=True),
     "pipelined_pv_flip": dict(pipeline=True, pv_flip=True),
     "pipelined_pingpong_pv_flip": dict(pipeline=True, pingpong=True, pv_flip=True),
+    "lookahead1": dict(lookahead=1),
+    "lookahead2": dict(lookahead=2),
     "pv_accumulate": dict(pv_accumulate=True),
     "stages_2_3": dict(stages=(2, 3), modes=("hybrid",), v16=True),
     "stages_5_1": dict(stages=(5, 1), modes=("drop",), v16=True),
     "pv_accumulate_stages_5_1": dict(pv_accumulate=True, stages=(5, 1), modes=("drop",), v16=True),
 }
 SCHEDULES = ("default", "pingpong", "pipelined", "pipelined_pingpong", "pipelined_pv_flip",
-             "pipelined_pingpong_pv_flip")
+             "pipelined_pingpong_pv_flip", "lookahead1", "lookahead2")
 
 
 def sweep(L: int, density: float, precisions=LOWP, variants=tuple(VARIANTS)) -> dict:
@@ -311,6 +313,7 @@ def main(argv=None):
         kw = VARIANTS[a.schedule]
         lowk.PIPELINE = bool(kw.get("pipeline", False))
         lowk.PINGPONG = bool(kw.get("pingpong", False))
+        lowk.LOOKAHEAD = int(kw.get("lookahead", lowk.LOOKAHEAD))
         if kw.get("pv_flip"):
             lowk.PV_ACCUMULATE = {f: not acc for f, acc in lowk.PV_ACCUMULATE.items()}
     if a.ncu:

@@ -349,3 +349,28 @@ def test_lowp_pingpong_is_bitwise_unscheduled(precision, name, sel_kind, pipelin
     torch.cuda.synchronize()
     assert torch.isfinite(res[1][0]).all()
     assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
+
+
+@pytest.mark.parametrize("name,sel_kind", [("B1-H4-L1000-D128-hybrid-ragged", "topk"),
+                                           ("B1-H4-Lq960-Lk1379-D64-hybrid", "lopsided")])
+@pytest.mark.parametrize("precision", LOWP)
+def test_lowp_lookahead_is_bitwise(precision, name, sel_kind):
+    """Reading the stream's codes two entries ahead changes when the codes arrive, nothing else:
+    outputs and LSE equal the one-ahead kernel's bit for bit."""
+    from pisa_attn.ops.hopper import fp8 as gfp8
+    from pisa_attn.ops.triton.quantize import quantize
+
+    b, h, hk, lq, lk, d, mode = CASES[name]
+    q, k, v = dit(b, h, hk, lq, lk, d, seed=13)
+    density = 0.5 if sel_kind != "topk" else 0.125
+    p, _, sel = fp8_run(q, k, v, mode, density=density, precision=precision)
+    if sel_kind != "topk":
+        sel = _lopsided_selection(p, lq, sel_kind)
+    st = get_backend("hopper").prepare(q, k, v, 64)
+    qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
+    vv = v if quant.PRODUCT_FORMATS[precision][1] == "input" else None
+    res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk, v=vv,
+                          alpha=p.alpha, lookahead=la) for la in (1, 2)]
+    torch.cuda.synchronize()
+    assert torch.isfinite(res[1][0]).all()
+    assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])

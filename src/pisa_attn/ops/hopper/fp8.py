@@ -132,6 +132,20 @@ def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_
 
 
 @gluon.jit
+def _next_code(ubase, u, n_union, code2, LOOKAHEAD: gl.constexpr):
+    """The union codes of entries u + 1 and (``LOOKAHEAD`` 2) u + 2, past the end 0 (block 0).
+
+    With ``LOOKAHEAD`` 1 entry u + 1's code is read in the iteration of entry u, and the key scale
+    it indexes right after it: two dependent global reads at the top of every iteration, a stall
+    the length of both where the entry is not this consumer's (nothing to hide them under). With
+    2 the code arrives one iteration early and only the scale's read is left in the iteration."""
+    if LOOKAHEAD > 1:
+        return code2, gl.load(ubase + u + 2, mask=u + 2 < n_union, other=0)
+    else:
+        return gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0), code2
+
+
+@gluon.jit
 def _turn_wait(turn, u, CID: gl.constexpr, PINGPONG: gl.constexpr):
     """Wait for this consumer's turn at union entry ``u`` (``PINGPONG``: the two consumers issue
     their products in turns, consumer 0 first at every entry).
@@ -162,7 +176,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
             q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
             uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr,
-            PV_FP8: gl.constexpr):
+            PV_FP8: gl.constexpr, LOOKAHEAD: gl.constexpr):
     for c in gl.static_range(2):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, q0 + c * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
@@ -173,9 +187,10 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
     n_union = gl.load(ucnt_ptr + pair_row)
     ubase = uidx_ptr + pair_row * W2
     code = gl.load(ubase, mask=n_union > 0, other=0)
+    code2 = gl.load(ubase + 1, mask=(n_union > 1) & (LOOKAHEAD > 1), other=0)
     for u in range(n_union):
         j = code >> 2
-        code = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+        code, code2 = _next_code(ubase, u, n_union, code2, LOOKAHEAD)
         s = u % STAGES
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), kv_bytes)
@@ -205,7 +220,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
               LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV_FP8: gl.constexpr,
-              PV_ACC: gl.constexpr, PINGPONG: gl.constexpr):
+              PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -261,6 +276,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     sig_base = sig_ptr + bhk * NK
     code_next = gl.load(ubase, mask=n_union > 0, other=0)
     sig_next = gl.load(sig_base + (code_next >> 2))
+    code_next2 = gl.load(ubase + 1, mask=(n_union > 1) & (LOOKAHEAD > 1), other=0)
     if PIPELINE:
         # As the input-precision kernel's pipelined loop (.attention._exact_pipelined): this
         # block's Q·Kᵀ and the previous owned block's P·V are queued together and the softmax runs
@@ -272,7 +288,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
         for u in range(n_union):
             code = code_next
             sig = sig_next
-            code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+            code_next, code_next2 = _next_code(ubase, u, n_union, code_next2, LOOKAHEAD)
             sig_next = gl.load(sig_base + (code_next >> 2))
             s = u % STAGES
             if (tp >= 0) & (u - tp >= STAGES):
@@ -323,7 +339,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             code = code_next
             sig = sig_next
             # The next block's code and key scale, read one entry ahead (code 0 past the end: block 0).
-            code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+            code_next, code_next2 = _next_code(ubase, u, n_union, code_next2, LOOKAHEAD)
             sig_next = gl.load(sig_base + (code_next >> 2))
             s = u % STAGES
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
@@ -439,6 +455,7 @@ def _fp8_pair_kernel(
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
     QK_INT8: gl.constexpr, PV_FP8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
+    LOOKAHEAD: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -492,17 +509,17 @@ def _fp8_pair_kernel(
         (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
                    q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                    uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-                   BS, C, STAGES, TSTAGES, MODE, PV_FP8)),
+                   BS, C, STAGES, TSTAGES, MODE, PV_FP8, LOOKAHEAD)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                      qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV_FP8, PV_ACC, PINGPONG)),
+                     QK_INT8, PV_FP8, PV_ACC, PINGPONG, LOOKAHEAD)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                      qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV_FP8, PV_ACC, PINGPONG)),
+                     QK_INT8, PV_FP8, PV_ACC, PINGPONG, LOOKAHEAD)),
     ], [4, 4], [240, 240])
 
 
@@ -528,6 +545,8 @@ PIPELINE = False
 # The two consumers issue their products in turns, one per union entry (:func:`_turn_wait`), so
 # one's softmax runs under the other's products instead of both in step (FA3's ping-pong).
 PINGPONG = False
+# How many union entries ahead the loops read the stream's codes (:func:`_next_code`): 1 or 2.
+LOOKAHEAD = 2
 # The exact loop's P·V per format (key: P·V in e4m3): from zero and added in float32 (False),
 # or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
 # 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
@@ -552,7 +571,7 @@ def attention(
     out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
     pairs: tuple[Tensor, ...] | None = None, stages: tuple[int, int] | None = None,
     pipeline: bool | None = None, v: Tensor | None = None, pv_accumulate: bool | None = None,
-    pingpong: bool | None = None,
+    pingpong: bool | None = None, lookahead: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The low-precision pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
     ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
@@ -561,7 +580,8 @@ def attention(
     for ``P·V`` in the input dtype (then ``quant`` holds no value copy), None for e4m3 ``P·V``.
     ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: either
     loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format);
-    ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`)."""
+    ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`); ``lookahead``: how far
+    ahead the stream's codes are read (None: :data:`LOOKAHEAD`)."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
@@ -590,9 +610,10 @@ def attention(
     pipe = PIPELINE if pipeline is None else bool(pipeline)
     pv_acc = PV_ACCUMULATE[pv_fp8] if pv_accumulate is None else bool(pv_accumulate)
     pp = PINGPONG if pingpong is None else bool(pingpong)
+    la = LOOKAHEAD if lookahead is None else int(lookahead)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
-                      PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc, PINGPONG=pp)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc, pp,
+                      PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc, pp, la,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -603,7 +624,8 @@ def attention(
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None,
-                     pipeline: bool | None = None, precision: str = "fp8", pingpong: bool | None = None):
+                     pipeline: bool | None = None, precision: str = "fp8", pingpong: bool | None = None,
+                     lookahead: int | None = None):
     """Compile the low-precision pair kernel for sm_90a without a GPU (as
     :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``."""
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
@@ -625,7 +647,8 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), PIPELINE=PIPELINE if pipeline is None else bool(pipeline),
                       QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE[pv_fp8],
-                      PINGPONG=PINGPONG if pingpong is None else bool(pingpong))
+                      PINGPONG=PINGPONG if pingpong is None else bool(pingpong),
+                      LOOKAHEAD=LOOKAHEAD if lookahead is None else int(lookahead))
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}
