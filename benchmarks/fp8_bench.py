@@ -313,7 +313,8 @@ def main(argv=None):
         kw = VARIANTS[a.schedule]
         lowk.PIPELINE = bool(kw.get("pipeline", False))
         lowk.PINGPONG = bool(kw.get("pingpong", False))
-        lowk.LOOKAHEAD = int(kw.get("lookahead", lowk.LOOKAHEAD))
+        if "lookahead" in kw:
+            lowk.LOOKAHEAD = {f: kw["lookahead"] for f in lowk.LOOKAHEAD}
         if kw.get("pv_flip"):
             lowk.PV_ACCUMULATE = {f: not acc for f, acc in lowk.PV_ACCUMULATE.items()}
     if a.ncu:

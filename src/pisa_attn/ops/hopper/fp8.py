@@ -543,10 +543,15 @@ HEAD_DIMS = (64, 128)
 # loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
 PIPELINE = False
 # The two consumers issue their products in turns, one per union entry (:func:`_turn_wait`), so
-# one's softmax runs under the other's products instead of both in step (FA3's ping-pong).
+# one's softmax runs under the other's products instead of both in step (FA3's ping-pong). Off:
+# slower for every precision, loop and length on the H100 (exact phase at 32K: sequential loop +7
+# to +15 % drop, +6 to +18 % hybrid; pipelined loop +1 to +29 %; results/h100_fp8_pingpong.json).
 PINGPONG = False
-# How many union entries ahead the loops read the stream's codes (:func:`_next_code`): 1 or 2.
-LOOKAHEAD = 2
+# How many union entries ahead the loops read the stream's codes (:func:`_next_code`), per format
+# (key: P·V in e4m3). Measured at 32K/64K in one run (results/h100_fp8_lookahead.json): 2 is faster
+# for the e4m3 P·V formats in 6 of 8 drop/hybrid cases (up to -5.5 %), slower for ``int8`` in 3 of 4;
+# near the spread between two timings of the same configuration (up to 13 % in that run).
+LOOKAHEAD = {True: 2, False: 1}
 # The exact loop's P·V per format (key: P·V in e4m3): from zero and added in float32 (False),
 # or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
 # 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
@@ -581,7 +586,7 @@ def attention(
     ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: either
     loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format);
     ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`); ``lookahead``: how far
-    ahead the stream's codes are read (None: :data:`LOOKAHEAD`)."""
+    ahead the stream's codes are read (None: :data:`LOOKAHEAD` for the format)."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
@@ -610,7 +615,9 @@ def attention(
     pipe = PIPELINE if pipeline is None else bool(pipeline)
     pv_acc = PV_ACCUMULATE[pv_fp8] if pv_accumulate is None else bool(pv_accumulate)
     pp = PINGPONG if pingpong is None else bool(pingpong)
-    la = LOOKAHEAD if lookahead is None else int(lookahead)
+    la = LOOKAHEAD[pv_fp8] if lookahead is None else lookahead
+    if la not in (1, 2):
+        raise ValueError(f"lookahead: 1 or 2 union entries, got {lookahead!r}")
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
                       PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la)
     key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc, pp, la,
@@ -648,7 +655,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                       LOG2_BS=math.log2(bs), PIPELINE=PIPELINE if pipeline is None else bool(pipeline),
                       QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE[pv_fp8],
                       PINGPONG=PINGPONG if pingpong is None else bool(pingpong),
-                      LOOKAHEAD=LOOKAHEAD if lookahead is None else int(lookahead))
+                      LOOKAHEAD=LOOKAHEAD[pv_fp8] if lookahead is None else int(lookahead))
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}
