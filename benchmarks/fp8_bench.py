@@ -193,10 +193,31 @@ def accuracy(density: float, qkv_file: str | None, precisions=LOWP) -> list[dict
     return rows
 
 
-def sweep(L: int, density: float, precisions=LOWP) -> dict:
+# Schedule variants of the low-precision kernel (keyword arguments of ``fp8.attention``; ``pv_flip``:
+# the P·V accumulation other than the format's default): ``--variants`` picks among them.
+VARIANTS = {
+    "default": {},
+    "pingpong": dict(pingpong=True),
+    "pipelined": dict(pipeline=True),
+    "pipelined_pingpong": dict(pipeline=True, pingpong=True),
+    "pipelined_pv_flip": dict(pipeline=True, pv_flip=True),
+    "pipelined_pingpong_pv_flip": dict(pipeline=True, pingpong=True, pv_flip=True),
+    "lookahead1": dict(lookahead=1),
+    "lookahead2": dict(lookahead=2),
+    "pv_accumulate": dict(pv_accumulate=True),
+    "stages_2_3": dict(stages=(2, 3), modes=("hybrid",), v16=True),
+    "stages_5_1": dict(stages=(5, 1), modes=("drop",), v16=True),
+    "pv_accumulate_stages_5_1": dict(pv_accumulate=True, stages=(5, 1), modes=("drop",), v16=True),
+}
+SCHEDULES = ("default", "pingpong", "pipelined", "pipelined_pingpong", "pipelined_pv_flip",
+             "pipelined_pingpong_pv_flip", "lookahead1", "lookahead2")
+
+
+def sweep(L: int, density: float, precisions=LOWP, variants=tuple(VARIANTS)) -> dict:
     """The exact phase (drop and hybrid attend, same selection) per precision under schedule
-    variants of the low-precision kernel: the default, the pipelined loop, P·V accumulated in the
-    wgmma, and other ring depths for P·V in the input dtype."""
+    variants of the low-precision kernel (:data:`VARIANTS`: the default, the consumers in turns,
+    the pipelined loop, P·V accumulated in the wgmma, other ring depths for P·V in the input
+    dtype), beside cuDNN SDPA and the bf16 kernel in the same run."""
     from pisa_attn.ops.hopper import fp8 as lowk
     from pisa_attn.ops.triton.quantize import quantize
     from pisa_attn.spec import PRODUCT_FORMATS
@@ -210,20 +231,22 @@ def sweep(L: int, density: float, precisions=LOWP) -> dict:
     stats = hop.prepare(q, k, v, 64)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
     res = dict(L=L)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        res["cudnn_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v))
+    print(f"sweep L={L} cuDNN SDPA {res['cudnn_ms']:.3f} ms", flush=True)
     for mode in ("drop", "hybrid"):
         res[f"input_{mode}_ms"] = bench_ms(lambda m=mode: hop.attend(
             q, k, v, stats, sel, mode=m, scale=128 ** -0.5, block_size=64, out=out, lse=lse))
-    variants = {"default": {}, "pipelined": dict(pipeline=True), "pv_accumulate": dict(pv_accumulate=True)}
     for prec in precisions:
         qz = quantize(k, v, stats.kbar, stats.kscale, 64, precision=prec)
         vv = v if PRODUCT_FORMATS[prec][1] == "input" else None
-        vs = dict(variants)
-        if vv is not None:
-            vs.update({"stages_2_3": dict(stages=(2, 3), modes=("hybrid",)), "stages_5_1": dict(stages=(5, 1), modes=("drop",)),
-                       "pv_accumulate_stages_5_1": dict(pv_accumulate=True, stages=(5, 1), modes=("drop",))})
-        for name, kw in vs.items():
-            kw = dict(kw)
+        for name in variants:
+            kw = dict(VARIANTS[name])
             modes = kw.pop("modes", ("drop", "hybrid"))
+            if kw.pop("v16", False) and vv is None:
+                continue
+            if kw.pop("pv_flip", False):
+                kw["pv_accumulate"] = not lowk.PV_ACCUMULATE[vv is None]
             for mode in modes:
                 try:
                     t = bench_ms(lambda m=mode, kw=kw: lowk.attention(
@@ -256,20 +279,44 @@ def table(res) -> None:
                   f"{r[f'attend_{p}_drop_speedup']:.2f}x q {r[f'quantize_{p}_ms']:.3f}" for p in precs))
 
 
+def sweep_table(rows) -> None:
+    """The sweep's short summary: ms per variant and mode, x = the bf16 kernel / variant."""
+    for r in rows:
+        print(f"=== sweep L={r['L']}: cuDNN {r['cudnn_ms']:.3f} ms | bf16 kernel drop {r['input_drop_ms']:.3f} "
+              f"hybrid {r['input_hybrid_ms']:.3f} ===")
+        for key in sorted(k_ for k_ in r if k_.endswith("_ms") and k_.split("_")[0] in LOWP):
+            mode = key[:-3].rsplit("_", 1)[1]
+            print(f"  {key[:-3]:44s} {r[key]:7.3f} ms ({r[f'input_{mode}_ms'] / r[key]:.2f}x)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768, 65536])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 32768, 65536])
     ap.add_argument("--density", type=float, default=0.125)
     ap.add_argument("--qkv-file", default=QKV_FILE)
     ap.add_argument("--speed-only", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")
     ap.add_argument("--precisions", nargs="+", default=list(LOWP), choices=LOWP)
-    ap.add_argument("--sweep", type=int, default=None, metavar="L",
-                    help="also time the exact phase under schedule variants at length L")
+    ap.add_argument("--sweep", type=int, nargs="+", default=None, metavar="L",
+                    help="also time the exact phase under schedule variants at these lengths")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="the sweep's schedule variants")
+    ap.add_argument("--schedule", default="default", choices=SCHEDULES,
+                    help="the low-precision kernel's schedule for --ncu and the whole calls")
     ap.add_argument("--ncu", type=int, default=None, metavar="L",
                     help="only run one hybrid call per precision (input first) at length L (for ncu)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fp8_bench.json"))
     a = ap.parse_args(argv)
+    if a.schedule != "default":
+        from pisa_attn.ops.hopper import fp8 as lowk
+
+        kw = VARIANTS[a.schedule]
+        lowk.PIPELINE = bool(kw.get("pipeline", False))
+        lowk.PINGPONG = bool(kw.get("pingpong", False))
+        if "lookahead" in kw:
+            lowk.LOOKAHEAD = {f: kw["lookahead"] for f in lowk.LOOKAHEAD}
+        if kw.get("pv_flip"):
+            lowk.PV_ACCUMULATE = {f: not acc for f, acc in lowk.PV_ACCUMULATE.items()}
     if a.ncu:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(2, 16, a.ncu, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -281,7 +328,8 @@ def main(argv=None):
     import triton
 
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               shape="B2-H16-D128", dtype="bfloat16", density=a.density, precisions=a.precisions)
+               shape="B2-H16-D128", dtype="bfloat16", density=a.density, precisions=a.precisions,
+               schedule=a.schedule)
     print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}", flush=True)
     if not a.speed_only:
         res["accuracy"] = accuracy(a.density, a.qkv_file, a.precisions)
@@ -289,12 +337,14 @@ def main(argv=None):
     if not a.accuracy_only:
         res["speed"] = speed(a.lengths, a.density, a.precisions)
     if a.sweep:
-        res["sweep"] = sweep(a.sweep, a.density, a.precisions)
+        res["sweep"] = [sweep(L, a.density, a.precisions, a.variants) for L in a.sweep]
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {a.out}")
     table(res)
+    if a.sweep:
+        sweep_table(res["sweep"])
 
 
 if __name__ == "__main__":

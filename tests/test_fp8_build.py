@@ -50,3 +50,39 @@ def test_lowp_kernel_builds_for_sm90a(built, name):
     assert r["setmaxnreg"] > 0
     assert r["local"] == 0
     assert (r["wait1"] > 0) == pipelined  # the pipelined loop's wait for the scores alone
+
+
+_PINGPONG_SCRIPT = """
+import json, re, sys, torch
+from pisa_attn.ops.hopper.fp8 import compile_for_sm90
+res = {}
+for name, (prec, mode, pipe) in json.loads(sys.argv[1]).items():
+    for pp in (False, True):
+        k = compile_for_sm90(128, mode, True, torch.bfloat16, pipeline=pipe, precision=prec, pingpong=pp)
+        ptx = k.asm["ptx"]
+        res[f"{name}-{pp}"] = dict(shared=k.metadata.shared, cubin=len(k.asm["cubin"]),
+                                   arrive=len(re.findall(r"mbarrier\\.arrive\\.shared", ptx)),
+                                   wait=len(re.findall(r"mbarrier\\.try_wait", ptx)),
+                                   wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),
+                                   local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)))
+print(json.dumps(res))
+"""
+PINGPONG = {"fp8-hybrid-sequential": ("fp8", "hybrid", False), "int8-drop-pipelined": ("int8", "drop", True)}
+
+
+def test_lowp_pingpong_builds_for_sm90a():
+    """The consumers' turns (PINGPONG) build for sm_90a under both exact loops: per consumer one
+    more mbarrier wait (its turn) and more arrivals (the hand-overs, one per branch of an entry),
+    the same products, nothing spilled, the same shared memory but for the two turn barriers."""
+    import json
+
+    from sm90_build import run_script
+
+    res = json.loads(run_script(_PINGPONG_SCRIPT, json.dumps(PINGPONG)).stdout.strip().splitlines()[-1])
+    for name in PINGPONG:
+        off, on = res[f"{name}-False"], res[f"{name}-True"]
+        assert on["cubin"] > 0 and on["local"] == 0
+        assert on["wgmma"] == off["wgmma"]
+        assert on["wait"] == off["wait"] + 2  # one turn wait per consumer
+        assert on["arrive"] >= off["arrive"] + 4  # at least two hand-overs per consumer
+        assert off["shared"] <= on["shared"] <= min(off["shared"] + 16, SMEM_LIMIT)

@@ -279,10 +279,11 @@ def test_lowp_pipelined_loop_matches_sequential(name, sel_kind, precision, monke
     assert e_q < QREF_TOL
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
 @pytest.mark.parametrize("precision", LOWP)
 @pytest.mark.parametrize("name", ["B1-H4-L1000-D128-hybrid-ragged", "B1-H4-L2048-D128-drop"])
-def test_lowp_pv_accumulate_matches_from_zero(name, precision):
-    """The sequential loop's two P·V schedules (into the accumulator, or from zero and added) on
+def test_lowp_pv_accumulate_matches_from_zero(name, precision, pipelined):
+    """Either exact loop's two P·V schedules (into the accumulator, or from zero and added) on
     the same selection: the same float32 terms summed in another order."""
     from pisa_attn.ops.hopper import fp8 as gfp8
     from pisa_attn.ops.triton.quantize import quantize
@@ -295,10 +296,81 @@ def test_lowp_pv_accumulate_matches_from_zero(name, precision):
     qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
     vv = v if quant.PRODUCT_FORMATS[precision][1] == "input" else None
     outs = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk, v=vv,
-                           alpha=p.alpha, pv_accumulate=acc)[0] for acc in (False, True)]
+                           alpha=p.alpha, pv_accumulate=acc, pipeline=pipelined)[0] for acc in (False, True)]
     torch.cuda.synchronize()
     oq, _ = references(q, k, v, p, sel, precision)
-    print(f"[{precision}-{name}] accumulate vs from zero {rel_l1(outs[1], outs[0]):.2e}, "
+    print(f"[{precision}-{name}-{'pipelined' if pipelined else 'sequential'}] accumulate vs from zero {rel_l1(outs[1], outs[0]):.2e}, "
           f"vs quantised reference {rel_l1(outs[1], oq):.2e}")
     assert rel_l1(outs[1], outs[0]) < 1e-3
     assert rel_l1(outs[1], oq) < QREF_TOL and rel_l1(outs[0], oq) < QREF_TOL
+
+
+def _lopsided_selection(p, lq, kind):
+    """A selection where the pair's two consumers own very different parts of the union stream:
+    ``uneven``: even query blocks the plan's width of blocks from 0, odd ones block 0 and the last
+    two; ``lopsided``: odd ones block 0 alone (they own nothing after the first union entry)."""
+    from pisa_attn.ops.selection import Selection
+
+    nq, nk = -(-lq // 64), p.n_kv_blocks
+    mask = torch.zeros(p.batch, p.heads, nq, nk, dtype=torch.bool, device="cuda")
+    mask[:, :, 0::2, : p.width] = True
+    mask[:, :, 1::2, 0] = True
+    if kind == "uneven":
+        mask[:, :, 1::2, nk - 2:] = True
+    return Selection.from_mask(mask, p.width)
+
+
+# Every precision under both exact loops; ``Lq960``: 15 query blocks, so the last pair's second
+# consumer has no query block and owns no entry at all.
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+@pytest.mark.parametrize("name,sel_kind", [("B1-H4-L1000-D128-hybrid-ragged", "topk"),
+                                           ("B1-H4-L1000-D128-hybrid-ragged", "lopsided"),
+                                           ("B1-H4-Lq960-Lk1379-D64-hybrid", "uneven"),
+                                           ("B1-H4-Lq960-Lk1379-D64-hybrid", "lopsided")])
+@pytest.mark.parametrize("precision", LOWP)
+def test_lowp_pingpong_is_bitwise_unscheduled(precision, name, sel_kind, pipelined):
+    """The consumers' products in turns change only when independent work is issued: outputs and
+    LSE equal the unscheduled kernel's bit for bit, and the kernel finishes (no lost turn) where
+    one consumer owns few or no entries of the union."""
+    from pisa_attn.ops.hopper import fp8 as gfp8
+    from pisa_attn.ops.triton.quantize import quantize
+
+    b, h, hk, lq, lk, d, mode = CASES[name]
+    q, k, v = dit(b, h, hk, lq, lk, d, seed=11)
+    density = 0.5 if sel_kind != "topk" else 0.125
+    p, _, sel = fp8_run(q, k, v, mode, density=density, precision=precision)
+    if sel_kind != "topk":
+        sel = _lopsided_selection(p, lq, sel_kind)
+    st = get_backend("hopper").prepare(q, k, v, 64)
+    qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
+    vv = v if quant.PRODUCT_FORMATS[precision][1] == "input" else None
+    res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk, v=vv,
+                          alpha=p.alpha, pipeline=pipelined, pingpong=pp) for pp in (False, True)]
+    torch.cuda.synchronize()
+    assert torch.isfinite(res[1][0]).all()
+    assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
+
+
+@pytest.mark.parametrize("name,sel_kind", [("B1-H4-L1000-D128-hybrid-ragged", "topk"),
+                                           ("B1-H4-Lq960-Lk1379-D64-hybrid", "lopsided")])
+@pytest.mark.parametrize("precision", LOWP)
+def test_lowp_lookahead_is_bitwise(precision, name, sel_kind):
+    """Reading the stream's codes two entries ahead changes when the codes arrive, nothing else:
+    outputs and LSE equal the one-ahead kernel's bit for bit."""
+    from pisa_attn.ops.hopper import fp8 as gfp8
+    from pisa_attn.ops.triton.quantize import quantize
+
+    b, h, hk, lq, lk, d, mode = CASES[name]
+    q, k, v = dit(b, h, hk, lq, lk, d, seed=13)
+    density = 0.5 if sel_kind != "topk" else 0.125
+    p, _, sel = fp8_run(q, k, v, mode, density=density, precision=precision)
+    if sel_kind != "topk":
+        sel = _lopsided_selection(p, lq, sel_kind)
+    st = get_backend("hopper").prepare(q, k, v, 64)
+    qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
+    vv = v if quant.PRODUCT_FORMATS[precision][1] == "input" else None
+    res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk, v=vv,
+                          alpha=p.alpha, lookahead=la) for la in (1, 2)]
+    torch.cuda.synchronize()
+    assert torch.isfinite(res[1][0]).all()
+    assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])

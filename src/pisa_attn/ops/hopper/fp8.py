@@ -103,6 +103,18 @@ def _pv_issue(pa, v_slot, acc, PV_FP8: gl.constexpr, BS: gl.constexpr, USE_ACC: 
 
 
 @gluon.jit
+def _pv_flush(pa, v_slot, acc, zero, PV_FP8: gl.constexpr, BS: gl.constexpr, PV_ACC: gl.constexpr):
+    """A held block's P·V added to ``acc`` at once (into it in the wgmma with ``PV_ACC``)."""
+    if PV_ACC:
+        acc = _pv_issue(pa, v_slot, acc, PV_FP8, BS, True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    else:
+        pv = _pv_issue(pa, v_slot, zero, PV_FP8, BS)
+        acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+    return acc
+
+
+@gluon.jit
 def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_K: gl.constexpr):
     """One exact block's raw FP8 scores into the running (m, l): (m, l, rescale, p256).
 
@@ -120,11 +132,51 @@ def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_
 
 
 @gluon.jit
+def _next_code(ubase, u, n_union, code2, LOOKAHEAD: gl.constexpr):
+    """The union codes of entries u + 1 and (``LOOKAHEAD`` 2) u + 2, past the end 0 (block 0).
+
+    With ``LOOKAHEAD`` 1 entry u + 1's code is read in the iteration of entry u, and the key scale
+    it indexes right after it: two dependent global reads at the top of every iteration, a stall
+    the length of both where the entry is not this consumer's (nothing to hide them under). With
+    2 the code arrives one iteration early and only the scale's read is left in the iteration."""
+    if LOOKAHEAD > 1:
+        return code2, gl.load(ubase + u + 2, mask=u + 2 < n_union, other=0)
+    else:
+        return gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0), code2
+
+
+@gluon.jit
+def _turn_wait(turn, u, CID: gl.constexpr, PINGPONG: gl.constexpr):
+    """Wait for this consumer's turn at union entry ``u`` (``PINGPONG``: the two consumers issue
+    their products in turns, consumer 0 first at every entry).
+
+    Every consumer takes one turn per union entry, owned or not (an entry it skips is a turn that
+    issues nothing), so both take exactly ``n_union`` turns and neither waits for a turn its
+    partner never gives. ``turn[c]`` completes phase k when the partner has passed its turn at
+    entry k; consumer 0 waits at entry u for phase u − 1 (at entry 0 the fresh barrier's phase
+    "−1", complete), consumer 1 for phase u. A barrier is never two phases ahead of its waiter (each arrival needs the waiter's
+    previous turn), so the parity names the phase. The slot waits come first and release as
+    without turns (a consumer flushes a held slot before waiting), so no cycle through the loader:
+    entry u's slot needs only entries ≤ u − STAGES released, and both consumers release those
+    before their turn at u."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(CID), (u & 1) ^ (1 - CID))
+
+
+@gluon.jit
+def _turn_pass(turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
+    """Hand the turn to the partner once this entry's products are issued (``PINGPONG``): its
+    products run on the tensor cores while this consumer's softmax runs."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - CID), count=1)
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
             q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
             uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr,
-            PV_FP8: gl.constexpr):
+            PV_FP8: gl.constexpr, LOOKAHEAD: gl.constexpr):
     for c in gl.static_range(2):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, q0 + c * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
@@ -135,9 +187,10 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
     n_union = gl.load(ucnt_ptr + pair_row)
     ubase = uidx_ptr + pair_row * W2
     code = gl.load(ubase, mask=n_union > 0, other=0)
+    code2 = gl.load(ubase + 1, mask=(n_union > 1) & (LOOKAHEAD > 1), other=0)
     for u in range(n_union):
         j = code >> 2
-        code = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+        code, code2 = _next_code(ubase, u, n_union, code2, LOOKAHEAD)
         s = u % STAGES
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), kv_bytes)
@@ -161,13 +214,13 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
 
 @gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
-              q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+              q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty, turn,
               uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
               LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV_FP8: gl.constexpr,
-              PV_ACC: gl.constexpr):
+              PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -223,6 +276,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     sig_base = sig_ptr + bhk * NK
     code_next = gl.load(ubase, mask=n_union > 0, other=0)
     sig_next = gl.load(sig_base + (code_next >> 2))
+    code_next2 = gl.load(ubase + 1, mask=(n_union > 1) & (LOOKAHEAD > 1), other=0)
     if PIPELINE:
         # As the input-precision kernel's pipelined loop (.attention._exact_pipelined): this
         # block's Q·Kᵀ and the previous owned block's P·V are queued together and the softmax runs
@@ -234,22 +288,25 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
         for u in range(n_union):
             code = code_next
             sig = sig_next
-            code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+            code_next, code_next2 = _next_code(ubase, u, n_union, code_next2, LOOKAHEAD)
             sig_next = gl.load(sig_base + (code_next >> 2))
             s = u % STAGES
             if (tp >= 0) & (u - tp >= STAGES):
                 sp = tp % STAGES
-                pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
-                pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                acc = _pv_flush(p8, v_bufs.index(sp), acc, o8_zero, PV_FP8, BS, PV_ACC)
                 mbarrier.arrive(empty.index(sp), count=1)
-                acc = acc + pv
                 tp = -1
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+            _turn_wait(turn, u, CID, PINGPONG)
             if ((code >> CID) & 1) != 0:
                 sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
                 if tp >= 0:
                     sp = tp % STAGES
-                    pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
+                    if PV_ACC:  # into the accumulator (at the previous maximum), rescaled after
+                        pv = _pv_issue(p8, v_bufs.index(sp), acc, PV_FP8, BS, True)
+                    else:
+                        pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
+                    _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 1, QK_INT8)
                     m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
                                                           EVEN_K)
@@ -257,8 +314,12 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                     pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
                     mbarrier.arrive(empty.index(sp), count=1)
                     # The previous block's product is at the previous maximum: add, then rescale.
-                    acc = (acc + pv) * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                    if PV_ACC:
+                        acc = pv * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                    else:
+                        acc = (acc + pv) * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                 else:
+                    _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 0, QK_INT8)
                     m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
                                                           EVEN_K)
@@ -267,24 +328,25 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 p8 = p8_new
                 tp = u
             else:
+                _turn_pass(turn, CID, PINGPONG)
                 mbarrier.arrive(empty.index(s), count=1)
         if tp >= 0:
             sp = tp % STAGES
-            pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
-            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            acc = _pv_flush(p8, v_bufs.index(sp), acc, o8_zero, PV_FP8, BS, PV_ACC)
             mbarrier.arrive(empty.index(sp), count=1)
-            acc = acc + pv
     else:
         for u in range(n_union):
             code = code_next
             sig = sig_next
             # The next block's code and key scale, read one entry ahead (code 0 past the end: block 0).
-            code_next = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+            code_next, code_next2 = _next_code(ubase, u, n_union, code_next2, LOOKAHEAD)
             sig_next = gl.load(sig_base + (code_next >> 2))
             s = u % STAGES
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+            _turn_wait(turn, u, CID, PINGPONG)
             if ((code >> CID) & 1) != 0:
                 sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
+                _turn_pass(turn, CID, PINGPONG)
                 raw = _qk_raw(sc, 0, QK_INT8)
                 m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
                                                       EVEN_K)
@@ -300,6 +362,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                     pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV_FP8, BS)
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                     acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+            else:
+                _turn_pass(turn, CID, PINGPONG)
             mbarrier.arrive(empty.index(s), count=1)
 
     # The exact blocks' numerator back in value units (τ / 256 per channel, or 1 / 256), then the
@@ -390,7 +454,8 @@ def _fp8_pair_kernel(
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
-    QK_INT8: gl.constexpr, PV_FP8: gl.constexpr, PV_ACC: gl.constexpr,
+    QK_INT8: gl.constexpr, PV_FP8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
+    LOOKAHEAD: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -428,8 +493,10 @@ def _fp8_pair_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     tready = gl.allocate_shared_memory(gl.int64, [TSTAGES, 1], mbarrier.MBarrierLayout())
     tempty = gl.allocate_shared_memory(gl.int64, [TSTAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
     mbarrier.init(hb_bar.index(0), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
@@ -442,17 +509,17 @@ def _fp8_pair_kernel(
         (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
                    q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                    uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-                   BS, C, STAGES, TSTAGES, MODE, PV_FP8)),
+                   BS, C, STAGES, TSTAGES, MODE, PV_FP8, LOOKAHEAD)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-                     uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                     turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                      qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV_FP8, PV_ACC)),
+                     QK_INT8, PV_FP8, PV_ACC, PINGPONG, LOOKAHEAD)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-                     uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                     turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                      qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV_FP8, PV_ACC)),
+                     QK_INT8, PV_FP8, PV_ACC, PINGPONG, LOOKAHEAD)),
     ], [4, 4], [240, 240])
 
 
@@ -475,7 +542,17 @@ HEAD_DIMS = (64, 128)
 # The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
 # loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
 PIPELINE = False
-# The sequential loop's P·V per format (key: P·V in e4m3): from zero and added in float32 (False),
+# The two consumers issue their products in turns, one per union entry (:func:`_turn_wait`), so
+# one's softmax runs under the other's products instead of both in step (FA3's ping-pong). Off:
+# slower for every precision, loop and length on the H100 (exact phase at 32K: sequential loop +7
+# to +15 % drop, +6 to +18 % hybrid; pipelined loop +1 to +29 %; results/h100_fp8_pingpong.json).
+PINGPONG = False
+# How many union entries ahead the loops read the stream's codes (:func:`_next_code`), per format
+# (key: P·V in e4m3). Measured at 32K/64K in one run (results/h100_fp8_lookahead.json): 2 is faster
+# for the e4m3 P·V formats in 6 of 8 drop/hybrid cases (up to -5.5 %), slower for ``int8`` in 3 of 4;
+# near the spread between two timings of the same configuration (up to 13 % in that run).
+LOOKAHEAD = {True: 2, False: 1}
+# The exact loop's P·V per format (key: P·V in e4m3): from zero and added in float32 (False),
 # or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
 # 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
 # accumulator 4.34 vs 4.57 ms.
@@ -499,14 +576,17 @@ def attention(
     out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
     pairs: tuple[Tensor, ...] | None = None, stages: tuple[int, int] | None = None,
     pipeline: bool | None = None, v: Tensor | None = None, pv_accumulate: bool | None = None,
+    pingpong: bool | None = None, lookahead: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The low-precision pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
     ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
     of ``Q·Kᵀ``) and values (``lk`` the true key count), the statistics' tail terms as
     :func:`.attention.attention` takes them; (out, lse) out. ``v``: the ``[B, Hk, Lk, D]`` values
     for ``P·V`` in the input dtype (then ``quant`` holds no value copy), None for e4m3 ``P·V``.
-    ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: the
-    sequential loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format)."""
+    ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: either
+    loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format);
+    ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`); ``lookahead``: how far
+    ahead the stream's codes are read (None: :data:`LOOKAHEAD` for the format)."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
@@ -534,9 +614,13 @@ def attention(
                h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     pipe = PIPELINE if pipeline is None else bool(pipeline)
     pv_acc = PV_ACCUMULATE[pv_fp8] if pv_accumulate is None else bool(pv_accumulate)
+    pp = PINGPONG if pingpong is None else bool(pingpong)
+    la = LOOKAHEAD[pv_fp8] if lookahead is None else lookahead
+    if la not in (1, 2):
+        raise ValueError(f"lookahead: 1 or 2 union entries, got {lookahead!r}")
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
-                      PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc,
+                      PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc, pp, la,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -547,7 +631,8 @@ def attention(
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None,
-                     pipeline: bool | None = None, precision: str = "fp8"):
+                     pipeline: bool | None = None, precision: str = "fp8", pingpong: bool | None = None,
+                     lookahead: int | None = None):
     """Compile the low-precision pair kernel for sm_90a without a GPU (as
     :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``."""
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
@@ -568,7 +653,9 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     st, tst = stages or (STAGES if pv_fp8 else STAGES_V16)[d, mode != "drop"]
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), PIPELINE=PIPELINE if pipeline is None else bool(pipeline),
-                      QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE[pv_fp8])
+                      QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE[pv_fp8],
+                      PINGPONG=PINGPONG if pingpong is None else bool(pingpong),
+                      LOOKAHEAD=LOOKAHEAD[pv_fp8] if lookahead is None else int(lookahead))
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}
