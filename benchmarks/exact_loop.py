@@ -21,10 +21,9 @@ K/V given), drop and hybrid, cuDNN SDPA in the same run, outputs compared across
     PYTHONPATH=src python3 benchmarks/exact_loop.py --schedules --lengths 32768 65536 \
         --out benchmarks/results/h100_pipeline.json
 
-``--loop-variants`` compares the bf16 kernel's stream and barrier protocols on one selection per
-(length, input): the stream codes read from global memory or staged in shared memory by one TMA,
-K and V on one barrier per slot or on separate ones, with the sequential and the pipelined loop
-and 3 or 4 ring slots; drop and hybrid, outputs compared bit for bit with the first variant (the
+``--loop-variants`` compares the bf16 kernel's stream protocols on one selection per (length,
+input): the stream codes read from global memory or staged in shared memory by one TMA, with the
+sequential and the pipelined loop and 3 or 4 ring slots; drop and hybrid, outputs compared bit for bit with the first variant (the
 previous default), cuDNN SDPA in the same run; with ``--whole`` also the whole hybrid call.
 
     PYTHONPATH=src python3 benchmarks/exact_loop.py --loop-variants --whole --lengths 4096 8192 32768 65536 \
@@ -196,21 +195,19 @@ def ncu_launches(L: int = 32768):
     for source in ("random", "dit"):
         q, k, v = qkv(source, L)
         stats, sel, n_sel = selection(q, k, v, 0.125)
-        for name, codes, split, pipe, slots in LOOP_VARIANTS[:2]:
+        for name, codes, pipe, slots in LOOP_VARIANTS[:2]:
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
             gattn.attention(q, k, v, *stats.tail(), *sel, mode="drop", scale=q.shape[-1] ** -0.5, block_size=64,
-                            n_select=n_sel, out=out, lse=lse, codes=codes, kv_split=split, pipeline=pipe,
-                            stages=slots)
+                            n_select=n_sel, out=out, lse=lse, codes=codes, pipeline=pipe, stages=slots)
             torch.cuda.synchronize()
             print(f"ncu launch: {source} {name}", flush=True)
 
 
-# (name, stream codes in shared memory, K/V on separate barriers, pipelined loop, ring slots: None =
-# the kernel's default). The first is the previous default, the second the present one.
-LOOP_VARIANTS = (("global-joint", False, False, False, None), ("smem-joint", True, False, False, None),
-                 ("global-split", False, True, False, None), ("smem-split", True, True, False, None),
-                 ("smem-split-4slots", True, True, False, 4), ("smem-split-pipelined", True, True, True, None))
+# (name, stream codes in shared memory, pipelined loop, ring slots: None = the kernel's default).
+# The first is the previous default, the second the present one.
+LOOP_VARIANTS = (("global", False, False, None), ("smem", True, False, None), ("smem-4slots", True, False, 4),
+                 ("smem-pipelined", True, True, None))
 
 
 def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict, rounds: int = 3):
@@ -233,15 +230,15 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict,
         ps = pairing_stats(sel.bits, nk, 2, sel.idx.shape[-1])
         scale = q.shape[-1] ** -0.5
         ref, rows, fns = {}, [], []
-        for name, codes, split, pipe, slots in LOOP_VARIANTS:
-            row = dict(L=L, source=source, density=density, variant=name, codes_smem=codes, kv_split=split,
+        for name, codes, pipe, slots in LOOP_VARIANTS:
+            row = dict(L=L, source=source, density=density, variant=name, codes_smem=codes,
                        pipelined=pipe, slots=slots, computed_fraction=frac, cudnn_ms=t_cudnn, rounds=rounds, **ps)
             for mode in ("drop", "hybrid"):
                 out = torch.full_like(q, float("nan"))
                 lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-                fn = lambda m=mode, out=out, lse=lse, c=codes, sp=split, pi=pipe, st=slots: gattn.attention(  # noqa: E731
+                fn = lambda m=mode, out=out, lse=lse, c=codes, pi=pipe, st=slots: gattn.attention(  # noqa: E731
                     q, k, v, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, n_select=n_sel, out=out,
-                    lse=lse, codes=c, kv_split=sp, pipeline=pi, stages=st)
+                    lse=lse, codes=c, pipeline=pi, stages=st)
                 fn()
                 torch.cuda.synchronize()
                 row[f"{mode}_finite"] = bool(torch.isfinite(out).all())
@@ -269,12 +266,12 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict,
                   + " ".join(f"{t:.3f}" for t in row["drop_ms_rounds"]), flush=True)
         if whole:
             # the whole call with the kernel's defaults, and with the previous protocol (codes from
-            # global memory, one barrier per slot)
-            defaults = (gattn.CODES, gattn.KV_SPLIT)
-            for proto in ("default", "global-joint"):
+            # global memory)
+            default = gattn.CODES
+            for proto in ("default", "global"):
                 for mode in ("hybrid", "drop"):
                     if proto != "default":
-                        gattn.CODES, gattn.KV_SPLIT = False, False
+                        gattn.CODES = False
                     try:
                         p = plan(q, k, PisaSettings(density=density, mode=mode, backend="hopper"))
                         out = torch.empty_like(q)
@@ -282,7 +279,7 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict,
                         fn()
                         t = ms(fn, est_ms=t_cudnn * frac * 1.3)
                     finally:
-                        gattn.CODES, gattn.KV_SPLIT = defaults
+                        gattn.CODES = default
                     r = dict(L=L, source=source, density=density, mode=mode, group=DEFAULT_GROUP, protocol=proto,
                              whole_ms=t, cudnn_ms=t_cudnn, speedup=t_cudnn / t)
                     res["whole"].append(r)
@@ -374,7 +371,7 @@ def main(argv=None):
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                cudnn=torch.backends.cudnn.version(), shape=f"B{B}-H{H}-D{D}", dtype="bfloat16",
                default_group=DEFAULT_GROUP, default_pipeline=gattn.PIPELINE, default_codes_smem=gattn.CODES,
-               default_kv_split=gattn.KV_SPLIT, attend=[], whole=[], dino=[], schedules=[], loop_variants=[])
+               attend=[], whole=[], dino=[], schedules=[], loop_variants=[])
     print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}, cuDNN {res['cudnn']}", flush=True)
     for density in a.density:
         for L in a.lengths:

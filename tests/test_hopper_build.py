@@ -12,17 +12,16 @@ from sm90_build import SMEM_LIMIT, build, run_script
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 
 # (head dim, mode, even Lk, dtype, pairing table, exact-loop schedule: False sequential (the
-# default), True pipelined; stream codes in shared memory, K and V on separate barriers, union
-# entries per pair: 2048 codes in 8 TMA chunks; 4100 past the limit and 8 (under one 32-code
-# chunk) are read from global memory)
+# default), True pipelined; stream codes in shared memory, union entries per pair: 2048 codes in 8
+# TMA chunks; 4100 past the limit and 8 (under one 32-code chunk) are read from global memory)
 VARIANTS = {
-    "D128-hybrid-bf16": (128, "hybrid", True, "bfloat16", True, False, True, False, 128),
-    "D128-drop-ragged-bf16-adjacent": (128, "drop", False, "bfloat16", False, False, True, True, 2048),
-    "D64-zeroth-ragged-fp16": (64, "zeroth", False, "float16", True, False, True, True, 36),
-    "D128-hybrid-bf16-pipelined": (128, "hybrid", True, "bfloat16", True, True, True, True, 256),
-    "D64-drop-ragged-fp16-pipelined": (64, "drop", False, "float16", True, True, True, True, 8),
-    "D128-hybrid-bf16-global-codes-joint-kv": (128, "hybrid", True, "bfloat16", True, False, False, False, 128),
-    "D128-drop-bf16-long-stream-pipelined-joint-kv": (128, "drop", True, "bfloat16", True, True, True, False, 4100),
+    "D128-hybrid-bf16": (128, "hybrid", True, "bfloat16", True, False, True, 128),
+    "D128-drop-ragged-bf16-adjacent": (128, "drop", False, "bfloat16", False, False, True, 2048),
+    "D64-zeroth-ragged-fp16": (64, "zeroth", False, "float16", True, False, True, 36),
+    "D128-hybrid-bf16-pipelined": (128, "hybrid", True, "bfloat16", True, True, True, 256),
+    "D64-drop-ragged-fp16-pipelined": (64, "drop", False, "float16", True, True, True, 8),
+    "D128-hybrid-bf16-global-codes": (128, "hybrid", True, "bfloat16", True, False, False, 128),
+    "D128-drop-bf16-long-stream-pipelined": (128, "drop", True, "bfloat16", True, True, True, 4100),
 }
 
 
@@ -30,7 +29,7 @@ VARIANTS = {
 def built():
     return build("from pisa_attn.ops.hopper.attention import compile_for_sm90",
                  "compile_for_sm90(args[0], args[1], args[2], getattr(torch, args[3]), has_qpair=args[4], "
-                 "pipeline=args[5], codes=args[6], kv_split=args[7], union_entries=args[8])", VARIANTS)
+                 "pipeline=args[5], codes=args[6], union_entries=args[7])", VARIANTS)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -49,7 +48,7 @@ def test_pair_kernel_builds_for_sm90a(built, name):
     assert (r["wait1"] > 0) == VARIANTS[name][5]
     # Staged stream codes: one 2D TMA per chunk of up to 256 codes (besides the tiles' 3D/4D ones)
     # and no global load of a code in any loop; past 8 chunks the codes stay in global memory.
-    codes, entries = VARIANTS[name][6], VARIANTS[name][8]
+    codes, entries = VARIANTS[name][6], VARIANTS[name][7]
     staged = codes and 32 <= entries <= 2048
     assert r["tma2d"] == (-(-entries // min(256, 1 << (entries.bit_length() - 1))) if staged else 0)
 
@@ -59,7 +58,7 @@ def test_staged_stream_codes_leave_no_global_code_load(built):
     partitions drops (at least) its two global loads of a code (the first entry and the one-ahead
     read)."""
     staged = built["D128-hybrid-bf16"]["ld_global"]
-    assert staged <= built["D128-hybrid-bf16-global-codes-joint-kv"]["ld_global"] - 6
+    assert staged <= built["D128-hybrid-bf16-global-codes"]["ld_global"] - 6
 
 
 PAIRS_SCRIPT = """

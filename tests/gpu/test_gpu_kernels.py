@@ -510,32 +510,29 @@ def test_hopper_pipelined_loop_is_bit_identical(source, mode):
                                     "uneven-B1-H2-Lq4000-Lk4100-D64-fp16"])
 def test_hopper_stream_protocols_are_bit_identical(source, monkeypatch):
     """The stream codes read from global memory or staged in shared memory (in one chunk, in
-    several, or past the chunk limit), K and V on one barrier per slot or on separate ones (a sole
-    owner releasing V for its partner, a lone query block's consumer in the tail), sequential or
-    pipelined, 3 or 4 slots, both stream orders: bit for bit the same output and LSE, within the
-    bf16 bound of the float64 reference."""
+    several, or past the chunk limit), sequential or pipelined, 3 or 4 slots, both stream orders:
+    bit for bit the same output and LSE, within the bf16 bound of the float64 reference."""
     from pisa_attn.ops.hopper import attention as gattn
 
     mode = "hybrid"  # the exact loop and the tail (drop runs the same exact loop)
     q, k, v, plan, stats, sel, o_ref, lse_ref = _stream_case(source, mode, seed=21)
-    # (codes, kv_split, pipeline, slots, chunk width, chunk limit): chunks of 32 codes split the
-    # uneven masks' 64-entry streams into two TMA copies; a limit of 1 chunk sends them to global
-    # memory (the Gaussian selection's 32 entries still fit one chunk).
-    variants = ((False, False, False, None, 256, 8), (True, False, False, None, 256, 8),
-                (False, True, False, None, 256, 8), (True, True, False, None, 32, 8), (True, True, False, None, 32, 1),
-                (True, True, True, 4, 256, 8))
+    # (codes, pipeline, slots, chunk width, chunk limit): chunks of 32 codes split the uneven
+    # masks' 64-entry streams into two TMA copies; a limit of 1 chunk sends them to global memory
+    # (the Gaussian selection's 32 entries still fit one chunk).
+    variants = ((False, False, None, 256, 8), (True, False, None, 256, 8), (True, False, None, 32, 8),
+                (True, False, None, 32, 1), (True, True, 4, 256, 8))
     for order in ("owners", "ascending"):
         outs = {}
-        for codes, split, pipe, st, chunk, limit in variants:
+        for codes, pipe, st, chunk, limit in variants:
             monkeypatch.setattr(gattn, "CODE_CHUNK", chunk)
             monkeypatch.setattr(gattn, "CODES_MAX_CHUNKS", limit)
             out = torch.full_like(q, float("nan"))
             lse = torch.full(q.shape[:3], float("nan"), device="cuda")
             gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
                             n_select=plan.n_select, out=out, lse=lse, pair_order=order, pipeline=pipe, stages=st,
-                            codes=codes, kv_split=split)
+                            codes=codes)
             torch.cuda.synchronize()
-            outs[codes, split, pipe, st, chunk, limit] = (out, lse)
+            outs[codes, pipe, st, chunk, limit] = (out, lse)
         base_out, base_lse = outs[variants[0]]
         assert torch.isfinite(base_out).all() and torch.isfinite(base_lse).all()
         for key, (out, lse) in outs.items():

@@ -12,8 +12,7 @@ share, :func:`pisa_attn.ops.triton.pairs.pair_match`, or adjacent) and runs thre
   computes only the exact blocks its own selection holds (the union code's owner bits), then
   every centroid group under its own tail bitmask, all in one online softmax (base 2), then the
   first-order term ``ℓ_tail · α_h s (q H̄)`` (``α_h`` from ``alpha_ptr``, one float per query
-  head). A slot is released when both consumers arrived (``KV_SPLIT``: K and V on separate
-  barriers, K released after Q·Kᵀ, V by its owners). The exact blocks run one after the other
+  head). A slot is released when both consumers arrived. The exact blocks run one after the other
   (Q·Kᵀ, softmax, P·V); ``PIPELINE`` selects an FA3-style schedule instead, each block's Q·Kᵀ and
   softmax under the previous block's P·V. Every protocol computes the same bits; the defaults are
   the ones measured fastest or no slower (``notes/kernel-notes.md``).
@@ -106,21 +105,11 @@ def _codes_view(codes_smem, NCH: gl.constexpr, CW: gl.constexpr):
 
 
 @gluon.jit
-def _await_v_landed(ready_v, s, t, STAGES: gl.constexpr):
-    """Wait until V of entry ``t - STAGES`` (the slot's previous use) has landed, before K of entry
-    ``t`` is loaded. A consumer waits on V's barrier only for the entries it owns, so it may skip
-    that phase; once it has seen K of t land it then knows V's barrier is in t's phase or later,
-    and a parity wait cannot mistake the unfinished phase t - STAGES for t's."""
-    mbarrier.wait(ready_v.index(s), ((t // STAGES) & 1) ^ 1)
-
-
-@gluon.jit
 def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
-            q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v, empty_v,
+            q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
             uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
-            HAS_QPAIR: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr,
-            KV_SPLIT: gl.constexpr):
+            HAS_QPAIR: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr):
     # The pair's stream codes first (one TMA into shared memory, when CODES), then both query tiles
     # (a tile past Lq is zero-filled by TMA) and H̄, each on its own barrier.
     if CODES:
@@ -134,10 +123,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
     if MODE == 2:
         mbarrier.expect(hb_bar.index(0), hb_desc.block_type.nbytes)
         _tma_load(hb_desc, [bhk, 0, 0], hb_bar.index(0), _box(hb_smem, hb_desc))
-    if KV_SPLIT:
-        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
-    else:
-        kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     CODE_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     n_union = gl.load(ucnt_ptr + pair_row)
     ubase = uidx_ptr + pair_row * W2
@@ -158,36 +144,18 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
         s = t % STAGES
         # A fresh mbarrier counts as having completed phase 1: the first pass never waits.
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        if KV_SPLIT:
-            _await_v_landed(ready_v, s, t, STAGES)
         mbarrier.expect(ready.index(s), kv_bytes)
         _tma_load(k_desc, [b, hk, j * BS, 0], ready.index(s), _box(k_bufs.index(s), k_desc))
-        if KV_SPLIT:
-            # V on its own barriers: K of the next entries streams in while V is still in use.
-            mbarrier.wait(empty_v.index(s), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready_v.index(s), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [b, hk, j * BS, 0], ready_v.index(s), _box(v_bufs.index(s), v_desc))
-        else:
-            _tma_load(v_desc, [b, hk, j * BS, 0], ready.index(s), _box(v_bufs.index(s), v_desc))
+        _tma_load(v_desc, [b, hk, j * BS, 0], ready.index(s), _box(v_bufs.index(s), v_desc))
         t += 1
     if MODE > 0:
-        if KV_SPLIT:
-            c_bytes: gl.constexpr = kb_desc.block_type.nbytes
-        else:
-            c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
+        c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
         for g0 in range(0, NK, C):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-            if KV_SPLIT:
-                _await_v_landed(ready_v, s, t, STAGES)
             mbarrier.expect(ready.index(s), c_bytes)
             _tma_load(kb_desc, [bhk, g0, 0], ready.index(s), _box(k_bufs.index(s), kb_desc))
-            if KV_SPLIT:
-                mbarrier.wait(empty_v.index(s), ((t // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready_v.index(s), vb_desc.block_type.nbytes)
-                _tma_load(vb_desc, [bhk, g0, 0], ready_v.index(s), _box(v_bufs.index(s), vb_desc))
-            else:
-                _tma_load(vb_desc, [bhk, g0, 0], ready.index(s), _box(v_bufs.index(s), vb_desc))
+            _tma_load(vb_desc, [bhk, g0, 0], ready.index(s), _box(v_bufs.index(s), vb_desc))
             t += 1
 
 
@@ -219,28 +187,6 @@ def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl
 
 
 @gluon.jit
-def _softmax_step_v(m_i, l_i, acc, s, v_smem, v_bar, v_phase, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """:func:`_softmax_step` with V on its own barrier, waited only before P·V: the softmax runs
-    while V lands (the same operations in the same order)."""
-    m_new, l_i, acc, rescale, ps, pv = _softmax_core(m_i, l_i, acc, s, o_layout, p_layout, v_smem.dtype)
-    mbarrier.wait(v_bar, v_phase)
-    acc = warpgroup_mma(pv, v_smem, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return m_new, l_i, acc, rescale, ps
-
-
-@gluon.jit
-def _release_v(empty, empty_v, s, sole, KV_SPLIT: gl.constexpr):
-    """An owned stream entry's V (with KV_SPLIT; else its whole slot) back to the loader. V's
-    barrier counts owners only: a block's sole owner arrives for its partner too."""
-    if KV_SPLIT:
-        mbarrier.arrive(empty_v.index(s), count=1)
-        mbarrier.arrive(empty_v.index(s), count=1, pred=sole)
-    else:
-        mbarrier.arrive(empty.index(s), count=1)
-
-
-@gluon.jit
 def _stream_code(codes, ubase, n_union, i, CODES: gl.constexpr, NCODES: gl.constexpr, CODE_L: gl.constexpr):
     """Entry ``i`` of the pair's stream: from its shared-memory copy (CODES), else from global
     memory (0 past the end)."""
@@ -264,30 +210,27 @@ def _softmax_p(m_i, l_i, s, p_layout: gl.constexpr, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _flush_pv(acc, p, v_bufs, empty, ready_v, empty_v, tp, sole, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr):
-    """The pending block's P·V into ``acc``, then its slot (its V with KV_SPLIT) back to the loader."""
+def _flush_pv(acc, p, v_bufs, empty, tp, STAGES: gl.constexpr):
+    """The pending block's P·V into ``acc``, then its slot back to the loader."""
     sp = tp % STAGES
-    if KV_SPLIT:
-        mbarrier.wait(ready_v.index(sp), (tp // STAGES) & 1)
     tok = warpgroup_mma(p, v_bufs.index(sp), acc, is_async=True)
     acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(tok, p))
-    _release_v(empty, empty_v, sp, sole, KV_SPLIT)
+    mbarrier.arrive(empty.index(sp), count=1)
     return acc
 
 
 @gluon.jit
-def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ready_v, empty_v, codes, ubase, n_union, m_i, l_i, acc,
+def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_i, l_i, acc,
                      s_zero, cols, qk_scale, LK,
                      CID: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
                      s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                     CODES: gl.constexpr, NCODES: gl.constexpr, CODE_L: gl.constexpr, KV_SPLIT: gl.constexpr):
+                     CODES: gl.constexpr, NCODES: gl.constexpr, CODE_L: gl.constexpr):
     """The exact blocks with each block's Q·Kᵀ and softmax under the previous owned block's P·V
     (FA3's intra-warpgroup schedule): per owned block, Q·Kᵀ(j) and P·V(j-1) are queued, the wait
     for the older group (the scores) lets the softmax of j run while the tensor cores compute
     P·V(j-1), then the second wait, the slot of j-1 goes back and ``acc`` is rescaled to j's
     maximum. The P of the last owned block (``tp``: its stream entry, -1 none) is carried in
-    registers with its P·V not yet issued, so no product is in flight across iterations. With
-    KV_SPLIT, K of j goes back as soon as its scores are in, and only V of j-1 is held.
+    registers with its P·V not yet issued, so no product is in flight across iterations.
 
     A consumer holds at most one slot past its position. Before waiting on an entry ``STAGES`` or
     more past the held one it flushes (issues and waits that P·V, releases the slot): the loader
@@ -295,36 +238,29 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ready_v, empty_v, codes, 
     deadlock when the other consumer owns a long run of the stream."""
     p = gl.zeros([BS, BS], v_bufs.dtype, layout=p_layout)
     tp = n_union * 0 - 1
-    sole = n_union < 0  # whether entry tp has one owner (this consumer)
     code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCODES, CODE_L)
     for u in range(n_union):
         code = code_next
         code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCODES, CODE_L)
         s = u % STAGES
         if (tp >= 0) & (u - tp >= STAGES):
-            acc = _flush_pv(acc, p, v_bufs, empty, ready_v, empty_v, tp, sole, STAGES, KV_SPLIT)
+            acc = _flush_pv(acc, p, v_bufs, empty, tp, STAGES)
             tp = -1
         mbarrier.wait(ready.index(s), (u // STAGES) & 1)
         if ((code >> CID) & 1) != 0:
             s_tok = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             if tp >= 0:
                 sp = tp % STAGES
-                if KV_SPLIT:
-                    mbarrier.wait(ready_v.index(sp), (tp // STAGES) & 1)
                 a_tok = warpgroup_mma(p, v_bufs.index(sp), acc, is_async=True)
                 # The oldest group only (the scores): P·V(j-1) stays on the tensor cores.
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
-                if KV_SPLIT:
-                    mbarrier.arrive(empty.index(s), count=1)
                 if not EVEN_K:
                     sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
                 m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, p_layout, v_bufs.dtype)
                 acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(a_tok, p))
-                _release_v(empty, empty_v, sp, sole, KV_SPLIT)
+                mbarrier.arrive(empty.index(sp), count=1)
             else:
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
-                if KV_SPLIT:
-                    mbarrier.arrive(empty.index(s), count=1)
                 if not EVEN_K:
                     sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
                 m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, p_layout, v_bufs.dtype)
@@ -332,23 +268,22 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ready_v, empty_v, codes, 
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
             p = p_new
             tp = u
-            sole = (code & 3) != 3
         else:
             mbarrier.arrive(empty.index(s), count=1)
     if tp >= 0:
-        acc = _flush_pv(acc, p, v_bufs, empty, ready_v, empty_v, tp, sole, STAGES, KV_SPLIT)
+        acc = _flush_pv(acc, p, v_bufs, empty, tp, STAGES)
     return m_i, l_i, acc
 
 
 @gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-              q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v, empty_v,
+              q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
               uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
               Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
-              CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, KV_SPLIT: gl.constexpr):
+              CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -383,9 +318,9 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
     if CODES:
         mbarrier.wait(code_bar.index(0), 0)
     if PIPELINE:
-        m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, ready_v, empty_v, codes, ubase, n_union,
+        m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union,
                                          m_i, l_i, acc, s_zero, cols, qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout,
-                                         o_layout, p_layout, CODES, NCH * CW, CODE_L, KV_SPLIT)
+                                         o_layout, p_layout, CODES, NCH * CW, CODE_L)
     else:
         # The reference loop: Q·Kᵀ, wait, softmax, P·V, wait, one block after the other.
         code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCH * CW, CODE_L)
@@ -401,17 +336,9 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * qk_scale
                 if not EVEN_K:
                     sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
-                if KV_SPLIT:
-                    mbarrier.arrive(empty.index(s), count=1)  # K is read: the loader may refill it
-                    m_i, l_i, acc, rescale, ps = _softmax_step_v(m_i, l_i, acc, sc, v_bufs.index(s),
-                                                                 ready_v.index(s), ph, o_layout, p_layout)
-                    _release_v(empty, empty_v, s, (code & 3) != 3, KV_SPLIT)
-                else:
-                    m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout,
-                                                               o_layout, p_layout)
-                    mbarrier.arrive(empty.index(s), count=1)
-            else:
-                mbarrier.arrive(empty.index(s), count=1)
+                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout,
+                                                           o_layout, p_layout)
+            mbarrier.arrive(empty.index(s), count=1)
     t = n_union
 
     if MODE > 0:
@@ -449,21 +376,14 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                 tail = (((word >> (cols % 32)) & 1) == 0) & (cj < NK)
                 sc = warpgroup_mma(q16, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * sc_scale
-                if KV_SPLIT:
-                    mbarrier.arrive(empty.index(s), count=1)
                 if EVEN_K:
                     sc = sc + LOG2_BS
                 else:
                     n_j = gl.maximum(gl.minimum(LK - cj * BS, BS), 1).to(gl.float32)
                     sc = sc + gl.log2(n_j)[None, :]
                 sc = gl.where(tail[None, :], sc, float("-inf"))
-                if KV_SPLIT:
-                    m_i, l_i, acc, rescale, ps = _softmax_step_v(m_i, l_i, acc, sc, v_bufs.index(s), ready_v.index(s),
-                                                                 ph, o_layout, p_layout)
-                    mbarrier.arrive(empty_v.index(s), count=1)
-                else:
-                    m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout,
-                                                               p_layout)
+                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout,
+                                                           p_layout)
                 # l_tail holds BS·Σα: every block but a ragged last one has n_j = BS.
                 l_tail = l_tail * rescale + ps
                 if not EVEN_K:
@@ -472,13 +392,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                         m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
                         a_last = gl.sum(gl.where((cj == NK - 1)[None, :], gl.exp2(sc - m_use[:, None]), 0.0), axis=1)
                         l_tail += a_last * (BS / n_last - 1.0)
-                if not KV_SPLIT:
-                    mbarrier.arrive(empty.index(s), count=1)
-            else:
-                mbarrier.arrive(empty.index(s), count=1)
-                if KV_SPLIT:  # V's barrier phase may be arrived on only once it is V's turn
-                    mbarrier.wait(ready_v.index(s), ph)
-                    mbarrier.arrive(empty_v.index(s), count=1)
+            mbarrier.arrive(empty.index(s), count=1)
             t += 1
 
     if active:
@@ -509,7 +423,7 @@ def _pair_attn_kernel(
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
-    PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, KV_SPLIT: gl.constexpr,
+    PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -533,11 +447,8 @@ def _pair_attn_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     hb_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     code_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    # ready/empty: a slot's K and V together, or K alone with KV_SPLIT (V then on ready_v/empty_v).
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_v = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_bar.index(c), count=1)
     mbarrier.init(hb_bar.index(0), count=1)
@@ -545,24 +456,22 @@ def _pair_attn_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release every slot
-        mbarrier.init(ready_v.index(s), count=1)
-        mbarrier.init(empty_v.index(s), count=2)  # two arrivals from the owners (a sole owner: both)
 
     gl.warp_specialize([
         (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
-                   q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v,
-                   empty_v, uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
-                   BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, KV_SPLIT)),
+                   q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                   uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
+                   BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-                     q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v,
-                     empty_v, uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                     q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                     uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                      qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                     PIPELINE, CODES, NCH, CW, KV_SPLIT)),
+                     PIPELINE, CODES, NCH, CW)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-                     q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty, ready_v,
-                     empty_v, uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                     q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                     uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                      qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                     PIPELINE, CODES, NCH, CW, KV_SPLIT)),
+                     PIPELINE, CODES, NCH, CW)),
     ], [4, 4], [240, 240])
 
 
@@ -601,11 +510,6 @@ PIPELINE = False
 CODES = True
 CODE_CHUNK = 256
 CODES_MAX_CHUNKS = 8
-# K and V of a slot on separate barriers: Q·Kᵀ starts when K has landed, V lands under the
-# softmax, and K's half of the slot goes back as soon as the scores are in. Off: it was no faster
-# on the H100 at 32K/64K (the ring does not run dry; benchmarks/results/h100_exact_loop_v2.json)
-# and costs two more barrier arrivals per block.
-KV_SPLIT = False
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -650,7 +554,7 @@ def attention(
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
     alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
     pair_group: int | None = None, pair_order: str | None = None, pipeline: bool | None = None,
-    codes: bool | None = None, kv_split: bool | None = None,
+    codes: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
@@ -663,8 +567,7 @@ def attention(
     ``"ascending"`` order the pairing does not change a single bit of it. ``pipeline``: the exact
     loop's schedule (None: :data:`PIPELINE`); both compute the same function (the same operations
     in the same order per block). ``codes``: stage the stream codes in shared memory (None:
-    :data:`CODES`); ``kv_split``: K and V on separate barriers (None: :data:`KV_SPLIT`); neither
-    changes a bit of the result."""
+    :data:`CODES`); it does not change a bit of the result."""
     del cnt, n_select
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -687,15 +590,14 @@ def attention(
     pipe = PIPELINE if pipeline is None else bool(pipeline)
     w2 = uidx.shape[-1]
     use_codes, cw, nch = code_chunks(w2, CODES if codes is None else bool(codes))
-    split = KV_SPLIT if kv_split is None else bool(kv_split)
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
                uidx.view(-1, w2))
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d], [1, cw])
     scalars = (kscale, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
-                      HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, KV_SPLIT=split)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, split,
+                      HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:7]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -707,7 +609,7 @@ def attention(
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
                      has_qpair: bool = True, pipeline: bool | None = None, codes: bool | None = None,
-                     kv_split: bool | None = None, union_entries: int = 128):
+                     union_entries: int = 128):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -726,8 +628,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     descs["cd_desc"] = _desc(torch.empty(1, union_entries, dtype=torch.int32), [1, cw])
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or STAGES[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
-                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw,
-                      KV_SPLIT=KV_SPLIT if kv_split is None else bool(kv_split))
+                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw)
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32")
