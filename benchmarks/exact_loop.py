@@ -68,6 +68,15 @@ def ms(fn, est_ms: float = 1.0) -> float:
     return triton.testing.do_bench(fn, warmup=max(25, 3 * est_ms), rep=max(100, 12 * est_ms), return_mode="median")
 
 
+def cudnn_ms(L: int) -> float:
+    """Dense cuDNN SDPA on Gaussian B2-H16-D128 bf16 inputs of length ``L`` (the baseline of every row)."""
+    q, k, v = qkv("random", L)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        t = ms(lambda: F.scaled_dot_product_attention(q, k, v), 2.5e-8 * L * L)  # est.: ~660 TFLOP/s
+    print(f"\nL={L}: cuDNN SDPA {t:.3f} ms", flush=True)
+    return t
+
+
 def selection(q, k, v, density):
     be = get_backend("hopper")
     stats = be.prepare(q, k, v, 64)
@@ -110,12 +119,7 @@ def attend_fn(q, k, v, stats, sel, mode, group, order, n_sel):
 
 
 def bench_length(L: int, sources, density: float, whole: bool, res: dict):
-    q, k, v = qkv("random", L)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        est = 2.5e-8 * L * L  # ms at ~660 TFLOP/s for B2-H16-D128
-        t_cudnn = ms(lambda: F.scaled_dot_product_attention(q, k, v), est)
-    del q, k, v
-    print(f"\nL={L}: cuDNN SDPA {t_cudnn:.3f} ms", flush=True)
+    t_cudnn = cudnn_ms(L)
     for source in sources:
         q, k, v = qkv(source, L)
         stats, sel, n_sel = selection(q, k, v, density)
@@ -217,11 +221,7 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict,
     (plan/run, default settings) once per input."""
     import statistics
 
-    q, k, v = qkv("random", L)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        t_cudnn = ms(lambda: F.scaled_dot_product_attention(q, k, v), 2.5e-8 * L * L)
-    del q, k, v
-    print(f"\nL={L}: cuDNN SDPA {t_cudnn:.3f} ms", flush=True)
+    t_cudnn = cudnn_ms(L)
     for source in sources:
         q, k, v = qkv(source, L)
         stats, sel, n_sel = selection(q, k, v, density)
@@ -305,11 +305,7 @@ def bench_schedules(L: int, sources, density: float, res: dict):
     from pisa_attn.ops.hopper import fp8 as gfp8
     from pisa_attn.ops.triton.quantize import quantize
 
-    q, k, v = qkv("random", L)
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        t_cudnn = ms(lambda: F.scaled_dot_product_attention(q, k, v), 2.5e-8 * L * L)
-    del q, k, v
-    print(f"\nL={L}: cuDNN SDPA {t_cudnn:.3f} ms", flush=True)
+    t_cudnn = cudnn_ms(L)
     for source in sources:
         q, k, v = qkv(source, L)
         stats, sel, n_sel = selection(q, k, v, density)

@@ -28,10 +28,8 @@ import site
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from exact_loop import B, D, H, ms, qkv  # the same inputs and timer as the exact-loop benchmark
+from exact_loop import B, D, H, cudnn_ms, ms, qkv  # the same inputs, baseline and timer as the exact-loop benchmark
 
 
 def add_site(path: str | None) -> None:
@@ -130,10 +128,7 @@ def main() -> int:
                cutlass_dsl=version("nvidia-cutlass-dsl"),
                B=B, H=H, D=D, rows=[])
     for L in a.lengths:
-        q, k, v = qkv("random", L)
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            t_cudnn = ms(lambda: F.scaled_dot_product_attention(q, k, v), 2.5e-8 * L * L)
-        del q, k, v
+        t_cudnn = cudnn_ms(L)
         for source in a.sources:
             try:
                 row = bench(L, source, a.density, t_cudnn)
