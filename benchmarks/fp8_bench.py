@@ -1,8 +1,8 @@
-"""The low precisions (``fp8``, ``int8-fp8``, ``int8``) against the bf16 Hopper kernel and cuDNN,
+"""The low precisions (``fp8``, ``int8-fp8``, ``int8-int8``, ``int8``) against the bf16 Hopper kernel and cuDNN,
 in one run on one GPU.
 
     PYTHONPATH=src python3 benchmarks/fp8_bench.py --out benchmarks/results/h100_fp8.json
-        [--lengths 4096 32768 65536] [--precisions fp8 int8-fp8 int8] [--accuracy-only | --speed-only]
+        [--lengths 4096 32768 65536] [--precisions fp8 int8-fp8 int8-int8 int8] [--accuracy-only | --speed-only]
 
 Speed (B2-H16-D128 bf16, Gaussian q/k/v, density 12.5 %, device ms by ``triton.testing.do_bench``,
 median, L2 flushed before each call): cuDNN SDPA; whole planned hybrid calls (``run``) per
@@ -67,7 +67,7 @@ def kernel_times(fn, n: int) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-LOWP = ("fp8", "int8-fp8", "int8")
+LOWP = ("fp8", "int8-fp8", "int8-int8", "int8")
 PRECISIONS = ("input", *LOWP)
 
 

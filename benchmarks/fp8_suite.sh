@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the low precisions (fp8, int8-fp8, int8): build + GPU tests, then the benchmark (JSON under $OUT).
+# One device call for the low precisions (fp8, int8-fp8, int8-int8, int8): build + GPU tests, then the benchmark (JSON under $OUT).
 #   OUT=/tmp/out STEPS="tests bench ncu" BENCH_ARGS="--lengths 32768" bash benchmarks/fp8_suite.sh
 # Schedule sweep (cuDNN and the bf16 kernel in the same run), then ncu of the best schedule:
 #   STEPS="warm tests sweep ncu" SWEEP_LENGTHS="32768 65536" SWEEP_VARIANTS="default pingpong" bash benchmarks/fp8_suite.sh
@@ -34,7 +34,7 @@ if [[ " $STEPS " == *" sweep "* ]]; then
 import json, sys
 r = json.load(open(sys.argv[1]))['sweep'][0]
 v = sys.argv[2].split()
-t = {n: sum(r.get(f'{p}_{n}_hybrid_ms', 1e9) for p in ('fp8', 'int8-fp8', 'int8')) for n in v}
+t = {n: sum(r.get(f'{p}_{n}_hybrid_ms', 1e9) for p in ('fp8', 'int8-fp8', 'int8-int8', 'int8')) for n in v}
 print(min(t, key=t.get))" "$OUT/fp8_sweep.json" "$SWEEP_VARIANTS" 2>/dev/null || echo default)}
   echo "best schedule (hybrid attend, sum over precisions): $NCU_SCHEDULE"
 fi

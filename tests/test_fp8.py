@@ -1,4 +1,4 @@
-"""The low precisions (``fp8``, ``int8-fp8``, ``int8``) on the CPU: the quantised reference (what is
+"""The low precisions (``fp8``, ``int8-fp8``, ``int8-int8``, ``int8``) on the CPU: the quantised reference (what is
 rounded where), the quantisation kernel under Triton's interpreter, the settings and the errors at
 the call (the kernel itself: tests/test_fp8_build.py cross-compiles it, tests/gpu/test_gpu_fp8.py
 runs it)."""
@@ -15,7 +15,7 @@ from pisa_attn.ops import reference as ref
 
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 E4M3_FINITE = E4M3_VALUES[torch.isfinite(E4M3_VALUES)]
-LOWP = ["fp8", "int8-fp8", "int8"]
+LOWP = ["fp8", "int8-fp8", "int8-int8", "int8"]
 
 
 def rel_l1(a, b):
@@ -88,8 +88,8 @@ def test_lowp_reference_close_to_float64_pisa(mode, precision):
 
 def test_lowp_reference_is_not_the_unquantised_math():
     """The rounding is really there (a reference that skipped it would pass the bound above), and
-    the precisions order as the formats do: int8 Q·Kᵀ (7 bits) beats e4m3 (3 bits), and P·V in the
-    input dtype beats e4m3."""
+    the precisions order as the formats do: int8 Q·Kᵀ (7 bits) beats e4m3 (3 bits); in P·V the
+    input dtype beats unsigned 8-bit probability codes, which beat e4m3."""
     q, k, v = _case()
     out, _, mask = ref.pisa_reference(q.double(), k.double(), v.double(), density=0.125)
     st = ref.block_stats(k.float(), v.float(), 64)
@@ -97,7 +97,7 @@ def test_lowp_reference_is_not_the_unquantised_math():
                               block_size=64)
     err = {p: rel_l1(_lowp(p, q, k, v, st, mask)[0], o16) for p in LOWP}
     assert err["fp8"] > 1e-3 and err["int8"] > 1e-5
-    assert err["int8"] < err["int8-fp8"] < err["fp8"]
+    assert err["int8"] < err["int8-int8"] < err["int8-fp8"] < err["fp8"]
     assert err["int8"] < err["fp8"] / 3
 
 
@@ -134,6 +134,56 @@ def test_int8_scale_and_rounding():
     assert y.dtype == torch.int8
     # half away from zero as trunc(y ± 0.5) in float32 (0.49999997 + 0.5 rounds to 1), clamped to ±127
     assert y.tolist() == [1, -1, 2, 3, -3, 1, 127, 127, -127, 0]
+
+
+def test_quantize_v_int8_codes_scales_and_block_sums():
+    torch.manual_seed(0)
+    v = (torch.randn(2, 3, 200, 64) * 4 - 1).bfloat16()
+    v8t, tau = quant.quantize_v(v, 64, "int8")
+    assert v8t.dtype == torch.int8 and v8t.shape == (2, 3, 64, 256) and tau.shape == (2, 3, 4, 64)
+    assert (v8t[..., 200:] == 0).all()
+    vb = torch.nn.functional.pad(v.float(), (0, 0, 0, 56)).view(2, 3, 4, 64, 64)
+    assert torch.equal(tau, vb.abs().amax(3) / torch.tensor(127.0))  # one scale per key block and channel
+    codes = v8t.view(2, 3, 64, 4, 64).abs().amax(-1)  # [B, Hk, D, Nk]
+    assert (codes == 127).all()  # each block's largest entry per channel maps to ±127
+    vd = quant.dequantized_v(v8t, tau, 200, 64)
+    assert ((vd - v.float()).abs() <= tau.repeat_interleave(64, 2)[:, :, :200] * 0.5001).all()
+    cs = quant.value_code_sums(v8t, 64)
+    assert cs.dtype == torch.int32 and cs.shape == (2, 3, 4, 64)
+    assert torch.equal(cs[:, :, 1], v8t[..., 64:128].to(torch.int32).sum(-1))
+    assert torch.equal(cs[:, :, 3], v8t[..., 192:200].to(torch.int32).sum(-1))
+
+
+def test_int8_probability_codes():
+    """INT8 P·V rounds 255·p half up to an unsigned code: 0..255, steps of 1/255 in p."""
+    p = torch.tensor([0.0, 0.5, 1.49, 1.5, 127.5, 254.6, 255.0])
+    assert quant._round_p(p, "int8", torch.bfloat16).tolist() == [0, 1, 1, 2, 128, 255, 255]
+    assert quant.P_SCALES["int8"] == 255.0 and quant.P_SCALES["e4m3"] == quant.P_SCALE
+
+
+def test_int8_pv_offset_codes_are_the_reference_product():
+    """The Hopper kernel's INT8 P·V algebra on one query block, in exact integer arithmetic: the
+    signed codes ``c − 128`` against int8 values plus ``128·Σ v8`` per block (the code sums),
+    times the block's value scales and ``exp(b − m)``, are the reference's rounded probabilities
+    times its dequantised values; every int32 sum stays below 2^24 (exact in float32)."""
+    torch.manual_seed(3)
+    v = (torch.randn(1, 1, 256, 64) * 3).bfloat16()
+    v8t, tau = quant.quantize_v(v, 64, "int8")
+    vcs = quant.value_code_sums(v8t, 64)
+    sb = (torch.randn(64, 256) * 4).view(64, 4, 64)  # 64 rows' scores on 4 exact blocks
+    b = sb.amax(-1)  # each block's row maximum
+    m = b.amax(-1, keepdim=True)
+    codes = quant._round_p(quant.P_SCALES["int8"] * torch.exp(sb - b[..., None]), "int8", torch.bfloat16)
+    assert codes.min() >= 0 and codes.max() == 255
+    v8 = v8t[0, 0].T.to(torch.int64).view(4, 64, 64)  # [block, key, channel]
+    acc = torch.zeros(64, 64, dtype=torch.float64)
+    for j in range(4):
+        i32 = (codes[:, j].to(torch.int64) - 128) @ v8[j] + 128 * vcs[0, 0, j].to(torch.int64)
+        assert i32.abs().max() < 2**24
+        acc += i32.double() * tau[0, 0, j].double() * torch.exp(b[:, j:j + 1] - m).double()
+    p8 = (codes.double() / 255 * torch.exp(b - m).double()[..., None]).reshape(64, 256)
+    want = p8 @ quant.dequantized_v(v8t.double(), tau.double(), 256, 64)[0, 0].double()
+    torch.testing.assert_close(acc / 255, want, rtol=1e-9, atol=1e-9)
 
 
 def test_quantize_k_int8_codes_and_scales():
@@ -191,10 +241,10 @@ def test_quantize_kernel_interpreted(monkeypatch):
     assert (qz.v8t.float() == v8t.float()).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("precision", ["int8-fp8", "int8"])
+@pytest.mark.parametrize("precision", ["int8-fp8", "int8-int8", "int8"])
 def test_quantize_kernel_int8_interpreted(monkeypatch, precision):
-    """The int8 keys of the Triton pass bit for bit (ragged Lk, 30x magnitude); no value copy for
-    P·V in the input dtype."""
+    """The int8 keys (and int8 values with their block code sums) of the Triton pass bit for bit
+    (ragged Lk, 30x magnitude); no value copy for P·V in the input dtype."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from pisa_attn.ops.triton.quantize import quantize
 
@@ -210,11 +260,17 @@ def test_quantize_kernel_int8_interpreted(monkeypatch, precision):
     assert qz.k8.dtype == torch.int8
     assert torch.equal(qz.sigma, sig) and torch.equal(qz.k8, k8)
     if precision == "int8":
-        assert qz.v8t.numel() == 0 and qz.tau.numel() == 0
+        assert qz.v8t.numel() == 0 and qz.tau.numel() == 0 and qz.vcs.numel() == 0
+    elif precision == "int8-int8":
+        v8t, tau = quant.quantize_v(v, 64, "int8")
+        assert qz.v8t.dtype == torch.int8
+        assert torch.equal(qz.tau, tau) and torch.equal(qz.v8t, v8t)
+        assert torch.equal(qz.vcs, quant.value_code_sums(v8t, 64))
     else:
         v8t, tau = quant.quantize_v(v, 64)
         assert torch.equal(qz.tau, tau)
         assert (qz.v8t.float() == v8t.float()).float().mean() > 0.9
+        assert qz.vcs.numel() == 0
     with pytest.raises(ValueError, match="another precision"):
         quantize(k, v, kbar, kscale, 64, ws=qz, precision="fp8")
 

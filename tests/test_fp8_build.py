@@ -17,8 +17,9 @@ SHAPES = {
     "D64-zeroth-ragged-fp16": (64, "zeroth", False, "float16", False),
     "D128-hybrid-ragged-bf16-pipelined": (128, "hybrid", False, "bfloat16", True),
 }
-PRECISIONS = ("fp8", "int8-fp8", "int8")
-VARIANTS = {f"{p}-{n}": (*v, p) for p in PRECISIONS for n, v in SHAPES.items()}
+PRECISIONS = ("fp8", "int8-fp8", "int8-int8", "int8")
+# INT8 P·V runs in the sequential loop only
+VARIANTS = {f"{p}-{n}": (*v, p) for p in PRECISIONS for n, v in SHAPES.items() if not (p == "int8-int8" and v[4])}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,11 @@ def test_lowp_kernel_builds_for_sm90a(built, name):
         assert r["s8_wgmma"] == 0 and r["fp8_wgmma"] >= 4
     elif precision == "int8-fp8":
         assert r["fp8_wgmma"] >= 2  # P·V
+    elif precision == "int8-int8":
+        assert r["fp8_wgmma"] == 0 and r["s8_wgmma"] >= 4  # Q·Kᵀ and P·V
     else:
         assert r["fp8_wgmma"] == 0 and r["wgmma"] > r["s8_wgmma"]  # P·V in 16 bits
-    assert r["wgmma"] > r["fp8_wgmma"] + r["s8_wgmma"] or (mode == "drop" and precision != "int8")
+    assert r["wgmma"] > r["fp8_wgmma"] + r["s8_wgmma"] or (mode == "drop" and precision != "int8")  # 16-bit ones
     assert r["tma"] >= 4
     assert r["setmaxnreg"] > 0
     assert r["local"] == 0
@@ -86,3 +89,11 @@ def test_lowp_pingpong_builds_for_sm90a():
         assert on["wait"] == off["wait"] + 2  # one turn wait per consumer
         assert on["arrive"] >= off["arrive"] + 4  # at least two hand-overs per consumer
         assert off["shared"] <= on["shared"] <= min(off["shared"] + 16, SMEM_LIMIT)
+
+
+def test_int8_pv_pipelined_is_refused():
+    """INT8 P·V sums each block in int32 from zero: no pipelined build (refused before compiling)."""
+    from pisa_attn.ops.hopper.fp8 import compile_for_sm90
+
+    with pytest.raises(ValueError, match="pipeline"):
+        compile_for_sm90(128, "hybrid", precision="int8-int8", pipeline=True)

@@ -130,8 +130,8 @@ def test_low_precision_variants_beside_the_default():
     from pisa_attn.ops.quant import lowp_pisa_forward
 
     cfg = StudyConfig(size="tiny", modes=("hybrid",), covariance=False, weights=("default",), densities=(0.25,),
-                      lengths=(512,), precisions=("int8", "int8-fp8"), fp8=True, plots=False)
-    assert cfg.resolved().low_precisions == ("fp8", "int8", "int8-fp8")
+                      lengths=(512,), precisions=("int8", "int8-fp8", "int8-int8"), fp8=True, plots=False)
+    assert cfg.resolved().low_precisions == ("fp8", "int8", "int8-fp8", "int8-int8")
     r = run_study(cfg, progress=False)
     for p in spec.PRODUCT_FORMATS:
         assert f"hybrid-{p}" in r["variants"]

@@ -37,7 +37,8 @@ log = logging.getLogger("pisa_attn")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 # The Hopper backend with low-precision exact blocks, per precision (spec.PRODUCT_FORMATS)
-LOWP_BACKENDS = {"fp8": "hopper_fp8", "int8-fp8": "hopper_int8_fp8", "int8": "hopper_int8"}
+LOWP_BACKENDS = {"fp8": "hopper_fp8", "int8-fp8": "hopper_int8_fp8", "int8-int8": "hopper_int8_int8",
+                 "int8": "hopper_int8"}
 FP8_BACKEND = LOWP_BACKENDS["fp8"]
 INFERENCE_ONLY = ("hopper", *LOWP_BACKENDS.values(), "triton")  # backends whose kernels have no backward
 
@@ -797,8 +798,9 @@ def pisa_attention(
             warp-specialised sm_90 kernel), ``"triton"`` (force the portable kernels; CPU tensors
             need ``TRITON_INTERPRET=1``), ``"reference"`` (force PyTorch).
         precision: ``"input"`` (the exact blocks in the input dtype), or on the Hopper kernel
-            ``"fp8"`` (their two products in FP8 e4m3), ``"int8-fp8"`` (Q·Kᵀ in INT8, P·V in e4m3)
-            or ``"int8"`` (Q·Kᵀ in INT8, P·V in the input dtype); the tail stays in the input
+            ``"fp8"`` (their two products in FP8 e4m3), ``"int8-fp8"`` (Q·Kᵀ in INT8, P·V in e4m3),
+            ``"int8-int8"`` (both in INT8) or ``"int8"`` (Q·Kᵀ in INT8, P·V in the input dtype); the
+            tail stays in the input
             dtype; a call the low-precision kernel cannot serve is a ValueError, never another
             precision.
         settings: a :class:`PisaSettings` instead of the loose settings arguments above (which

@@ -107,8 +107,9 @@ class PisaSettings:
         backend: ``"auto"``, ``"hopper"``, ``"triton"`` or ``"reference"``.
         layout: ``"bhsd"`` (``[B, H, L, D]``) or ``"bshd"`` (``[B, L, H, D]``) for q, k, v and out.
         precision: ``"input"`` (the exact blocks in the input dtype), or on the Hopper kernel
-            ``"fp8"`` (their products in FP8 e4m3), ``"int8-fp8"`` (Q·Kᵀ in INT8, P·V in e4m3) or
-            ``"int8"`` (Q·Kᵀ in INT8, P·V in the input dtype); :data:`pisa_attn.spec.PRECISIONS`.
+            ``"fp8"`` (their products in FP8 e4m3), ``"int8-fp8"`` (Q·Kᵀ in INT8, P·V in e4m3),
+            ``"int8-int8"`` (both in INT8) or ``"int8"`` (Q·Kᵀ in INT8, P·V in the input dtype);
+            :data:`pisa_attn.spec.PRECISIONS`.
     """
 
     density: float = 0.125

@@ -47,15 +47,17 @@ HBAR_SCOPES = ("global", "row")
 """Which blocks the hybrid term's mean ``H̄`` describes: ``global`` one ``H̄`` per head for every row
 (the paper's eq. 7, the kernels'), ``row`` the mean over each row's own tail (reference only)."""
 
-PRECISIONS = ("input", "fp8", "int8-fp8", "int8")
+PRECISIONS = ("input", "fp8", "int8-fp8", "int8-int8", "int8")
 """Precision of the exact blocks' products: ``input`` the input dtype (float16/bfloat16 tensor
 cores, the default); the others quantise them as :data:`PRODUCT_FORMATS` lists (Hopper kernel
 only; smoothed keys, one scale per key block and per query row; the tail stays in the input
 precision; math in :mod:`pisa_attn.ops.quant`)."""
 
-PRODUCT_FORMATS = {"fp8": ("e4m3", "e4m3"), "int8-fp8": ("int8", "e4m3"), "int8": ("int8", "input")}
+PRODUCT_FORMATS = {"fp8": ("e4m3", "e4m3"), "int8-fp8": ("int8", "e4m3"), "int8-int8": ("int8", "int8"),
+                   "int8": ("int8", "input")}
 """Low precisions: the formats of the exact blocks' ``(Q·Kᵀ, P·V)``: ``e4m3`` FP8 (power-of-two
-scales), ``int8`` (``amax/127`` scales, int32 accumulation), ``input`` the input dtype."""
+scales), ``int8`` (``amax/127`` scales, int32 accumulation; in ``P·V`` the probabilities as
+unsigned 8-bit codes ``round(255·p)``), ``input`` the input dtype."""
 
 COV_EPS = 1e-6
 """Covariance-aware selection adds ``log(||H_j − H̄||_F + COV_EPS)`` to the pooled scores (eq. 9)."""

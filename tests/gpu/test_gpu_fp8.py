@@ -1,5 +1,5 @@
-"""GPU checks of the low precisions ``fp8``, ``int8-fp8``, ``int8`` (the low-precision Hopper
-pair kernel; skipped off sm_90).
+"""GPU checks of the low precisions ``fp8``, ``int8-fp8``, ``int8-int8``, ``int8`` (the
+low-precision Hopper pair kernel; skipped off sm_90).
 
 Under the kernel's own selection, per precision: the quantisation pass bit for bit against
 :mod:`pisa_attn.ops.quant`; the kernel against the quantised reference and against float64 PISA;
@@ -33,8 +33,10 @@ def _fp8_reason():
 if torch.cuda.is_available() and _fp8_reason() is not None:
     pytestmark.append(pytest.mark.skip(reason=f"fp8: {_fp8_reason()}"))
 
-LOWP = ("fp8", "int8-fp8", "int8")
-BACKENDS = {"fp8": "hopper_fp8", "int8-fp8": "hopper_int8_fp8", "int8": "hopper_int8"}
+LOWP = ("fp8", "int8-fp8", "int8-int8", "int8")
+BACKENDS = {"fp8": "hopper_fp8", "int8-fp8": "hopper_int8_fp8", "int8-int8": "hopper_int8_int8", "int8": "hopper_int8"}
+# INT8 P·V runs in the sequential loop only, each block's product from zero
+LOWP_SCHEDULED = tuple(p for p in LOWP if p != "int8-int8")
 
 # Kernel and quantised reference round the same numbers (same scales, same running maximum);
 # they differ by the kernel's float16 centroids in the tail and the tensor cores' FP8 sums: about
@@ -141,12 +143,16 @@ def test_quantize_pass_matches_reference_bitwise(precision):
     k8, sig = quant.quantize_k(k, qz.mu, 64, qk_fmt)
     assert torch.equal(qz.sigma, sig)
     assert torch.equal(qz.k8.view(torch.uint8), k8.view(torch.uint8))
-    if pv_fmt == "e4m3":
-        v8t, tau = quant.quantize_v(v, 64)
+    if pv_fmt != "input":
+        v8t, tau = quant.quantize_v(v, 64, pv_fmt)
         assert torch.equal(qz.tau, tau)
         assert torch.equal(qz.v8t.view(torch.uint8), v8t.view(torch.uint8))
     else:
         assert qz.v8t.numel() == 0
+    if pv_fmt == "int8":
+        assert torch.equal(qz.vcs, quant.value_code_sums(v8t, 64))
+    else:
+        assert qz.vcs.numel() == 0
 
 
 @pytest.mark.parametrize("precision", LOWP)
@@ -176,6 +182,20 @@ def test_lowp_tail_maximum_is_finite(precision):
     assert torch.isfinite(out).all()
     oq, o64 = references(q, k, v, p, sel, precision)
     assert rel_l1(out, o64) < F64_TOL
+
+
+@pytest.mark.parametrize("precision", LOWP)
+def test_lowp_zero_query_rows_ragged_are_finite(precision):
+    """All-zero query rows (padding) with a ragged key length: their row scale is 0, and the
+    masked columns of the last key block must stay −inf, not become −inf·0 = NaN."""
+    q, k, v = dit(1, 4, 4, 1000, 1000, 128, seed=19)
+    q = q.clone()
+    q[:, :, 900:] = 0
+    q[:, :, 10:20] = 0
+    p, out, sel = fp8_run(q, k, v, precision=precision)
+    assert torch.isfinite(out).all()
+    oq, _ = references(q, k, v, p, sel, precision)
+    assert rel_l1(out, oq) < QREF_TOL
 
 
 @pytest.mark.parametrize("precision", LOWP)
@@ -243,7 +263,7 @@ PIPELINE_CASES = ["B1-H4-L2048-D128-hybrid", "B1-H4-L1000-D128-hybrid-ragged", "
 # fp8 on every case; the INT8 variants (the same loop with other operand types) on the ragged ones
 @pytest.mark.parametrize("sel_kind", ["topk", "uneven"])
 @pytest.mark.parametrize("precision,name", [("fp8", n) for n in PIPELINE_CASES]
-                         + [(p, n) for p in LOWP[1:] for n in PIPELINE_CASES[1:3]])
+                         + [(p, n) for p in LOWP_SCHEDULED[1:] for n in PIPELINE_CASES[1:3]])
 def test_lowp_pipelined_loop_matches_sequential(name, sel_kind, precision, monkeypatch):
     """The pipelined exact loop against the sequential one on the same selection (they sum the
     same float32 terms in another order: (acc + PV)·r vs acc·r + PV), and against the quantised
@@ -280,7 +300,7 @@ def test_lowp_pipelined_loop_matches_sequential(name, sel_kind, precision, monke
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
-@pytest.mark.parametrize("precision", LOWP)
+@pytest.mark.parametrize("precision", LOWP_SCHEDULED)
 @pytest.mark.parametrize("name", ["B1-H4-L1000-D128-hybrid-ragged", "B1-H4-L2048-D128-drop"])
 def test_lowp_pv_accumulate_matches_from_zero(name, precision, pipelined):
     """Either exact loop's two P·V schedules (into the accumulator, or from zero and added) on
@@ -305,6 +325,21 @@ def test_lowp_pv_accumulate_matches_from_zero(name, precision, pipelined):
     assert rel_l1(outs[1], oq) < QREF_TOL and rel_l1(outs[0], oq) < QREF_TOL
 
 
+def test_int8_pv_refuses_the_other_schedules():
+    """INT8 P·V sums each block in int32 from zero: the pipelined loop and accumulating in the
+    wgmma are refused by name, not run in another way."""
+    from pisa_attn.ops.hopper import fp8 as gfp8
+    from pisa_attn.ops.triton.quantize import quantize
+
+    q, k, v = dit(1, 2, 2, 512, 512, 128, seed=3)
+    p, _, sel = fp8_run(q, k, v, precision="int8-int8")
+    st = get_backend("hopper").prepare(q, k, v, 64)
+    qz = quantize(k, v, st.kbar, st.kscale, 64, precision="int8-int8")
+    for kw in (dict(pipeline=True), dict(pv_accumulate=True)):
+        with pytest.raises(ValueError, match="pipeline / pv_accumulate"):
+            gfp8.attention(q, qz, *st.tail(), *sel, mode="hybrid", scale=p.scale, block_size=64, lk=512, **kw)
+
+
 def _lopsided_selection(p, lq, kind):
     """A selection where the pair's two consumers own very different parts of the union stream:
     ``uneven``: even query blocks the plan's width of blocks from 0, odd ones block 0 and the last
@@ -320,14 +355,15 @@ def _lopsided_selection(p, lq, kind):
     return Selection.from_mask(mask, p.width)
 
 
-# Every precision under both exact loops; ``Lq960``: 15 query blocks, so the last pair's second
-# consumer has no query block and owns no entry at all.
-@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+# Every precision under the sequential loop, and under the pipelined one where it runs (not INT8
+# P·V); ``Lq960``: 15 query blocks, so the last pair's second consumer has no query block and owns
+# no entry at all.
 @pytest.mark.parametrize("name,sel_kind", [("B1-H4-L1000-D128-hybrid-ragged", "topk"),
                                            ("B1-H4-L1000-D128-hybrid-ragged", "lopsided"),
                                            ("B1-H4-Lq960-Lk1379-D64-hybrid", "uneven"),
                                            ("B1-H4-Lq960-Lk1379-D64-hybrid", "lopsided")])
-@pytest.mark.parametrize("precision", LOWP)
+@pytest.mark.parametrize("precision,pipelined", [(p, False) for p in LOWP] + [(p, True) for p in LOWP_SCHEDULED],
+                         ids=[f"{p}-sequential" for p in LOWP] + [f"{p}-pipelined" for p in LOWP_SCHEDULED])
 def test_lowp_pingpong_is_bitwise_unscheduled(precision, name, sel_kind, pipelined):
     """The consumers' products in turns change only when independent work is issued: outputs and
     LSE equal the unscheduled kernel's bit for bit, and the kernel finishes (no lost turn) where

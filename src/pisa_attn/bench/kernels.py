@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import spec
 from . import argtypes as at
 
 DEFAULT_CONFIGS = "2-16-128,1-40-128,2-24-64"
@@ -219,7 +220,6 @@ def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep
                with_flex: bool = True, flex_dynamic: bool = False, phases: bool = True, graphs: bool = False,
                backend: str = "auto", data: str = "random", query_block: int | None = None,
                precision: str = "input") -> dict:
-    from pisa_attn import spec
     from pisa_attn.attention import get_backend
 
     q, k, v = _inputs(cfg, length, dtype, layout, data=data)
@@ -472,8 +472,8 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="also time cuDNN SDPA and PISA replayed from CUDA graphs (no Python/launch overhead)")
     p.add_argument("--backend", default="auto", choices=("auto", "hopper", "triton"),
                    help="PISA kernel backend (auto: hopper on sm_90, else triton)")
-    p.add_argument("--precision", default="input", choices=("input", "fp8", "int8-fp8", "int8"),
-                   help="precision of PISA's exact blocks (fp8, int8-fp8, int8: the Hopper kernel's low-precision "
+    p.add_argument("--precision", default="input", choices=spec.PRECISIONS,
+                   help="precision of PISA's exact blocks (the low ones run the Hopper kernel's low-precision "
                         "exact phase, pisa_attn.spec.PRECISIONS)")
     p.add_argument("--data", default="random", choices=("random", "dit"),
                    help="Gaussian q/k/v, or the DiT-like generator on an (L/1024, 32, 32) grid")

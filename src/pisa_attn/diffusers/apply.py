@@ -310,8 +310,8 @@ def apply_pisa(
             only: context parallelism selects per block).
         backend: ``pisa_attention``'s ``backend`` for the sparse calls.
         precision: ``pisa_attention``'s ``precision`` for the sparse calls (``"fp8"``, ``"int8-fp8"``,
-            ``"int8"``: the exact blocks' products quantised on the Hopper kernel; dense calls stay in
-            the input dtype).
+            ``"int8-int8"``, ``"int8"``: the exact blocks' products quantised on the Hopper kernel;
+            dense calls stay in the input dtype).
 
     The attention settings become one :class:`~pisa_attn.settings.PisaSettings` (validated once,
     here); each call shape gets one plan (:func:`pisa_attn.plan`), shared by the layers of that

@@ -4,7 +4,8 @@ the Hopper kernel, :mod:`pisa_attn.ops.hopper.fp8`, and the quantisation pass,
 
 Only the exact blocks' two products are quantised, each in one format
 (:data:`pisa_attn.spec.PRODUCT_FORMATS`): ``Q·Kᵀ`` in FP8 e4m3 (``"fp8"``) or INT8 (``"int8-fp8"``,
-``"int8"``), ``P·V`` in FP8 e4m3 (``"fp8"``, ``"int8-fp8"``) or the input dtype (``"int8"``). The
+``"int8-int8"``, ``"int8"``), ``P·V`` in FP8 e4m3 (``"fp8"``, ``"int8-fp8"``), INT8
+(``"int8-int8"``) or the input dtype (``"int8"``). The
 centroid tail, the first-order term, the online softmax and every accumulation stay as in the
 input-precision kernel (float32 accumulators, float16/bfloat16 tensor-core operands).
 
@@ -27,9 +28,9 @@ float32 result.
   per block in the kernel). Smoothing shifts every exact score of query row ``t`` by the same
   constant ``s·q_t·μ`` (one number per row, whatever the key block), which the kernel adds back
   in float32 from the unquantised ``q``: the scores, the softmax and the log-sum-exp are those
-  of the unsmoothed keys, up to the rounding of ``k − μ``. (A per-block mean ``k̄_j`` smooths a
-  little better but needs ``q_t·k̄_j`` per exact block and row inside the loop; measured on
-  DiT-like and DINOv2 inputs in notes/fp8.md.)
+  of the unsmoothed keys, up to the rounding of ``k − μ``. (A per-block mean ``k̄_j`` smooths
+  better, most for e4m3 scores, but needs ``q_t·k̄_j`` per exact block and row inside the loop;
+  measured on DiT-like inputs in notes/fp8.md.)
 * **Queries**: ``q8_t = Q(q_t / ρ_t)``, one scale per query row (computed in the kernel's
   registers from ``q`` in float32; a row scale multiplies a whole row of scores, a free per-row
   factor). The kernel's int8 ``127 / amax`` is the GPU's fast float32 division (within 2 ulp of
@@ -38,7 +39,14 @@ float32 result.
 * **Scores** of an exact block: ``S_tn = s·(q8_t·k8_n)·ρ_t·σ_j + s·q_t·μ`` (float32).
 * **Probabilities**: ``P_tn = R(256·exp(S_tn − m_t)) / 256`` with ``R`` the cast to e4m3 or, for
   ``P·V`` in the input dtype, to the input dtype (``exp ≤ 1``, so ``256·p ≤ 256 < 448``; the factor
-  keeps e4m3 probabilities down to ``2^-14`` normal, and is exact in 16 bits); the denominator
+  keeps e4m3 probabilities down to ``2^-14`` normal, and is exact in 16 bits); for INT8 ``P·V``
+  ``P_tn = ⌊255·exp(S_tn − b_tj) + 1/2⌋ / 255``, an unsigned 8-bit code against ``b_tj``, the
+  row's largest score in this block (every block's largest probability is the code 255; the
+  block's product is then rescaled by ``exp(b_tj − m_t)`` in float32: an absolute step of 1/255
+  of the block's own maximum, where codes against the running maximum waste their range on
+  blocks below it, and signed codes ``round(127·p)`` halve it; measured in notes/fp8.md). The
+  kernel feeds the signed wgmma ``c − 128`` and adds ``128·Σ_n v8_nd`` per block back to the
+  int32 sum, the same integer. The denominator
   sums the unrounded ``exp(S_tn − m_t)``. ``m_t`` is the running maximum when the block is
   processed: the kernel takes a row's exact blocks in ascending block order before any tail
   block, so it is the largest exact score of blocks ``≤ j``; the product is rescaled exactly to
@@ -48,7 +56,10 @@ float32 result.
   ``Lk`` rounded up to whole blocks (zeros past ``Lk``). One scale per channel for the whole head
   lets every exact block add into one float32 accumulator (each block's product from zero); the
   exact part of the numerator is ``(Σ_j P8_j · v8_j) ⊙ τ``, scaled once after the exact blocks.
-  In the input dtype the values are ``v`` as given.
+  In INT8 the same layout with one scale per key block and channel, ``v8_nd = Q(v_nd / τ_jd)``
+  with ``τ_jd = amax_jd / 127`` (the keys' rounding): each block's product is scaled as it is
+  added (it is added from zero anyway), and a block's codes use their full range. In the input
+  dtype the values are ``v`` as given.
 """
 
 from __future__ import annotations
@@ -61,7 +72,10 @@ from ..spec import PRODUCT_FORMATS, check_precision, expand_kv_heads, num_blocks
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 P_SCALE = 256.0
-"""Probabilities are multiplied by this before their cast to e4m3 (and the product divided back)."""
+"""Probabilities are multiplied by this before their cast to e4m3 or the input dtype (and the
+product divided back)."""
+P_SCALES = {"e4m3": P_SCALE, "input": P_SCALE, "int8": 255.0}
+"""The factor per ``P·V`` format: INT8 probabilities are the codes ``round(255·p)``."""
 MIN_EXP = -126
 INT8_MAX = 127.0
 
@@ -135,15 +149,36 @@ def quantize_kv(k: Tensor, v: Tensor, mu: Tensor, block_size: int):
     return k8, sigma, v8t, tau
 
 
-def quantize_v(v: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """``(v8t [B, Hk, D, Lk'], tau [B, Hk, D])``: e4m3 values, one scale per channel and kv head,
-    transposed, rows past ``Lk`` zero."""
-    lk = v.shape[2]
-    pad = num_blocks(lk, block_size) * block_size - lk
-    vf = torch.nn.functional.pad(v.float(), (0, 0, 0, pad))
-    tau = pow2_scale(vf.abs().amax(2))
-    v8 = to_e4m3(vf / tau[:, :, None, :])
-    return v8.transpose(2, 3).contiguous(), tau
+def quantize_v(v: Tensor, block_size: int, fmt: str = "e4m3") -> tuple[Tensor, Tensor]:
+    """``(v8t [B, Hk, D, Lk'], tau)``: values in ``fmt``, transposed, rows past ``Lk`` zero; e4m3
+    with one scale per channel and kv head (``tau [B, Hk, D]``), int8 with one per key block and
+    channel (``tau [B, Hk, Nk, D]``)."""
+    b, hk, lk, d = v.shape
+    nk = num_blocks(lk, block_size)
+    vf = torch.nn.functional.pad(v.float(), (0, 0, 0, nk * block_size - lk))
+    if fmt == "int8":
+        vb = vf.view(b, hk, nk, block_size, d)
+        v8, tau = quantize_block_rows(vb, vb.abs().amax(3, keepdim=True), fmt)
+        return v8.view(b, hk, nk * block_size, d).transpose(2, 3).contiguous(), tau[:, :, :, 0, :]
+    v8, tau = quantize_block_rows(vf, vf.abs().amax(2, keepdim=True), fmt)
+    return v8.transpose(2, 3).contiguous(), tau[:, :, 0, :]
+
+
+def dequantized_v(v8t: Tensor, tau: Tensor, lk: int, block_size: int) -> Tensor:
+    """The float32 values ``[B, Hk, Lk, D]`` the 8-bit ``P·V`` sees (either scale layout)."""
+    if tau.dim() == 4:  # per key block and channel
+        tau = tau.repeat_interleave(block_size, 2)
+    else:
+        tau = tau[:, :, None, :]
+    return (v8t.float().transpose(2, 3) * tau)[:, :, :lk]
+
+
+def value_code_sums(v8t: Tensor, block_size: int) -> Tensor:
+    """``[B, Hk, Nk, D]`` int32: the sum of each key block's INT8 value codes per channel (what the
+    kernel adds back, times 128, to a block's ``(c − 128)·v8`` sum)."""
+    b, hk, d, lkp = v8t.shape
+    sums = v8t.to(torch.int32).view(b, hk, d, lkp // block_size, block_size).sum(-1, dtype=torch.int32)
+    return sums.transpose(2, 3).contiguous()
 
 
 def quantize_rows(q: Tensor, fmt: str = "e4m3") -> tuple[Tensor, Tensor]:
@@ -160,8 +195,7 @@ def dequantized_k(k8: Tensor, sigma: Tensor, lk: int, block_size: int) -> Tensor
 
 def dequantized_kv(k8: Tensor, sigma: Tensor, v8t: Tensor, tau: Tensor, lk: int, block_size: int):
     """The float32 keys (still smoothed: without ``μ``) and values the FP8 products see, ``Lk`` rows."""
-    vd = v8t.float().transpose(2, 3) * tau[:, :, None, :]
-    return dequantized_k(k8, sigma, lk, block_size), vd[:, :, :lk]
+    return dequantized_k(k8, sigma, lk, block_size), dequantized_v(v8t, tau, lk, block_size)
 
 
 def lowp_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tensor, hbar: Tensor, selected: Tensor,
@@ -187,9 +221,9 @@ def lowp_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tens
     k8, sigma = quantize_k(k, mu, block_size, qk_fmt)
     k8x = expand_kv_heads(k8.float()[:, :, :lk], h)
     sig_tok = expand_kv_heads(sigma.repeat_interleave(block_size, 2)[:, :, None, :lk], h)
-    if pv_fmt == "e4m3":
-        v8t, tau = quantize_v(v, block_size)
-        vd = v8t.float().transpose(2, 3)[:, :, :lk] * tau[:, :, None, :]
+    if pv_fmt != "input":
+        v8t, tau = quantize_v(v, block_size, pv_fmt)
+        vd = dequantized_v(v8t, tau, lk, block_size)
     else:  # the values as given; P rounded to their dtype
         vd = v.float()
     vd = expand_kv_heads(vd, h)
@@ -218,13 +252,15 @@ def lowp_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tens
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         p = torch.exp(s - m[..., None])
         denom = p.sum(-1)
-        # rounded against the running maximum over exact blocks 0..j, then rescaled to m exactly
+        # rounded against the running maximum over exact blocks 0..j (INT8: the block's own
+        # maximum), then rescaled to m exactly
         sp = torch.nn.functional.pad(s, (0, nk * block_size - lk), value=float("-inf"))
         sp = sp.view(*s.shape[:3], nk, block_size)
-        m_run = sp.amax(-1).cummax(-1).values
-        m_run = torch.where(torch.isfinite(m_run), m_run, m[..., None].expand_as(m_run))  # no exact block yet
-        p8 = _round_p(P_SCALE * torch.exp(sp - m_run[..., None]), pv_fmt, v.dtype) / P_SCALE
-        p8 = (p8 * torch.exp(m_run - m[..., None])[..., None]).flatten(-2)[..., :lk]
+        m_ref = sp.amax(-1) if pv_fmt == "int8" else sp.amax(-1).cummax(-1).values
+        m_ref = torch.where(torch.isfinite(m_ref), m_ref, m[..., None].expand_as(m_ref))  # no exact score there
+        ps = P_SCALES[pv_fmt]
+        p8 = _round_p(ps * torch.exp(sp - m_ref[..., None]), pv_fmt, v.dtype) / ps
+        p8 = (p8 * torch.exp(m_ref - m[..., None])[..., None]).flatten(-2)[..., :lk]
         num = p8 @ vd
         if use_tail:
             a = torch.exp(c - m[..., None])
@@ -239,7 +275,10 @@ def lowp_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tens
     return out, lse
 
 
-def _round_p(p256: Tensor, pv_fmt: str, dtype: torch.dtype) -> Tensor:
+def _round_p(p: Tensor, pv_fmt: str, dtype: torch.dtype) -> Tensor:
+    """The scaled probabilities ``P_SCALES[pv_fmt]·p`` as ``P·V`` sees them (float32)."""
     if pv_fmt == "e4m3":
-        return to_e4m3(p256).float()
-    return p256.to(dtype).float() if dtype in (torch.float16, torch.bfloat16) else p256
+        return to_e4m3(p).float()
+    if pv_fmt == "int8":  # p ≥ 0: half up
+        return torch.floor(p + 0.5)
+    return p.to(dtype).float() if dtype in (torch.float16, torch.bfloat16) else p

@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--density", type=float, default=None, help="override every case's density")
     p.add_argument("--mode", default="hybrid", choices=("hybrid", "zeroth", "first", "drop"))
     p.add_argument("--precision", default="input", choices=spec.PRECISIONS,
-                   help="the exact blocks' precision (fp8, int8-fp8, int8: the Hopper kernel only)")
+                   help="the exact blocks' precision (the low ones: the Hopper kernel only)")
     p.add_argument("--min-kv-len", type=int, default=None,
                    help="apply_pisa's min_kv_len for the PISA forwards (default: the library's; 0 runs every "
                         "managed call sparse)")

@@ -3,7 +3,7 @@
 Same structure as :mod:`.attention` (a loader partition streaming through TMA, two consumer
 warpgroups for a pair of adjacent 64-row query blocks, one online softmax in base 2, the same pair
 stream ``(uidx, ucnt)`` from :func:`pisa_attn.ops.triton.pairs.pair_union`), with the exact phase's
-products on 8-bit tensor cores (twice the bf16 rate, half the bytes of every 8-bit tile). Two
+products on 8-bit tensor cores (twice the bf16 rate, half the bytes of every 8-bit tile). Three
 constexprs pick the formats (:data:`pisa_attn.spec.PRODUCT_FORMATS`):
 
 * ``Q·Kᵀ`` (``QK_INT8``: int8 x int8 -> int32, else e4m3 x e4m3 -> float32): the query tile is
@@ -12,11 +12,16 @@ constexprs pick the formats (:data:`pisa_attn.spec.PRODUCT_FORMATS`):
   smoothed ``k8`` ``[B, Hk, Lk', D]`` (the quantisation pass, :mod:`pisa_attn.ops.triton.quantize`);
   the scores are rescaled per row and per key block and the smoothing constant ``s·q_t·μ`` (one
   float per row, computed once from the unquantised ``q``) is added back.
-* ``P·V`` (``PV_FP8``): ``e4m3(256·p)`` in registers against ``v8`` stored transposed
-  ``[B, Hk, D, Lk']`` (an FP8 wgmma B operand must be K-major), one value scale per channel for
-  the whole head, the accumulator multiplied by ``τ / 256`` once, after the exact blocks and
-  before the tail adds to it; or ``256·p`` in the input dtype against ``v`` itself (the input
-  kernel's operands; the 256 is exact). Either way one product per block is added to a float32
+* ``P·V`` (``PV8``: 8-bit values stored transposed ``[B, Hk, D, Lk']``, as an 8-bit wgmma B
+  operand must be K-major): ``e4m3(256·p)`` in registers against e4m3 ``v8`` with one value
+  scale per channel for the whole head, the accumulator multiplied by ``τ / 256`` once, after the
+  exact blocks and before the tail adds to it; or (``PV_INT8``) the unsigned code
+  ``round(255·p)``, p against the row's largest score in the block, against int8 ``v8`` with one
+  scale per block and channel: the wgmma multiplies signed bytes, so the A operand is
+  ``code − 128`` and the block's int32 sum gets ``128·Σ_n v8_n`` (the quantisation pass's code
+  sums) back, exactly, before the block's scales and its factor ``exp2(b − m)`` multiply it.
+  Without ``PV8``, ``256·p`` in the input dtype against ``v`` itself (the input kernel's
+  operands; the 256 is exact). Either way one product per block is added to a float32
   accumulator.
 
 The centroid tail and the first-order term are the input-precision kernel's (float16 centroid
@@ -52,7 +57,11 @@ from ..triton.pairs import pair_union
 from .attention import MAX_REGS, _as_fp16, _box, _softmax_step, _tma_load, _tma_store
 
 LN2 = gl.constexpr(kernel_constants.LN2)
+# The probabilities' factor: 256 for e4m3 and the input dtype, 255 for the unsigned INT8 codes.
 P_SCALE = gl.constexpr(256.0)
+P_SCALE_INT8 = gl.constexpr(255.0)
+P_LOG2_INT8 = gl.constexpr(math.log2(255.0))
+INT8_P_OFFSET = gl.constexpr(128)
 
 
 @gluon.jit
@@ -83,52 +92,81 @@ def _qk_raw(sc, num_outstanding: gl.constexpr, QK_INT8: gl.constexpr):
 
 
 @gluon.jit
-def _pv_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PV_FP8: gl.constexpr):
-    """256·p as P·V's register A operand: e4m3, or the input dtype."""
-    if PV_FP8:
-        return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+def _pv_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PV8: gl.constexpr, PV_INT8: gl.constexpr = False):
+    """The scaled probabilities as P·V's register A operand: e4m3(256·p), the signed INT8 code
+    ``⌊255·p + 1/2⌋ − 128`` (p ≥ 0, so the float-to-int truncation is the floor), or 256·p in
+    the input dtype."""
+    if PV8:
+        if PV_INT8:
+            return gl.convert_layout(((p + 0.5).to(gl.int32) - INT8_P_OFFSET).to(gl.int8), p_layout)
+        else:
+            return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
     else:
         return gl.convert_layout(p.to(dtype), p_layout)
 
 
 @gluon.jit
-def _pv_issue(pa, v_slot, acc, PV_FP8: gl.constexpr, BS: gl.constexpr, USE_ACC: gl.constexpr = False):
+def _pv_issue(pa, v_slot, acc, PV8: gl.constexpr, BS: gl.constexpr, USE_ACC: gl.constexpr = False,
+              PV_INT8: gl.constexpr = False):
     """One exact block's P·V, issued (from zero, or into ``acc`` with ``USE_ACC``): against the
-    transposed e4m3 tile or ``v``'s own."""
-    if PV_FP8:
-        return warpgroup_mma(pa, v_slot.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True,
-                             max_num_imprecise_acc=BS)
+    transposed 8-bit tile or ``v``'s own."""
+    if PV8:
+        if PV_INT8:
+            return warpgroup_mma(pa, v_slot.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
+        else:
+            return warpgroup_mma(pa, v_slot.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True,
+                                 max_num_imprecise_acc=BS)
     else:
         return warpgroup_mma(pa, v_slot, acc, use_acc=USE_ACC, is_async=True)
 
 
 @gluon.jit
-def _pv_flush(pa, v_slot, acc, zero, PV_FP8: gl.constexpr, BS: gl.constexpr, PV_ACC: gl.constexpr):
+def _pv_flush(pa, v_slot, acc, zero, PV8: gl.constexpr, BS: gl.constexpr, PV_ACC: gl.constexpr):
     """A held block's P·V added to ``acc`` at once (into it in the wgmma with ``PV_ACC``)."""
     if PV_ACC:
-        acc = _pv_issue(pa, v_slot, acc, PV_FP8, BS, True)
+        acc = _pv_issue(pa, v_slot, acc, PV8, BS, True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
-        pv = _pv_issue(pa, v_slot, zero, PV_FP8, BS)
+        pv = _pv_issue(pa, v_slot, zero, PV8, BS)
         acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
     return acc
 
 
 @gluon.jit
-def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_K: gl.constexpr):
-    """One exact block's raw FP8 scores into the running (m, l): (m, l, rescale, p256).
+def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_K: gl.constexpr,
+                   P_LOG2: gl.constexpr = 8.0, BLOCK_MAX: gl.constexpr = False):
+    """One exact block's raw 8-bit scores into the running (m, l): (m, l, rescale, F·p, f).
 
-    Scores S = raw·a + s·q·μ (base 2) with a = ρ_t σ_j s > 0, so max S = max(raw)·a + s·q·μ; the
-    scaling, the shift and the factor 256 = 2^8 of the probabilities are one FMA in the exponent:
-    p256 = exp2(raw·a + (s·q·μ − m + 8)) = 256·exp2(S − m). ``l`` is in units of 256."""
-    if not EVEN_K:
-        raw = gl.where((j * BS + cols8 < LK)[None, :], raw, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(raw, axis=1) * a + q_mu)
+    Scores S = raw·a + s·q·μ (base 2) with a = ρ_t σ_j s ≥ 0, so max S = max(raw)·a + s·q·μ; the
+    scaling, the shift and the probabilities' factor F = 2^P_LOG2 (256, or 255 for INT8 codes)
+    are one FMA in the exponent: F·p = exp2(raw·a + (s·q·μ − r + P_LOG2)), r the new running
+    maximum m, f = 1. With ``BLOCK_MAX`` r is the row's largest score in this block instead (the
+    INT8 codes' reference) and f = exp2(r − m) ≤ 1 weighs the block's product and its share of
+    ``l`` (in units of F). Columns past ``LK`` are masked after the scaling: ``a`` is 0 for an
+    all-zero query row, where −inf·0 would be NaN."""
+    if EVEN_K:
+        b_new = gl.max(raw, axis=1) * a + q_mu
+    else:
+        x = gl.where((j * BS + cols8 < LK)[None, :], raw * a[:, None], float("-inf"))
+        b_new = gl.max(x, axis=1) + q_mu
+    m_new = gl.maximum(m_i, b_new)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     rescale = gl.exp2(m_i - m_use)
-    p = gl.exp2(raw * a[:, None] + (q_mu - m_use + 8.0)[:, None])
-    l_i = l_i * rescale + gl.sum(p, axis=1)
-    return m_new, l_i, rescale, p
+    if BLOCK_MAX:
+        r = gl.where(b_new == float("-inf"), m_use, b_new)
+        f = gl.exp2(r - m_use)
+    else:
+        r = m_use
+        f = rescale  # unused
+    if EVEN_K:
+        p = gl.exp2(raw * a[:, None] + (q_mu - r + P_LOG2)[:, None])
+    else:
+        p = gl.exp2(x + (q_mu - r + P_LOG2)[:, None])
+    if BLOCK_MAX:
+        l_i = l_i * rescale + gl.sum(p, axis=1) * f
+    else:
+        l_i = l_i * rescale + gl.sum(p, axis=1)
+    return m_new, l_i, rescale, p, f
 
 
 @gluon.jit
@@ -176,7 +214,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
             q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
             uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr,
-            PV_FP8: gl.constexpr, LOOKAHEAD: gl.constexpr):
+            PV8: gl.constexpr, LOOKAHEAD: gl.constexpr):
     for c in gl.static_range(2):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, q0 + c * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
@@ -195,7 +233,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), kv_bytes)
         _tma_load(k_desc, [b, hk, j * BS, 0], ready.index(s), _box(k_bufs.index(s), k_desc))
-        if PV_FP8:
+        if PV8:
             _tma_load(v_desc, [b, hk, 0, j * BS], ready.index(s), _box(v_bufs.index(s), v_desc))
         else:
             _tma_load(v_desc, [b, hk, j * BS, 0], ready.index(s), _box(v_bufs.index(s), v_desc))
@@ -213,14 +251,14 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
+def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
               q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty, turn,
               uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
-              LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV_FP8: gl.constexpr,
-              PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr):
+              LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV8: gl.constexpr,
+              PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -228,14 +266,16 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     # P·V in the input dtype keeps the input kernel's.
     s8_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 32])
     o8_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, D, 32 if PV_FP8 else 16])
-    p8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o8_layout, k_width=4 if PV_FP8 else 2)
+                                                        instr_shape=[16, D, 32 if PV8 else 16])
+    p8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o8_layout, k_width=4 if PV8 else 2)
     q8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s8_layout, k_width=4)
     q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     qrow_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    P_MUL: gl.constexpr = P_SCALE_INT8 if PV_INT8 else P_SCALE
+    P_LOG2: gl.constexpr = P_LOG2_INT8 if PV_INT8 else 8.0
 
     qi = q0 // BS + CID
     active = qi < NQ
@@ -266,7 +306,12 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     l_i = gl.zeros([BS], gl.float32, layout=row8)
     acc = gl.zeros([BS, D], gl.float32, layout=o8_layout)
     s8_zero = gl.zeros([BS, BS], gl.int32 if QK_INT8 else gl.float32, layout=s8_layout)
-    o8_zero = gl.zeros([BS, D], gl.float32, layout=o8_layout)
+    o8_zero = gl.zeros([BS, D], gl.int32 if PV_INT8 else gl.float32, layout=o8_layout)
+    # INT8 P·V: each block's value-code sums (the offset's correction) and value scales per
+    # channel, in the accumulator's column layout
+    d8 = gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))
+    vcs_base = vcs_ptr + bhk * NK * D + d8
+    tau_base = tau_ptr + bhk * NK * D + d8
     cols8 = gl.arange(0, BS, layout=gl.SliceLayout(0, s8_layout))
     q_mu = gl.convert_layout(q_mu, row8)
     q_rs = gl.convert_layout(q_rs, row8)
@@ -283,7 +328,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
         # under the P·V; the last owned block's P (entry ``tp``, -1 none) waits in registers, and
         # is flushed before the loop waits on an entry STAGES past its slot. (The wait cannot
         # take the 8-bit P as a dependency; ptxas keeps an in-flight wgmma's registers.)
-        p8 = _pv_operand(gl.zeros([BS, BS], gl.float32, layout=s8_layout), q_s.dtype, p8_layout, PV_FP8)
+        p8 = _pv_operand(gl.zeros([BS, BS], gl.float32, layout=s8_layout), q_s.dtype, p8_layout, PV8)
         tp = n_union * 0 - 1
         for u in range(n_union):
             code = code_next
@@ -293,7 +338,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             s = u % STAGES
             if (tp >= 0) & (u - tp >= STAGES):
                 sp = tp % STAGES
-                acc = _pv_flush(p8, v_bufs.index(sp), acc, o8_zero, PV_FP8, BS, PV_ACC)
+                acc = _pv_flush(p8, v_bufs.index(sp), acc, o8_zero, PV8, BS, PV_ACC)
                 mbarrier.arrive(empty.index(sp), count=1)
                 tp = -1
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
@@ -303,14 +348,14 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 if tp >= 0:
                     sp = tp % STAGES
                     if PV_ACC:  # into the accumulator (at the previous maximum), rescaled after
-                        pv = _pv_issue(p8, v_bufs.index(sp), acc, PV_FP8, BS, True)
+                        pv = _pv_issue(p8, v_bufs.index(sp), acc, PV8, BS, True)
                     else:
-                        pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV_FP8, BS)
+                        pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV8, BS)
                     _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 1, QK_INT8)
-                    m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
-                                                          EVEN_K)
-                    p8_new = _pv_operand(p, q_s.dtype, p8_layout, PV_FP8)
+                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
+                                                          EVEN_K, P_LOG2, PV_INT8)
+                    p8_new = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
                     pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
                     mbarrier.arrive(empty.index(sp), count=1)
                     # The previous block's product is at the previous maximum: add, then rescale.
@@ -321,9 +366,9 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 else:
                     _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 0, QK_INT8)
-                    m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
-                                                          EVEN_K)
-                    p8_new = _pv_operand(p, q_s.dtype, p8_layout, PV_FP8)
+                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
+                                                          EVEN_K, P_LOG2, PV_INT8)
+                    p8_new = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                 p8 = p8_new
                 tp = u
@@ -332,7 +377,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 mbarrier.arrive(empty.index(s), count=1)
         if tp >= 0:
             sp = tp % STAGES
-            acc = _pv_flush(p8, v_bufs.index(sp), acc, o8_zero, PV_FP8, BS, PV_ACC)
+            acc = _pv_flush(p8, v_bufs.index(sp), acc, o8_zero, PV8, BS, PV_ACC)
             mbarrier.arrive(empty.index(sp), count=1)
     else:
         for u in range(n_union):
@@ -348,33 +393,42 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
                 _turn_pass(turn, CID, PINGPONG)
                 raw = _qk_raw(sc, 0, QK_INT8)
-                m_i, l_i, rescale, p = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
-                                                      EVEN_K)
-                p8 = _pv_operand(p, q_s.dtype, p8_layout, PV_FP8)
+                m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
+                                                      EVEN_K, P_LOG2, PV_INT8)
+                p8 = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
                 if PV_ACC:  # the input kernel's way: rescale, then accumulate in the wgmma
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
-                    acc = _pv_issue(p8, v_bufs.index(s), acc, PV_FP8, BS, True)
+                    acc = _pv_issue(p8, v_bufs.index(s), acc, PV8, BS, True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 else:
                     # Each block's P·V starts from zero and is added in float32, so the
                     # accumulator's rescale runs while the tensor cores compute the product (and
                     # no FP8 sum spans more than one block).
-                    pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV_FP8, BS)
+                    pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV8, BS, False, PV_INT8)
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
-                    acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                    if PV_INT8:
+                        # Σ (c − 128)·v8 + 128·Σ v8 (exact in int32, and in float32: < 2^24), times
+                        # the block's value scales and its factor f
+                        vcs = gl.load(vcs_base + (code >> 2) * D)
+                        tau_j = gl.load(tau_base + (code >> 2) * D)
+                        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                        pvf = (pv + vcs[None, :] * INT8_P_OFFSET).to(gl.float32) * tau_j[None, :]
+                        acc = acc + pvf * gl.convert_layout(f, gl.SliceLayout(1, o8_layout))[:, None]
+                    else:
+                        acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             else:
                 _turn_pass(turn, CID, PINGPONG)
             mbarrier.arrive(empty.index(s), count=1)
 
-    # The exact blocks' numerator back in value units (τ / 256 per channel, or 1 / 256), then the
-    # tail's input-precision layouts.
-    if PV_FP8:
-        tau = gl.load(tau_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))) * (1.0 / P_SCALE)
+    # The exact blocks' numerator back in value units (τ / F per channel, or 1 / F: int8 values
+    # are scaled per block above), then the tail's input-precision layouts.
+    if PV8 and not PV_INT8:
+        tau = gl.load(tau_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))) * (1.0 / P_MUL)
         acc = gl.convert_layout(acc * tau[None, :], o_layout)
     else:
-        acc = gl.convert_layout(acc * (1.0 / P_SCALE), o_layout)
+        acc = gl.convert_layout(acc * (1.0 / P_MUL), o_layout)
     m_i = gl.convert_layout(m_i, row_s)
-    l_i = gl.convert_layout(l_i * (1.0 / P_SCALE), row_s)
+    l_i = gl.convert_layout(l_i * (1.0 / P_MUL), row_s)
     l_tail = gl.zeros([BS], gl.float32, layout=row_s)
     s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
     o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
@@ -449,13 +503,13 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "LKP", "NQ", "NK", "W2", "NW"])
 def _fp8_pair_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc,
-    kscale_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
+    kscale_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
     H, HK, LQ, LK, LKP, NQ, NK, W2, NW,
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
-    QK_INT8: gl.constexpr, PV_FP8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
-    LOOKAHEAD: gl.constexpr,
+    QK_INT8: gl.constexpr, PV8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
+    LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -469,12 +523,13 @@ def _fp8_pair_kernel(
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], dtype)
     k8_dtype: gl.constexpr = k_desc.dtype  # int8 or e4m3
     k8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], k8_dtype)
-    v8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BS], gl.float8e4nv)
+    v8_dtype: gl.constexpr = v_desc.dtype  # e4m3 or int8 when PV8
+    v8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BS], v8_dtype)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, BS, D], tile_layout)
     k_bufs = gl.allocate_shared_memory(k8_dtype, [STAGES, BS, D], k8_layout)
-    if PV_FP8:
-        v_bufs = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BS], v8_layout)
+    if PV8:
+        v_bufs = gl.allocate_shared_memory(v8_dtype, [STAGES, D, BS], v8_layout)
     else:
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
     if MODE > 0:
@@ -509,17 +564,17 @@ def _fp8_pair_kernel(
         (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
                    q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                    uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-                   BS, C, STAGES, TSTAGES, MODE, PV_FP8, LOOKAHEAD)),
-        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
+                   BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD)),
+        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                      qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV_FP8, PV_ACC, PINGPONG, LOOKAHEAD)),
-        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr,
+                     QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8)),
+        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                      q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                      turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                      qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV_FP8, PV_ACC, PINGPONG, LOOKAHEAD)),
+                     QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8)),
     ], [4, 4], [240, 240])
 
 
@@ -527,8 +582,8 @@ def _fp8_pair_kernel(
 # Host side
 # ----------------------------------------------------------------------------------------------
 
-# Ring depths (exact FP8 K+V slots, tail slots) per head dim and whether the mode has a tail. At
-# D=128 two query tiles (32 KB) and H̄ (32 KB) leave room for 5 FP8 slots (80 KB) and 2 tail slots
+# Ring depths (exact 8-bit K+V slots, tail slots) per head dim and whether the mode has a tail. At
+# D=128 two query tiles (32 KB) and H̄ (32 KB) leave room for 5 8-bit slots (80 KB) and 2 tail slots
 # (64 KB) in one CTA per SM; without a tail the FP8 ring takes the room. Deeper exact rings measured
 # faster than (3, 3) / (6, 1) on the H100 (hybrid -2 to -10 % at 32K, drop up to -5 %; outputs
 # bit-identical; benchmarks/results/h100_schedules.json).
@@ -548,11 +603,12 @@ PIPELINE = False
 # to +15 % drop, +6 to +18 % hybrid; pipelined loop +1 to +29 %; results/h100_fp8_pingpong.json).
 PINGPONG = False
 # How many union entries ahead the loops read the stream's codes (:func:`_next_code`), per format
-# (key: P·V in e4m3). Measured at 32K/64K in one run (results/h100_fp8_lookahead.json): 2 is faster
+# (key: P·V on 8-bit values, e4m3 or int8; int8 P·V takes the e4m3 setting unmeasured). Measured at 32K/64K in one run (results/h100_fp8_lookahead.json): 2 is faster
 # for the e4m3 P·V formats in 6 of 8 drop/hybrid cases (up to -5.5 %), slower for ``int8`` in 3 of 4;
 # near the spread between two timings of the same configuration (up to 13 % in that run).
 LOOKAHEAD = {True: 2, False: 1}
-# The exact loop's P·V per format (key: P·V in e4m3): from zero and added in float32 (False),
+# The exact loop's P·V per format (key: P·V on 8-bit values; int8 P·V always from zero): from
+# zero and added in float32 (False),
 # or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
 # 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
 # accumulator 4.34 vs 4.57 ms.
@@ -580,9 +636,12 @@ def attention(
 ) -> tuple[Tensor, Tensor]:
     """The low-precision pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
     ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
-    of ``Q·Kᵀ``) and values (``lk`` the true key count), the statistics' tail terms as
-    :func:`.attention.attention` takes them; (out, lse) out. ``v``: the ``[B, Hk, Lk, D]`` values
-    for ``P·V`` in the input dtype (then ``quant`` holds no value copy), None for e4m3 ``P·V``.
+    of ``Q·Kᵀ``) and values (e4m3 or int8: the format of ``P·V``; ``lk`` the true key count), the
+    statistics' tail terms as :func:`.attention.attention` takes them; (out, lse) out. ``v``: the
+    ``[B, Hk, Lk, D]`` values for ``P·V`` in the input dtype (then ``quant`` holds no value copy),
+    None for 8-bit ``P·V``. INT8 ``P·V`` runs in the sequential loop, from zero per block (its
+    int32 sums cannot go into the float32 accumulator): ``pipeline`` and ``pv_accumulate`` are
+    refused for it.
     ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: either
     loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format);
     ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`); ``lookahead``: how far
@@ -600,28 +659,34 @@ def attention(
     uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=None if pairs is None else pairs[:2])
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
-    pv_fp8 = v is None
-    if pv_fp8 == (quant.v8t.numel() == 0 and b * hk * d > 0):
-        raise ValueError("v: pass the values exactly when quant holds no e4m3 copy of them (P·V in the input dtype)")
+    pv8 = v is None
+    if pv8 == (quant.v8t.numel() == 0 and b * hk * d > 0):
+        raise ValueError("v: pass the values exactly when quant holds no 8-bit copy of them (P·V in the input dtype)")
     qk_int8 = quant.k8.dtype == torch.int8
-    st, tst = stages or (STAGES if pv_fp8 else STAGES_V16)[d, m > 0]
-    tensors = (q, quant.k8, quant.v8t if pv_fp8 else v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
+    pv_int8 = pv8 and quant.v8t.dtype == torch.int8
+    st, tst = stages or (STAGES if pv8 else STAGES_V16)[d, m > 0]
+    tensors = (q, quant.k8, quant.v8t if pv8 else v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
                hbar.view(b * hk, d, d))
-    blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs] if pv_fp8 else [1, 1, bs, d], [1, 1, bs, d], [1, bs, d],
+    blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs] if pv8 else [1, 1, bs, d], [1, 1, bs, d], [1, bs, d],
               [1, bs, d], [1, d, d])
-    tau = quant.tau if pv_fp8 else quant.sigma  # unread without e4m3 values
-    scalars = (kscale, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu,
+    tau = quant.tau if pv8 else quant.sigma  # unread without 8-bit values
+    vcs = quant.vcs if pv_int8 else quant.sigma  # unread without int8 values
+    scalars = (kscale, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu, vcs,
                h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     pipe = PIPELINE if pipeline is None else bool(pipeline)
-    pv_acc = PV_ACCUMULATE[pv_fp8] if pv_accumulate is None else bool(pv_accumulate)
+    pv_acc = PV_ACCUMULATE[pv8] if pv_accumulate is None else bool(pv_accumulate)
+    if pv_int8 and (pipe or pv_acc):
+        raise ValueError("pipeline / pv_accumulate: INT8 P·V runs in the sequential loop, each block's product "
+                         "from zero")
     pp = PINGPONG if pingpong is None else bool(pingpong)
-    la = LOOKAHEAD[pv_fp8] if lookahead is None else lookahead
+    la = LOOKAHEAD[pv8] if lookahead is None else lookahead
     if la not in (1, 2):
         raise ValueError(f"lookahead: 1 or 2 union entries, got {lookahead!r}")
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
-                      PIPELINE=pipe, QK_INT8=qk_int8, PV_FP8=pv_fp8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv_fp8, pv_acc, pp, la,
-           tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
+                      PIPELINE=pipe, QK_INT8=qk_int8, PV8=pv8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la,
+                      PV_INT8=pv_int8)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8,
+           tuple(x.data_ptr() % 16 == 0 for x in scalars[:10]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
@@ -636,7 +701,8 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     """Compile the low-precision pair kernel for sm_90a without a GPU (as
     :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``."""
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
-    pv_fp8 = pv_fmt == "e4m3"
+    pv8 = pv_fmt != "input"
+    pv_int8 = pv_fmt == "int8"
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -644,20 +710,24 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     d, bs = head_dim, 64
     x = torch.empty(1, 1, bs, d, dtype=dtype)
     k8 = torch.empty(1, 1, bs, d, dtype=torch.int8 if qk_fmt == "int8" else torch.float8_e4m3fn)
-    v8 = torch.empty(1, 1, d, bs, dtype=torch.float8_e4m3fn) if pv_fp8 else x
+    v8 = torch.empty(1, 1, d, bs, dtype=torch.int8 if pv_int8 else torch.float8_e4m3fn) if pv8 else x
     c = torch.empty(1, bs, d, dtype=torch.float16)
-    descs = dict(q_desc=_desc(x, [1, 1, bs, d]), k_desc=_desc(k8, [1, 1, bs, d]), v_desc=_desc(v8, [1, 1, d, bs] if pv_fp8 else [1, 1, bs, d]),
+    descs = dict(q_desc=_desc(x, [1, 1, bs, d]), k_desc=_desc(k8, [1, 1, bs, d]), v_desc=_desc(v8, [1, 1, d, bs] if pv8 else [1, 1, bs, d]),
                  o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
-    st, tst = stages or (STAGES if pv_fp8 else STAGES_V16)[d, mode != "drop"]
+    st, tst = stages or (STAGES if pv8 else STAGES_V16)[d, mode != "drop"]
+    pipe = PIPELINE if pipeline is None else bool(pipeline)
+    if pv_int8 and pipe:
+        raise ValueError("pipeline: INT8 P·V runs in the sequential loop")
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
-                      LOG2_BS=math.log2(bs), PIPELINE=PIPELINE if pipeline is None else bool(pipeline),
-                      QK_INT8=qk_fmt == "int8", PV_FP8=pv_fp8, PV_ACC=PV_ACCUMULATE[pv_fp8],
+                      LOG2_BS=math.log2(bs), PIPELINE=pipe,
+                      QK_INT8=qk_fmt == "int8", PV8=pv8, PV_ACC=PV_ACCUMULATE[pv8],
                       PINGPONG=PINGPONG if pingpong is None else bool(pingpong),
-                      LOOKAHEAD=LOOKAHEAD[pv_fp8] if lookahead is None else int(lookahead))
+                      LOOKAHEAD=LOOKAHEAD[pv8] if lookahead is None else int(lookahead), PV_INT8=pv_int8)
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
-                 alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", qk_scale="fp32", scale="fp32")
+                 alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", vcs_ptr="*i32",
+                 qk_scale="fp32", scale="fp32")
     sig = {}
     for name in _fp8_pair_kernel.arg_names:
         sig[name] = ("constexpr" if name in constexprs else mangle_type(descs[name]) if name in descs

@@ -4,10 +4,10 @@ kernel (:mod:`.attention`) for attend. Inference only.
 It runs on sm_90 GPUs (H100, H200) with a Triton that ships Gluon (3.6 or newer), for float16 /
 bfloat16, head dims 64 and 128 and 64-token blocks; ``backend="auto"`` prefers it there.
 
-``LOWP_BACKENDS`` (``"hopper_fp8"``, ``"hopper_int8_fp8"``, ``"hopper_int8"``: what
-``precision="fp8"``, ``"int8-fp8"``, ``"int8"`` run) share prepare and select and attend with the
-low-precision pair kernel (:mod:`.fp8`) after the quantisation pass
-(:mod:`pisa_attn.ops.triton.quantize`).
+``LOWP_BACKENDS`` (``"hopper_fp8"``, ``"hopper_int8_fp8"``, ``"hopper_int8_int8"``,
+``"hopper_int8"``: what ``precision="fp8"``, ``"int8-fp8"``, ``"int8-int8"``, ``"int8"`` run)
+share prepare and select and attend with the low-precision pair kernel (:mod:`.fp8`) after the
+quantisation pass (:mod:`pisa_attn.ops.triton.quantize`).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ BACKEND = _fused.register(
             _top.score_scratch, workspace))
 
 
-# ------------------------------------------------- precision="fp8", "int8-fp8", "int8"
+# --------------------------------------------- precision="fp8", "int8-fp8", "int8-int8", "int8"
 @dataclass
 class Fp8Workspace(_top.Workspace):
     """The Hopper workspace plus the quantised copies of K (and V) and their scales."""
@@ -193,5 +193,6 @@ def _lowp_backend(precision: str, name: str) -> Backend:
 
 # precision -> backend (the names pisa_attn.attention.LOWP_BACKENDS gives them)
 LOWP_BACKENDS = {n: _lowp_backend(p, n) for p, n in
-                 (("fp8", "hopper_fp8"), ("int8-fp8", "hopper_int8_fp8"), ("int8", "hopper_int8"))}
+                 (("fp8", "hopper_fp8"), ("int8-fp8", "hopper_int8_fp8"), ("int8-int8", "hopper_int8_int8"),
+                  ("int8", "hopper_int8"))}
 FP8_BACKEND = LOWP_BACKENDS["hopper_fp8"]

@@ -1,5 +1,5 @@
-"""The low-precision exact phase's quantisation pass: e4m3 or int8 copies of K and e4m3 copies of
-V (math: :mod:`pisa_attn.ops.quant`).
+"""The low-precision exact phase's quantisation pass: e4m3 or int8 copies of K and e4m3 or int8
+copies of V (math: :mod:`pisa_attn.ops.quant`).
 
 Up to three launches after the statistics (they read the statistics' float16 centroids):
 
@@ -9,12 +9,16 @@ Up to three launches after the statistics (they read the statistics' float16 cen
   of the float bits (non-negative floats order as their bit patterns);
 * ``_quant_kernel`` (one program per kv head and key block): one read of the block's keys and
   values, one write of ``k8 = Q((k − μ)/σ_j)`` ``[B, Hk, Lk', D]`` (e4m3 or int8) with its
-  per-block scale ``σ`` ``[B, Hk, Nk]``, and of ``v8`` transposed ``[B, Hk, D, Lk']`` with the
-  per-channel scales ``τ`` ``[B, Hk, D]``. ``Lk'`` is ``Lk`` rounded up to whole blocks: the rows
-  past ``Lk`` are written as zeros, so the attention kernel's TMA boxes never leave a tensor.
+  per-block scale ``σ`` ``[B, Hk, Nk]``, and of ``v8`` transposed ``[B, Hk, D, Lk']``: e4m3 with
+  the per-channel scales ``τ`` ``[B, Hk, D]`` of the ``|v|`` pass, or int8 with one scale per
+  block and channel ``τ`` ``[B, Hk, Nk, D]`` from the block's own rows, and the block's code sums
+  per channel ``[B, Hk, Nk, D]`` (int32; the kernel's offset P codes need them). ``Lk'`` is
+  ``Lk`` rounded up to whole blocks: the rows past ``Lk`` are written as zeros, so the attention
+  kernel's TMA boxes never leave a tensor.
 
 When ``P·V`` runs in the input dtype (``precision="int8"``) there is no ``|v|`` pass and no value
-copy: only the keys are read and written.
+copy: only the keys are read and written; int8 values (``"int8-int8"``) need no ``|v|`` pass
+either.
 
 e4m3 scales are powers of two built from the exponent bits (exact division, no ``log2``); int8
 scales are ``amax/127`` and ``127/amax`` by correctly rounded division (``div_rn``): the kernels
@@ -84,12 +88,19 @@ def _vmax_kernel(v_ptr, vmax_ptr, svb, svh, svl, svd, HK, LK, NK, PER, CHUNKS, B
     tl.atomic_max(vmax_ptr + bh.to(tl.int64) * D + offs_d, tl.max(m, axis=0).to(tl.int32, bitcast=True))
 
 
+@triton.jit
+def _to_int8(x, inv):
+    """``x·inv`` to int8: half away from zero (the cast truncates), clamped to the symmetric range."""
+    y = x * inv
+    return tl.minimum(tl.maximum(y + tl.where(y >= 0, 0.5, -0.5), -127.0), 127.0).to(tl.int8)
+
+
 @triton.jit(do_not_specialize=["HK", "LK", "LKP", "NK"])
 def _quant_kernel(
-    k_ptr, v_ptr, mu_ptr, vmax_ptr, k8_ptr, sig_ptr, v8_ptr, tau_ptr,
+    k_ptr, v_ptr, mu_ptr, vmax_ptr, k8_ptr, sig_ptr, v8_ptr, tau_ptr, vcs_ptr,
     skb, skh, skl, skd, svb, svh, svl, svd,
     HK, LK, LKP, NK,
-    BS: tl.constexpr, D: tl.constexpr, K_INT8: tl.constexpr, WITH_V: tl.constexpr,
+    BS: tl.constexpr, D: tl.constexpr, K_INT8: tl.constexpr, WITH_V: tl.constexpr, V_INT8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = pid % NK
@@ -106,9 +117,7 @@ def _quant_kernel(
     kmax = tl.max(tl.max(tl.abs(kc), axis=1), axis=0)
     if K_INT8:
         sig, sig_inv = _int8_scale(kmax)
-        y = kc * sig_inv
-        # round half away from zero (the cast truncates), clamp to the symmetric range
-        k8 = tl.minimum(tl.maximum(y + tl.where(y >= 0, 0.5, -0.5), -127.0), 127.0).to(tl.int8)
+        k8 = _to_int8(kc, sig_inv)
     else:
         sig, sig_inv = _pow2_scale(kmax)
         k8 = (kc * sig_inv).to(tl.float8e4nv)
@@ -116,28 +125,37 @@ def _quant_kernel(
     tl.store(sig_ptr + bh * NK + j, sig)
     if WITH_V:
         v = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
-        tau, tau_inv = _pow2_scale(tl.load(vmax_ptr + bh * D + offs_d).to(tl.float32, bitcast=True))
-        if j == 0:  # one program per head writes the head's value scales
-            tl.store(tau_ptr + bh * D + offs_d, tau)
-        v8 = tl.trans((v.to(tl.float32) * tau_inv[None, :]).to(tl.float8e4nv))  # [D, BS]: the K-major B operand
-        tl.store(v8_ptr + (bh * D + offs_d[:, None]) * LKP + rows[None, :], v8)
+        if V_INT8:  # one scale per block and channel, from this block's rows (padding rows are 0)
+            vf = v.to(tl.float32)
+            tau, tau_inv = _int8_scale(tl.max(tl.abs(vf), axis=0))
+            v8 = _to_int8(vf, tau_inv[None, :])
+            tl.store(tau_ptr + (bh * NK + j) * D + offs_d, tau)
+            tl.store(vcs_ptr + (bh * NK + j) * D + offs_d, tl.sum(v8.to(tl.int32), axis=0))
+        else:
+            tau, tau_inv = _pow2_scale(tl.load(vmax_ptr + bh * D + offs_d).to(tl.float32, bitcast=True))
+            v8 = (v.to(tl.float32) * tau_inv[None, :]).to(tl.float8e4nv)
+            if j == 0:  # one program per head writes the head's value scales
+                tl.store(tau_ptr + bh * D + offs_d, tau)
+        tl.store(v8_ptr + (bh * D + offs_d[:, None]) * LKP + rows[None, :], tl.trans(v8))  # the K-major B operand
 
 
 @dataclass
 class Quantized:
     """The quantised copies of one call's keys (and values) and their scales (see the module
-    docstring). Without value copies (``precision="int8"``) ``v8t``, ``tau`` and ``vmax`` are
-    empty."""
+    docstring). Without value copies (``precision="int8"``) ``v8t``, ``tau``, ``vmax`` and ``vcs``
+    are empty; ``vmax`` is used for e4m3 values only, ``vcs`` for int8 values only."""
 
     mu: Tensor  # [B, Hk, D] float32
     k8: Tensor  # [B, Hk, Lk', D] float8_e4m3fn or int8
     sigma: Tensor  # [B, Hk, Nk] float32
-    v8t: Tensor  # [B, Hk, D, Lk'] float8_e4m3fn
-    tau: Tensor  # [B, Hk, D] float32
+    v8t: Tensor  # [B, Hk, D, Lk'] float8_e4m3fn or int8
+    tau: Tensor  # float32 [B, Hk, D] (e4m3 values) or [B, Hk, Nk, D] (int8 values)
     vmax: Tensor  # [B, Hk, D] int32: the bits of max |v| per channel (scratch)
+    vcs: Tensor  # [B, Hk, Nk, D] int32: per block and channel, the sum of the int8 value codes
 
 
 _K_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+_V_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8, "input": torch.float8_e4m3fn}
 
 
 def quant_workspace(b: int, hk: int, lk: int, d: int, block_size: int, device, precision: str = "fp8") -> Quantized:
@@ -146,11 +164,15 @@ def quant_workspace(b: int, hk: int, lk: int, d: int, block_size: int, device, p
     nk = -(-lk // block_size)
     lkp = nk * block_size
     f32 = dict(device=device, dtype=torch.float32)
-    e4 = dict(device=device, dtype=torch.float8_e4m3fn)
-    n = 1 if pv_fmt == "e4m3" else 0
+    i32 = dict(device=device, dtype=torch.int32)
+    n = 0 if pv_fmt == "input" else 1
+    ni = 1 if pv_fmt == "int8" else 0
+    tau_shape = (b, hk, nk, d) if pv_fmt == "int8" else (b * n, hk, d)
     return Quantized(torch.empty(b, hk, d, **f32), torch.empty(b, hk, lkp, d, device=device, dtype=_K_DTYPES[qk_fmt]),
-                     torch.empty(b, hk, nk, **f32), torch.empty(b * n, hk, d, lkp, **e4),
-                     torch.empty(b * n, hk, d, **f32), torch.empty(b * n, hk, d, device=device, dtype=torch.int32))
+                     torch.empty(b, hk, nk, **f32),
+                     torch.empty(b * n, hk, d, lkp, device=device, dtype=_V_DTYPES[pv_fmt]),
+                     torch.empty(tau_shape, **f32), torch.empty(b * (n - ni), hk, d, **i32),
+                     torch.empty(b * ni, hk, nk, d, **i32))
 
 
 _launch_mu = Launcher(_mu_kernel)
@@ -166,29 +188,33 @@ def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int
     ``kbar``/``kscale``: the statistics' float16 centroids and their per-head scale. ``ws``: a
     :func:`quant_workspace` of these shapes and this precision to write into."""
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
-    with_v = pv_fmt == "e4m3"
+    with_v = pv_fmt != "input"
     b, hk, lk, d = k.shape
     nk = -(-lk // block_size)
     if ws is None:
         ws = quant_workspace(b, hk, lk, d, block_size, k.device, precision)
     if (ws.k8.shape != (b, hk, nk * block_size, d) or ws.k8.dtype != _K_DTYPES[qk_fmt]
-            or ws.v8t.shape != (b if with_v else 0, hk, d, nk * block_size)):
+            or ws.v8t.shape != (b if with_v else 0, hk, d, nk * block_size) or ws.v8t.dtype != _V_DTYPES[pv_fmt]
+            or ws.vcs.shape[0] != (b if pv_fmt == "int8" else 0) or ws.tau.dim() != (4 if pv_fmt == "int8" else 3)):
         raise ValueError(f"ws: a quant_workspace made for other shapes or another precision than {precision!r}")
     if b * hk == 0 or nk == 0:
         ws.mu.zero_()
         return ws
     # without values, the (empty) value buffers stand in for the unused pointers
-    vmax = ws.vmax if with_v else ws.sigma
-    _launch_mu((d,), (b * hk,), (kbar, kscale, ws.mu, vmax, nk), dict(D=d, TJ=32, ZERO_VMAX=with_v), num_warps=4)
-    if with_v:
+    with_vmax = pv_fmt == "e4m3"  # int8 values are scaled per block, from the block alone
+    vmax = ws.vmax if with_vmax else ws.sigma
+    _launch_mu((d,), (b * hk,), (kbar, kscale, ws.mu, vmax, nk), dict(D=d, TJ=32, ZERO_VMAX=with_vmax), num_warps=4)
+    if with_vmax:
         chunks = -(-nk // VMAX_BLOCKS)
         _launch_vmax((v.dtype, block_size, d, spec_class(v, *v.stride())), (b * hk * chunks,),
                      (v, ws.vmax, *v.stride(), hk, lk, nk, VMAX_BLOCKS, chunks), dict(BS=block_size, D=d),
                      num_warps=4 if d <= 64 else 8)
     strides = (*k.stride(), *v.stride())
     v8t, tau = (ws.v8t, ws.tau) if with_v else (ws.k8, ws.sigma)
-    _launch_quant((k.dtype, v.dtype, block_size, d, qk_fmt, with_v, spec_class(k, v, *strides)), (b * hk * nk,),
-                  (k, v, ws.mu, vmax, ws.k8, ws.sigma, v8t, tau, *strides, hk, lk, nk * block_size, nk),
-                  dict(BS=block_size, D=d, K_INT8=qk_fmt == "int8", WITH_V=with_v), num_warps=4 if d <= 64 else 8,
+    vcs = ws.vcs if pv_fmt == "int8" else ws.sigma
+    _launch_quant((k.dtype, v.dtype, block_size, d, qk_fmt, pv_fmt, spec_class(k, v, *strides)), (b * hk * nk,),
+                  (k, v, ws.mu, vmax, ws.k8, ws.sigma, v8t, tau, vcs, *strides, hk, lk, nk * block_size, nk),
+                  dict(BS=block_size, D=d, K_INT8=qk_fmt == "int8", WITH_V=with_v, V_INT8=pv_fmt == "int8"),
+                  num_warps=4 if d <= 64 else 8,
                   enable_fp_fusion=False)  # each rounding where the reference has it (no a·b + 0.5 in one FMA)
     return ws
