@@ -186,6 +186,48 @@ def test_int8_pv_offset_codes_are_the_reference_product():
     torch.testing.assert_close(acc / 255, want, rtol=1e-9, atol=1e-9)
 
 
+def test_int8_pv_online_loop_is_the_reference():
+    """The Hopper kernel's exact loop for INT8 P·V, emulated step by step in float64 (base 2, codes
+    against each block's row maximum, the running (m, l) and the accumulator rescaled, each block's
+    offset-coded int32 product times its value scales and exp2(b − m)), equals the quantised
+    reference in drop mode on the same selection."""
+    q, k, v = _case(lk=512, hk=4)
+    q, k, v = q[:, :, :128], k, v
+    st = ref.block_stats(k.float(), v.float(), 64)
+    mask = torch.zeros(1, 4, 2, 8, dtype=torch.bool)
+    mask[:, :, 0, [0, 3, 6]] = True
+    mask[:, :, 1, [1, 2, 7]] = True
+    want, _ = _lowp("int8-int8", q, k, v, st, mask, mode="drop")
+    mu = st.kmean.float().mean(2)
+    k8, sig = quant.quantize_k(k, mu, 64, "int8")
+    v8t, tau = quant.quantize_v(v, 64, "int8")
+    vcs = quant.value_code_sums(v8t, 64).long()
+    s2 = 64**-0.5 * 1.4426950408889634  # the kernel's scores are in base 2
+    out = torch.empty(1, 4, 128, 64, dtype=torch.float64)
+    for h in range(4):
+        for qb in range(2):
+            qr = q[0, h, qb * 64:(qb + 1) * 64].float()
+            q8, rho = quant.quantize_rows(qr, "int8")
+            q_mu = (qr.double() @ mu[0, h].double()) * s2
+            m = torch.full((64,), float("-inf"), dtype=torch.float64)
+            l = torch.zeros(64, dtype=torch.float64)
+            acc = torch.zeros(64, 64, dtype=torch.float64)
+            for j in mask[0, h, qb].nonzero().flatten().tolist():
+                raw = (q8.long() @ k8[0, h, j * 64:(j + 1) * 64].long().T).double()
+                a = rho.double() * sig[0, h, j].double() * s2
+                b = raw.amax(1) * a + q_mu
+                m_new = torch.maximum(m, b)
+                rescale, f = torch.exp2(m - m_new), torch.exp2(b - m_new)
+                p = torch.exp2(raw * a[:, None] + (q_mu - b + 7.994353436858858)[:, None])  # 255·exp2(S − b)
+                l = l * rescale + p.sum(1) * f
+                c = torch.floor(p + 0.5).long() - 128
+                i32 = c @ v8t[0, h, :, j * 64:(j + 1) * 64].long().T + 128 * vcs[0, h, j]
+                acc = acc * rescale[:, None] + i32.double() * tau[0, h, j].double() * f[:, None]
+                m = m_new
+            out[0, h, qb * 64:(qb + 1) * 64] = acc / l[:, None]
+    assert rel_l1(out, want) < 1e-5
+
+
 def test_quantize_k_int8_codes_and_scales():
     torch.manual_seed(0)
     k = (torch.randn(2, 3, 200, 64) * 5 + 2).bfloat16()
