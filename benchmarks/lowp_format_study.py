@@ -65,6 +65,8 @@ VARIANTS = {
     "P s8 (running max), V int8 per head": Fmt(p="s8", v="int8"),
     "P u8 (running max), V int8 per head": Fmt(p="u8", v="int8"),
     "P u8 (running max), V int8 per block": Fmt(p="u8", v="int8", v_scale="block"),
+    "P s8 (block max), V int8 per head": Fmt(p="s8", p_ref="blk", v="int8"),
+    "P s8 (block max), V int8 per block": Fmt(p="s8", p_ref="blk", v="int8", v_scale="block"),
     "P u8 (block max), V int8 per head": Fmt(p="u8", p_ref="blk", v="int8"),
     "P u8 (block max), V int8 per block (int8-int8)": Fmt(p="u8", p_ref="blk", v="int8", v_scale="block"),
     "P u8 (block max) alone": Fmt(p="u8", p_ref="blk"),
