@@ -44,7 +44,8 @@ float32 result.
   row's largest score in this block (every block's largest probability is the code 255; the
   block's product is then rescaled by ``exp(b_tj − m_t)`` in float32: an absolute step of 1/255
   of the block's own maximum, where codes against the running maximum waste their range on
-  blocks below it, and signed codes ``round(127·p)`` halve it; measured in notes/fp8.md). The
+  blocks below it and signed codes ``round(127·p)`` have half the resolution; measured in
+  notes/fp8.md). The
   kernel feeds the signed wgmma ``c − 128`` and adds ``128·Σ_n v8_nd`` per block back to the
   int32 sum, the same integer. The denominator
   sums the unrounded ``exp(S_tn − m_t)``. ``m_t`` is the running maximum when the block is
