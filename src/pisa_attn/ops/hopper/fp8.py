@@ -603,11 +603,12 @@ PIPELINE = False
 # to +15 % drop, +6 to +18 % hybrid; pipelined loop +1 to +29 %; results/h100_fp8_pingpong.json).
 PINGPONG = False
 # How many union entries ahead the loops read the stream's codes (:func:`_next_code`), per format
-# (key: P·V on 8-bit values, e4m3 or int8; int8 P·V takes the e4m3 setting unmeasured). Measured at 32K/64K in one run (results/h100_fp8_lookahead.json): 2 is faster
-# for the e4m3 P·V formats in 6 of 8 drop/hybrid cases (up to -5.5 %), slower for ``int8`` in 3 of 4;
-# near the spread between two timings of the same configuration (up to 13 % in that run).
+# (key: P·V on 8-bit values; int8 values take the e4m3 setting, unmeasured). Measured at 32K/64K
+# in one run (results/h100_fp8_lookahead.json): 2 is faster for the e4m3 P·V formats in 6 of 8
+# drop/hybrid cases (up to -5.5 %), slower for ``int8`` in 3 of 4; near the spread between two
+# timings of the same configuration (up to 13 % in that run).
 LOOKAHEAD = {True: 2, False: 1}
-# The exact loop's P·V per format (key: P·V on 8-bit values; int8 P·V always from zero): from
+# The exact loop's P·V per format (key: P·V on 8-bit values; int8 values always from zero): from
 # zero and added in float32 (False),
 # or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
 # 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
