@@ -155,24 +155,27 @@ class Quantized:
 
 
 _K_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
-_V_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8, "input": torch.float8_e4m3fn}
+
+
+def _buffers(b: int, hk: int, lk: int, d: int, block_size: int, precision: str) -> dict:
+    """``{field: (shape, dtype)}`` of :class:`Quantized` for ``precision``: what
+    :func:`quant_workspace` allocates and :func:`quantize` checks a given workspace against."""
+    qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
+    nk = -(-lk // block_size)
+    lkp = nk * block_size
+    nv = 0 if pv_fmt == "input" else b  # value copies
+    ne = b if pv_fmt == "e4m3" else 0  # the |v| pass's scratch
+    ni = b if pv_fmt == "int8" else 0  # int8 values' per-block scales and code sums
+    f32, i32 = torch.float32, torch.int32
+    return dict(mu=((b, hk, d), f32), k8=((b, hk, lkp, d), _K_DTYPES[qk_fmt]), sigma=((b, hk, nk), f32),
+                v8t=((nv, hk, d, lkp), torch.int8 if ni else torch.float8_e4m3fn),
+                tau=((ni, hk, nk, d) if ni else (nv, hk, d), f32), vmax=((ne, hk, d), i32), vcs=((ni, hk, nk, d), i32))
 
 
 def quant_workspace(b: int, hk: int, lk: int, d: int, block_size: int, device, precision: str = "fp8") -> Quantized:
     """Buffers of :func:`quantize` for ``precision`` (:data:`pisa_attn.spec.PRODUCT_FORMATS`)."""
-    qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
-    nk = -(-lk // block_size)
-    lkp = nk * block_size
-    f32 = dict(device=device, dtype=torch.float32)
-    i32 = dict(device=device, dtype=torch.int32)
-    n = 0 if pv_fmt == "input" else 1
-    ni = 1 if pv_fmt == "int8" else 0
-    tau_shape = (b, hk, nk, d) if pv_fmt == "int8" else (b * n, hk, d)
-    return Quantized(torch.empty(b, hk, d, **f32), torch.empty(b, hk, lkp, d, device=device, dtype=_K_DTYPES[qk_fmt]),
-                     torch.empty(b, hk, nk, **f32),
-                     torch.empty(b * n, hk, d, lkp, device=device, dtype=_V_DTYPES[pv_fmt]),
-                     torch.empty(tau_shape, **f32), torch.empty(b * (n - ni), hk, d, **i32),
-                     torch.empty(b * ni, hk, nk, d, **i32))
+    return Quantized(**{name: torch.empty(shape, device=device, dtype=dtype)
+                        for name, (shape, dtype) in _buffers(b, hk, lk, d, block_size, precision).items()})
 
 
 _launch_mu = Launcher(_mu_kernel)
@@ -193,9 +196,8 @@ def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int
     nk = -(-lk // block_size)
     if ws is None:
         ws = quant_workspace(b, hk, lk, d, block_size, k.device, precision)
-    if (ws.k8.shape != (b, hk, nk * block_size, d) or ws.k8.dtype != _K_DTYPES[qk_fmt]
-            or ws.v8t.shape != (b if with_v else 0, hk, d, nk * block_size) or ws.v8t.dtype != _V_DTYPES[pv_fmt]
-            or ws.vcs.shape[0] != (b if pv_fmt == "int8" else 0) or ws.tau.dim() != (4 if pv_fmt == "int8" else 3)):
+    if any(getattr(ws, name).shape != shape or getattr(ws, name).dtype != dtype
+           for name, (shape, dtype) in _buffers(b, hk, lk, d, block_size, precision).items()):
         raise ValueError(f"ws: a quant_workspace made for other shapes or another precision than {precision!r}")
     if b * hk == 0 or nk == 0:
         ws.mu.zero_()
