@@ -12,8 +12,18 @@ import sys
 SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 
 _SCRIPT = """
-import json, re, sys, torch
+import json, os, re, subprocess, sys, tempfile, torch, triton
 {imports}
+# ptxas's own spills show only in the SASS (cuobjdump ships with Triton beside ptxas)
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def sass_spills(cubin):
+    if not os.path.exists(CUOBJDUMP):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return len(re.findall(r"\\b(?:STL|LDL)\\b", sass))
 res = {{}}
 for name, args in json.loads(sys.argv[1]).items():
     k = {call}
@@ -27,7 +37,8 @@ for name, args in json.loads(sys.argv[1]).items():
                      ld_global=len(re.findall(r"\\bld\\.global\\b", ptx)),
                      wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
                      setmaxnreg=len(re.findall(r"setmaxnreg", ptx)),
-                     local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)), cubin=len(k.asm["cubin"]))
+                     local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)), cubin=len(k.asm["cubin"]),
+                     spills=sass_spills(k.asm["cubin"]))
 print(json.dumps(res))
 """
 
@@ -43,6 +54,6 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
 def build(imports: str, call: str, variants: dict) -> dict:
     """Compile every variant (``call``: an expression of ``args``, the variant's tuple) and count
     in its PTX: wgmma (all, FP8, INT8), TMA copies (all, 2D), ``wait_group 1``, setmaxnreg, global and
-    local loads/stores."""
+    local loads/stores; ``spills``: local stores and loads in the SASS (None without cuobjdump)."""
     p = run_script(_SCRIPT.format(imports=imports, call=call), json.dumps(variants))
     return json.loads(p.stdout.strip().splitlines()[-1])
