@@ -155,9 +155,15 @@ def test_quantize_v_int8_codes_scales_and_block_sums():
 
 
 def test_int8_probability_codes():
-    """INT8 P·V rounds 255·p half up to an unsigned code: 0..255, steps of 1/255 in p."""
-    p = torch.tensor([0.0, 0.5, 1.49, 1.5, 127.5, 254.6, 255.0])
-    assert quant._round_p(p, "int8", torch.bfloat16).tolist() == [0, 1, 1, 2, 128, 255, 255]
+    """INT8 P·V rounds 255·p to the nearest unsigned code (ties to even): 0..255, steps of 1/255
+    in p; the same as the kernel's float32 bit pattern of ``p + 1.5·2^23``."""
+    p = torch.tensor([0.0, 0.5, 1.49, 1.5, 2.5, 127.5, 254.6, 255.0])
+    codes = quant._round_p(p, "int8", torch.bfloat16)
+    assert codes.tolist() == [0, 0, 1, 2, 2, 128, 255, 255]
+    pr = torch.rand(10000) * 255
+    bits = (pr + 12582912.0).view(torch.int32)
+    assert torch.equal((bits & 0xFF) ^ 0x80, ((quant._round_p(pr, "int8", torch.bfloat16).int() - 128) & 0xFF))
+    assert torch.equal(bits - 0x4B400000, quant._round_p(pr, "int8", torch.bfloat16).int())
     assert quant.P_SCALES["int8"] == 255.0 and quant.P_SCALES["e4m3"] == quant.P_SCALE
 
 
@@ -220,7 +226,7 @@ def test_int8_pv_online_loop_is_the_reference():
                 rescale, f = torch.exp2(m - m_new), torch.exp2(b - m_new)
                 p = torch.exp2(raw * a[:, None] + (q_mu - b + 7.994353436858858)[:, None])  # 255·exp2(S − b)
                 l = l * rescale + p.sum(1) * f
-                c = torch.floor(p + 0.5).long() - 128
+                c = torch.round(p).long() - 128
                 i32 = c @ v8t[0, h, :, j * 64:(j + 1) * 64].long().T + 128 * vcs[0, h, j]
                 acc = acc * rescale[:, None] + i32.double() * tau[0, h, j].double() * f[:, None]
                 m = m_new

@@ -40,7 +40,7 @@ float32 result.
 * **Probabilities**: ``P_tn = R(256·exp(S_tn − m_t)) / 256`` with ``R`` the cast to e4m3 or, for
   ``P·V`` in the input dtype, to the input dtype (``exp ≤ 1``, so ``256·p ≤ 256 < 448``; the factor
   keeps e4m3 probabilities down to ``2^-14`` normal, and is exact in 16 bits); for INT8 ``P·V``
-  ``P_tn = ⌊255·exp(S_tn − b_tj) + 1/2⌋ / 255``, an unsigned 8-bit code against ``b_tj``, the
+  ``P_tn = round(255·exp(S_tn − b_tj)) / 255`` (to nearest, ties to even), an unsigned 8-bit code against ``b_tj``, the
   row's largest score in this block (every block's largest probability is the code 255; the
   block's product is then rescaled by ``exp(b_tj − m_t)`` in float32: an absolute step of 1/255
   of the block's own maximum, where codes against the running maximum waste their range on
@@ -280,6 +280,6 @@ def _round_p(p: Tensor, pv_fmt: str, dtype: torch.dtype) -> Tensor:
     """The scaled probabilities ``P_SCALES[pv_fmt]·p`` as ``P·V`` sees them (float32)."""
     if pv_fmt == "e4m3":
         return to_e4m3(p).float()
-    if pv_fmt == "int8":  # p ≥ 0: half up
-        return torch.floor(p + 0.5)
+    if pv_fmt == "int8":  # to nearest, ties to even (the kernel adds 1.5·2^23 in float32)
+        return torch.round(p)
     return p.to(dtype).float() if dtype in (torch.float16, torch.bfloat16) else p

@@ -62,6 +62,11 @@ P_SCALE = gl.constexpr(256.0)
 P_SCALE_INT8 = gl.constexpr(255.0)
 P_LOG2_INT8 = gl.constexpr(math.log2(255.0))
 INT8_P_OFFSET = gl.constexpr(128)
+# Integer <-> float32 by bit patterns instead of the conversion instructions (which share the
+# quarter-rate pipe with exp2): for |t| < 2^22 the float 1.5·2^23 + t is exact, its bits are
+# MAGIC_BITS + t, and float addition of MAGIC rounds to the nearest integer (ties to even).
+MAGIC = gl.constexpr(12582912.0)
+MAGIC_BITS = gl.constexpr(0x4B400000)
 
 
 @gluon.jit
@@ -84,21 +89,23 @@ def _qk_issue(q8, k_slot, zero, QK_INT8: gl.constexpr, D: gl.constexpr):
 
 @gluon.jit
 def _qk_raw(sc, num_outstanding: gl.constexpr, QK_INT8: gl.constexpr):
-    """The issued Q·Kᵀ's raw scores in float32 (int32 sums are exact there: < 2^24)."""
+    """The issued Q·Kᵀ's raw scores in float32 (int32 sums, |·| <= D·127² < 2^22 for D <= 128: exact
+    through the bit pattern)."""
     raw = warpgroup_mma_wait(num_outstanding=num_outstanding, deps=(sc,))
     if QK_INT8:
-        raw = raw.to(gl.float32)
+        raw = (raw + MAGIC_BITS).to(gl.float32, bitcast=True) - MAGIC
     return raw
 
 
 @gluon.jit
 def _pv_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PV8: gl.constexpr, PV_INT8: gl.constexpr = False):
     """The scaled probabilities as P·V's register A operand: e4m3(256·p), the signed INT8 code
-    ``⌊255·p + 1/2⌋ − 128`` (p ≥ 0, so the float-to-int truncation is the floor), or 256·p in
-    the input dtype."""
+    ``round(255·p) − 128``, or 256·p in the input dtype. The INT8 code is the low byte of
+    ``p + MAGIC``'s bits (0 <= p <= 255), its top bit flipped: ``c − 128`` in two's complement."""
     if PV8:
         if PV_INT8:
-            return gl.convert_layout(((p + 0.5).to(gl.int32) - INT8_P_OFFSET).to(gl.int8), p_layout)
+            bits = (p + MAGIC).to(gl.int32, bitcast=True)
+            return gl.convert_layout((bits ^ INT8_P_OFFSET).to(gl.int8), p_layout)
         else:
             return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
     else:
@@ -309,9 +316,10 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     o8_zero = gl.zeros([BS, D], gl.int32 if PV_INT8 else gl.float32, layout=o8_layout)
     # INT8 P·V: each block's value-code sums (the offset's correction) and value scales per
     # channel, in the accumulator's column layout
+    # (scalar row offsets plus one int32 column vector: a vector of 64-bit pointers per array held
+    # across the loop spilled)
     d8 = gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))
-    vcs_base = vcs_ptr + bhk * NK * D + d8
-    tau_base = tau_ptr + bhk * NK * D + d8
+    vs_row = bhk * NK * D
     cols8 = gl.arange(0, BS, layout=gl.SliceLayout(0, s8_layout))
     q_mu = gl.convert_layout(q_mu, row8)
     q_rs = gl.convert_layout(q_rs, row8)
@@ -390,6 +398,10 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
             _turn_wait(turn, u, CID, PINGPONG)
             if ((code >> CID) & 1) != 0:
+                if PV_INT8:
+                    vs_off = vs_row + (code >> 2) * D + d8
+                    vcs = gl.load(vcs_ptr + vs_off)
+                    tau_j = gl.load(tau_ptr + vs_off)
                 sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
                 _turn_pass(turn, CID, PINGPONG)
                 raw = _qk_raw(sc, 0, QK_INT8)
@@ -407,12 +419,11 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                     pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV8, BS, False, PV_INT8)
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                     if PV_INT8:
-                        # Σ (c − 128)·v8 + 128·Σ v8 (exact in int32, and in float32: < 2^24), times
-                        # the block's value scales and its factor f
-                        vcs = gl.load(vcs_base + (code >> 2) * D)
-                        tau_j = gl.load(tau_base + (code >> 2) * D)
+                        # Σ (c − 128)·v8 + 128·Σ v8 (|·| <= 64·255·127 < 2^22: exact through the
+                        # bit pattern), times the block's value scales and its factor f
+                        corr = vcs * INT8_P_OFFSET + MAGIC_BITS
                         pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-                        pvf = (pv + vcs[None, :] * INT8_P_OFFSET).to(gl.float32) * tau_j[None, :]
+                        pvf = ((pv + corr[None, :]).to(gl.float32, bitcast=True) - MAGIC) * tau_j[None, :]
                         acc = acc + pvf * gl.convert_layout(f, gl.SliceLayout(1, o8_layout))[:, None]
                     else:
                         acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
