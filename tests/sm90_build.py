@@ -18,7 +18,7 @@ import json, os, re, subprocess, sys, tempfile, torch, triton
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 def sass_spills(cubin):
     if not os.path.exists(CUOBJDUMP):
-        return None
+        raise FileNotFoundError(CUOBJDUMP + ": Triton's cuobjdump, needed to read ptxas's spills")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -54,6 +54,6 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
 def build(imports: str, call: str, variants: dict) -> dict:
     """Compile every variant (``call``: an expression of ``args``, the variant's tuple) and count
     in its PTX: wgmma (all, FP8, INT8), TMA copies (all, 2D), ``wait_group 1``, setmaxnreg, global and
-    local loads/stores; ``spills``: local stores and loads in the SASS (None without cuobjdump)."""
+    local loads/stores; ``spills``: local stores and loads in the SASS."""
     p = run_script(_SCRIPT.format(imports=imports, call=call), json.dumps(variants))
     return json.loads(p.stdout.strip().splitlines()[-1])

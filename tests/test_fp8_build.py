@@ -54,7 +54,7 @@ def test_lowp_kernel_builds_for_sm90a(built, name):
     assert r["local"] == 0
     # ptxas's SASS: the sequential loop spills nothing (a ragged build keeps one 64-bit value in
     # local memory from the prologue to the epilogue); the pipelined loop's two accumulators and
-    # held P do spill, which is why it is not the default.
+    # held P do spill (one reason it measures slower and is not the default).
     if not pipelined:
         assert r["spills"] <= (0 if VARIANTS[name][2] else 2)
     assert (r["wait1"] > 0) == pipelined  # the pipelined loop's wait for the scores alone

@@ -40,14 +40,13 @@ float32 result.
 * **Probabilities**: ``P_tn = R(256·exp(S_tn − m_t)) / 256`` with ``R`` the cast to e4m3 or, for
   ``P·V`` in the input dtype, to the input dtype (``exp ≤ 1``, so ``256·p ≤ 256 < 448``; the factor
   keeps e4m3 probabilities down to ``2^-14`` normal, and is exact in 16 bits); for INT8 ``P·V``
-  ``P_tn = round(255·exp(S_tn − b_tj)) / 255`` (to nearest, ties to even), an unsigned 8-bit code against ``b_tj``, the
-  row's largest score in this block (every block's largest probability is the code 255; the
-  block's product is then rescaled by ``exp(b_tj − m_t)`` in float32: an absolute step of 1/255
-  of the block's own maximum, where codes against the running maximum waste their range on
-  blocks below it and signed codes ``round(127·p)`` have half the resolution; measured in
-  notes/fp8.md). The
-  kernel feeds the signed wgmma ``c − 128`` and adds ``128·Σ_n v8_nd`` per block back to the
-  int32 sum, the same integer. The denominator
+  ``P_tn = round(255·exp(S_tn − b_tj)) / 255`` (to nearest, ties to even), an unsigned 8-bit
+  code against ``b_tj``, the row's largest score in this block (every block's largest
+  probability is the code 255; the block's product is then rescaled by ``exp(b_tj − m_t)`` in
+  float32: an absolute step of 1/255 of the block's own maximum, where codes against the running
+  maximum waste their range on blocks below it and signed codes ``round(127·p)`` have half the
+  resolution; measured in notes/fp8.md). The kernel feeds the signed wgmma ``c − 128`` and adds
+  ``128·Σ_n v8_nd`` per block back to the int32 sum, the same integer. The denominator
   sums the unrounded ``exp(S_tn − m_t)``. ``m_t`` is the running maximum when the block is
   processed: the kernel takes a row's exact blocks in ascending block order before any tail
   block, so it is the largest exact score of blocks ``≤ j``; the product is rescaled exactly to

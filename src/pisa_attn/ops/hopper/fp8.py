@@ -315,9 +315,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     s8_zero = gl.zeros([BS, BS], gl.int32 if QK_INT8 else gl.float32, layout=s8_layout)
     o8_zero = gl.zeros([BS, D], gl.int32 if PV_INT8 else gl.float32, layout=o8_layout)
     # INT8 P·V: each block's value-code sums (the offset's correction) and value scales per
-    # channel, in the accumulator's column layout
-    # (scalar row offsets plus one int32 column vector: a vector of 64-bit pointers per array held
-    # across the loop spilled)
+    # channel, in the accumulator's column layout, addressed by a scalar row offset plus one int32
+    # column vector (a vector of 64-bit pointers per array, held across the loop, spilled)
     d8 = gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))
     vs_row = bhk * NK * D
     cols8 = gl.arange(0, BS, layout=gl.SliceLayout(0, s8_layout))
