@@ -7,6 +7,8 @@
 # Schedule sweep (cuDNN and the bf16 kernel in the same run), then ncu of the best schedule:
 #   STEPS="warm tests sweep ncu" SWEEP_LENGTHS="32768 65536" SWEEP_VARIANTS="default pingpong" bash benchmarks/fp8_suite.sh
 # ("warm" compiles the sweep's kernels in the background at a short length while the tests run.)
+# Instructions per SASS opcode, one precision per ncu run (benchmarks/ncu_opcodes.py):
+#   STEPS=opcodes OPCODE_PRECISIONS="fp8 int8-int8" bash benchmarks/fp8_suite.sh
 set -o pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
@@ -47,6 +49,18 @@ if [[ " $STEPS " == *" ncu "* ]]; then
     --section ComputeWorkloadAnalysis -k regex:"pair_attn|fp8_pair" -c "${NCU_COUNT:-2}" python3 benchmarks/fp8_bench.py \
     --ncu "${NCU_LENGTH:-32768}" --schedule "${NCU_SCHEDULE:-default}" ${NCU_ARGS:-} 2>&1 | tee "$OUT/fp8_ncu.log" \
     | grep -E "pair_attn_kernel \(|fp8_pair_kernel \(|Issue Slots Busy|highest-utilized|Warp Cycles Per Issued|Duration" || rc=1
+fi
+if [[ " $STEPS " == *" opcodes "* ]]; then
+  # executed warp instructions and stall samples per SASS opcode of the low-precision kernel, one
+  # ncu run per precision (hybrid, NCU_LENGTH); the CSVs stay on the machine, the JSON comes back
+  csvs=$(mktemp -d)
+  for p in ${OPCODE_PRECISIONS:-fp8 int8-fp8 int8-int8 int8}; do
+    timeout "${NCU_TIMEOUT:-200}" ncu --section SourceCounters --section WarpStateStats -k regex:"fp8_pair" -c 1 \
+      -o "$csvs/$p" python3 benchmarks/fp8_bench.py --ncu "${NCU_LENGTH:-32768}" --schedule "${NCU_SCHEDULE:-default}" \
+      --precisions "$p" > "$csvs/$p.log" 2>&1 || { rc=1; tail -3 "$csvs/$p.log"; }
+    ncu -i "$csvs/$p.ncu-rep" --page source --csv --print-source sass > "$csvs/$p.csv" || rc=1
+  done
+  python3 benchmarks/ncu_opcodes.py "$csvs"/*.csv --out "$OUT/fp8_opcodes.json" | tee "$OUT/fp8_opcodes.log" || rc=1
 fi
 echo "=== summary ==="
 [[ -f "$OUT/fp8_tests.log" ]] && grep -E "^\[|FAILED|ERROR|passed|failed|Error" "$OUT/fp8_tests.log" | tail -45
