@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the low precisions (fp8, int8-fp8, int8-int8, int8): build + GPU tests, then the benchmark (JSON under $OUT).
 #   OUT=/tmp/out STEPS="tests bench ncu" BENCH_ARGS="--lengths 32768" bash benchmarks/fp8_suite.sh
-# The GPU test file holds 157 tests (88 of them took 2.5 minutes on an H100 with their compiles):
+# The GPU test file holds 157 tests (200 s on an H200 with their compiles):
 # with the default benchmark they can pass a device call's 10 minutes, so run STEPS=tests and
 # STEPS=bench as two calls.
 # Schedule sweep (cuDNN and the bf16 kernel in the same run), then ncu of the best schedule:
