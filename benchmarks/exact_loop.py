@@ -22,10 +22,9 @@ K/V given), drop and hybrid, cuDNN SDPA in the same run, outputs compared across
         --out benchmarks/results/h100_pipeline.json
 
 ``--loop-variants`` compares the bf16 kernel's exact loops on one selection per (length, input):
-the sequential loop (3 or 4 ring slots) and the wide one (two owned blocks per softmax step; "runs"
-or "owners" stream order; 4 or its default 4-5 slots); drop and hybrid, outputs compared with the
-first variant (the default), cuDNN SDPA in the same run; with ``--whole`` also the whole call with
-either loop.
+the sequential loop with 3 (the default) or 4 ring slots and the pipelined one; drop and hybrid,
+outputs compared with the first variant, cuDNN SDPA in the same run; with ``--whole`` also the
+whole call.
 
     PYTHONPATH=src python3 benchmarks/exact_loop.py --loop-variants --whole --lengths 4096 8192 32768 65536 \
         --out benchmarks/results/h100_exact_loop_v2.json
@@ -195,12 +194,12 @@ def dino_overlap(path: str, density: float, res: dict):
 
 
 def ncu_launches(L: int = 32768):
-    """One drop-mode attend launch per (input, loop variant: the sequential loop, then the wide
-    one) for ncu -k regex:pair."""
+    """One drop-mode attend launch per (input, loop variant: the sequential loop, then the
+    pipelined one) for ncu -k regex:pair."""
     for source in ("random", "dit"):
         q, k, v = qkv(source, L)
         stats, sel, n_sel = selection(q, k, v, 0.125)
-        for name, kw in LOOP_VARIANTS[:1] + [x for x in LOOP_VARIANTS if x[0] == "wide"]:
+        for name, kw in (LOOP_VARIANTS[0], LOOP_VARIANTS[-1]):
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
             gattn.attention(q, k, v, *stats.tail(), *sel, mode="drop", scale=q.shape[-1] ** -0.5, block_size=64,
@@ -210,15 +209,12 @@ def ncu_launches(L: int = 32768):
 
 
 # (name, keyword arguments of the pair kernel): codes = stream codes in shared memory, pipeline =
-# the pipelined loop, wide = two owned blocks per softmax step, stages = ring slots (None: the
-# kernel's default for that loop), pair_order (None: the loop's default). The first is the default
+# the pipelined loop, stages = ring slots (None: the kernel's default). The first is the default
 # sequential loop, the reference of the comparisons.
 LOOP_VARIANTS = [
-    ("sequential", dict(codes=True, pipeline=False, wide=False, stages=None)),
-    ("sequential-4slots", dict(codes=True, pipeline=False, wide=False, stages=4)),
-    ("wide", dict(codes=True, pipeline=False, wide=True, stages=None)),
-    ("wide-owners", dict(codes=True, pipeline=False, wide=True, stages=None, pair_order="owners")),
-    ("wide-4slots", dict(codes=True, pipeline=False, wide=True, stages=4)),
+    ("sequential", dict(codes=True, pipeline=False, stages=None)),
+    ("sequential-4slots", dict(codes=True, pipeline=False, stages=4)),
+    ("pipelined-4slots", dict(codes=True, pipeline=True, stages=4)),
 ]
 
 
@@ -226,8 +222,7 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict,
     """Each loop variant's attend kernel alone on one top-k selection (adjacent pairs), drop and
     hybrid, timed in ``rounds`` interleaved rounds (every variant once per round; the median of the
     rounds is reported: run-to-run drift hits all variants alike), outputs compared with the first
-    variant's (bit for bit and rel-L1); the whole call (plan/run, default settings, sequential and
-    wide loop) once per input."""
+    variant's (bit for bit and rel-L1); the whole call (plan/run, default settings) once per input."""
     import statistics
 
     t_cudnn = cudnn_ms(L)
@@ -275,25 +270,17 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict,
                   f"{row['share_of_cudnn']:.3f} | {row['exact_tflops']:.0f} TFLOP/s | rel-L1 to first "
                   f"{row['drop_rel_l1_to_first']:.1e}/{row['hybrid_rel_l1_to_first']:.1e} | drop rounds "
                   + " ".join(f"{t:.3f}" for t in row["drop_ms_rounds"]), flush=True)
-        if whole:
-            # the whole call with the kernel's defaults, sequential and wide exact loop
-            default = gattn.WIDE
-            for proto in ("sequential", "wide"):
-                for mode in ("hybrid", "drop"):
-                    gattn.WIDE = proto == "wide"
-                    try:
-                        p = plan(q, k, PisaSettings(density=density, mode=mode, backend="hopper"))
-                        out = torch.empty_like(q)
-                        fn = lambda p=p, out=out: run(p, q, k, v, out=out)  # noqa: E731
-                        fn()
-                        t = ms(fn, est_ms=t_cudnn * frac * 1.3)
-                    finally:
-                        gattn.WIDE = default
-                    r = dict(L=L, source=source, density=density, mode=mode, group=DEFAULT_GROUP, protocol=proto,
-                             whole_ms=t, cudnn_ms=t_cudnn, speedup=t_cudnn / t)
-                    res["whole"].append(r)
-                    print(f"{L:>6} {source:7} whole {mode:6} {proto:12}: {t:.3f} ms  {r['speedup']:.2f}x cuDNN",
-                          flush=True)
+        if whole:  # the whole call with the kernel's defaults
+            for mode in ("hybrid", "drop"):
+                p = plan(q, k, PisaSettings(density=density, mode=mode, backend="hopper"))
+                out = torch.empty_like(q)
+                fn = lambda p=p, out=out: run(p, q, k, v, out=out)  # noqa: E731
+                fn()
+                t = ms(fn, est_ms=t_cudnn * frac * 1.3)
+                r = dict(L=L, source=source, density=density, mode=mode, group=DEFAULT_GROUP, protocol="default",
+                         whole_ms=t, cudnn_ms=t_cudnn, speedup=t_cudnn / t)
+                res["whole"].append(r)
+                print(f"{L:>6} {source:7} whole {mode:6}: {t:.3f} ms  {r['speedup']:.2f}x cuDNN", flush=True)
         del q, k, v, stats, sel, ref, fns
         torch.cuda.empty_cache()
 
@@ -375,8 +362,7 @@ def main(argv=None):
 
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                cudnn=torch.backends.cudnn.version(), shape=f"B{B}-H{H}-D{D}", dtype="bfloat16",
-               default_group=DEFAULT_GROUP, default_pipeline=gattn.PIPELINE, default_wide=gattn.WIDE,
-               default_codes_smem=gattn.CODES,
+               default_group=DEFAULT_GROUP, default_pipeline=gattn.PIPELINE, default_codes_smem=gattn.CODES,
                attend=[], whole=[], dino=[], schedules=[], loop_variants=[])
     print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}, cuDNN {res['cudnn']}", flush=True)
     for density in a.density:

@@ -276,109 +276,13 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_
 
 
 @gluon.jit
-def _exact_block(qa, k_smem, v_smem, code, m_i, l_i, acc, s_zero, cols, qk_scale, LK,
-                 BS: gl.constexpr, EVEN_K: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                 p_layout: gl.constexpr):
-    """One exact block (stream entry ``code``) into the running (m, l, acc): Q·Kᵀ, softmax, P·V."""
-    sc = warpgroup_mma(qa, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * qk_scale
-    if not EVEN_K:
-        sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
-    m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_smem, s_layout, o_layout, p_layout)
-    return m_i, l_i, acc
-
-
-@gluon.jit
-def _exact_wide(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_i, l_i, acc, cols, qk_scale, LK,
-                CID: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
-                s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                CODES: gl.constexpr, NCODES: gl.constexpr, CODE_L: gl.constexpr):
-    """The exact blocks two at a time: a consumer holds its first owned block's slot until its
-    next owned block lands, then runs one softmax step over both (two Q·Kᵀ products queued back to
-    back, one row maximum, one rescale of ``acc``, two P·V products queued back to back), so the
-    per-step waits, row reductions and rescales are paid once per 128 keys instead of per 64.
-
-    A consumer holds at most one slot. Before waiting on an entry ``STAGES`` or more past the held
-    one it runs the held block alone and releases it: the loader fills entry u only once entry
-    u - STAGES is released by both consumers, so holding it longer would deadlock when the other
-    consumer owns a long run of the stream. A block left over at the end runs alone too."""
-    th = n_union * 0 - 1  # the held entry (-1: none) and its code
-    code_h = th
-    code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCODES, CODE_L)
-    for u in range(n_union):
-        code = code_next
-        code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCODES, CODE_L)
-        s = u % STAGES
-        if (th >= 0) & (u - th >= STAGES):
-            sh = th % STAGES
-            m_i, l_i, acc = _exact_block(qa, k_bufs.index(sh), v_bufs.index(sh), code_h, m_i, l_i, acc,
-                                         gl.zeros([BS, BS], gl.float32, s_layout), cols, qk_scale, LK, BS, EVEN_K, s_layout, o_layout, p_layout)
-            mbarrier.arrive(empty.index(sh), count=1)
-            th = -1
-        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-        if ((code >> CID) & 1) != 0:
-            if th >= 0:
-                sh = th % STAGES
-                m_i, l_i, acc = _exact_pair(qa, k_bufs.index(sh), v_bufs.index(sh), k_bufs.index(s), v_bufs.index(s),
-                                            code_h, code, m_i, l_i, acc, cols, qk_scale, LK, BS, EVEN_K, s_layout,
-                                            o_layout, p_layout)
-                mbarrier.arrive(empty.index(sh), count=1)
-                mbarrier.arrive(empty.index(s), count=1)
-                th = -1
-            else:
-                th = u
-                code_h = code
-        else:
-            mbarrier.arrive(empty.index(s), count=1)
-    if th >= 0:
-        sh = th % STAGES
-        m_i, l_i, acc = _exact_block(qa, k_bufs.index(sh), v_bufs.index(sh), code_h, m_i, l_i, acc,
-                                     gl.zeros([BS, BS], gl.float32, s_layout), cols, qk_scale, LK, BS, EVEN_K, s_layout, o_layout, p_layout)
-        mbarrier.arrive(empty.index(sh), count=1)
-    return m_i, l_i, acc
-
-
-@gluon.jit
-def _exact_pair(qa, ka, va, kb, vb, code_a, code_b, m_i, l_i, acc, cols, qk_scale, LK,
-                BS: gl.constexpr, EVEN_K: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                p_layout: gl.constexpr):
-    """Two exact blocks, one softmax step: their Q·Kᵀ products queued back to back, one row maximum,
-    one rescale of ``acc``, their P·V products queued back to back."""
-    # fresh accumulators: both products are in flight at once
-    a_tok = warpgroup_mma(qa, ka.permute((1, 0)), gl.zeros([BS, BS], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-    b_tok = warpgroup_mma(qa, kb.permute((1, 0)), gl.zeros([BS, BS], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-    sa = warpgroup_mma_wait(num_outstanding=1, deps=(a_tok,)) * qk_scale
-    sb = warpgroup_mma_wait(num_outstanding=0, deps=(b_tok,)) * qk_scale
-    if not EVEN_K:
-        sa = gl.where(((code_a >> 2) * BS + cols < LK)[None, :], sa, float("-inf"))
-        sb = gl.where(((code_b >> 2) * BS + cols < LK)[None, :], sb, float("-inf"))
-    # one row maximum and one rescale for both blocks
-    m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    rescale = gl.exp2(m_i - m_use)
-    pa = gl.exp2(sa - m_use[:, None])
-    pb = gl.exp2(sb - m_use[:, None])
-    l_i = l_i * rescale + gl.sum(pa + pb, axis=1)
-    m_i = m_new
-    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
-    pa16 = gl.convert_layout(pa.to(va.dtype), p_layout)
-    pb16 = gl.convert_layout(pb.to(va.dtype), p_layout)
-    acc = warpgroup_mma(pa16, va, acc, is_async=True)
-    acc = warpgroup_mma(pb16, vb, acc, is_async=True)
-    acc, pa16, pb16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, pa16, pb16))
-    return m_i, l_i, acc
-
-
-@gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
               q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
               uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
-              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr, WIDE: gl.constexpr,
+              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
               CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -413,11 +317,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
     codes = _codes_view(codes_smem, NCH, CW)
     if CODES:
         mbarrier.wait(code_bar.index(0), 0)
-    if WIDE:
-        m_i, l_i, acc = _exact_wide(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_i, l_i, acc, cols,
-                                    qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout, o_layout, p_layout, CODES,
-                                    NCH * CW, CODE_L)
-    elif PIPELINE:
+    if PIPELINE:
         m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union,
                                          m_i, l_i, acc, s_zero, cols, qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout,
                                          o_layout, p_layout, CODES, NCH * CW, CODE_L)
@@ -431,8 +331,13 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
             ph = (u // STAGES) & 1
             mbarrier.wait(ready.index(s), ph)
             if ((code >> CID) & 1) != 0:
-                m_i, l_i, acc = _exact_block(qa, k_bufs.index(s), v_bufs.index(s), code, m_i, l_i, acc, s_zero,
-                                             cols, qk_scale, LK, BS, EVEN_K, s_layout, o_layout, p_layout)
+                j = code >> 2
+                sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * qk_scale
+                if not EVEN_K:
+                    sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
+                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout,
+                                                           o_layout, p_layout)
             mbarrier.arrive(empty.index(s), count=1)
     t = n_union
 
@@ -518,7 +423,7 @@ def _pair_attn_kernel(
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
-    PIPELINE: gl.constexpr, WIDE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr,
+    PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr,
 ):
     pair = gl.program_id(0)
     bh = gl.program_id(1)
@@ -561,12 +466,12 @@ def _pair_attn_kernel(
                      q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                      uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                      qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                     PIPELINE, WIDE, CODES, NCH, CW)),
+                     PIPELINE, CODES, NCH, CW)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
                      q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                      uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                      qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                     PIPELINE, WIDE, CODES, NCH, CW)),
+                     PIPELINE, CODES, NCH, CW)),
     ], [4, 4], [240, 240])
 
 
@@ -594,12 +499,6 @@ PAIR_ORDER = "owners"
 # the default: the pipelined loop measured 3-32 % slower on the H100 at 32K/64K (holding a slot one
 # block longer starves the 3-slot ring; 4 slots: 3-15 % slower; benchmarks/results/h100_pipeline.json).
 PIPELINE = False
-# The exact loop two owned blocks per softmax step (:func:`_exact_wide`): a consumer holds one slot
-# while it waits for its next block, so it gets a deeper ring (WIDE_STAGES, per head dim, with and
-# without H̄ in shared memory) and the "runs" stream order, which puts a partner's blocks in twos.
-WIDE = False
-WIDE_STAGES = {(64, False): 6, (64, True): 6, (128, False): 5, (128, True): 4}
-WIDE_ORDER = "runs"
 # The pair's stream codes: copied into shared memory by one TMA per CTA (chunks of up to
 # CODE_CHUNK codes, the TMA box limit; at most CODES_MAX_CHUNKS chunks, 8 KB), so that neither the
 # loader nor the consumers load from global memory inside the loop; a longer stream (more than
@@ -655,7 +554,7 @@ def attention(
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
     alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
     pair_group: int | None = None, pair_order: str | None = None, pipeline: bool | None = None,
-    codes: bool | None = None, wide: bool | None = None,
+    codes: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
@@ -668,10 +567,7 @@ def attention(
     ``"ascending"`` order the pairing does not change a single bit of it. ``pipeline``: the exact
     loop's schedule (None: :data:`PIPELINE`); both compute the same function (the same operations
     in the same order per block). ``codes``: stage the stream codes in shared memory (None:
-    :data:`CODES`); it does not change a bit of the result. ``wide``: two owned blocks per
-    softmax step (None: :data:`WIDE`; not with ``pipeline``); the same function, rounded
-    differently (one rescale per two blocks); its default ring and order are
-    :data:`WIDE_STAGES` and :data:`WIDE_ORDER`."""
+    :data:`CODES`); it does not change a bit of the result."""
     del cnt, n_select
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -682,21 +578,16 @@ def attention(
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
     group = PAIR_GROUP if pair_group is None else pair_group
-    pipe = PIPELINE if pipeline is None else bool(pipeline)
-    wide = WIDE if wide is None else bool(wide)
-    if wide and pipe:
-        raise ValueError("pipeline and wide are two schedules of the exact loop: choose one")
-    if pair_order is None:
-        pair_order = WIDE_ORDER if wide else PAIR_ORDER
-    m = MODE_IDS[mode]
-    st = stages or (WIDE_STAGES[d, m == 2] if wide else STAGES[d])
     qpair = None
     if group > 2 and nq > 2:
         qpair = pair_match(bits, group, out=None if pairs is None else pairs[2])
     uidx, ucnt = pair_union(bits, nk, idx.shape[-1], qpair=qpair, out=None if pairs is None else pairs[:2],
-                            order=pair_order)
+                            order=PAIR_ORDER if pair_order is None else pair_order)
     has_qpair = qpair is not None
     alpha = alpha_arg(alpha, h, q.device)
+    m = MODE_IDS[mode]
+    st = stages or STAGES[d]
+    pipe = PIPELINE if pipeline is None else bool(pipeline)
     w2 = uidx.shape[-1]
     use_codes, cw, nch = code_chunks(w2, CODES if codes is None else bool(codes))
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
@@ -705,8 +596,8 @@ def attention(
     scalars = (kscale, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
-                      HAS_QPAIR=has_qpair, PIPELINE=pipe, WIDE=wide, CODES=use_codes, NCH=nch, CW=cw)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, wide, use_codes, nch, cw,
+                      HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:7]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -718,7 +609,7 @@ def attention(
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
                      has_qpair: bool = True, pipeline: bool | None = None, codes: bool | None = None,
-                     union_entries: int = 128, wide: bool | None = None):
+                     union_entries: int = 128):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -735,12 +626,9 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
     use_codes, cw, nch = code_chunks(union_entries, CODES if codes is None else bool(codes))
     descs["cd_desc"] = _desc(torch.empty(1, union_entries, dtype=torch.int32), [1, cw])
-    wide = WIDE if wide is None else bool(wide)
-    st = stages or (WIDE_STAGES[d, mode == "hybrid"] if wide else STAGES[d])
-    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=MODE_IDS[mode], EVEN_K=even_k,
+    constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or STAGES[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
-                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline), WIDE=wide, CODES=use_codes,
-                      NCH=nch, CW=cw)
+                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw)
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32")

@@ -17,9 +17,6 @@ kernel).
 * ``"owners"`` (default): all blocks owned by one partner only, alternating, then the shared
   blocks, each class ascending. The fastest; a block's order of online-softmax steps (so its
   rounding) depends on its partner.
-* ``"runs"``: as ``"owners"``, but the blocks owned by one partner only alternate in runs of two
-  (first, first, second, second, ...), so that a consumer taking two of its blocks per softmax
-  step (the Hopper kernel's wide loop) finds them next to each other in the stream.
 * ``"ascending"``: every owner sees its own blocks in ascending order whoever its partner is, so a
   query block's arithmetic does not depend on the pairing: between two consecutive shared blocks
   the own blocks alternate, then the shared block. Runs of one owner occur in every segment: up
@@ -45,7 +42,7 @@ from torch import Tensor
 from ..launch import Launcher
 from ._common import next_pow2
 
-ORDERS = {"ascending": 0, "owners": 1, "runs": 2}  # ``ORDER`` of the union kernel
+ORDERS = {"ascending": 0, "owners": 1}  # ``ORDER`` of the union kernel
 
 
 @triton.jit
@@ -157,23 +154,8 @@ def _pair_union_kernel(bits_ptr, qpair_ptr, uidx_ptr, ucnt_ptr, NQ, NQ2, NK, NW,
         r_a = c_a - 1
         r_b = c_b - 1
         r_s = tl.cumsum(both.to(tl.int32), axis=1) - 1
-        if ORDER == 2:
-            # Runs of two (a a b b ...) over the first 2·⌊n_ab/2⌋ of each, then "owners" on the rest.
-            m2 = (n_ab // 2) * 2
-            run_a = 4 * (r_a // 2) + r_a % 2
-            run_b = 4 * (r_b // 2) + 2 + r_b % 2
-            n_ab = n_ab - m2
-            r_a = r_a - m2
-            r_b = r_b - m2
-            base = 2 * m2
-        else:
-            run_a = r_a
-            run_b = r_b
-            m2 = 0
-            base = 0
-        pos_a = tl.where(r_a < 0, run_a, base + tl.where(r_a < n_ab, 2 * r_a, n_ab + r_a))
-        pos_b = tl.where(r_b < 0, run_b, base + tl.where(r_b < n_ab, 2 * r_b + 1, n_ab + r_b))
-        pos = tl.where(own == 1, pos_a, tl.where(own == 2, pos_b, n_a + n_b + r_s))
+        pos = tl.where(own == 1, tl.where(r_a < n_ab, 2 * r_a, n_ab + r_a),
+                       tl.where(own == 2, tl.where(r_b < n_ab, 2 * r_b + 1, n_ab + r_b), n_a + n_b + r_s))
     tl.store(uidx_ptr + p.to(tl.int64)[:, None] * W2 + pos, cols[None, :] * 4 + own,
              mask=present & pvalid[:, None] & (pos < W2))
     tl.store(ucnt_ptr + p, tl.sum(present.to(tl.int32), axis=1), mask=pvalid)
