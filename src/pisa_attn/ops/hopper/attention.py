@@ -160,14 +160,16 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
 
 
 @gluon.jit
-def _softmax_core(m_i, l_i, acc, s, o_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
-    """The online-softmax update of one tile of scores (base 2, already scaled): (m, l, acc
-    rescaled, the rescale factor, the tile's row sums, P as the P·V product's register operand)."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+def _softmax_core(m_i, l_i, acc, s, scale, o_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """The online-softmax update of one tile of scores ``s·scale`` (base 2; ``scale > 0``): (m, l,
+    acc rescaled, the rescale factor, the tile's row sums, P as the P·V product's register operand).
+    The scale goes into the row maximum (two numbers a row: ``max(s)·scale`` is ``max(s·scale)``,
+    rounding being monotonic) and into the exponent's FMA, not into every score."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale)
     # A row with nothing seen yet keeps finite arithmetic: exp2(-inf - 0) = 0, never NaN.
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     rescale = gl.exp2(m_i - m_use)
-    p = gl.exp2(s - m_use[:, None])
+    p = gl.exp2(s * scale - m_use[:, None])
     ps = gl.sum(p, axis=1)
     l_i = l_i * rescale + ps
     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
@@ -176,14 +178,47 @@ def _softmax_core(m_i, l_i, acc, s, o_layout: gl.constexpr, p_layout: gl.constex
 
 
 @gluon.jit
-def _softmax_step(m_i, l_i, acc, s, v_smem, s_layout: gl.constexpr, o_layout: gl.constexpr,
+def _softmax_step(m_i, l_i, acc, s, scale, v_smem, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   p_layout: gl.constexpr):
-    """One tile of scores (base 2, already scaled) into the running (m, l, acc); also returns the
+    """One tile of scores ``s·scale`` (base 2) into the running (m, l, acc); also returns the
     rescale factor and the tile's row sums (the tail normaliser needs both)."""
-    m_new, l_i, acc, rescale, ps, pv = _softmax_core(m_i, l_i, acc, s, o_layout, p_layout, v_smem.dtype)
+    m_new, l_i, acc, rescale, ps, pv = _softmax_core(m_i, l_i, acc, s, scale, o_layout, p_layout, v_smem.dtype)
     acc = warpgroup_mma(pv, v_smem, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return m_new, l_i, acc, rescale, ps
+
+
+@gluon.jit
+def _tail_group(q16, kb, vb, lo, hi, g0, cols, m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK,
+                BS: gl.constexpr, C: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """One group of ``C`` centroids (``kb`` float16, ``vb`` the value sums) into the running (m, l,
+    acc) and ``l_tail`` (BS·Σα), under the group's exact-set bits ``lo`` (and ``hi`` for C = 64):
+    score ``q·k̄_j·s + log2 n_j`` for a tail block, -inf for an exact one."""
+    cj = g0 + cols
+    if C > 32:  # bits 32.. of the group come from the next word
+        word = gl.where(cols < 32, lo, hi)
+    else:
+        word = lo
+    tail = (((word >> (cols % 32)) & 1) == 0) & (cj < NK)
+    # per column: log2 n_j for a tail block, -inf for an exact one (one FMA a score)
+    if EVEN_K:
+        bias = gl.where(tail, LOG2_BS, float("-inf"))
+    else:
+        n_j = gl.maximum(gl.minimum(LK - cj * BS, BS), 1).to(gl.float32)
+        bias = gl.where(tail, gl.log2(n_j), float("-inf"))
+    sc = warpgroup_mma(q16, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * sc_scale + bias[None, :]
+    m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, 1.0, vb, s_layout, o_layout, p_layout)
+    # l_tail holds BS·Σα: every block but a ragged last one has n_j = BS.
+    l_tail = l_tail * rescale + ps
+    if not EVEN_K:
+        if g0 + C >= NK:
+            n_last = (LK - (NK - 1) * BS).to(gl.float32)
+            m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+            a_last = gl.sum(gl.where((cj == NK - 1)[None, :], gl.exp2(sc - m_use[:, None]), 0.0), axis=1)
+            l_tail += a_last * (BS / n_last - 1.0)
+    return m_i, l_i, acc, l_tail
 
 
 @gluon.jit
@@ -198,13 +233,13 @@ def _stream_code(codes, ubase, n_union, i, CODES: gl.constexpr, NCODES: gl.const
 
 
 @gluon.jit
-def _softmax_p(m_i, l_i, s, p_layout: gl.constexpr, dtype: gl.constexpr):
-    """The online-softmax update of one tile of scores without the accumulator: (m, l, rescale,
-    P as the P·V product's register operand)."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+def _softmax_p(m_i, l_i, s, scale, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """The online-softmax update of one tile of scores ``s·scale`` without the accumulator, as
+    :func:`_softmax_core`: (m, l, rescale, P as the P·V product's register operand)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     rescale = gl.exp2(m_i - m_use)
-    p = gl.exp2(s - m_use[:, None])
+    p = gl.exp2(s * scale - m_use[:, None])
     l_i = l_i * rescale + gl.sum(p, axis=1)
     return m_new, l_i, rescale, gl.convert_layout(p.to(dtype), p_layout)
 
@@ -253,17 +288,17 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_
                 sp = tp % STAGES
                 a_tok = warpgroup_mma(p, v_bufs.index(sp), acc, is_async=True)
                 # The oldest group only (the scores): P·V(j-1) stays on the tensor cores.
-                sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,)) * qk_scale
+                sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
                 if not EVEN_K:
                     sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
-                m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, p_layout, v_bufs.dtype)
+                m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, qk_scale, p_layout, v_bufs.dtype)
                 acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(a_tok, p))
                 mbarrier.arrive(empty.index(sp), count=1)
             else:
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,)) * qk_scale
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
                 if not EVEN_K:
                     sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
-                m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, p_layout, v_bufs.dtype)
+                m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, qk_scale, p_layout, v_bufs.dtype)
             # acc holds the blocks before j at the old maximum: rescale it after their P·V.
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
             p = p_new
@@ -333,10 +368,10 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
             if ((code >> CID) & 1) != 0:
                 j = code >> 2
                 sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * qk_scale
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
                 if not EVEN_K:
                     sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
-                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout,
+                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, qk_scale, v_bufs.index(s), s_layout,
                                                            o_layout, p_layout)
             mbarrier.arrive(empty.index(s), count=1)
     t = n_union
@@ -367,31 +402,9 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
             ph = (t // STAGES) & 1
             mbarrier.wait(ready.index(s), ph)
             if active:
-                kb = _as_fp16(k_bufs.index(s))
-                cj = g0 + cols
-                if C > 32:  # bits 32.. of the group come from the next word
-                    word = gl.where(cols < 32, lo, hi)
-                else:
-                    word = lo
-                tail = (((word >> (cols % 32)) & 1) == 0) & (cj < NK)
-                sc = warpgroup_mma(q16, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * sc_scale
-                if EVEN_K:
-                    sc = sc + LOG2_BS
-                else:
-                    n_j = gl.maximum(gl.minimum(LK - cj * BS, BS), 1).to(gl.float32)
-                    sc = sc + gl.log2(n_j)[None, :]
-                sc = gl.where(tail[None, :], sc, float("-inf"))
-                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, v_bufs.index(s), s_layout, o_layout,
-                                                           p_layout)
-                # l_tail holds BS·Σα: every block but a ragged last one has n_j = BS.
-                l_tail = l_tail * rescale + ps
-                if not EVEN_K:
-                    if g0 + C >= NK:
-                        n_last = (LK - (NK - 1) * BS).to(gl.float32)
-                        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-                        a_last = gl.sum(gl.where((cj == NK - 1)[None, :], gl.exp2(sc - m_use[:, None]), 0.0), axis=1)
-                        l_tail += a_last * (BS / n_last - 1.0)
+                m_i, l_i, acc, l_tail = _tail_group(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0, cols,
+                                                    m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, EVEN_K,
+                                                    LOG2_BS, s_layout, o_layout, p_layout)
             mbarrier.arrive(empty.index(s), count=1)
             t += 1
 

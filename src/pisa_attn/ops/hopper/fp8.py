@@ -54,7 +54,7 @@ from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.pairs import pair_union
-from .attention import MAX_REGS, _as_fp16, _box, _softmax_step, _tma_load, _tma_store
+from .attention import MAX_REGS, _as_fp16, _box, _tail_group, _tma_load, _tma_store
 
 LN2 = gl.constexpr(kernel_constants.LN2)
 # The probabilities' factor: 256 for e4m3 and the input dtype, 255 for the unsigned INT8 codes.
@@ -466,30 +466,9 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             s = t % TSTAGES
             mbarrier.wait(tready.index(s), (t // TSTAGES) & 1)
             if active:
-                kb = _as_fp16(kb_bufs.index(s))
-                cj = g0 + cols
-                if C > 32:
-                    word = gl.where(cols < 32, lo, hi)
-                else:
-                    word = lo
-                tail = (((word >> (cols % 32)) & 1) == 0) & (cj < NK)
-                sc = warpgroup_mma(q16, kb.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,)) * sc_scale
-                if EVEN_K:
-                    sc = sc + LOG2_BS
-                else:
-                    n_j = gl.maximum(gl.minimum(LK - cj * BS, BS), 1).to(gl.float32)
-                    sc = sc + gl.log2(n_j)[None, :]
-                sc = gl.where(tail[None, :], sc, float("-inf"))
-                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, vb_bufs.index(s), s_layout, o_layout,
-                                                           p_layout)
-                l_tail = l_tail * rescale + ps
-                if not EVEN_K:
-                    if g0 + C >= NK:
-                        n_last = (LK - (NK - 1) * BS).to(gl.float32)
-                        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-                        a_last = gl.sum(gl.where((cj == NK - 1)[None, :], gl.exp2(sc - m_use[:, None]), 0.0), axis=1)
-                        l_tail += a_last * (BS / n_last - 1.0)
+                m_i, l_i, acc, l_tail = _tail_group(q16, _as_fp16(kb_bufs.index(s)), vb_bufs.index(s), lo, hi, g0,
+                                                    cols, m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C,
+                                                    EVEN_K, LOG2_BS, s_layout, o_layout, p_layout)
             mbarrier.arrive(tempty.index(s), count=1)
             t += 1
 
