@@ -201,7 +201,7 @@ def _tail_group(q16, kb, vb, lo, hi, g0, cols, m_i, l_i, acc, l_tail, s_zero, sc
     else:
         word = lo
     tail = (((word >> (cols % 32)) & 1) == 0) & (cj < NK)
-    # per column: log2 n_j for a tail block, -inf for an exact one (one FMA a score)
+    # per column: log2 n_j for a tail block, -inf for an exact one
     if EVEN_K:
         bias = gl.where(tail, LOG2_BS, float("-inf"))
     else:
