@@ -105,135 +105,58 @@ def _codes_view(codes_smem, NCH: gl.constexpr, CW: gl.constexpr):
 
 
 @gluon.jit
-def _tile_coords(tile, H, HK, NQ):
-    """A tile (one pair of query blocks of one head; also its row in the pair tables) -> (pair,
-    b·H + h, b, h, key head, b·Hk + key head)."""
-    npairs = (NQ + 1) // 2
-    bh = tile // npairs
-    b = bh // H
-    h = bh % H
-    hk = h // (H // HK)
-    return tile % npairs, bh, b, h, hk, b * HK + hk
-
-
-@gluon.jit
-def _load_tile_inputs(q_desc, cd_desc, q_smem, codes_smem, tile_smem, q_bar, q_free, code_bar, code_free,
-                      qpair_ptr, tile, n, n_tiles, H, HK, NQ, BS: gl.constexpr, HAS_QPAIR: gl.constexpr,
-                      CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr):
-    """The ``n``-th tile of this CTA: its index into ``tile_smem`` for the consumers, its stream
-    codes (into code buffer ``n % 2``) and both query tiles, each once the consumers are done with
-    what the buffer held (a tile past Lq is zero-filled by TMA). ``tile >= n_tiles`` ends the CTA:
-    the index alone, on the query barriers."""
-    # A fresh mbarrier counts as having completed phase 1: the first use of a buffer never waits.
-    # The consumers read the index before releasing their query tiles: both free, the slot is too.
-    for c in gl.static_range(2):
-        mbarrier.wait(q_free.index(c), (n & 1) ^ 1)
-    tile_smem.store(gl.full([1, 1], tile, gl.int32, gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])))
-    fence_async_shared()
-    if tile < n_tiles:
-        pair, bh, b, h, hk, bhk = _tile_coords(tile, H, HK, NQ)
-        if CODES:
-            cb = n % 2
-            mbarrier.wait(code_free.index(cb), ((n // 2) & 1) ^ 1)
-            mbarrier.expect(code_bar.index(cb), NCH * cd_desc.block_type.nbytes)
-            for c in gl.static_range(NCH):
-                _tma_load(cd_desc, [tile, c * CW], code_bar.index(cb), _box(codes_smem.index(cb * NCH + c), cd_desc))
-        for c in gl.static_range(2):
-            qi = _query_block(qpair_ptr, tile, pair, c, HAS_QPAIR)
-            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b, h, qi * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
-    else:
-        for c in gl.static_range(2):
-            mbarrier.arrive(q_bar.index(c), count=1)
-
-
-@gluon.jit
-def _next_tile(sched_ptr, tile, nprog, DYNAMIC: gl.constexpr):
-    """The tile after ``tile`` for this CTA: the next unclaimed one (a global counter, so CTAs that
-    finish early take more and the tiles in flight stay a compact window of the launch order, as
-    the hardware's own CTA scheduling keeps them), or round-robin."""
-    if DYNAMIC:
-        nxt = nprog + gl.atomic_add(sched_ptr, 1)
-    else:
-        nxt = tile + nprog
-    return nxt
-
-
-@gluon.jit
-def _read_tile(tile_smem):
-    return gl.max(gl.max(tile_smem.load(gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])), axis=1), axis=0)
-
-
-@gluon.jit
 def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
-            q_smem, k_bufs, v_bufs, hb_smem, codes_smem, tile_smem, q_bar, q_free, hb_bar, hb_free, code_bar,
-            code_free, ready, empty, uidx_ptr, ucnt_ptr, qpair_ptr, sched_ptr, B, W2, H, HK, NQ, NK,
+            q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+            uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
-            HAS_QPAIR: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr,
-            DYNAMIC: gl.constexpr):
-    # Tile pid first, then the next one (:func:`_next_tile`); the ring position ``t`` runs on across
-    # tiles, and the next tile's codes and query tiles are loaded while this one streams, so a
-    # consumer finds them waiting when it finishes a tile.
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    n_tiles = B * H * ((NQ + 1) // 2)
+            HAS_QPAIR: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr):
+    # The pair's stream codes first (one TMA into shared memory, when CODES), then both query tiles
+    # (a tile past Lq is zero-filled by TMA) and H̄, each on its own barrier.
+    if CODES:
+        mbarrier.expect(code_bar.index(0), NCH * cd_desc.block_type.nbytes)
+        for c in gl.static_range(NCH):
+            _tma_load(cd_desc, [pair_row, c * CW], code_bar.index(0), _box(codes_smem.index(c), cd_desc))
+    for c in gl.static_range(2):
+        qi = _query_block(qpair_ptr, pair_row, pair, c, HAS_QPAIR)
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, qi * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
+    if MODE == 2:
+        mbarrier.expect(hb_bar.index(0), hb_desc.block_type.nbytes)
+        _tma_load(hb_desc, [bhk, 0, 0], hb_bar.index(0), _box(hb_smem, hb_desc))
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     CODE_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    NCODES: gl.constexpr = NCH * CW
-    codes = _codes_view(codes_smem, 2 * NCH, CW)
-    tile = pid
-    _load_tile_inputs(q_desc, cd_desc, q_smem, codes_smem, tile_smem, q_bar, q_free, code_bar, code_free,
-                      qpair_ptr, tile, 0, n_tiles, H, HK, NQ, BS, HAS_QPAIR, CODES, NCH, CW)
+    n_union = gl.load(ucnt_ptr + pair_row)
+    ubase = uidx_ptr + pair_row * W2
+    codes = _codes_view(codes_smem, NCH, CW)
     t = 0
-    n = 0
-    while tile < n_tiles:
-        pair, bh, b, h, hk, bhk = _tile_coords(tile, H, HK, NQ)
-        n_union = gl.load(ucnt_ptr + tile)
-        ubase = uidx_ptr + tile * W2
-        cbase = (n % 2) * NCODES
-        # Every read of the stream is issued one entry ahead, off the critical path.
+    # Every read of the stream is issued one entry ahead, off the critical path.
+    if CODES:
+        mbarrier.wait(code_bar.index(0), 0)
+        code = _code(codes, 0, CODE_L)
+    else:
+        code = gl.load(ubase, mask=n_union > 0, other=0)
+    for u in range(n_union):
+        j = code >> 2
         if CODES:
-            mbarrier.wait(code_bar.index(n % 2), (n // 2) & 1)
-            code = _code(codes, cbase, CODE_L)
+            code = _code(codes, gl.minimum(u + 1, NCH * CW - 1), CODE_L)
         else:
-            code = gl.load(ubase, mask=n_union > 0, other=0)
-        for u in range(n_union):
-            j = code >> 2
-            if CODES:
-                code = _code(codes, cbase + gl.minimum(u + 1, NCODES - 1), CODE_L)
-            else:
-                code = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+            code = gl.load(ubase + u + 1, mask=u + 1 < n_union, other=0)
+        s = t % STAGES
+        # A fresh mbarrier counts as having completed phase 1: the first pass never waits.
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), kv_bytes)
+        _tma_load(k_desc, [b, hk, j * BS, 0], ready.index(s), _box(k_bufs.index(s), k_desc))
+        _tma_load(v_desc, [b, hk, j * BS, 0], ready.index(s), _box(v_bufs.index(s), v_desc))
+        t += 1
+    if MODE > 0:
+        c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
+        for g0 in range(0, NK, C):
             s = t % STAGES
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), kv_bytes)
-            _tma_load(k_desc, [b, hk, j * BS, 0], ready.index(s), _box(k_bufs.index(s), k_desc))
-            _tma_load(v_desc, [b, hk, j * BS, 0], ready.index(s), _box(v_bufs.index(s), v_desc))
+            mbarrier.expect(ready.index(s), c_bytes)
+            _tma_load(kb_desc, [bhk, g0, 0], ready.index(s), _box(k_bufs.index(s), kb_desc))
+            _tma_load(vb_desc, [bhk, g0, 0], ready.index(s), _box(v_bufs.index(s), vb_desc))
             t += 1
-        nxt = _next_tile(sched_ptr, tile, nprog, DYNAMIC)
-        _load_tile_inputs(q_desc, cd_desc, q_smem, codes_smem, tile_smem, q_bar, q_free, code_bar, code_free,
-                          qpair_ptr, nxt, n + 1, n_tiles, H, HK, NQ, BS, HAS_QPAIR, CODES, NCH, CW)
-        if MODE > 0:
-            c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
-            for g0 in range(0, NK, C):
-                s = t % STAGES
-                mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), c_bytes)
-                _tma_load(kb_desc, [bhk, g0, 0], ready.index(s), _box(k_bufs.index(s), kb_desc))
-                _tma_load(vb_desc, [bhk, g0, 0], ready.index(s), _box(v_bufs.index(s), vb_desc))
-                t += 1
-        if MODE == 2:  # H̄, read by the consumers after the tail
-            mbarrier.wait(hb_free.index(0), (n & 1) ^ 1)
-            mbarrier.expect(hb_bar.index(0), hb_desc.block_type.nbytes)
-            _tma_load(hb_desc, [bhk, 0, 0], hb_bar.index(0), _box(hb_smem, hb_desc))
-        tile = nxt
-        n += 1
-    if DYNAMIC:
-        # The last CTA to finish zeroes the counter for the next launch: every CTA has claimed its
-        # last tile before it counts itself done.
-        done = gl.atomic_add(sched_ptr + 1, 1)
-        if done == nprog - 1:
-            gl.atomic_xchg(sched_ptr, 0)
-            gl.atomic_xchg(sched_ptr + 1, 0)
 
 
 @gluon.jit
@@ -299,11 +222,11 @@ def _tail_group(q16, kb, vb, lo, hi, g0, cols, m_i, l_i, acc, l_tail, s_zero, sc
 
 
 @gluon.jit
-def _stream_code(codes, cbase, ubase, n_union, i, CODES: gl.constexpr, NCODES: gl.constexpr, CODE_L: gl.constexpr):
-    """Entry ``i`` of the pair's stream: from its shared-memory copy (CODES; the tile's buffer
-    starts at code ``cbase``), else from global memory (0 past the end)."""
+def _stream_code(codes, ubase, n_union, i, CODES: gl.constexpr, NCODES: gl.constexpr, CODE_L: gl.constexpr):
+    """Entry ``i`` of the pair's stream: from its shared-memory copy (CODES), else from global
+    memory (0 past the end)."""
     if CODES:
-        c = _code(codes, cbase + gl.minimum(i, NCODES - 1), CODE_L)
+        c = _code(codes, gl.minimum(i, NCODES - 1), CODE_L)
     else:
         c = gl.load(ubase + i, mask=i < n_union, other=0)
     return c
@@ -332,7 +255,7 @@ def _flush_pv(acc, p, v_bufs, empty, tp, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, cbase, ubase, n_union, t0, m_i, l_i, acc,
+def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_i, l_i, acc,
                      s_zero, cols, qk_scale, LK,
                      CID: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
                      s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
@@ -341,9 +264,8 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, cbase, ubase, n_un
     (FA3's intra-warpgroup schedule): per owned block, Q·Kᵀ(j) and P·V(j-1) are queued, the wait
     for the older group (the scores) lets the softmax of j run while the tensor cores compute
     P·V(j-1), then the second wait, the slot of j-1 goes back and ``acc`` is rescaled to j's
-    maximum. The P of the last owned block (``tp``: its ring position, -1 none; the tile's stream
-    starts at ring position ``t0``) is carried in registers with its P·V not yet issued, so no
-    product is in flight across iterations.
+    maximum. The P of the last owned block (``tp``: its stream entry, -1 none) is carried in
+    registers with its P·V not yet issued, so no product is in flight across iterations.
 
     A consumer holds at most one slot past its position. Before waiting on an entry ``STAGES`` or
     more past the held one it flushes (issues and waits that P·V, releases the slot): the loader
@@ -351,16 +273,15 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, cbase, ubase, n_un
     deadlock when the other consumer owns a long run of the stream."""
     p = gl.zeros([BS, BS], v_bufs.dtype, layout=p_layout)
     tp = n_union * 0 - 1
-    code_next = _stream_code(codes, cbase, ubase, n_union, 0, CODES, NCODES, CODE_L)
+    code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCODES, CODE_L)
     for u in range(n_union):
         code = code_next
-        code_next = _stream_code(codes, cbase, ubase, n_union, u + 1, CODES, NCODES, CODE_L)
-        a = t0 + u
-        s = a % STAGES
-        if (tp >= 0) & (a - tp >= STAGES):
+        code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCODES, CODE_L)
+        s = u % STAGES
+        if (tp >= 0) & (u - tp >= STAGES):
             acc = _flush_pv(acc, p, v_bufs, empty, tp, STAGES)
             tp = -1
-        mbarrier.wait(ready.index(s), (a // STAGES) & 1)
+        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
         if ((code >> CID) & 1) != 0:
             s_tok = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             if tp >= 0:
@@ -381,7 +302,7 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, cbase, ubase, n_un
             # acc holds the blocks before j at the old maximum: rescale it after their P·V.
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
             p = p_new
-            tp = a
+            tp = u
         else:
             mbarrier.arrive(empty.index(s), count=1)
     if tp >= 0:
@@ -391,12 +312,12 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, cbase, ubase, n_un
 
 @gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-              q_smem, k_bufs, v_bufs, hb_smem, o_smem, codes_smem, tile_smem, q_bar, q_free, hb_bar, hb_free,
-              code_bar, code_free, ready, empty, uidx_ptr, ucnt_ptr, qpair_ptr, B, W2, NW, H, HK, LQ, LK, NQ, NK,
+              q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+              uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
               qk_scale, scale,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
-              HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
+              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
               CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -405,189 +326,164 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    CODE_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    NCODES: gl.constexpr = NCH * CW
 
+    qi = _query_block(qpair_ptr, pair_row, pair, CID, HAS_QPAIR)
+    active = qi < NQ  # a lone block's partner is Nq: its consumer only releases the slots
+    row = bh * NQ + qi
+    q_s = q_smem.index(CID)
+    mbarrier.wait(q_bar.index(CID), 0)
+    # Q·Kᵀ with Q in registers reads only K from shared memory (with Q there too, a 64-row
+    # product moves as many shared-memory bytes as the tensor cores can consume).
+    if Q_REG:
+        qa = q_s.load(q16_layout)
+    else:
+        qa = q_s
+
+    m_i = gl.full([BS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BS], gl.float32, layout=row_s)
+    l_tail = gl.zeros([BS], gl.float32, layout=row_s)
+    acc = gl.zeros([BS, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
     cols = gl.arange(0, BS, layout=col_s)
-    codes = _codes_view(codes_smem, 2 * NCH, CW)
-    q_s = q_smem.index(CID)
-    o_s = o_smem.index(CID)
-    n_tiles = B * H * ((NQ + 1) // 2)
-    t = 0  # ring position, on across tiles
-    n = 0
-    # The loader publishes each tile's index with its query tiles; an index past the last tile ends.
-    mbarrier.wait(q_bar.index(CID), 0)
-    tile = _read_tile(tile_smem)
-    while tile < n_tiles:
-        pair, bh, b, h, hk, bhk = _tile_coords(tile, H, HK, NQ)
-        qi = _query_block(qpair_ptr, tile, pair, CID, HAS_QPAIR)
-        active = qi < NQ  # a lone block's partner is Nq: its consumer only releases the slots
-        row = bh * NQ + qi
-        # Q·Kᵀ with Q in registers reads only K from shared memory (with Q there too, a 64-row
-        # product moves as many shared-memory bytes as the tensor cores can consume); the tile's
-        # buffer goes straight back to the loader for the next tile's Q.
-        qa = q_s.load(q16_layout)
-        mbarrier.arrive(q_free.index(CID), count=1)
 
-        m_i = gl.full([BS], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.zeros([BS], gl.float32, layout=row_s)
-        l_tail = gl.zeros([BS], gl.float32, layout=row_s)
-        acc = gl.zeros([BS, D], gl.float32, layout=o_layout)
+    n_union = gl.load(ucnt_ptr + pair_row)
+    ubase = uidx_ptr + pair_row * W2
+    CODE_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    codes = _codes_view(codes_smem, NCH, CW)
+    if CODES:
+        mbarrier.wait(code_bar.index(0), 0)
+    if PIPELINE:
+        m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union,
+                                         m_i, l_i, acc, s_zero, cols, qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout,
+                                         o_layout, p_layout, CODES, NCH * CW, CODE_L)
+    else:
+        # The reference loop: Q·Kᵀ, wait, softmax, P·V, wait, one block after the other.
+        code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCH * CW, CODE_L)
+        for u in range(n_union):
+            code = code_next
+            code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCH * CW, CODE_L)
+            s = u % STAGES
+            ph = (u // STAGES) & 1
+            mbarrier.wait(ready.index(s), ph)
+            if ((code >> CID) & 1) != 0:
+                j = code >> 2
+                sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                if not EVEN_K:
+                    sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
+                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, qk_scale, v_bufs.index(s), s_layout,
+                                                           o_layout, p_layout)
+            mbarrier.arrive(empty.index(s), count=1)
+    t = n_union
 
-        n_union = gl.load(ucnt_ptr + tile)
-        ubase = uidx_ptr + tile * W2
-        cbase = (n % 2) * NCODES
-        if CODES:
-            mbarrier.wait(code_bar.index(n % 2), (n // 2) & 1)
-        if PIPELINE:
-            m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, cbase, ubase, n_union, t,
-                                             m_i, l_i, acc, s_zero, cols, qk_scale, LK, CID, BS, STAGES, EVEN_K,
-                                             s_layout, o_layout, p_layout, CODES, NCODES, CODE_L)
-        else:
-            # The reference loop: Q·Kᵀ, wait, softmax, P·V, wait, one block after the other.
-            code_next = _stream_code(codes, cbase, ubase, n_union, 0, CODES, NCODES, CODE_L)
-            for u in range(n_union):
-                code = code_next
-                code_next = _stream_code(codes, cbase, ubase, n_union, u + 1, CODES, NCODES, CODE_L)
-                s = (t + u) % STAGES
-                mbarrier.wait(ready.index(s), ((t + u) // STAGES) & 1)
-                if ((code >> CID) & 1) != 0:
-                    j = code >> 2
-                    sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                    if not EVEN_K:
-                        sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
-                    m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, qk_scale, v_bufs.index(s),
-                                                               s_layout, o_layout, p_layout)
-                mbarrier.arrive(empty.index(s), count=1)
-        if CODES:
-            mbarrier.arrive(code_free.index(n % 2), count=1)
-        t += n_union
-
-        if MODE > 0:
-            # q in float16 scaled by a power of two so its largest entry sits in [2^13, 2^14): the
-            # bf16 -> fp16 conversion is then exact whatever the magnitude (centroids are scaled alike).
+    if MODE > 0:
+        # q in float16 scaled by a power of two so its largest entry sits in [2^13, 2^14): the
+        # bf16 -> fp16 conversion is then exact whatever the magnitude (centroids are scaled alike).
+        if Q_REG:
             qf = qa.to(gl.float32)
-            qmax = gl.max(gl.max(gl.abs(qf), axis=1), axis=0)
-            q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
-            q16 = (qf / q_sc).to(gl.float16)
-            sc_scale = qk_scale * q_sc * gl.load(kscale_ptr + bhk)  # all scales: powers of 2
-            brow = bits_ptr + row * NW
-            # The group's exact-set bits, one (C = 32) or two (C = 64) words, read one group ahead.
-            lo_next = gl.load(brow, mask=active, other=0)
-            hi_next = gl.load(brow + 1, mask=active & (NW > 1), other=-1)
-            for g0 in range(0, NK, C):
-                lo = lo_next
-                hi = hi_next
-                w_next = (g0 + C) // 32
-                lo_next = gl.load(brow + w_next, mask=active & (w_next < NW), other=0)
-                if C > 32:
-                    hi_next = gl.load(brow + w_next + 1, mask=active & (w_next + 1 < NW), other=-1)
-                s = t % STAGES
-                mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-                if active:
-                    m_i, l_i, acc, l_tail = _tail_group(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0,
-                                                        cols, m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C,
-                                                        EVEN_K, LOG2_BS, s_layout, o_layout, p_layout)
-                mbarrier.arrive(empty.index(s), count=1)
-                t += 1
-
-        if MODE == 2:
-            # Both consumers wait for the tile's H̄ before giving it back, so neither can release a
-            # buffer the loader has not filled yet.
-            mbarrier.wait(hb_bar.index(0), n & 1)
+        else:
+            qf = q_s.load(q16_layout).to(gl.float32)
+        qmax = gl.max(gl.max(gl.abs(qf), axis=1), axis=0)
+        q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
+        q16 = (qf / q_sc).to(gl.float16)
+        sc_scale = qk_scale * q_sc * gl.load(kscale_ptr + bhk)  # all scales: powers of 2
+        brow = bits_ptr + row * NW
+        # The group's exact-set bits, one (C = 32) or two (C = 64) words, read one group ahead.
+        lo_next = gl.load(brow, mask=active, other=0)
+        hi_next = gl.load(brow + 1, mask=active & (NW > 1), other=-1)
+        for g0 in range(0, NK, C):
+            lo = lo_next
+            hi = hi_next
+            w_next = (g0 + C) // 32
+            lo_next = gl.load(brow + w_next, mask=active & (w_next < NW), other=0)
+            if C > 32:
+                hi_next = gl.load(brow + w_next + 1, mask=active & (w_next + 1 < NW), other=-1)
+            s = t % STAGES
+            ph = (t // STAGES) & 1
+            mbarrier.wait(ready.index(s), ph)
             if active:
-                o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
-                # q again from its float16 copy (exact: the power-of-two scale leaves the bf16
-                # mantissa whole), so the input-precision q need not stay live through the tail.
-                qb = gl.convert_layout((q16.to(gl.float32) * q_sc).to(qa.dtype), p_layout)
-                qh = warpgroup_mma(qb, hb_smem, o_zero, use_acc=False, is_async=True)
-                qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh,))
-                a_h = gl.load(alpha_ptr + h)  # the first-order weight of this query head
-                acc += gl.convert_layout(l_tail * (scale * a_h / BS), row_o)[:, None] * qh
-            mbarrier.arrive(hb_free.index(0), count=1)
-        if active:
-            out = acc / gl.convert_layout(l_i, row_o)[:, None]
-            lse = (m_i + gl.log2(l_i)) * LN2
-            rows = qi * BS + gl.arange(0, BS, layout=row_s)
-            gl.store(lse_ptr + bh * LQ + rows, lse, mask=rows < LQ)
-            # One TMA store from the consumer's staging tile (rows past Lq fall outside the
-            # descriptor and are clipped), left in flight: the next tile waits for it before
-            # writing the staging tile again.
-            tma.store_wait(pendings=0)
-            o_s.store(out.to(o_s.dtype))
-            fence_async_shared()
-            _tma_store(o_desc, [b, h, qi * BS, 0], _box(o_s, o_desc))
-        n += 1
-        mbarrier.wait(q_bar.index(CID), n & 1)
-        tile = _read_tile(tile_smem)
-    tma.store_wait(pendings=0)
+                m_i, l_i, acc, l_tail = _tail_group(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0, cols,
+                                                    m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, EVEN_K,
+                                                    LOG2_BS, s_layout, o_layout, p_layout)
+            mbarrier.arrive(empty.index(s), count=1)
+            t += 1
+
+    if active:
+        if MODE == 2:
+            mbarrier.wait(hb_bar.index(0), 0)
+            o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
+            qh = warpgroup_mma(q_s, hb_smem, o_zero, use_acc=False, is_async=True)
+            qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh,))
+            a_h = gl.load(alpha_ptr + h)  # the first-order weight of this query head
+            acc += gl.convert_layout(l_tail * (scale * a_h / BS), row_o)[:, None] * qh
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        lse = (m_i + gl.log2(l_i)) * LN2
+        rows = qi * BS + gl.arange(0, BS, layout=row_s)
+        gl.store(lse_ptr + bh * LQ + rows, lse, mask=rows < LQ)
+        # The query tile is dead now: its slot stages the output for one TMA store (rows past Lq
+        # fall outside the descriptor and are clipped).
+        q_s.store(out.to(q_s.dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, qi * BS, 0], _box(q_s, o_desc))
+        tma.store_wait(pendings=0)
 
 
-@gluon.jit(do_not_specialize=["B", "H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
+@gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
 def _pair_attn_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc, cd_desc,
-    kscale_ptr, uidx_ptr, ucnt_ptr, qpair_ptr, bits_ptr, lse_ptr, alpha_ptr, sched_ptr,
-    B, H, HK, LQ, LK, NQ, NK, W2, NW,
+    kscale_ptr, uidx_ptr, ucnt_ptr, qpair_ptr, bits_ptr, lse_ptr, alpha_ptr,
+    H, HK, LQ, LK, NQ, NK, W2, NW,
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
-    EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, HAS_QPAIR: gl.constexpr,
-    PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, DYNAMIC: gl.constexpr,
+    EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
+    PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr,
 ):
-    # Tiles (pairs of query blocks of one head, B·H·⌈Nq/2⌉ of them): one per CTA, or a persistent
-    # grid of one CTA per SM taking them round-robin or from a counter (DYNAMIC).
+    pair = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // (H // HK)
+    bhk = b * HK + hk
+    pair_row = bh * ((NQ + 1) // 2) + pair
     dtype: gl.constexpr = q_desc.dtype
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], dtype)
 
     q_smem = gl.allocate_shared_memory(dtype, [2, BS, D], tile_layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2, BS, D], tile_layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
     if MODE == 2:
         hb_smem = gl.allocate_shared_memory(dtype, [D, D], gl.NVMMASharedLayout.get_default_for([D, D], dtype))
     else:
         hb_smem = gl.allocate_shared_memory(dtype, [16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
-    # Two buffers of stream codes (CODES: one TMA per tile, the next tile's while this one runs;
-    # read by the loader and both consumers).
-    codes_smem = gl.allocate_shared_memory(gl.int32, [2 * NCH, 1, CW], cd_desc.layout)
-    tile_smem = gl.allocate_shared_memory(gl.int32, [1, 1], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
-                                                                                      order=[1, 0]))
+    # The pair's stream codes (CODES: copied once by TMA; read by the loader and both consumers).
+    codes_smem = gl.allocate_shared_memory(gl.int32, [NCH, 1, CW], cd_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     hb_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    hb_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    code_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    code_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    code_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_bar.index(c), count=1)
-        mbarrier.init(q_free.index(c), count=1)
-        mbarrier.init(code_bar.index(c), count=1)
-        mbarrier.init(code_free.index(c), count=2)  # both consumers
     mbarrier.init(hb_bar.index(0), count=1)
-    mbarrier.init(hb_free.index(0), count=2)
+    mbarrier.init(code_bar.index(0), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers release every slot
 
     gl.warp_specialize([
         (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
-                   q_smem, k_bufs, v_bufs, hb_smem, codes_smem, tile_smem, q_bar, q_free, hb_bar, hb_free, code_bar,
-                   code_free, ready, empty, uidx_ptr, ucnt_ptr, qpair_ptr, sched_ptr, B, W2, H, HK, NQ, NK,
-                   BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, DYNAMIC)),
+                   q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                   uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
+                   BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-                     q_smem, k_bufs, v_bufs, hb_smem, o_smem, codes_smem, tile_smem, q_bar, q_free, hb_bar,
-                     hb_free, code_bar, code_free, ready, empty, uidx_ptr, ucnt_ptr, qpair_ptr, B, W2, NW, H, HK, LQ,
-                     LK, NQ, NK,
-                     qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, HAS_QPAIR,
+                     q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                     uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                     qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
                      PIPELINE, CODES, NCH, CW)),
         (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-                     q_smem, k_bufs, v_bufs, hb_smem, o_smem, codes_smem, tile_smem, q_bar, q_free, hb_bar,
-                     hb_free, code_bar, code_free, ready, empty, uidx_ptr, ucnt_ptr, qpair_ptr, B, W2, NW, H, HK, LQ,
-                     LK, NQ, NK,
-                     qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, HAS_QPAIR,
+                     q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                     uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                     qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
                      PIPELINE, CODES, NCH, CW)),
     ], [4, 4], [240, 240])
 
@@ -627,37 +523,7 @@ PIPELINE = False
 CODES = True
 CODE_CHUNK = 256
 CODES_MAX_CHUNKS = 8
-# The grid: True launches one CTA per SM, each walking tiles (pairs of query blocks) round-robin,
-# its loader fetching the next tile's codes, query tiles and first K/V blocks while the consumers
-# finish the current one and its output store still runs; False launches one CTA per tile.
-PERSISTENT = True
-# A persistent CTA takes its next tile from a global counter (True) or round-robin (tile + grid).
-DYNAMIC = True
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_SM_COUNT: dict[int, int] = {}
-
-
-# sm_90's shared memory per block (227 KB, opt-in).
-SMEM_LIMIT = 227 * 1024
-SMEM_SLACK = 2048  # alignment the estimate below leaves out
-
-
-def shared_bytes(d: int, stages: int, mode: int, nch: int, cw: int, elt: int = 2) -> int:
-    """Shared memory the pair kernel allocates (a few hundred bytes of alignment left out): two
-    query tiles, two output staging tiles, the K/V ring, H̄ (hybrid) and two code buffers."""
-    tile = 64 * d * elt
-    hb = (d if mode == 2 else 16) * d * elt
-    return (4 + 2 * stages) * tile + hb + 2 * nch * cw * 4 + 8 * (10 + 2 * stages)
-
-
-def grid_size(n_tiles: int, device: torch.device, persistent: bool) -> int:
-    """CTAs of a launch over ``n_tiles`` tiles: one per SM (persistent) or one per tile."""
-    if not persistent:
-        return n_tiles
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return max(1, min(n_tiles, _SM_COUNT[i]))
 
 
 def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
@@ -698,26 +564,23 @@ def attention(
     kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor,
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, n_select: int,
-    out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None,
-    alpha: Tensor | None = None, pairs: tuple[Tensor, ...] | None = None,
+    out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
+    alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
     pair_group: int | None = None, pair_order: str | None = None, pipeline: bool | None = None,
-    codes: bool | None = None, persistent: bool | None = None, dynamic: bool | None = None,
+    codes: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
     The stream is built from ``bits`` (``idx`` only gives the list width); both kernels take one
     selection. ``alpha``: ``[H]`` float32 weights of the first-order term (None: 1). ``pairs``:
-    (uidx, ucnt, qpair[, sched]) buffers for the pair stream (:mod:`pisa_attn.ops.triton.pairs`) and
-    the tile counter (int32 [2], zero; the kernel leaves it zero).
+    (uidx, ucnt, qpair) buffers for the pair stream (:mod:`pisa_attn.ops.triton.pairs`).
     ``pair_group``: query blocks are paired by shared exact blocks inside aligned groups of this
     many (None: :data:`PAIR_GROUP`; 2: adjacent blocks); ``pair_order``: the stream order
     (``pairs.ORDERS``; None: :data:`PAIR_ORDER`). Neither changes the function computed; in the
     ``"ascending"`` order the pairing does not change a single bit of it. ``pipeline``: the exact
     loop's schedule (None: :data:`PIPELINE`); both compute the same function (the same operations
     in the same order per block). ``codes``: stage the stream codes in shared memory (None:
-    :data:`CODES`); ``persistent``: one CTA per SM walking the tiles, or one per tile (None:
-    :data:`PERSISTENT`), ``dynamic``: a persistent CTA's next tile from a counter or round-robin
-    (None: :data:`DYNAMIC`); none of these changes a bit of the result."""
+    :data:`CODES`); it does not change a bit of the result."""
     del cnt, n_select
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -740,38 +603,26 @@ def attention(
     pipe = PIPELINE if pipeline is None else bool(pipeline)
     w2 = uidx.shape[-1]
     use_codes, cw, nch = code_chunks(w2, CODES if codes is None else bool(codes))
-    if shared_bytes(d, st, m, nch, cw, q.element_size()) + SMEM_SLACK > SMEM_LIMIT:
-        raise ValueError(f"stages={st}: a ring of {st} K/V slots at head dim {d} does not fit the "
-                         f"{SMEM_LIMIT // 1024} KB of shared memory of an sm_90 CTA in mode {mode!r}")
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
                uidx.view(-1, w2))
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d], [1, cw])
-    persist = PERSISTENT if persistent is None else bool(persistent)
-    dyn = persist and (DYNAMIC if dynamic is None else bool(dynamic))
-    if not dyn:
-        sched = ucnt  # never read
-    elif pairs is not None and len(pairs) > 3:
-        sched = pairs[3]
-    else:
-        sched = torch.zeros(2, device=q.device, dtype=torch.int32)
-    scalars = (kscale, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, sched, b, h, hk, lq, lk, nq, nk,
+    scalars = (kscale, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
-    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
-                      HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, DYNAMIC=dyn)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, has_qpair, dyn, pipe, use_codes, nch, cw,
-           tuple(x.data_ptr() % 16 == 0 for x in scalars[:8]))
+    constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
+                      HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw,
+           tuple(x.data_ptr() % 16 == 0 for x in scalars[:7]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
-    grid = grid_size(b * h * -(-nq // 2), q.device, persist)
-    _launch(key, (grid,), descs + scalars, constexprs,
+    _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
             full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS)
     return out, lse
 
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
-                     dtype: torch.dtype = torch.bfloat16, stages: int | None = None,
+                     dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
                      has_qpair: bool = True, pipeline: bool | None = None, codes: bool | None = None,
-                     union_entries: int = 128, dynamic: bool | None = None):
+                     union_entries: int = 128):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -789,11 +640,10 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     use_codes, cw, nch = code_chunks(union_entries, CODES if codes is None else bool(codes))
     descs["cd_desc"] = _desc(torch.empty(1, union_entries, dtype=torch.int32), [1, cw])
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or STAGES[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
-                      LOG2_BS=math.log2(bs), HAS_QPAIR=has_qpair,
-                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw,
-                      DYNAMIC=DYNAMIC if dynamic is None else bool(dynamic))
+                      LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
+                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw)
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
-                 lse_ptr="*fp32", sched_ptr="*i32",
+                 lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32")
     sig = {}
     for name in _pair_attn_kernel.arg_names:

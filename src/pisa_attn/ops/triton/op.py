@@ -86,13 +86,12 @@ def attend(
 @dataclass
 class Workspace:
     """The buffers of a planned call (:func:`pisa_attn.plan`): statistics, selection, the pair
-    stream and tile counter of the Hopper kernel (None for the Triton kernel) and an lse nobody
-    asked for."""
+    stream of the Hopper kernel (None for the Triton kernel) and an lse nobody asked for."""
 
     stats: Stats
     selection: SelectionWorkspace
     lse: Tensor
-    pairs: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+    pairs: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 def workspace(plan, q: Tensor, k: Tensor, *, pairs: bool = False) -> Workspace:
@@ -108,8 +107,7 @@ def workspace(plan, q: Tensor, k: Tensor, *, pairs: bool = False) -> Workspace:
         nq2, w2 = -(-plan.n_q_blocks // 2), union_width(plan.n_kv_blocks, plan.width)
         pair_bufs = (torch.empty(b, h, nq2, w2, device=dev, dtype=torch.int32),
                      torch.empty(b, h, nq2, device=dev, dtype=torch.int32),
-                     torch.empty(b, h, nq2, 2, device=dev, dtype=torch.int32),
-                     torch.zeros(2, device=dev, dtype=torch.int32))  # the tile counter (kept zero between calls)
+                     torch.empty(b, h, nq2, 2, device=dev, dtype=torch.int32))
     return Workspace(stats, sel, torch.empty(b, h, lq, device=dev, dtype=torch.float32), pair_bufs)
 
 
