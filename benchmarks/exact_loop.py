@@ -21,8 +21,9 @@ K/V given), drop and hybrid, cuDNN SDPA in the same run, outputs compared across
     PYTHONPATH=src python3 benchmarks/exact_loop.py --schedules --lengths 32768 65536 \
         --out benchmarks/results/h100_pipeline.json
 
-``--loop-variants`` compares the bf16 kernel's exact loops on one selection per (length, input):
-the sequential loop with 3 (the default) or 4 ring slots and the pipelined one; drop and hybrid,
+``--loop-variants`` compares the bf16 kernel's CTA shapes on one selection per (length, input):
+two query blocks per CTA (pairs; owners and ascending stream order) and three (4 or 3 ring slots);
+drop and hybrid,
 outputs compared with the first variant, cuDNN SDPA in the same run; with ``--whole`` also the
 whole call.
 
@@ -195,12 +196,12 @@ def dino_overlap(path: str, density: float, res: dict):
 
 
 def ncu_launches(L: int = 32768):
-    """One drop-mode attend launch per (input, loop variant: the sequential loop, then the
-    pipelined one) for ncu -k regex:pair."""
+    """One drop-mode attend launch per (input, loop variant: pairs, then triples) for
+    ncu -k regex:pair."""
     for source in ("random", "dit"):
         q, k, v = qkv(source, L)
         stats, sel, n_sel = selection(q, k, v, 0.125)
-        for name, kw in (LOOP_VARIANTS[0], LOOP_VARIANTS[-1]):
+        for name, kw in LOOP_VARIANTS[:2]:
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
             gattn.attention(q, k, v, *stats.tail(), *sel, mode="drop", scale=q.shape[-1] ** -0.5, block_size=64,
@@ -209,13 +210,14 @@ def ncu_launches(L: int = 32768):
             print(f"ncu launch: {source} {name}", flush=True)
 
 
-# (name, keyword arguments of the pair kernel): codes = stream codes in shared memory, pipeline =
-# the pipelined loop, stages = ring slots (None: the kernel's default). The first is the default
-# sequential loop, the reference of the comparisons.
+# (name, keyword arguments of the pair kernel): query_group = query blocks per CTA (None: the
+# kernel's default for the mode), pipeline = the pipelined loop, stages = ring slots (None: the
+# kernel's default). The first is the reference of the comparisons.
 LOOP_VARIANTS = [
-    ("sequential", dict(codes=True, pipeline=False, stages=None)),
-    ("sequential-4slots", dict(codes=True, pipeline=False, stages=4)),
-    ("pipelined-4slots", dict(codes=True, pipeline=True, stages=4)),
+    ("pairs", dict(query_group=2, stages=None)),
+    ("triples", dict(query_group=3, stages=None)),
+    ("triples-3slots", dict(query_group=3, stages=3)),
+    ("pairs-ascending", dict(query_group=2, pair_order="ascending", stages=None)),
 ]
 
 

@@ -23,7 +23,22 @@ def sass_spills(cubin):
         f.write(cubin)
         f.flush()
         sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return len(re.findall(r"\\b(?:STL|LDL)\\b", sass))
+    return len(re.findall(r"\\b(?:STL|LDL)\\b", sass)), loop_spills(sass)
+def loop_spills(sass):
+    # local loads/stores inside the innermost loops that issue tensor-core products (a loop: the
+    # range of a backward branch, not one from the out-of-line barrier retries after the last EXIT;
+    # the hot loops, not the code around them)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\\*([0-9a-f]{{4,}})\\*/\\s+([^;]*);", sass)]
+    end = max(a for a, t in ins if t.strip() == "EXIT")
+    loops = []
+    for addr, txt in ins:
+        m = re.search(r"BRA\\s+0x([0-9a-f]+)", txt)
+        if m and int(m.group(1), 16) < addr < end:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if any("HGMMA" in t for t in body):
+                loops.append((int(m.group(1), 16), addr, body))
+    inner = [l for l in loops if not any(o is not l and l[0] <= o[0] and o[1] < l[1] for o in loops)]
+    return sum(len(re.findall(r"\\b(?:STL|LDL)\\b", "\\n".join(b))) for _, _, b in inner)
 res = {{}}
 for name, args in json.loads(sys.argv[1]).items():
     k = {call}
@@ -38,7 +53,7 @@ for name, args in json.loads(sys.argv[1]).items():
                      wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
                      setmaxnreg=len(re.findall(r"setmaxnreg", ptx)),
                      local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)), cubin=len(k.asm["cubin"]),
-                     spills=sass_spills(k.asm["cubin"]))
+                     **dict(zip(("spills", "loop_spills"), sass_spills(k.asm["cubin"]))))
 print(json.dumps(res))
 """
 
@@ -54,6 +69,7 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
 def build(imports: str, call: str, variants: dict) -> dict:
     """Compile every variant (``call``: an expression of ``args``, the variant's tuple) and count
     in its PTX: wgmma (all, FP8, INT8), TMA copies (all, 2D), ``wait_group 1``, setmaxnreg, global and
-    local loads/stores; ``spills``: local stores and loads in the SASS."""
+    local loads/stores; ``spills``: local stores and loads in the SASS, ``loop_spills``: those inside
+    the innermost loops that issue tensor-core products."""
     p = run_script(_SCRIPT.format(imports=imports, call=call), json.dumps(variants))
     return json.loads(p.stdout.strip().splitlines()[-1])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pisa_attn.ops.selection import Selection
-from pisa_attn.ops.triton.pairs import pair_match, pair_union, union_width
+from pisa_attn.ops.triton.pairs import pair_match, pair_union, triple_union, triple_width, union_width
 
 
 def _bits(mask, w=None):
@@ -33,6 +33,28 @@ def test_pair_union_matches_torch(nq, nk, order):
     ref_idx, ref_cnt = pair_union_torch(bits, nk, w, order=order)
     assert torch.equal(ucnt, ref_cnt)
     _check_stream(uidx, ucnt, ref_idx, mask, adjacent_pairs(2, 3, nq), order)
+
+
+@pytest.mark.parametrize("nq,nk", [(5, 70), (6, 33), (1, 5), (7, 128), (3, 1)],
+                         ids=["Nq5-Nk70", "Nq6-Nk33", "Nq1-Nk5", "Nq7-Nk128", "Nq3-Nk1"])
+def test_triple_union_matches_torch(nq, nk):
+    """Three adjacent query blocks' stream: every key block any of them selects, ascending, tagged
+    with the owner bits (blocks past Nq own nothing)."""
+    g = torch.Generator().manual_seed(nq * 1000 + nk + 7)
+    mask = torch.rand(2, 3, nq, nk, generator=g) < 0.3
+    bits, w = _bits(mask)
+    uidx, ucnt = triple_union(bits, nk, w)
+    nq3 = -(-nq // 3)
+    assert uidx.shape == (2, 3, nq3, triple_width(nk, w)) and ucnt.shape == (2, 3, nq3)
+    pad = torch.cat([mask, torch.zeros(2, 3, nq3 * 3 - nq, nk, dtype=torch.bool)], 2).view(2, 3, nq3, 3, nk).int()
+    own = pad[..., 0, :] | (pad[..., 1, :] << 1) | (pad[..., 2, :] << 2)
+    for bi in range(2):
+        for hi in range(3):
+            for t in range(nq3):
+                js = own[bi, hi, t].nonzero().flatten()
+                assert ucnt[bi, hi, t].item() == len(js)
+                ref = (js * 8 + own[bi, hi, t, js]).int()
+                assert torch.equal(uidx[bi, hi, t, : len(js)], ref), (bi, hi, t)
 
 
 @pytest.mark.parametrize("group", [4, 8])

@@ -540,3 +540,51 @@ def test_hopper_stream_protocols_are_bit_identical(source, monkeypatch):
             assert torch.equal(lse, base_lse), (order, key)
         assert rel_l1(base_out, o_ref) < BF16_TOL, order
         assert (base_lse.double() - lse_ref).abs().max().item() < 1e-2, order
+
+
+@HOPPER_ONLY
+@pytest.mark.parametrize("source", ["gauss-B1-H4-Hk2-L8229-D128-bf16-gqa-ragged", "gauss-B2-H2-Lq4096-Lk6000-D64-fp16",
+                                    "dit-T4-30x52-H4-D128-bf16", "uneven-B1-H2-L4096-D128-bf16",
+                                    "uneven-B1-H2-Lq4000-Lk4100-D64-fp16"])
+@pytest.mark.parametrize("mode", ["hybrid", "zeroth", "drop"])
+def test_hopper_three_query_blocks_per_cta(source, mode):
+    """Three query blocks per CTA (three consumers, each owner's blocks in ascending order) compute
+    what pairs compute in the ascending order: bit for bit in keep-or-drop and zeroth mode (and the
+    LSE in hybrid mode), the hybrid output within 1e-6 (q·H̄ takes q from its float16 copy), with
+    3 and 4 ring slots, and within the bf16 bound of the float64 reference."""
+    from pisa_attn.ops.hopper import attention as gattn
+
+    q, k, v, plan, stats, sel, o_ref, lse_ref = _stream_case(source, mode, seed=41)
+    outs = {}
+    for group, st in ((2, None), (3, None), (3, 3)):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+        gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
+                        n_select=plan.n_select, out=out, lse=lse, pair_order="ascending", stages=st,
+                        query_group=group)
+        torch.cuda.synchronize()
+        outs[group, st] = (out, lse)
+    base_out, base_lse = outs[2, None]
+    assert torch.isfinite(base_out).all() and torch.isfinite(base_lse).all()
+    for key, (out, lse) in outs.items():
+        assert torch.equal(lse, base_lse), key
+        if mode == "hybrid":
+            assert rel_l1(out, base_out) < 1e-6, key
+        else:
+            assert torch.equal(out, base_out), (key, rel_l1(out, base_out))
+        assert rel_l1(out, o_ref) < BF16_TOL, key
+    assert (base_lse.double() - lse_ref).abs().max().item() < 1e-2
+
+
+@HOPPER_ONLY
+def test_hopper_three_query_blocks_refuse_pair_options():
+    """Options that only pairs have are refused with three query blocks per CTA, naming them."""
+    from pisa_attn.ops.hopper import attention as gattn
+
+    q, k, v, plan, stats, sel, _, _ = _stream_case("uneven-B1-H2-L4096-D128-bf16", "drop", seed=3)
+    kw = dict(mode="drop", scale=plan.scale, block_size=64, n_select=plan.n_select, query_group=3)
+    for bad in (dict(pair_group=8), dict(pipeline=True), dict(pair_order="owners")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            gattn.attention(q, k, v, *stats.tail(), *sel, **kw, **bad)
+    with pytest.raises(ValueError, match="query_group"):
+        gattn.attention(q, k, v, *stats.tail(), *sel, **{**kw, "query_group": 4})

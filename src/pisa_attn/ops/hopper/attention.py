@@ -1,27 +1,28 @@
-"""Warp-specialised Hopper (sm_90) PISA attention in Gluon: two query blocks share K/V loads.
+"""Warp-specialised Hopper (sm_90) PISA attention in Gluon: two or three query blocks share K/V loads.
 
-One CTA owns a *pair* of 64-row query blocks of one head (chosen by how many exact key blocks they
-share, :func:`pisa_attn.ops.triton.pairs.pair_match`, or adjacent) and runs three partitions:
+One CTA owns a group of ``NC`` 64-row query blocks of one head: a *pair* (chosen by how many exact
+key blocks they share, :func:`pisa_attn.ops.triton.pairs.pair_match`, or adjacent), or three
+adjacent blocks (:func:`pisa_attn.ops.triton.pairs.triple_union`; the keep-or-drop default, see
+:data:`QUERY_GROUP`). It runs ``NC + 1`` partitions:
 
 * the loader (default partition, 4 warps, few registers) streams, through a ring of ``STAGES``
-  shared-memory slots filled by TMA, first the sorted union of the two blocks' exact key blocks,
+  shared-memory slots filled by TMA, first the sorted union of the group's exact key blocks,
   then the head's centroid groups (``kbar``/``vbar``, ``C = BS`` centroids a slot), and loads
-  both query tiles, ``H̄`` and the pair's stream codes (``CODES``: into shared memory, so no
+  the query tiles, ``H̄`` and the group's stream codes (``CODES``: into shared memory, so no
   partition loads from global memory in its loop) once;
-* two consumer warpgroups (worker partitions), one per query block, walk the same stream: each
+* ``NC`` consumer warpgroups (worker partitions), one per query block, walk the same stream: each
   computes only the exact blocks its own selection holds (the union code's owner bits), then
   every centroid group under its own tail bitmask, all in one online softmax (base 2), then the
   first-order term ``ℓ_tail · α_h s (q H̄)`` (``α_h`` from ``alpha_ptr``, one float per query
-  head). A slot is released when both consumers arrived. The exact blocks run one after the other
-  (Q·Kᵀ, softmax, P·V); ``PIPELINE`` selects an FA3-style schedule instead, each block's Q·Kᵀ and
-  softmax under the previous block's P·V. Every protocol computes the same bits; the defaults are
-  the ones measured fastest or no slower (``notes/kernel-notes.md``).
+  head). A slot is released when every consumer arrived. The exact blocks run one after the other
+  (Q·Kᵀ, softmax, P·V); ``PIPELINE`` (pairs) selects an FA3-style schedule instead, each block's
+  Q·Kᵀ and softmax under the previous block's P·V. Every protocol computes the same bits; the
+  defaults are the ones measured fastest or no slower (``notes/kernel-notes.md``).
 
 The selection is the paper's, per 64-row query block; only the loads are shared. The arithmetic
 is the Triton kernel's (``ops/triton/attention.py``): same scaled float16 centroid scores with
 ``log2 n_j`` folded in, same tail normaliser, same epilogue.
 """
-
 from __future__ import annotations
 
 import math
@@ -45,7 +46,7 @@ from .. import kernel_constants
 from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
-from ..triton.pairs import pair_match, pair_union
+from ..triton.pairs import pair_match, pair_union, triple_union, triple_width, union_width
 
 LN2 = gl.constexpr(kernel_constants.LN2)
 
@@ -82,12 +83,13 @@ else:
 
 
 @gluon.jit
-def _query_block(qpair_ptr, pair_row, pair, c: gl.constexpr, HAS_QPAIR: gl.constexpr):
-    """Query block ``c`` (0 or 1) of the pair: from the pairing table, else adjacent blocks."""
+def _query_block(qpair_ptr, pair_row, pair, c: gl.constexpr, HAS_QPAIR: gl.constexpr, NC: gl.constexpr):
+    """Query block ``c`` (0 to NC - 1) of the CTA's group: from the pairing table (pairs only), else
+    adjacent blocks."""
     if HAS_QPAIR:
         qi = gl.load(qpair_ptr + pair_row * 2 + c)
     else:
-        qi = pair * 2 + c
+        qi = pair * NC + c
     return qi
 
 
@@ -109,15 +111,16 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
             q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
             uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
-            HAS_QPAIR: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr):
-    # The pair's stream codes first (one TMA into shared memory, when CODES), then both query tiles
+            HAS_QPAIR: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr,
+            NC: gl.constexpr):
+    # The group's stream codes first (one TMA into shared memory, when CODES), then both query tiles
     # (a tile past Lq is zero-filled by TMA) and H̄, each on its own barrier.
     if CODES:
         mbarrier.expect(code_bar.index(0), NCH * cd_desc.block_type.nbytes)
         for c in gl.static_range(NCH):
             _tma_load(cd_desc, [pair_row, c * CW], code_bar.index(0), _box(codes_smem.index(c), cd_desc))
-    for c in gl.static_range(2):
-        qi = _query_block(qpair_ptr, pair_row, pair, c, HAS_QPAIR)
+    for c in gl.static_range(NC):
+        qi = _query_block(qpair_ptr, pair_row, pair, c, HAS_QPAIR, NC)
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, qi * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
     if MODE == 2:
@@ -136,7 +139,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
     else:
         code = gl.load(ubase, mask=n_union > 0, other=0)
     for u in range(n_union):
-        j = code >> 2
+        j = code >> NC  # a code: key block << NC | owner bits
         if CODES:
             code = _code(codes, gl.minimum(u + 1, NCH * CW - 1), CODE_L)
         else:
@@ -259,7 +262,7 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_
                      s_zero, cols, qk_scale, LK,
                      CID: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
                      s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                     CODES: gl.constexpr, NCODES: gl.constexpr, CODE_L: gl.constexpr):
+                     CODES: gl.constexpr, NCODES: gl.constexpr, CODE_L: gl.constexpr, NC: gl.constexpr):
     """The exact blocks with each block's Q·Kᵀ and softmax under the previous owned block's P·V
     (FA3's intra-warpgroup schedule): per owned block, Q·Kᵀ(j) and P·V(j-1) are queued, the wait
     for the older group (the scores) lets the softmax of j run while the tensor cores compute
@@ -290,14 +293,14 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_
                 # The oldest group only (the scores): P·V(j-1) stays on the tensor cores.
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
                 if not EVEN_K:
-                    sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
+                    sc = gl.where(((code >> NC) * BS + cols < LK)[None, :], sc, float("-inf"))
                 m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, qk_scale, p_layout, v_bufs.dtype)
                 acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(a_tok, p))
                 mbarrier.arrive(empty.index(sp), count=1)
             else:
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
                 if not EVEN_K:
-                    sc = gl.where(((code >> 2) * BS + cols < LK)[None, :], sc, float("-inf"))
+                    sc = gl.where(((code >> NC) * BS + cols < LK)[None, :], sc, float("-inf"))
                 m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, qk_scale, p_layout, v_bufs.dtype)
             # acc holds the blocks before j at the old maximum: rescale it after their P·V.
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
@@ -318,7 +321,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
               Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
-              CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr):
+              CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -327,7 +330,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    qi = _query_block(qpair_ptr, pair_row, pair, CID, HAS_QPAIR)
+    qi = _query_block(qpair_ptr, pair_row, pair, CID, HAS_QPAIR, NC)
     active = qi < NQ  # a lone block's partner is Nq: its consumer only releases the slots
     row = bh * NQ + qi
     q_s = q_smem.index(CID)
@@ -355,7 +358,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
     if PIPELINE:
         m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union,
                                          m_i, l_i, acc, s_zero, cols, qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout,
-                                         o_layout, p_layout, CODES, NCH * CW, CODE_L)
+                                         o_layout, p_layout, CODES, NCH * CW, CODE_L, NC)
     else:
         # The reference loop: Q·Kᵀ, wait, softmax, P·V, wait, one block after the other.
         code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCH * CW, CODE_L)
@@ -366,7 +369,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
             ph = (u // STAGES) & 1
             mbarrier.wait(ready.index(s), ph)
             if ((code >> CID) & 1) != 0:
-                j = code >> 2
+                j = code >> NC
                 sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
                 if not EVEN_K:
@@ -386,6 +389,13 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
         qmax = gl.max(gl.max(gl.abs(qf), axis=1), axis=0)
         q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
         q16 = (qf / q_sc).to(gl.float16)
+        if NC == 3:
+            # Three consumers have 160 registers each: the tail reads q16 from the (dead) query
+            # tile's shared memory instead of holding it in registers.
+            q_s16 = _as_fp16(q_s)
+            q_s16.store(q16)
+            fence_async_shared()
+            q16 = q_s16
         sc_scale = qk_scale * q_sc * gl.load(kscale_ptr + bhk)  # all scales: powers of 2
         brow = bits_ptr + row * NW
         # The group's exact-set bits, one (C = 32) or two (C = 64) words, read one group ahead.
@@ -412,7 +422,13 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
         if MODE == 2:
             mbarrier.wait(hb_bar.index(0), 0)
             o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
-            qh = warpgroup_mma(q_s, hb_smem, o_zero, use_acc=False, is_async=True)
+            if NC == 3:
+                # q back from its float16 copy (exact but for entries below 2^-28 of the row's
+                # largest, which fall into float16's subnormals)
+                qb = (_as_fp16(q_s).load(p_layout).to(gl.float32) * q_sc).to(q_s.dtype)
+                qh = warpgroup_mma(qb, hb_smem, o_zero, use_acc=False, is_async=True)
+            else:
+                qh = warpgroup_mma(q_s, hb_smem, o_zero, use_acc=False, is_async=True)
             qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh,))
             a_h = gl.load(alpha_ptr + h)  # the first-order weight of this query head
             acc += gl.convert_layout(l_tail * (scale * a_h / BS), row_o)[:, None] * qh
@@ -436,19 +452,20 @@ def _pair_attn_kernel(
     qk_scale, scale,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
-    PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr,
+    PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
 ):
+    # One CTA per group of NC query blocks (a pair, or three adjacent blocks: NC consumers).
     pair = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // (H // HK)
     bhk = b * HK + hk
-    pair_row = bh * ((NQ + 1) // 2) + pair
+    pair_row = bh * ((NQ + NC - 1) // NC) + pair
     dtype: gl.constexpr = q_desc.dtype
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], dtype)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, BS, D], tile_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NC, BS, D], tile_layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
     if MODE == 2:
@@ -457,35 +474,59 @@ def _pair_attn_kernel(
         hb_smem = gl.allocate_shared_memory(dtype, [16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
     # The pair's stream codes (CODES: copied once by TMA; read by the loader and both consumers).
     codes_smem = gl.allocate_shared_memory(gl.int32, [NCH, 1, CW], cd_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
     hb_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     code_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
+    for c in gl.static_range(NC):
         mbarrier.init(q_bar.index(c), count=1)
     mbarrier.init(hb_bar.index(0), count=1)
     mbarrier.init(code_bar.index(0), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumers release every slot
+        mbarrier.init(empty.index(s), count=NC)  # every consumer releases every slot
 
-    gl.warp_specialize([
-        (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
-                   q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
-                   uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
-                   BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW)),
-        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-                     q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
-                     uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                     qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                     PIPELINE, CODES, NCH, CW)),
-        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
-                     q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
-                     uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                     qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                     PIPELINE, CODES, NCH, CW)),
-    ], [4, 4], [240, 240])
+    # Registers: 240 a consumer for two (168 each at launch), 160 for three (128 at launch).
+    if NC == 2:
+        gl.warp_specialize([
+            (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
+                       q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                       uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
+                       BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+                         q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                         uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                         qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                         PIPELINE, CODES, NCH, CW, NC)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+                         q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                         uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                         qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                         PIPELINE, CODES, NCH, CW, NC)),
+        ], [4, 4], [240, 240])
+    else:
+        gl.warp_specialize([
+            (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
+                       q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                       uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
+                       BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+                         q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                         uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                         qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                         PIPELINE, CODES, NCH, CW, NC)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+                         q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                         uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                         qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                         PIPELINE, CODES, NCH, CW, NC)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+                         q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+                         uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+                         qk_scale, scale, 2, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                         PIPELINE, CODES, NCH, CW, NC)),
+        ], [4, 4, 4], [160, 160, 160])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,8 +537,21 @@ def _pair_attn_kernel(
 # CTA per SM with room for the epilogue; D=64 halves every tile.
 STAGES = {64: 4, 128: 3}
 # 12 warps (loader warpgroup + two consumer warpgroups) share the register file: 168 each at
-# launch, then the loader gives its registers to the consumers (240 each).
-MAX_REGS = 168
+# launch, then the loader gives its registers to the consumers (240 each); with three consumers
+# (16 warps) 128 at launch and 160 a consumer.
+MAX_REGS = {2: 168, 3: 128}
+# Query blocks a CTA serves, per mode: 2 (a pair; its partner adjacent or matched) or 3 (adjacent
+# blocks, three consumer warpgroups at 160 registers, the union stream in ascending order). Three
+# overlap more of the exact loop's latency: keep-or-drop up to 7 % faster at 8K-64K; with a tail
+# (which then reads q from shared memory) 4-16 % slower, and a ragged Lk spills in the loops
+# (H200, benchmarks/results/h200_query_group.json). Ring depth for three per head dim.
+QUERY_GROUP = {"drop": 3, "zeroth": 2, "hybrid": 2}
+STAGES3 = {64: 4, 128: 4}
+
+
+def query_group_for(mode: str, lk: int, block_size: int) -> int:
+    """Query blocks per CTA the kernel uses by default for ``mode`` and key length ``lk``."""
+    return QUERY_GROUP[mode] if lk % block_size == 0 else 2
 # Query blocks are paired inside aligned groups of this many blocks by shared exact blocks
 # (:func:`pisa_attn.ops.triton.pairs.pair_match`); 2 pairs adjacent blocks without a table. Adjacent:
 # matching in groups of 4 or 8 raised the pair overlap on Gaussian inputs (0.13 -> 0.18) and DINOv2
@@ -567,7 +621,7 @@ def attention(
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
     alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
     pair_group: int | None = None, pair_order: str | None = None, pipeline: bool | None = None,
-    codes: bool | None = None,
+    codes: bool | None = None, query_group: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
@@ -580,8 +634,21 @@ def attention(
     ``"ascending"`` order the pairing does not change a single bit of it. ``pipeline``: the exact
     loop's schedule (None: :data:`PIPELINE`); both compute the same function (the same operations
     in the same order per block). ``codes``: stage the stream codes in shared memory (None:
-    :data:`CODES`); it does not change a bit of the result."""
+    :data:`CODES`); it does not change a bit of the result. ``query_group``: query blocks per CTA,
+    2 or 3 (None: :func:`query_group_for`, or 2 when a pair-only option is given); 3 takes adjacent blocks and its own stream order (each
+    owner's blocks ascending, so the same bits as pairs in the ``"ascending"`` order), neither a
+    pairing table, a stream order nor the pipelined loop."""
     del cnt, n_select
+    pair_only = (pair_group or 2) > 2 or bool(pipeline) or pair_order not in (None, "ascending")
+    if query_group is None:  # the mode's default, unless an option only pairs have is asked for
+        nc = 2 if pair_only else query_group_for(mode, k.shape[2], block_size)
+    else:
+        nc = query_group
+    if nc not in (2, 3):
+        raise ValueError(f"query_group must be 2 or 3, got {query_group!r}")
+    if nc == 3 and pair_only:
+        raise ValueError("query_group=3 serves adjacent blocks in ascending stream order with the sequential "
+                         f"loop: pair_group={pair_group!r}, pair_order={pair_order!r}, pipeline={pipeline!r}")
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     bs = block_size
@@ -592,15 +659,23 @@ def attention(
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
     group = PAIR_GROUP if pair_group is None else pair_group
     qpair = None
-    if group > 2 and nq > 2:
-        qpair = pair_match(bits, group, out=None if pairs is None else pairs[2])
-    uidx, ucnt = pair_union(bits, nk, idx.shape[-1], qpair=qpair, out=None if pairs is None else pairs[:2],
-                            order=PAIR_ORDER if pair_order is None else pair_order)
+    # The workspace's buffers serve when they have this launch's shapes (a plan sizes them for its
+    # mode's query group); else the stream is built in fresh ones.
+    width = (triple_width if nc == 3 else union_width)(nk, idx.shape[-1])
+    if pairs is not None and pairs[0].shape[-2:] != (-(-nq // nc), width):
+        pairs = None
+    if nc == 3:
+        uidx, ucnt = triple_union(bits, nk, idx.shape[-1], out=None if pairs is None else pairs[:2])
+    else:
+        if group > 2 and nq > 2:
+            qpair = pair_match(bits, group, out=None if pairs is None else pairs[2])
+        uidx, ucnt = pair_union(bits, nk, idx.shape[-1], qpair=qpair, out=None if pairs is None else pairs[:2],
+                                order=PAIR_ORDER if pair_order is None else pair_order)
     has_qpair = qpair is not None
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
-    st = stages or STAGES[d]
-    pipe = PIPELINE if pipeline is None else bool(pipeline)
+    st = stages or (STAGES if nc == 2 else STAGES3)[d]
+    pipe = nc == 2 and (PIPELINE if pipeline is None else bool(pipeline))
     w2 = uidx.shape[-1]
     use_codes, cw, nch = code_chunks(w2, CODES if codes is None else bool(codes))
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
@@ -609,20 +684,20 @@ def attention(
     scalars = (kscale, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
-                      HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw,
+                      HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, NC=nc)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:7]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
-    _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
-            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS)
+    _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
+            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS[nc])
     return out, lse
 
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
                      has_qpair: bool = True, pipeline: bool | None = None, codes: bool | None = None,
-                     union_entries: int = 128):
+                     union_entries: int = 128, query_group: int = 2):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -639,9 +714,10 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
     use_codes, cw, nch = code_chunks(union_entries, CODES if codes is None else bool(codes))
     descs["cd_desc"] = _desc(torch.empty(1, union_entries, dtype=torch.int32), [1, cw])
-    constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or STAGES[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
+    constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or (STAGES if query_group == 2 else STAGES3)[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
-                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw)
+                      PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw,
+                      NC=query_group)
     types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32")
@@ -650,4 +726,4 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
         sig[name] = ("constexpr" if name in constexprs else mangle_type(descs[name]) if name in descs
                      else types.get(name, "i32"))
     src = GluonASTSource(fn=_pair_attn_kernel, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS[query_group]))

@@ -680,7 +680,7 @@ def attention(
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
-            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS)
+            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS[2])
     return out, lse
 
 
@@ -723,4 +723,4 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
         sig[name] = ("constexpr" if name in constexprs else mangle_type(descs[name]) if name in descs
                      else types.get(name, "i32"))
     src = GluonASTSource(fn=_fp8_pair_kernel, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS[2]))

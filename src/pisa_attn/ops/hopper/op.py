@@ -93,15 +93,16 @@ def attend(
     if (out_dtype not in (None, q.dtype)) or _gattn.tma_unsupported_reason(q, k, v, out) is not None:
         return _top.attend(q, k, v, stats, selection, mode=mode, scale=scale, block_size=block_size,
                            n_select=n_select, out_dtype=out_dtype, alpha=alpha, out=out, lse=lse)
-    pairs = _pair_buffers(ws, stats, selection)
+    # the kernel checks the workspace's stream buffers against the launch's shapes
+    pairs = None if ws is None else ws.pairs
     return _gattn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
                             n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, lse=lse,
                             alpha=alpha, pairs=pairs)
 
 
 def workspace(plan, q: Tensor, k: Tensor) -> _top.Workspace:
-    """The Triton backend's workspace plus the pair stream's buffers."""
-    return _top.workspace(plan, q, k, pairs=True)
+    """The Triton backend's workspace plus the stream buffers of the kernel's query group."""
+    return _top.workspace(plan, q, k, pairs=_gattn.query_group_for(plan.mode, k.shape[2], plan.block_size))
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
@@ -177,7 +178,7 @@ def _lowp_backend(precision: str, name: str) -> Backend:
         return attend_lowp(*args, precision=precision, **kwargs)
 
     def workspace_p(plan, q: Tensor, k: Tensor) -> Fp8Workspace:
-        ws = workspace(plan, q, k)
+        ws = _top.workspace(plan, q, k, pairs=2)  # the low-precision kernel serves pairs
         b, hk, lk, d = k.shape
         quant = _quant.quant_workspace(b, hk, lk, d, plan.block_size, q.device, precision)
         return Fp8Workspace(ws.stats, ws.selection, ws.lse, ws.pairs, quant)

@@ -18,7 +18,7 @@ from ..selection import Selection
 from ..stages import Backend
 from . import attention as _attn
 from ._common import interpreting
-from .pairs import union_width
+from .pairs import triple_width, union_width
 from .prepare import Stats, deviation, prepare, stats_workspace
 from .select import SelectionWorkspace, select, selection_workspace
 
@@ -94,8 +94,10 @@ class Workspace:
     pairs: tuple[Tensor, Tensor, Tensor] | None = None
 
 
-def workspace(plan, q: Tensor, k: Tensor, *, pairs: bool = False) -> Workspace:
-    """The workspace of ``plan`` (``q``/``k``: ``[B, H, L, D]`` tensors or stand-ins of its shapes)."""
+def workspace(plan, q: Tensor, k: Tensor, *, pairs: int = 0) -> Workspace:
+    """The workspace of ``plan`` (``q``/``k``: ``[B, H, L, D]`` tensors or stand-ins of its shapes);
+    ``pairs``: the Hopper kernel's query blocks per CTA (2 or 3) to size its stream buffers for, 0
+    for none."""
     b, h, lq = q.shape[:3]
     dev = q.device
     stats = stats_workspace(q.shape, k.shape, q.dtype, dev, block_size=plan.block_size,
@@ -104,9 +106,11 @@ def workspace(plan, q: Tensor, k: Tensor, *, pairs: bool = False) -> Workspace:
                               n_q_rows=stats.qmean.shape[2], scratch_elems=score_scratch(q, k))
     pair_bufs = None
     if pairs:
-        nq2, w2 = -(-plan.n_q_blocks // 2), union_width(plan.n_kv_blocks, plan.width)
-        pair_bufs = (torch.empty(b, h, nq2, w2, device=dev, dtype=torch.int32),
-                     torch.empty(b, h, nq2, device=dev, dtype=torch.int32),
+        nq2 = -(-plan.n_q_blocks // 2)
+        ng = -(-plan.n_q_blocks // pairs)
+        w = (triple_width if pairs == 3 else union_width)(plan.n_kv_blocks, plan.width)
+        pair_bufs = (torch.empty(b, h, ng, w, device=dev, dtype=torch.int32),
+                     torch.empty(b, h, ng, device=dev, dtype=torch.int32),
                      torch.empty(b, h, nq2, 2, device=dev, dtype=torch.int32))
     return Workspace(stats, sel, torch.empty(b, h, lq, device=dev, dtype=torch.float32), pair_bufs)
 

@@ -30,6 +30,9 @@ Output, static shapes, no host synchronisation:
   query block, bit 1 = its second; ``W2 = min(Nk, 2 · W)`` rounded up to a multiple of 4; entries
   past ``ucnt`` are unspecified;
 * ``ucnt`` int32 ``[B, H, ceil(Nq / 2)]``.
+
+:func:`triple_union` builds the same stream for three adjacent query blocks (``j << 3 | owners``,
+ascending), for the kernel's three-consumer CTA.
 """
 
 from __future__ import annotations
@@ -221,4 +224,59 @@ def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *, qpair: Tensor | No
     args = (bits, qpair if has_qpair else ucnt, uidx, ucnt, nq, nq2, n_kv_blocks, nw, w2, n_pairs)
     _launch((nkp, r, warps, has_qpair, ORDERS[order], bits.data_ptr() % 16 == 0), (triton.cdiv(n_pairs, r),), args,
             dict(R=r, NKP=nkp, HAS_QPAIR=has_qpair, ORDER=ORDERS[order]), num_warps=warps)
+    return uidx, ucnt
+
+
+@triton.jit(do_not_specialize=["NQ", "NQ3", "NK", "NW", "W3", "N_GROUPS"])
+def _triple_union_kernel(bits_ptr, uidx_ptr, ucnt_ptr, NQ, NQ3, NK, NW, W3, N_GROUPS,
+                         R: tl.constexpr, NKP: tl.constexpr):
+    g = tl.program_id(0) * R + tl.arange(0, R)
+    gvalid = g < N_GROUPS
+    bh = (g // NQ3).to(tl.int64)
+    q0 = 3 * (g % NQ3)
+    cols = tl.arange(0, NKP)
+    word = cols // 32
+    bit = cols % 32
+    m = gvalid[:, None] & (cols < NK)[None, :]
+    own = tl.zeros([R, NKP], dtype=tl.int32)
+    for c in tl.static_range(3):
+        w = tl.load(bits_ptr + (bh * NQ + q0 + c)[:, None] * NW + word[None, :], mask=m & (q0 + c < NQ)[:, None],
+                    other=0)
+        own |= ((w >> bit[None, :]) & 1) << c
+    present = own != 0
+    pos = tl.cumsum(present.to(tl.int32), axis=1) - 1
+    tl.store(uidx_ptr + g.to(tl.int64)[:, None] * W3 + pos, cols[None, :] * 8 + own,
+             mask=present & gvalid[:, None] & (pos < W3))
+    tl.store(ucnt_ptr + g, tl.sum(present.to(tl.int32), axis=1), mask=gvalid)
+
+
+_launch_triple = Launcher(_triple_union_kernel)
+
+
+def triple_width(n_kv_blocks: int, width: int) -> int:
+    """Entries per triple's stream: at most the three lists' widths, at most every key block,
+    rounded up to a multiple of 4."""
+    return -(-max(1, min(n_kv_blocks, 3 * width)) // 4) * 4
+
+
+def triple_union(bits: Tensor, n_kv_blocks: int, width: int, *,
+                 out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """(uidx, ucnt) of every triple of adjacent query blocks (``3t, 3t + 1, 3t + 2``; past Nq: none)
+    from ``bits [B, H, Nq, NW]`` (contiguous): ``uidx [B, H, ceil(Nq / 3), W3]`` holds
+    ``j << 3 | owners`` (bit c: query block ``3t + c`` selects key block j) in ascending order of
+    j, so every owner sees its own blocks in ascending order; ``ucnt [B, H, ceil(Nq / 3)]``."""
+    b, h, nq, nw = bits.shape
+    nq3 = -(-nq // 3)
+    w3 = triple_width(n_kv_blocks, width)
+    if out is None:
+        uidx = torch.empty(b, h, nq3, w3, device=bits.device, dtype=torch.int32)
+        ucnt = torch.empty(b, h, nq3, device=bits.device, dtype=torch.int32)
+    else:
+        uidx, ucnt = out
+    nkp = max(32, next_pow2(n_kv_blocks))
+    warps = max(1, min(8, nkp // 1024))
+    r = max(1, min(32, 1024 * warps // nkp))
+    n_groups = b * h * nq3
+    _launch_triple((nkp, r, warps, bits.data_ptr() % 16 == 0), (triton.cdiv(n_groups, r),),
+                   (bits, uidx, ucnt, nq, nq3, n_kv_blocks, nw, w3, n_groups), dict(R=r, NKP=nkp), num_warps=warps)
     return uidx, ucnt
