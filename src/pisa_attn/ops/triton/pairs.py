@@ -168,10 +168,26 @@ _launch_match = Launcher(_pair_match_kernel)
 _launch = Launcher(_pair_union_kernel)
 
 
-def union_width(n_kv_blocks: int, width: int) -> int:
-    """Entries per pair's stream: at most both lists' widths, at most every key block, rounded up
-    to a multiple of 4 (16-byte rows, so that a kernel can copy a stream by TMA)."""
-    return -(-max(1, min(n_kv_blocks, 2 * width)) // 4) * 4
+def union_width(n_kv_blocks: int, width: int, owners: int = 2) -> int:
+    """Entries per pair's stream: at most both lists' widths (``owners`` lists), at most every key
+    block, rounded up to a multiple of 4 (16-byte rows, so that a kernel can copy a stream by TMA)."""
+    return -(-max(1, min(n_kv_blocks, owners * width)) // 4) * 4
+
+
+def _stream_buffers(bits: Tensor, groups: int, w: int, out: tuple[Tensor, Tensor] | None):
+    """``out``, or fresh (uidx ``[B, H, groups, w]``, ucnt ``[B, H, groups]``) int32 buffers."""
+    if out is not None:
+        return out
+    b, h = bits.shape[:2]
+    return (torch.empty(b, h, groups, w, device=bits.device, dtype=torch.int32),
+            torch.empty(b, h, groups, device=bits.device, dtype=torch.int32))
+
+
+def _union_config(n_kv_blocks: int) -> tuple[int, int, int]:
+    """(key blocks padded to a power of two, warps, stream rows a program) of a union launch."""
+    nkp = max(32, next_pow2(n_kv_blocks))
+    warps = max(1, min(8, nkp // 1024))
+    return nkp, warps, max(1, min(32, 1024 * warps // nkp))
 
 
 def n_matchings(group: int) -> int:
@@ -211,14 +227,8 @@ def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *, qpair: Tensor | No
     b, h, nq, nw = bits.shape
     nq2 = -(-nq // 2)
     w2 = union_width(n_kv_blocks, width)
-    if out is None:
-        uidx = torch.empty(b, h, nq2, w2, device=bits.device, dtype=torch.int32)
-        ucnt = torch.empty(b, h, nq2, device=bits.device, dtype=torch.int32)
-    else:
-        uidx, ucnt = out
-    nkp = max(32, next_pow2(n_kv_blocks))
-    warps = max(1, min(8, nkp // 1024))
-    r = max(1, min(32, 1024 * warps // nkp))
+    uidx, ucnt = _stream_buffers(bits, nq2, w2, out)
+    nkp, warps, r = _union_config(n_kv_blocks)
     n_pairs = b * h * nq2
     has_qpair = qpair is not None
     args = (bits, qpair if has_qpair else ucnt, uidx, ucnt, nq, nq2, n_kv_blocks, nw, w2, n_pairs)
@@ -254,9 +264,8 @@ _launch_triple = Launcher(_triple_union_kernel)
 
 
 def triple_width(n_kv_blocks: int, width: int) -> int:
-    """Entries per triple's stream: at most the three lists' widths, at most every key block,
-    rounded up to a multiple of 4."""
-    return -(-max(1, min(n_kv_blocks, 3 * width)) // 4) * 4
+    """Entries per triple's stream (:func:`union_width` of three lists)."""
+    return union_width(n_kv_blocks, width, 3)
 
 
 def triple_union(bits: Tensor, n_kv_blocks: int, width: int, *,
@@ -268,14 +277,8 @@ def triple_union(bits: Tensor, n_kv_blocks: int, width: int, *,
     b, h, nq, nw = bits.shape
     nq3 = -(-nq // 3)
     w3 = triple_width(n_kv_blocks, width)
-    if out is None:
-        uidx = torch.empty(b, h, nq3, w3, device=bits.device, dtype=torch.int32)
-        ucnt = torch.empty(b, h, nq3, device=bits.device, dtype=torch.int32)
-    else:
-        uidx, ucnt = out
-    nkp = max(32, next_pow2(n_kv_blocks))
-    warps = max(1, min(8, nkp // 1024))
-    r = max(1, min(32, 1024 * warps // nkp))
+    uidx, ucnt = _stream_buffers(bits, nq3, w3, out)
+    nkp, warps, r = _union_config(n_kv_blocks)
     n_groups = b * h * nq3
     _launch_triple((nkp, r, warps, bits.data_ptr() % 16 == 0), (triton.cdiv(n_groups, r),),
                    (bits, uidx, ucnt, nq, nq3, n_kv_blocks, nw, w3, n_groups), dict(R=r, NKP=nkp), num_warps=warps)
