@@ -472,7 +472,7 @@ def _pair_attn_kernel(
         hb_smem = gl.allocate_shared_memory(dtype, [D, D], gl.NVMMASharedLayout.get_default_for([D, D], dtype))
     else:
         hb_smem = gl.allocate_shared_memory(dtype, [16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
-    # The pair's stream codes (CODES: copied once by TMA; read by the loader and both consumers).
+    # The group's stream codes (CODES: copied once by TMA; read by the loader and every consumer).
     codes_smem = gl.allocate_shared_memory(gl.int32, [NCH, 1, CW], cd_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
     hb_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -552,6 +552,8 @@ STAGES3 = {64: 4, 128: 4}
 def query_group_for(mode: str, lk: int, block_size: int) -> int:
     """Query blocks per CTA the kernel uses by default for ``mode`` and key length ``lk``."""
     return QUERY_GROUP[mode] if lk % block_size == 0 else 2
+
+
 # Query blocks are paired inside aligned groups of this many blocks by shared exact blocks
 # (:func:`pisa_attn.ops.triton.pairs.pair_match`); 2 pairs adjacent blocks without a table. Adjacent:
 # matching in groups of 4 or 8 raised the pair overlap on Gaussian inputs (0.13 -> 0.18) and DINOv2
@@ -635,9 +637,9 @@ def attention(
     loop's schedule (None: :data:`PIPELINE`); both compute the same function (the same operations
     in the same order per block). ``codes``: stage the stream codes in shared memory (None:
     :data:`CODES`); it does not change a bit of the result. ``query_group``: query blocks per CTA,
-    2 or 3 (None: :func:`query_group_for`, or 2 when a pair-only option is given); 3 takes adjacent blocks and its own stream order (each
-    owner's blocks ascending, so the same bits as pairs in the ``"ascending"`` order), neither a
-    pairing table, a stream order nor the pipelined loop."""
+    2 or 3 (None: :func:`query_group_for`, or 2 when an option only pairs have is given); 3 takes
+    adjacent blocks and its own stream order (each owner's blocks ascending: the same bits as pairs
+    in the ``"ascending"`` order), neither a pairing table, another order nor the pipelined loop."""
     del cnt, n_select
     pair_only = (pair_group or 2) > 2 or bool(pipeline) or pair_order not in (None, "ascending")
     if query_group is None:  # the mode's default, unless an option only pairs have is asked for
