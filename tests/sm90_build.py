@@ -23,11 +23,13 @@ def sass_spills(cubin):
         f.write(cubin)
         f.flush()
         sass = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return len(re.findall(r"\\b(?:STL|LDL)\\b", sass)), loop_spills(sass)
-def loop_spills(sass):
-    # local loads/stores inside the innermost loops that issue tensor-core products (a loop: the
-    # range of a backward branch, not one from the out-of-line barrier retries after the last EXIT;
-    # the hot loops, not the code around them)
+    return (len(re.findall(r"\\b(?:STL|LDL)\\b", sass)), *loop_stats(sass))
+def loop_stats(sass):
+    # In the innermost loops that issue tensor-core products (a loop: the range of a backward
+    # branch, not one from the out-of-line barrier retries after the last EXIT; the hot loops, not
+    # the code around them): local loads/stores, and the loops whose products are serialised (a
+    # wait after every other HGMMA or more: ptxas does that when an operand's registers are not
+    # stable, e.g. spilled).
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\\*([0-9a-f]{{4,}})\\*/\\s+([^;]*);", sass)]
     end = max(a for a, t in ins if t.strip() == "EXIT")
     loops = []
@@ -38,7 +40,9 @@ def loop_spills(sass):
             if any("HGMMA" in t for t in body):
                 loops.append((int(m.group(1), 16), addr, body))
     inner = [l for l in loops if not any(o is not l and l[0] <= o[0] and o[1] < l[1] for o in loops)]
-    return sum(len(re.findall(r"\\b(?:STL|LDL)\\b", "\\n".join(b))) for _, _, b in inner)
+    spills = sum(len(re.findall(r"\\b(?:STL|LDL)\\b", "\\n".join(b))) for _, _, b in inner)
+    serial = sum(2 * sum("DEPBAR" in t for t in b) >= sum("HGMMA" in t for t in b) for _, _, b in inner)
+    return spills, serial
 res = {{}}
 for name, args in json.loads(sys.argv[1]).items():
     k = {call}
@@ -53,7 +57,7 @@ for name, args in json.loads(sys.argv[1]).items():
                      wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
                      setmaxnreg=len(re.findall(r"setmaxnreg", ptx)),
                      local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)), cubin=len(k.asm["cubin"]),
-                     **dict(zip(("spills", "loop_spills"), sass_spills(k.asm["cubin"]))))
+                     **dict(zip(("spills", "loop_spills", "loop_serialized"), sass_spills(k.asm["cubin"]))))
 print(json.dumps(res))
 """
 
@@ -70,6 +74,7 @@ def build(imports: str, call: str, variants: dict) -> dict:
     """Compile every variant (``call``: an expression of ``args``, the variant's tuple) and count
     in its PTX: wgmma (all, FP8, INT8), TMA copies (all, 2D), ``wait_group 1``, setmaxnreg, global and
     local loads/stores; ``spills``: local stores and loads in the SASS, ``loop_spills``: those inside
-    the innermost loops that issue tensor-core products."""
+    the innermost loops that issue tensor-core products, ``loop_serialized``: those loops that wait
+    after (nearly) every product."""
     p = run_script(_SCRIPT.format(imports=imports, call=call), json.dumps(variants))
     return json.loads(p.stdout.strip().splitlines()[-1])

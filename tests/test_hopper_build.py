@@ -14,9 +14,10 @@ pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 # (head dim, mode, even Lk, dtype, pairing table, exact-loop schedule: False sequential (the
 # default), True pipelined; stream codes in shared memory, union entries per pair: 2048 codes in 8
 # TMA chunks; 4100 past the limit and 8 (under one 32-code chunk) are read from global memory;
-# query blocks per CTA)
+# query blocks per CTA; the tail's maximum: "auto" compiles both the fixed and the online scan)
 VARIANTS = {
     "D128-hybrid-bf16": (128, "hybrid", True, "bfloat16", True, False, True, 128, 2),
+    "D128-hybrid-bf16-online-tail": (128, "hybrid", True, "bfloat16", True, False, True, 128, 2, "online"),
     "D128-drop-ragged-bf16-adjacent": (128, "drop", False, "bfloat16", False, False, True, 2048, 2),
     "D64-zeroth-ragged-fp16": (64, "zeroth", False, "float16", True, False, True, 36, 2),
     "D128-hybrid-bf16-pipelined": (128, "hybrid", True, "bfloat16", True, True, True, 256, 2),
@@ -26,6 +27,9 @@ VARIANTS = {
     "D128-drop-bf16-three": (128, "drop", True, "bfloat16", False, False, True, 192, 3),
     "D128-hybrid-bf16-three": (128, "hybrid", True, "bfloat16", False, False, True, 192, 3),
     "D64-zeroth-ragged-fp16-three": (64, "zeroth", False, "float16", False, False, True, 36, 3),
+    "D128-zeroth-bf16-three": (128, "zeroth", True, "bfloat16", False, False, True, 192, 3),
+    "D64-hybrid-fp16-three": (64, "hybrid", True, "float16", False, False, True, 192, 3),
+    "D128-hybrid-bf16-three-online-tail": (128, "hybrid", True, "bfloat16", False, False, True, 192, 3, "online"),
 }
 
 
@@ -33,7 +37,8 @@ VARIANTS = {
 def built():
     return build("from pisa_attn.ops.hopper.attention import compile_for_sm90",
                  "compile_for_sm90(args[0], args[1], args[2], getattr(torch, args[3]), has_qpair=args[4], "
-                 "pipeline=args[5], codes=args[6], union_entries=args[7], query_group=args[8])", VARIANTS)
+                 "pipeline=args[5], codes=args[6], union_entries=args[7], query_group=args[8], "
+                 "tail_max=args[9] if len(args) > 9 else 'auto')", VARIANTS)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -43,17 +48,20 @@ def test_pair_kernel_builds_for_sm90a(built, name):
     assert r["sm90a"] and r["cubin"] > 0
     assert r["shared"] <= SMEM_LIMIT
     # Tensor-core products, TMA copies and the register hand-over between partitions are there;
-    # nothing spilled to local memory in the hot loops (two consumers: nowhere; three, at 160
-    # registers each, keep a few values of the prologue and epilogue on the stack, and a ragged
-    # Lk spills in the loops, which is why it gets pairs by default).
+    # nothing spilled to local memory (two consumers: nowhere; three, at 160 registers each: not in
+    # the keep-or-drop loops; the tail's 32-column tiles may keep a few scalars on the stack,
+    # depending on ptxas) and no hot loop serialised by a spilled operand (a ragged Lk with three
+    # consumers at D = 128 is, which is why it gets pairs by default).
     assert r["wgmma"] >= (16 if mode == "drop" else 32)
     assert r["tma"] >= 3 + VARIANTS[name][8]  # q (one per query block), k, v in, o out
     assert r["setmaxnreg"] > 0
     assert r["local"] == 0  # in the PTX
     if VARIANTS[name][8] == 2:
         assert r["spills"] == 0  # in ptxas's SASS
-    elif VARIANTS[name][2] or VARIANTS[name][0] == 64:
+    elif mode == "drop" and (VARIANTS[name][2] or VARIANTS[name][0] == 64):
         assert r["loop_spills"] == 0
+    if VARIANTS[name][2] or VARIANTS[name][0] == 64:
+        assert r["loop_serialized"] == 0
     # The pipelined loop waits for the scores alone while the previous block's P·V runs.
     assert (r["wait1"] > 0) == VARIANTS[name][5]
     # Staged stream codes: one 2D TMA per chunk of up to 256 codes (besides the tiles' 3D/4D ones)

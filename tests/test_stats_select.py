@@ -61,6 +61,8 @@ def test_prepare_matches_reference(case, exclude):
     ks = st.kscale.double()
     assert torch.equal(torch.exp2(torch.log2(ks).round()), ks)  # one power of two per head
     torch.testing.assert_close(st.kbar.double() * ks[..., None, None], rs.kmean, rtol=1e-3, atol=1e-6)
+    # the per-channel centroid maxima that bound the tail's scores (every block, excluded or not)
+    torch.testing.assert_close(st.kbound.double(), rs.kmean.abs().amax(2), rtol=1e-5, atol=1e-5)
     if exclude == "all":
         assert not st.hbar.any() and not st.hbar_lp.any()
     else:
@@ -91,7 +93,7 @@ def test_workspace_is_written_and_nothing_else():
     ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=32, with_hdev=True)
     st = P.prepare(q, k, v, 32, with_hdev=True, ws=ws)
     fresh = P.prepare(q, k, v, 32, with_hdev=True)
-    for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hdev"):
+    for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hdev", "kbound"):
         assert getattr(st, f).data_ptr() == getattr(ws, f).data_ptr(), f
         assert torch.equal(getattr(st, f), getattr(fresh, f)), f
     lean = P.prepare(q, k, v, 32, with_hdev=True, ws=ws, lean=True)

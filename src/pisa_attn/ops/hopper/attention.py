@@ -2,8 +2,8 @@
 
 One CTA owns a group of ``NC`` 64-row query blocks of one head: a *pair* (chosen by how many exact
 key blocks they share, :func:`pisa_attn.ops.triton.pairs.pair_match`, or adjacent), or three
-adjacent blocks (:func:`pisa_attn.ops.triton.pairs.triple_union`; the keep-or-drop default, see
-:data:`QUERY_GROUP`). It runs ``NC + 1`` partitions:
+adjacent blocks (:func:`pisa_attn.ops.triton.pairs.triple_union`; the default for an even key
+length, see :data:`QUERY_GROUP`). It runs ``NC + 1`` partitions:
 
 * the loader (default partition, 4 warps, few registers) streams, through a ring of ``STAGES``
   shared-memory slots filled by TMA, first the sorted union of the group's exact key blocks,
@@ -12,16 +12,20 @@ adjacent blocks (:func:`pisa_attn.ops.triton.pairs.triple_union`; the keep-or-dr
   partition loads from global memory in its loop) once;
 * ``NC`` consumer warpgroups (worker partitions), one per query block, walk the same stream: each
   computes only the exact blocks its own selection holds (the union code's owner bits), then
-  every centroid group under its own tail bitmask, all in one online softmax (base 2), then the
+  every centroid group under its own tail bitmask, all in one softmax (base 2), then the
   first-order term ``ℓ_tail · α_h s (q H̄)`` (``α_h`` from ``alpha_ptr``, one float per query
-  head). A slot is released when every consumer arrived. The exact blocks run one after the other
-  (Q·Kᵀ, softmax, P·V); ``PIPELINE`` (pairs) selects an FA3-style schedule instead, each block's
-  Q·Kᵀ and softmax under the previous block's P·V. Every protocol computes the same bits; the
-  defaults are the ones measured fastest or no slower (``notes/kernel-notes.md``).
+  head). The tail's maximum is fixed before the scan where a per-row bound of the centroid scores
+  (from ``kbound``, the per-channel centroid maxima) is close enough to the exact blocks' maximum
+  (:data:`TAIL_SLACK`): no row maximum and no rescale per group; else it stays online. A slot is
+  released when every consumer arrived. The exact blocks run one after the other (Q·Kᵀ, softmax,
+  P·V); ``PIPELINE`` (pairs) selects an FA3-style schedule instead, each block's Q·Kᵀ and softmax
+  under the previous block's P·V. Every protocol computes the same bits; the defaults are the ones
+  measured fastest or no slower (``notes/kernel-notes.md``).
 
-The selection is the paper's, per 64-row query block; only the loads are shared. The arithmetic
-is the Triton kernel's (``ops/triton/attention.py``): same scaled float16 centroid scores with
-``log2 n_j`` folded in, same tail normaliser, same epilogue.
+The selection is the paper's, per 64-row query block; only the loads are shared. The function is
+the Triton kernel's (``ops/triton/attention.py``): same scaled float16 centroid scores with
+``log2 n_j`` folded in, same tail normaliser; the rounding differs where the tail's maximum is
+fixed and in the first-order term, which accumulates into the normalised output.
 """
 from __future__ import annotations
 
@@ -49,6 +53,9 @@ from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.pairs import pair_match, pair_union, triple_union, triple_width, union_width
 
 LN2 = gl.constexpr(kernel_constants.LN2)
+# With the tail's maximum fixed before the scan (``max(m, bound − TAIL_HEADROOM)``), a tail weight
+# is at most 2^15: finite in float16's P operand, and far from float32's range in ``l``.
+TAIL_HEADROOM = gl.constexpr(15.0)
 
 
 # Names that moved between Triton releases (3.6: ``_reinterpret``, ``async_copy_*``).
@@ -216,12 +223,151 @@ def _tail_group(q16, kb, vb, lo, hi, g0, cols, m_i, l_i, acc, l_tail, s_zero, sc
     # l_tail holds BS·Σα: every block but a ragged last one has n_j = BS.
     l_tail = l_tail * rescale + ps
     if not EVEN_K:
-        if g0 + C >= NK:
-            n_last = (LK - (NK - 1) * BS).to(gl.float32)
-            m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-            a_last = gl.sum(gl.where((cj == NK - 1)[None, :], gl.exp2(sc - m_use[:, None]), 0.0), axis=1)
-            l_tail += a_last * (BS / n_last - 1.0)
+        l_tail = _ragged_last(l_tail, sc, m_i, cj, g0, LK, NK, BS, C, gl.SliceLayout(1, s_layout))
     return m_i, l_i, acc, l_tail
+
+
+@gluon.jit
+def _ragged_last(l_tail, sc, m_i, cj, g0, LK, NK, BS: gl.constexpr, C: gl.constexpr, row_l: gl.constexpr):
+    """A ragged last block has ``n_j < BS``: ``l_tail`` (BS·Σα, rows in ``row_l``) counts its weight
+    ``BS / n_j`` times (``sc``, ``m_i``: the group's scores and maximum, rows in the scores' layout)."""
+    if g0 + C >= NK:
+        n_last = (LK - (NK - 1) * BS).to(gl.float32)
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        a_last = gl.sum(gl.where((cj == NK - 1)[None, :], gl.exp2(sc - m_use[:, None]), 0.0), axis=1)
+        l_tail += gl.convert_layout(a_last * (BS / n_last - 1.0), row_l)
+    return l_tail
+
+
+@gluon.jit
+def _pad_bits(word, n):
+    """``word`` with bits ``n`` and up set (columns past the last key block count as exact)."""
+    return word | gl.where(n >= 32, 0, -(1 << gl.maximum(gl.minimum(n, 31), 0)))
+
+
+@gluon.jit
+def _tail_tile_fixed(q16, kb, vb, lo, hi, j0, ct, m_t, c_t, l_i, acc, l_tail, zero, sc_scale, LK, NK,
+                     BS: gl.constexpr, EVEN_K: gl.constexpr, row_s: gl.constexpr, p_layout: gl.constexpr):
+    """``CT`` centroids from ``j0`` (``kb`` ``[CT, D]``; bitmask words ``lo``, and ``hi`` for
+    columns 32..) under the tail's fixed maximum ``m_t`` (``c_t = log2 BS − m_t``; rows in the
+    score tile's layout): no row maximum, no rescale."""
+    CT: gl.constexpr = kb.shape[0]
+    if CT > 32:
+        word = gl.where(ct < 32, lo, hi)
+    else:
+        word = lo
+    tail = ((word >> (ct % 32)) & 1) == 0
+    sc = warpgroup_mma(q16, kb.permute((1, 0)), zero, use_acc=False, is_async=True)
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+    if EVEN_K:
+        p = gl.where(tail[None, :], gl.exp2(sc * sc_scale + c_t[:, None]), 0.0)
+    else:
+        cj = j0 + ct
+        n_j = gl.maximum(gl.minimum(LK - cj * BS, BS), 1).to(gl.float32)
+        sc = sc * sc_scale + gl.where(tail, gl.log2(n_j), float("-inf"))[None, :]
+        p = gl.exp2(sc - m_t[:, None])
+    ps = gl.convert_layout(gl.sum(p, axis=1), row_s)
+    l_i += ps
+    l_tail += ps
+    acc = warpgroup_mma(gl.convert_layout(p.to(vb.dtype), p_layout), vb, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if not EVEN_K:
+        l_tail = _ragged_last(l_tail, sc, m_t, cj, j0, LK, NK, BS, CT, row_s)
+    return l_i, acc, l_tail
+
+
+@gluon.jit
+def _tail_group_fixed(q16, kb, vb, lo, hi, g0, m_i, l_i, acc, l_tail, sc_scale, LK, NK,
+                      BS: gl.constexpr, C: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
+                      s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT: gl.constexpr):
+    """One group of ``C`` centroids as :func:`_tail_group`, under a maximum ``m_i`` fixed for the
+    whole tail, in ``SPLIT`` tiles of ``C // SPLIT`` columns (two tiles of 32: half the score
+    registers of one 64-column tile)."""
+    CT: gl.constexpr = C // SPLIT
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, CT, 16])
+    pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_t: gl.constexpr = gl.SliceLayout(1, st_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    ct = gl.arange(0, CT, layout=gl.SliceLayout(0, st_layout))
+    zero = gl.zeros([BS, CT], gl.float32, layout=st_layout)
+    m_t = gl.convert_layout(m_i, row_t)
+    c_t = LOG2_BS - m_t
+    # Past NK the words' bits count as exact: a scalar per word, not a compare per column.
+    lo = _pad_bits(lo, NK - g0)
+    hi = _pad_bits(hi, NK - g0 - 32)
+    if SPLIT == 1:
+        l_i, acc, l_tail = _tail_tile_fixed(q16, kb, vb, lo, hi, g0, ct, m_t, c_t, l_i, acc, l_tail, zero, sc_scale,
+                                            LK, NK, BS, EVEN_K, row_s, pt_layout)
+    else:
+        l_i, acc, l_tail = _tail_tile_fixed(q16, kb.slice(0, CT, dim=0), vb.slice(0, CT, dim=0), lo, lo, g0, ct,
+                                            m_t, c_t, l_i, acc, l_tail, zero, sc_scale, LK, NK, BS, EVEN_K, row_s,
+                                            pt_layout)
+        l_i, acc, l_tail = _tail_tile_fixed(q16, kb.slice(CT, CT, dim=0), vb.slice(CT, CT, dim=0), hi, hi, g0 + CT,
+                                            ct, m_t, c_t, l_i, acc, l_tail, zero, sc_scale, LK, NK, BS, EVEN_K,
+                                            row_s, pt_layout)
+    return m_i, l_i, acc, l_tail
+
+
+@gluon.jit
+def _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i, l_i, acc, l_tail, s_zero, sc_scale,
+               LK, NK, BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
+               LOG2_BS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+               FIXED: gl.constexpr, SPLIT: gl.constexpr):
+    """Every centroid group of the ring (entries ``t``, ``t + 1``, ..; ``ready``/``empty`` its
+    barriers) into the running state, under the fixed maximum ``m_i`` (FIXED) or the online one;
+    a consumer whose query block is past the end (not ``active``) only releases the slots."""
+    # made here, not kept in registers through the exact loop
+    cols = gl.arange(0, BS, layout=gl.SliceLayout(0, s_layout))
+    # The group's exact-set bits, one (C = 32) or two (C = 64) words, read one group ahead.
+    lo_next = gl.load(brow, mask=active, other=0)
+    hi_next = gl.load(brow + 1, mask=active & (NW > 1), other=-1)
+    for g0 in range(0, NK, C):
+        lo = lo_next
+        hi = hi_next
+        w_next = (g0 + C) // 32
+        lo_next = gl.load(brow + w_next, mask=active & (w_next < NW), other=0)
+        if C > 32:
+            hi_next = gl.load(brow + w_next + 1, mask=active & (w_next + 1 < NW), other=-1)
+        u = t + g0 // C  # the group's ring entry
+        s = u % STAGES
+        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+        if active:
+            if FIXED:
+                m_i, l_i, acc, l_tail = _tail_group_fixed(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0,
+                                                          m_i, l_i, acc, l_tail, sc_scale, LK, NK, BS, C, EVEN_K,
+                                                          LOG2_BS, s_layout, o_layout, SPLIT)
+            else:
+                m_i, l_i, acc, l_tail = _tail_group(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0,
+                                                    cols, m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C,
+                                                    EVEN_K, LOG2_BS, s_layout, o_layout, p_layout)
+        mbarrier.arrive(empty.index(s), count=1)
+    return m_i, l_i, acc, l_tail
+
+
+@gluon.jit
+def _tail_bound(q_s, kbound_ptr, bhk, qk_scale, BS: gl.constexpr, D: gl.constexpr, LOG2_BS: gl.constexpr,
+                row_s: gl.constexpr):
+    """Per row, an upper bound of every tail score ``q·k̄_j·s + log2 n_j`` (base 2):
+    ``s·Σ_d |q_d|·max_j |k̄_jd| + log2 BS`` (``kbound``: the per-channel maxima)."""
+    BL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    acc = gl.zeros([BS], gl.float32, layout=gl.SliceLayout(1, BL))
+    for c in gl.static_range(D // 64):  # 64 columns at a time: few registers
+        qv = q_s.slice(c * 64, 64, dim=1).load(BL).to(gl.float32)
+        r = gl.load(kbound_ptr + bhk * D + c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, BL)))
+        acc += gl.sum(gl.abs(qv) * r[None, :], axis=1)
+    return gl.convert_layout(acc * qk_scale + LOG2_BS, row_s)
+
+
+@gluon.jit
+def _fixed_max(m_i, bound, HEADROOM: gl.constexpr, SLACK: gl.constexpr):
+    """The tail's fixed maximum ``max(m, bound − HEADROOM)`` per row (every tail weight is then at
+    most ``2^HEADROOM``), and whether it may be used: it is at most ``SLACK`` above the exact
+    blocks' maximum in every row (else the weights could underflow, and the tail keeps the online
+    maximum)."""
+    m_fix = gl.maximum(m_i, bound - HEADROOM)
+    gap = gl.where(m_i == float("-inf"), float("inf"), m_fix - m_i)
+    return m_fix, gl.max(gap, axis=0) <= SLACK
 
 
 @gluon.jit
@@ -314,14 +460,15 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
               q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
               uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-              qk_scale, scale,
+              qk_scale, scale, pw,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
               Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
-              CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr):
+              CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
+              TAIL_SLACK: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -344,7 +491,6 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
 
     m_i = gl.full([BS], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BS], gl.float32, layout=row_s)
-    l_tail = gl.zeros([BS], gl.float32, layout=row_s)
     acc = gl.zeros([BS, D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
     cols = gl.arange(0, BS, layout=col_s)
@@ -379,60 +525,67 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
             mbarrier.arrive(empty.index(s), count=1)
     t = n_union
 
+    l_tail = gl.zeros([BS], gl.float32, layout=row_s)
     if MODE > 0:
+        bound = _tail_bound(q_s, kbound_ptr, bhk, qk_scale, BS, D, LOG2_BS, row_s)
         # q in float16 scaled by a power of two so its largest entry sits in [2^13, 2^14): the
         # bf16 -> fp16 conversion is then exact whatever the magnitude (centroids are scaled alike).
-        if Q_REG:
-            qf = qa.to(gl.float32)
-        else:
-            qf = q_s.load(q16_layout).to(gl.float32)
-        qmax = gl.max(gl.max(gl.abs(qf), axis=1), axis=0)
+        # q is read from shared memory again: a register copy kept for this through the exact loop
+        # made ptxas 12.8 spill Q there with three consumers (every Q·Kᵀ product then serialised).
+        qa = q_s.load(q16_layout)
+        # the largest |q| in the input dtype (exact), so that q is converted once, element by element
+        qmax = gl.max(gl.max(gl.abs(qa), axis=1), axis=0).to(gl.float32)
         q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
-        q16 = (qf / q_sc).to(gl.float16)
+        q16 = (qa.to(gl.float32) * (1.0 / q_sc)).to(gl.float16)
         if NC == 3:
-            # Three consumers have 160 registers each: the tail reads q16 from the (dead) query
-            # tile's shared memory instead of holding it in registers.
+            # The first-order term takes q back from this float16 copy in the (dead) query tile; with
+            # the online maximum (160 registers a consumer: no room for q16 beside a 64-column tile)
+            # the tail reads it from there too.
             q_s16 = _as_fp16(q_s)
             q_s16.store(q16)
             fence_async_shared()
-            q16 = q_s16
+            # the A operand of the tail's 32-column score tiles (:func:`_tail_group_fixed`, SPLIT = 2)
+            q16 = gl.convert_layout(q16, gl.DotOperandLayout(operand_index=0, parent=gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS // 2, 16]), k_width=2))
         sc_scale = qk_scale * q_sc * gl.load(kscale_ptr + bhk)  # all scales: powers of 2
         brow = bits_ptr + row * NW
-        # The group's exact-set bits, one (C = 32) or two (C = 64) words, read one group ahead.
-        lo_next = gl.load(brow, mask=active, other=0)
-        hi_next = gl.load(brow + 1, mask=active & (NW > 1), other=-1)
-        for g0 in range(0, NK, C):
-            lo = lo_next
-            hi = hi_next
-            w_next = (g0 + C) // 32
-            lo_next = gl.load(brow + w_next, mask=active & (w_next < NW), other=0)
-            if C > 32:
-                hi_next = gl.load(brow + w_next + 1, mask=active & (w_next + 1 < NW), other=-1)
-            s = t % STAGES
-            ph = (t // STAGES) & 1
-            mbarrier.wait(ready.index(s), ph)
-            if active:
-                m_i, l_i, acc, l_tail = _tail_group(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0, cols,
-                                                    m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, EVEN_K,
-                                                    LOG2_BS, s_layout, o_layout, p_layout)
-            mbarrier.arrive(empty.index(s), count=1)
-            t += 1
+        # With a maximum fixed before the scan the tail needs no row maximum and no rescale per
+        # group (tail loop 267 SASS instructions against 431 with the online maximum).
+        m_fix, fixed = _fixed_max(m_i, bound, TAIL_HEADROOM, TAIL_SLACK)
+        if fixed:
+            rescale = gl.exp2(m_i - m_fix)
+            acc = acc * gl.convert_layout(rescale, row_o)[:, None]
+            l_i = l_i * rescale
+            m_i, l_i, acc, l_tail = _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_fix, l_i,
+                                               acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES, EVEN_K, LOG2_BS,
+                                               s_layout, o_layout, p_layout, True, 2 if NC == 3 else 1)
+        else:
+            if NC == 3:
+                m_i, l_i, acc, l_tail = _tail_loop(q_s16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i,
+                                                   l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES,
+                                                   EVEN_K, LOG2_BS, s_layout, o_layout, p_layout, False, 1)
+            else:
+                m_i, l_i, acc, l_tail = _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i,
+                                                   l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES,
+                                                   EVEN_K, LOG2_BS, s_layout, o_layout, p_layout, False, 1)
 
     if active:
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]
         if MODE == 2:
+            # + (l_tail / l)·α·(s / BS)·q H̄, accumulated into the output (no [BS, D] temporary):
+            # q·(α l_tail / l)·(s / BS)·2^e as the A operand (at most α|q|), the output scaled by
+            # the power of two ``pw`` = 2^e ≈ BS / s around the product (exact: α = 0 is zeroth mode bit for bit).
             mbarrier.wait(hb_bar.index(0), 0)
-            o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
+            w = gl.convert_layout(l_tail / l_i * (gl.load(alpha_ptr + h) * (scale / BS) * pw),
+                                  gl.SliceLayout(1, p_layout))
             if NC == 3:
                 # q back from its float16 copy (exact but for entries below 2^-28 of the row's
                 # largest, which fall into float16's subnormals)
-                qb = (_as_fp16(q_s).load(p_layout).to(gl.float32) * q_sc).to(q_s.dtype)
-                qh = warpgroup_mma(qb, hb_smem, o_zero, use_acc=False, is_async=True)
+                qw = _as_fp16(q_s).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
             else:
-                qh = warpgroup_mma(q_s, hb_smem, o_zero, use_acc=False, is_async=True)
-            qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh,))
-            a_h = gl.load(alpha_ptr + h)  # the first-order weight of this query head
-            acc += gl.convert_layout(l_tail * (scale * a_h / BS), row_o)[:, None] * qh
-        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+                qw = q_s.load(p_layout).to(gl.float32) * w[:, None]
+            out = warpgroup_mma(qw.to(q_s.dtype), hb_smem, out * pw, is_async=True)
+            out = warpgroup_mma_wait(num_outstanding=0, deps=(out,)) * (1.0 / pw)
         lse = (m_i + gl.log2(l_i)) * LN2
         rows = qi * BS + gl.arange(0, BS, layout=row_s)
         gl.store(lse_ptr + bh * LQ + rows, lse, mask=rows < LQ)
@@ -447,12 +600,13 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
 def _pair_attn_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc, cd_desc,
-    kscale_ptr, uidx_ptr, ucnt_ptr, qpair_ptr, bits_ptr, lse_ptr, alpha_ptr,
+    kscale_ptr, kbound_ptr, uidx_ptr, ucnt_ptr, qpair_ptr, bits_ptr, lse_ptr, alpha_ptr,
     H, HK, LQ, LK, NQ, NK, W2, NW,
-    qk_scale, scale,
+    qk_scale, scale, pw,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
     PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
+    TAIL_SLACK: gl.constexpr,
 ):
     # One CTA per group of NC query blocks (a pair, or three adjacent blocks: NC consumers).
     pair = gl.program_id(0)
@@ -494,16 +648,16 @@ def _pair_attn_kernel(
                        q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                        uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
                        BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                         qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+                         qk_scale, scale, pw, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                         qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC)),
+                         qk_scale, scale, pw, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
@@ -511,21 +665,21 @@ def _pair_attn_kernel(
                        q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                        uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
                        BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                         qk_scale, scale, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+                         qk_scale, scale, pw, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                         qk_scale, scale, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr,
+                         qk_scale, scale, pw, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-                         qk_scale, scale, 2, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC)),
+                         qk_scale, scale, pw, 2, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
         ], [4, 4, 4], [160, 160, 160])
 
 
@@ -542,10 +696,11 @@ STAGES = {64: 4, 128: 3}
 MAX_REGS = {2: 168, 3: 128}
 # Query blocks a CTA serves, per mode: 2 (a pair; its partner adjacent or matched) or 3 (adjacent
 # blocks, three consumer warpgroups at 160 registers, the union stream in ascending order). Three
-# overlap more of the exact loop's latency: keep-or-drop up to 7 % faster at 8K-64K; with a tail
-# (which then reads q from shared memory) 4-16 % slower, and a ragged Lk spills in the loops
-# (H200, benchmarks/results/h200_query_group.json). Ring depth for three per head dim.
-QUERY_GROUP = {"drop": 3, "zeroth": 2, "hybrid": 2}
+# overlap more of the exact loop's latency: keep-or-drop up to 7 % faster at 8K-64K, hybrid 3-9 %
+# faster at 32K-64K (the tail under its fixed maximum, in 32-column tiles); a ragged Lk spills in
+# the loops, so it takes pairs (H200, benchmarks/results/h200_query_group.json,
+# h200_tail_fixed.json). Ring depth for three per head dim.
+QUERY_GROUP = {"drop": 3, "zeroth": 3, "hybrid": 3}
 STAGES3 = {64: 4, 128: 4}
 
 
@@ -580,6 +735,14 @@ CODES = True
 CODE_CHUNK = 256
 CODES_MAX_CHUNKS = 8
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# The tail's maximum is fixed before the scan (no row maximum, no rescale per centroid group) when
+# ``max(m, bound − 15)`` is at most this far above the exact blocks' maximum ``m`` in every row of
+# the block (``bound``: :func:`tail_bound`, from the per-channel centroid maxima); else the online
+# maximum. bfloat16 P keeps float32's exponent range, so 64 loses nothing; a float16 P weight
+# below 2^-14 is subnormal, so float16 allows 4. Measured ``bound − m`` per block: a median of
+# 7-24 on Gaussian, DiT-like and DINOv2 heads, all within 32 (notes/kernel-notes.md).
+TAIL_SLACK = {torch.bfloat16: 64.0, torch.float16: 4.0}
+TAIL_MAX = "auto"
 
 
 def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
@@ -623,7 +786,8 @@ def attention(
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
     alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
     pair_group: int | None = None, pair_order: str | None = None, pipeline: bool | None = None,
-    codes: bool | None = None, query_group: int | None = None,
+    codes: bool | None = None, query_group: int | None = None, kbound: Tensor | None = None,
+    tail_max: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
@@ -639,8 +803,15 @@ def attention(
     :data:`CODES`); it does not change a bit of the result. ``query_group``: query blocks per CTA,
     2 or 3 (None: :func:`query_group_for`, or 2 when an option only pairs have is given); 3 takes
     adjacent blocks and its own stream order (each owner's blocks ascending: the same bits as pairs
-    in the ``"ascending"`` order), neither a pairing table, another order nor the pipelined loop."""
+    in the ``"ascending"`` order), neither a pairing table, another order nor the pipelined loop.
+    ``kbound``: ``[B, Hk, D]`` float32 ``max_j |k̄_jd|`` (the statistics'; None: computed from
+    ``kbar``). ``tail_max``: ``"auto"`` fixes the tail's maximum from that bound where it is tight
+    enough (:data:`TAIL_SLACK`), ``"online"`` never does (None: :data:`TAIL_MAX`); both compute the
+    same function."""
     del cnt, n_select
+    tail_max = TAIL_MAX if tail_max is None else tail_max
+    if tail_max not in ("auto", "online"):
+        raise ValueError(f"tail_max must be 'auto' or 'online', got {tail_max!r}")
     pair_only = (pair_group or 2) > 2 or bool(pipeline) or pair_order not in (None, "ascending")
     if query_group is None:  # the mode's default, unless an option only pairs have is asked for
         nc = 2 if pair_only else query_group_for(mode, k.shape[2], block_size)
@@ -675,6 +846,9 @@ def attention(
                                 order=PAIR_ORDER if pair_order is None else pair_order)
     has_qpair = qpair is not None
     alpha = alpha_arg(alpha, h, q.device)
+    if kbound is None:
+        kbound = tail_bound(kbar, kscale)
+    slack = TAIL_SLACK[q.dtype] if tail_max == "auto" else -1.0
     m = MODE_IDS[mode]
     st = stages or (STAGES if nc == 2 else STAGES3)[d]
     pipe = nc == 2 and (PIPELINE if pipeline is None else bool(pipeline))
@@ -683,12 +857,13 @@ def attention(
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
                uidx.view(-1, w2))
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d], [1, cw])
-    scalars = (kscale, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
-               uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
+    scalars = (kscale, kbound, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
+               uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale, first_order_shift(bs, scale))
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
-                      HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, NC=nc)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc,
-           tuple(x.data_ptr() % 16 == 0 for x in scalars[:7]))
+                      HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, NC=nc,
+                      TAIL_SLACK=slack)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc, slack,
+           tuple(x.data_ptr() % 16 == 0 for x in scalars[:8]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
@@ -696,10 +871,23 @@ def attention(
     return out, lse
 
 
+def first_order_shift(block_size: int, scale: float) -> float:
+    """The power of two near ``block_size / scale`` the output is scaled by around the first-order
+    product (so its A operand stays near q in magnitude)."""
+    return 2.0 ** min(max(math.floor(math.log2(block_size / scale)), -60), 60)
+
+
+def tail_bound(kbar: Tensor, kscale: Tensor) -> Tensor:
+    """``[B, Hk, D]`` float32 per-channel maxima ``max_j |k̄_jd|`` of the float16 centroids ``kbar``
+    ``[B, Hk, Nk, D]`` times their per-head scale ``kscale`` ``[B, Hk]`` (what prepare writes as
+    ``kbound``)."""
+    return kbar.abs().amax(2).float() * kscale.float()[..., None]
+
+
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
                      has_qpair: bool = True, pipeline: bool | None = None, codes: bool | None = None,
-                     union_entries: int = 128, query_group: int = 2):
+                     union_entries: int = 128, query_group: int = 2, tail_max: str = "auto"):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -719,10 +907,10 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or (STAGES if query_group == 2 else STAGES3)[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
                       PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw,
-                      NC=query_group)
-    types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
+                      NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0)
+    types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
-                 alpha_ptr="*fp32", qk_scale="fp32", scale="fp32")
+                 alpha_ptr="*fp32", qk_scale="fp32", scale="fp32", pw="fp32")
     sig = {}
     for name in _pair_attn_kernel.arg_names:
         sig[name] = ("constexpr" if name in constexprs else mangle_type(descs[name]) if name in descs

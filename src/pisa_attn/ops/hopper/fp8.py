@@ -54,7 +54,7 @@ from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.pairs import pair_union
-from .attention import MAX_REGS, _as_fp16, _box, _tail_group, _tma_load, _tma_store
+from .attention import MAX_REGS, _box, _tail_loop, _tma_load, _tma_store
 
 LN2 = gl.constexpr(kernel_constants.LN2)
 # The probabilities' factor: 256 for e4m3 and the input dtype, 255 for the unsigned INT8 codes.
@@ -279,7 +279,6 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     qrow_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     P_MUL: gl.constexpr = P_SCALE_INT8 if PV_INT8 else P_SCALE
     P_LOG2: gl.constexpr = P_LOG2_INT8 if PV_INT8 else 8.0
@@ -442,7 +441,6 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     l_tail = gl.zeros([BS], gl.float32, layout=row_s)
     s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
     o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
-    cols = gl.arange(0, BS, layout=col_s)
 
     if MODE > 0:
         # The input-precision kernel's tail (see .attention): float16 q and centroids, each scaled
@@ -452,25 +450,10 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
         q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
         q16 = (qf16 / q_sc).to(gl.float16)
         sc_scale = qk_scale * q_sc * gl.load(kscale_ptr + bhk)
-        brow = bits_ptr + row * NW
-        lo_next = gl.load(brow, mask=active, other=0)
-        hi_next = gl.load(brow + 1, mask=active & (NW > 1), other=-1)
-        t = 0
-        for g0 in range(0, NK, C):
-            lo = lo_next
-            hi = hi_next
-            w_next = (g0 + C) // 32
-            lo_next = gl.load(brow + w_next, mask=active & (w_next < NW), other=0)
-            if C > 32:
-                hi_next = gl.load(brow + w_next + 1, mask=active & (w_next + 1 < NW), other=-1)
-            s = t % TSTAGES
-            mbarrier.wait(tready.index(s), (t // TSTAGES) & 1)
-            if active:
-                m_i, l_i, acc, l_tail = _tail_group(q16, _as_fp16(kb_bufs.index(s)), vb_bufs.index(s), lo, hi, g0,
-                                                    cols, m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C,
-                                                    EVEN_K, LOG2_BS, s_layout, o_layout, p_layout)
-            mbarrier.arrive(tempty.index(s), count=1)
-            t += 1
+        # the online maximum (the input-precision kernel fixes it where a bound allows)
+        m_i, l_i, acc, l_tail = _tail_loop(q16, kb_bufs, vb_bufs, tready, tempty, 0, bits_ptr + row * NW, NW, active,
+                                           m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, TSTAGES, EVEN_K,
+                                           LOG2_BS, s_layout, o_layout, p_layout, False, 1)
 
     if active:
         if MODE == 2:

@@ -97,7 +97,7 @@ def attend(
     pairs = None if ws is None else ws.pairs
     return _gattn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
                             n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, lse=lse,
-                            alpha=alpha, pairs=pairs)
+                            alpha=alpha, pairs=pairs, kbound=stats.kbound)
 
 
 def workspace(plan, q: Tensor, k: Tensor) -> _top.Workspace:

@@ -5,8 +5,8 @@
    * kv programs (a kv head and a run of its key blocks): per block, the centroid ``k̄_j`` (float32,
      stored transposed ``[D, Nk]``: the selection GEMM's right operand), the value mean
      ``V̂_j / n_j`` (input dtype) and ``H_j = (K_j − 1·k̄_j)ᵀ V_j``; the run's ``Σ H_j``, its largest
-     ``|k̄|`` and its count of blocks are stored as per-program partials (no atomics, nothing to zero
-     per call);
+     ``|k̄|`` per channel and its count of blocks are stored as per-program partials (no atomics,
+     nothing to zero per call);
    * q programs (a query head and a run of its query blocks): the query means selection reads.
 
    Every block sum is a tensor-core product with a constant operand: ``Kᵀ·I`` (the keys in the
@@ -20,9 +20,10 @@
    copy the attention kernels read).
 2. ``_finish_kernel`` (per kv head, one program per slice of rows): ``H̄`` from the partials (the
    mean over the blocks not in ``hbar_exclude``; ``0`` when every block is excluded), its
-   input-dtype copy, and the tail scan's float16 centroids divided by one power of two per head
+   input-dtype copy, the tail scan's float16 centroids divided by one power of two per head
    (its largest ``|k̄|`` lands in ``[2^13, 2^14)``: no overflow whatever the magnitude, 11 mantissa
-   bits, one scalar for the attention kernels to fold back).
+   bits, one scalar for the attention kernels to fold back), and ``kbound``, the per-channel
+   ``max_j |k̄_jd|`` (the Hopper kernel bounds every tail score with it before the scan).
 
 Covariance-aware selection adds ``_hdev_kernel`` (``||H_j − H̄||_F``, a second read of k and v: it
 needs ``H̄`` first; the expansion ``||H_j||² − 2⟨H_j, H̄⟩ + ||H̄||²`` saves no pass and cancels
@@ -33,6 +34,7 @@ badly when ``H_j ≈ H̄``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import ClassVar
@@ -90,7 +92,7 @@ def _consts(dtype, BS: tl.constexpr, QS: tl.constexpr):
                                "Q_CHUNKS", "N_KV", "ex_sb", "ex_sh"])
 def _stats_kernel(
     q_ptr, k_ptr, v_ptr, excl_ptr,
-    qmean_ptr, kmean_ptr, vbar_ptr, part_h_ptr, part_s_ptr,
+    qmean_ptr, kmean_ptr, vbar_ptr, part_h_ptr, part_s_ptr, part_r_ptr,
     sqb, sqh, sql, sqd,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
@@ -132,6 +134,7 @@ def _stats_kernel(
         tl.store(part_h_ptr + part * D * D + offs_d[:, None] * D + offs_d[None, :], hacc)
         tl.store(part_s_ptr + part * 2, tl.max(kmax, axis=0))
         tl.store(part_s_ptr + part * 2 + 1, count)
+        tl.store(part_r_ptr + part * D + offs_d, kmax)
     else:
         # QT rows per step (several query blocks of QB rows): one tile load, and the block sums as
         # one product with a block-diagonal ones matrix, column c the sum of block c of the tile.
@@ -156,7 +159,7 @@ def _stats_kernel(
 
 @triton.jit(do_not_specialize=["NK", "KV_CHUNKS", "F_PER"])
 def _finish_kernel(
-    part_h_ptr, part_s_ptr, kmean_ptr, hbar_ptr, hbar_lp_ptr, kbar_ptr, kscale_ptr,
+    part_h_ptr, part_s_ptr, part_r_ptr, kmean_ptr, hbar_ptr, hbar_lp_ptr, kbar_ptr, kscale_ptr, kbound_ptr,
     NK, KV_CHUNKS, F_PER,
     D: tl.constexpr, RB: tl.constexpr, TJ: tl.constexpr,
 ):
@@ -172,6 +175,10 @@ def _finish_kernel(
     ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
     if g == 0:
         tl.store(kscale_ptr + bh, ks)
+        kb = tl.zeros([D], dtype=tl.float32)
+        for c in range(KV_CHUNKS):
+            kb = tl.maximum(kb, tl.load(part_r_ptr + (bh * KV_CHUNKS + c) * D + offs_d))
+        tl.store(kbound_ptr + bh * D + offs_d, kb)
     rows = g * RB + tl.arange(0, RB)
     tile = rows[:, None] * D + offs_d[None, :]
     hsum = tl.zeros([RB, D], dtype=tl.float32)
@@ -231,10 +238,12 @@ class Stats:
     hbar_lp: Tensor  # [B, Hk, D, D] input dtype: the attention kernel's operand for q·H̄
     hdev: Tensor | None  # [B, Hk, Nk] float32, ||H_j − H̄||_F (covariance-aware only)
     work: Tensor | None = None  # float32 per-program partials of the prepare launch (scratch)
+    # [B, Hk, D] float32: max_j |k̄_jd|, per channel (bounds every tail score before the scan)
+    kbound: Tensor | None = None
 
     BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "vbar": 2, "hdev": 2}
     # kbar is only meaningful with the kscale it was divided by: a shard keeps its own.
-    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ("kscale",)
+    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ("kscale", "kbound")
 
     def tail(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What the attention kernel reads besides q, k, v and the selection."""
@@ -244,8 +253,7 @@ class Stats:
         return slice_blocks(self, lo, hi)
 
     def with_hbar(self, hbar: Tensor) -> "Stats":
-        return Stats(self.qmean, self.kmean, self.kbar, self.kscale, self.vbar, hbar,
-                     hbar.to(self.hbar_lp.dtype), self.hdev, self.work)
+        return dataclasses.replace(self, hbar=hbar, hbar_lp=hbar.to(self.hbar_lp.dtype))
 
     def for_attend(self) -> "Stats":
         self.qmean = self.kmean = self.hbar = self.hdev = None  # in place: no allocation per call
@@ -286,7 +294,7 @@ def _geometry(b: int, h: int, hk: int, lq: int, lk: int, bs: int, qb: int, d: in
 
 
 def _work_elems(b: int, hk: int, d: int, kv_chunks: int) -> int:
-    return b * hk * max(kv_chunks, 1) * (d * d + 2)
+    return b * hk * max(kv_chunks, 1) * (d * d + d + 2)
 
 
 def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size: int, query_block: int | None = None,
@@ -312,6 +320,7 @@ def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size
         hbar_lp=torch.empty(b, hk, d, d, device=device, dtype=dtype),
         hdev=torch.empty(b, hk, nk, **f32) if with_hdev else None,
         work=torch.empty(_work_elems(b, hk, d, geo[1]), **f32),
+        kbound=torch.empty(b, hk, d, **f32),
     )
 
 
@@ -345,12 +354,13 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
         ws = stats_workspace(q.shape, k.shape, v.dtype, dev, block_size=block_size, query_block=qb,
                              with_hdev=with_hdev)
     n_part = b * hk * max(kv_chunks, 1)
-    if (ws.work is None or ws.work.numel() < n_part * (d * d + 2) or ws.vbar.shape != (b, hk, nk, d)
+    if (ws.work is None or ws.work.numel() < n_part * (d * d + d + 2) or ws.vbar.shape != (b, hk, nk, d)
             or ws.qmean.shape != (b, h, nqs, d) or ws.vbar.dtype != v.dtype or ws.vbar.device != dev
             or (with_hdev and ws.hdev is None)):
         raise ValueError("ws: a stats_workspace made for other shapes, dtype, device or settings")
     part_h = ws.work[: n_part * d * d]
-    part_s = ws.work[n_part * d * d:]
+    part_s = ws.work[n_part * d * d: n_part * (d * d + 2)]
+    part_r = ws.work[n_part * (d * d + 2): n_part * (d * d + d + 2)]
     if hbar_exclude is not None:
         ex = _check_exclude(hbar_exclude, b, hk, nk).view(torch.uint8)
         ex_sb = ex.stride(0) if ex.shape[0] > 1 else 0
@@ -365,24 +375,26 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     if grid:
         strides = (*q.stride(), *k.stride(), *v.stride())
         qt = _q_tile(qb, d)
-        args = (q, k, v, ex, ws.qmean, kmean_t, ws.vbar, part_h, part_s, *strides, ex_sb, ex_sh,
+        args = (q, k, v, ex, ws.qmean, kmean_t, ws.vbar, part_h, part_s, part_r, *strides, ex_sb, ex_sh,
                 h, hk, lq, lk, nqs, -(-lq // qt), nk, kv_per, kv_chunks, q_per, q_chunks, n_kv)
         stages = STATS_TUNING["stages"]
         _launch_stats((k.dtype, block_size, qb, qt, d, hbar_exclude is not None, stages,
                        spec_class(q, k, v, ex, *strides)), (grid,), args,
                       dict(BS=block_size, QB=qb, QT=qt, D=d, F32=f32, CLAMP=clamp, HAS_EXCL=hbar_exclude is not None),
                       num_warps=_stats_warps(d), num_stages=stages)
-    if kv_chunks == 0:  # no key block (an empty K/V shard): H̄ = 0, scale 1
+    if kv_chunks == 0:  # no key block (an empty K/V shard): H̄ = 0, scale 1, bound 0
         part_s.zero_()
         part_h.zero_()
+        part_r.zero_()
     _launch_finish((d, spec_class(part_h, ws.hbar_lp)), (b * hk * f_groups,),
-                   (part_h, part_s, kmean_t, ws.hbar, ws.hbar_lp, ws.kbar, ws.kscale, nk, max(kv_chunks, 1), f_per),
+                   (part_h, part_s, part_r, kmean_t, ws.hbar, ws.hbar_lp, ws.kbar, ws.kscale, ws.kbound, nk,
+                    max(kv_chunks, 1), f_per),
                    dict(D=d, RB=_FINISH_ROWS, TJ=32), num_warps=4)
     if with_hdev:
         _run_hdev(k, v, ws.hbar, ws.hdev, block_size, kv_per, kv_chunks)
     return Stats(qmean=ws.qmean, kmean=ws.kmean, kbar=ws.kbar, kscale=ws.kscale, vbar=ws.vbar,
                  hbar=None if lean else ws.hbar, hbar_lp=ws.hbar_lp, hdev=ws.hdev if with_hdev else None,
-                 work=ws.work)
+                 work=ws.work, kbound=ws.kbound)
 
 
 def _check_exclude(ex: Tensor, b: int, hk: int, nk: int) -> Tensor:
