@@ -14,7 +14,7 @@ EXTRAS  = $(VENV)/.pisa-test
 # pytest exits with 5 when a marker selects no test; that is not a failure here.
 PYTEST  = $(PY) -m pytest -q --durations=15
 
-.PHONY: setup demo test test-slow clean
+.PHONY: setup demo test test-slow build-device clean
 
 $(CORE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,14 @@ test: $(EXTRAS)
 # process: starting xdist workers (each imports and collects the whole suite) costs more than it saves.
 test-slow: $(EXTRAS)
 	$(PYTEST) -m slow || [ $$? -eq 5 ]
+
+# The Hopper kernels' sm_90a build tests (spills, serialised tensor-core loops) with the GPU
+# machines' toolchain, Triton 3.6 (its ptxas 12.8 allocates registers unlike newer ones), installed
+# beside the venv's Triton and put first on the path.
+DEVICE_TRITON ?= triton==3.6.0
+build-device: $(EXTRAS)
+	$(PY) -m pip install -q --no-deps --target $(VENV)/device-triton "$(DEVICE_TRITON)"
+	PYTHONPATH=$(VENV)/device-triton $(PYTEST) tests/test_hopper_build.py tests/test_fp8_build.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
