@@ -102,3 +102,20 @@ print("built")
 def test_pair_stream_kernels_build_for_sm90():
     """The pairing and union kernels compile (the interpreter accepts code the compiler refuses)."""
     assert "built" in run_script(PAIRS_SCRIPT).stdout
+
+
+def test_tail_options_are_checked():
+    """A tail option the kernel does not know, or per-channel bounds of other shapes, are refused
+    before anything runs."""
+    import torch
+
+    from pisa_attn.ops.hopper import attention as gattn
+
+    x = torch.zeros(1, 2, 128, 64)
+    kbar = torch.zeros(1, 2, 2, 64, dtype=torch.float16)
+    kw = dict(mode="hybrid", scale=0.125, block_size=64, n_select=1)
+    none = (None,) * 6
+    with pytest.raises(ValueError, match="tail_max"):
+        gattn.attention(x, x, x, kbar, *none, tail_max="fast", **kw)
+    with pytest.raises(ValueError, match="kbound"):
+        gattn.attention(x, x, x, kbar, *none, kbound=torch.zeros(1, 2, 32), **kw)

@@ -826,6 +826,10 @@ def attention(
     hk, lk = k.shape[1], k.shape[2]
     bs = block_size
     nq, nk = -(-lq // bs), -(-lk // bs)
+    if kbound is not None and (kbound.shape != (b, hk, d) or kbound.dtype != torch.float32
+                               or not kbound.is_contiguous()):
+        raise ValueError(f"kbound must be a contiguous float32 [B, Hk, D] = [{b}, {hk}, {d}] tensor, got "
+                         f"{kbound.dtype} {list(kbound.shape)}")
     if out is None:
         out = _alloc_like_layout(q)
     if lse is None:
