@@ -72,6 +72,31 @@ def test_prepare_matches_reference(case, exclude):
     assert torch.isfinite(st.hbar).all() and torch.isfinite(st.hdev).all()
 
 
+@pytest.mark.parametrize("mag", [1.0, 30.0])
+def test_kbound_bounds_every_tail_score(mag):
+    """What the Hopper kernel fixes the tail's maximum with: per row, ``s·Σ_d |q_d|·kbound_d +
+    log2 BS`` (base 2) is at least every centroid score ``q·k̄_j·s + log2 n_j``, from the statistics
+    prepare writes (ragged last block, GQA, keys with a common component, 30x magnitudes)."""
+    import math
+
+    b, h, hk, lq, lk, d, bs = 2, 4, 2, 150, 203, 32, 32
+    q, k, v = qkv(b, h, hk, lq, lk, d, seed=5, k_shift=2.0)
+    q, k = q * mag, k * mag
+    st = P.prepare(q, k, v, bs)
+    s = d**-0.5 * math.log2(math.e)
+    rep = h // hk
+    kb = st.kbar.double() * st.kscale.double()[..., None, None]  # the centroids the tail scans
+    n = torch.full((st.kbar.shape[2],), float(bs), dtype=torch.float64, device=DEV)
+    n[-1] = lk - (st.kbar.shape[2] - 1) * bs
+    scores = torch.einsum("bhld,bhjd->bhlj", q.double(), kb.repeat_interleave(rep, 1)) * s + n.log2()
+    bound = (q.double().abs() * st.kbound.double().repeat_interleave(rep, 1)[:, :, None]).sum(-1) * s + math.log2(bs)
+    # float16 centroids round to 2^-11 relative: the bound holds to that
+    slack = 1e-3 * (q.double().abs() * st.kbound.double().repeat_interleave(rep, 1)[:, :, None]).sum(-1) * s
+    assert (bound + slack >= scores.amax(-1)).all()
+    if mag == 1.0:  # tight enough to be used (the kernel's slack); at 30x it is not, and the kernel
+        assert (bound - scores.amax(-1)).median() < 64  # keeps the online maximum (a GPU test)
+
+
 def test_reference_hbar_exclude_is_the_mean_of_the_other_blocks():
     """The reference's H̄ with excluded blocks, against every H_j materialised."""
     b, hk, lk, d, bs = 2, 2, 150, 8, 16
