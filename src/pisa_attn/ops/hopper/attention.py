@@ -561,13 +561,12 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                                                s_layout, o_layout, p_layout, True, 2 if NC == 3 else 1)
         else:
             if NC == 3:
-                m_i, l_i, acc, l_tail = _tail_loop(q_s16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i,
-                                                   l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES,
-                                                   EVEN_K, LOG2_BS, s_layout, o_layout, p_layout, False, 1)
+                q_online = q_s16
             else:
-                m_i, l_i, acc, l_tail = _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i,
-                                                   l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES,
-                                                   EVEN_K, LOG2_BS, s_layout, o_layout, p_layout, False, 1)
+                q_online = q16
+            m_i, l_i, acc, l_tail = _tail_loop(q_online, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i, l_i,
+                                               acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES, EVEN_K, LOG2_BS,
+                                               s_layout, o_layout, p_layout, False, 1)
 
     if active:
         out = acc / gl.convert_layout(l_i, row_o)[:, None]
