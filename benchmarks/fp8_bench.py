@@ -107,7 +107,8 @@ def speed(lengths, density: float, precisions=LOWP) -> list[dict]:
                 k, v, stats.kbar, stats.kscale, 64, ws=qz, precision=prec))
             for mode in ("drop", "hybrid"):
                 t = bench_ms(lambda m=mode, qz=qz, vv=vv: lowk.attention(
-                    q, qz, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, lk=L, out=out, lse=lse, v=vv))
+                    q, qz, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, lk=L, out=out, lse=lse, v=vv,
+                    kbound=stats.kbound))
                 row[f"attend_{prec}_{mode}_ms"] = t
                 row[f"attend_{prec}_{mode}_speedup"] = row[f"attend_input_{mode}_ms"] / t
                 row[f"attend_{prec}_{mode}_with_quantize_speedup"] = row[f"attend_input_{mode}_ms"] / (
@@ -208,6 +209,11 @@ VARIANTS = {
     "stages_2_3": dict(stages=(2, 3), modes=("hybrid",), v16=True),
     "stages_5_1": dict(stages=(5, 1), modes=("drop",), v16=True),
     "pv_accumulate_stages_5_1": dict(pv_accumulate=True, stages=(5, 1), modes=("drop",), v16=True),
+    # query blocks per CTA, and the tail's maximum fixed where the bound allows (the default) or online
+    "pairs": dict(query_group=2),
+    "triples": dict(query_group=3),
+    "pairs_online": dict(query_group=2, tail_max="online", modes=("hybrid",)),
+    "triples_online": dict(query_group=3, tail_max="online", modes=("hybrid",)),
 }
 SCHEDULES = ("default", "pingpong", "pipelined", "pipelined_pingpong", "pipelined_pv_flip",
              "pipelined_pingpong_pv_flip", "lookahead1", "lookahead2")
@@ -251,7 +257,7 @@ def sweep(L: int, density: float, precisions=LOWP, variants=tuple(VARIANTS)) -> 
                 try:
                     t = bench_ms(lambda m=mode, kw=kw: lowk.attention(
                         q, qz, *stats.tail(), *sel, mode=m, scale=128 ** -0.5, block_size=64, lk=L, out=out,
-                        lse=lse, v=vv, **kw))
+                        lse=lse, v=vv, kbound=stats.kbound, **kw))
                 except Exception as e:  # a variant that does not build or fit is reported, not fatal
                     print(f"sweep {prec} {name} {mode}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue

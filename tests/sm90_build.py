@@ -28,8 +28,8 @@ def loop_stats(sass):
     # In the innermost loops that issue tensor-core products (a loop: the range of a backward
     # branch, not one from the out-of-line barrier retries after the last EXIT; the hot loops, not
     # the code around them): local loads/stores, and the loops whose products are serialised (a
-    # wait after every other HGMMA or more: ptxas does that when an operand's registers are not
-    # stable, e.g. spilled).
+    # wait after every product instruction (HGMMA, QGMMA, IGMMA): ptxas does that when an operand's
+    # registers are not stable, e.g. spilled; a 64x64 8-bit product is only two instructions).
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\\*([0-9a-f]{{4,}})\\*/\\s+([^;]*);", sass)]
     end = max(a for a, t in ins if t.strip() == "EXIT")
     loops = []
@@ -37,11 +37,12 @@ def loop_stats(sass):
         m = re.search(r"BRA\\s+0x([0-9a-f]+)", txt)
         if m and int(m.group(1), 16) < addr < end:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if any("HGMMA" in t for t in body):
+            if any(re.search(r"\\b[HQI]GMMA\\b", t) for t in body):
                 loops.append((int(m.group(1), 16), addr, body))
     inner = [l for l in loops if not any(o is not l and l[0] <= o[0] and o[1] < l[1] for o in loops)]
     spills = sum(len(re.findall(r"\\b(?:STL|LDL)\\b", "\\n".join(b))) for _, _, b in inner)
-    serial = sum(2 * sum("DEPBAR" in t for t in b) >= sum("HGMMA" in t for t in b) for _, _, b in inner)
+    serial = sum(sum("DEPBAR" in t for t in b) >= sum(bool(re.search(r"\\b[HQI]GMMA\\b", t)) for t in b)
+                 for _, _, b in inner)
     return spills, serial
 res = {{}}
 for name, args in json.loads(sys.argv[1]).items():
@@ -75,6 +76,6 @@ def build(imports: str, call: str, variants: dict) -> dict:
     in its PTX: wgmma (all, FP8, INT8), TMA copies (all, 2D), ``wait_group 1``, setmaxnreg, global and
     local loads/stores; ``spills``: local stores and loads in the SASS, ``loop_spills``: those inside
     the innermost loops that issue tensor-core products, ``loop_serialized``: those loops that wait
-    after (nearly) every product."""
+    after every product instruction."""
     p = run_script(_SCRIPT.format(imports=imports, call=call), json.dumps(variants))
     return json.loads(p.stdout.strip().splitlines()[-1])

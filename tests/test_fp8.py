@@ -353,3 +353,33 @@ def test_precision_lowp_refused_by_the_ring(precision):
     q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=f"precision='{precision}' is not supported by ring_pisa_attention"):
         ring_pisa_attention(q, q, q, group=None, settings=PisaSettings(precision=precision))
+
+
+def test_lowp_kernel_query_group_and_tail_options_are_checked():
+    """The low-precision kernel's own options are refused before anything runs: a query group
+    other than 2 or 3, three with a schedule only pairs have, an unknown tail option; the default
+    query group per precision and mode (a ragged key length keeps pairs)."""
+    pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
+    from types import SimpleNamespace
+
+    from pisa_attn.ops.hopper import fp8 as gfp8
+
+    q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
+    qz = SimpleNamespace(k8=torch.zeros(1, 2, 128, 64, dtype=torch.int8), v8t=torch.zeros(0, dtype=torch.int8))
+    kbar = torch.zeros(1, 2, 2, 64, dtype=torch.float16)
+    kw = dict(mode="hybrid", scale=0.125, block_size=64, lk=128, v=q)
+    none = (None,) * 6
+    with pytest.raises(ValueError, match="query_group"):
+        gfp8.attention(q, qz, kbar, *none, query_group=4, **kw)
+    for opt in (dict(pipeline=True), dict(pingpong=True)):
+        with pytest.raises(ValueError, match="query_group=3"):
+            gfp8.attention(q, qz, kbar, *none, query_group=3, **opt, **kw)
+    with pytest.raises(ValueError, match="tail_max"):
+        gfp8.attention(q, qz, kbar, *none, tail_max="fast", **kw)
+    with pytest.raises(ValueError, match="kbound"):
+        gfp8.attention(q, qz, kbar, *none, kbound=torch.zeros(1, 2, 32), **kw)
+    assert gfp8.precision_of(qz, q) == "int8"
+    for prec in LOWP:
+        for mode in ("drop", "hybrid"):
+            assert gfp8.query_group_for(mode, 128, 64, prec) in (2, 3)
+            assert gfp8.query_group_for(mode, 129, 64, prec) == 2

@@ -8,25 +8,38 @@ import pytest
 from sm90_build import SMEM_LIMIT, build
 
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
+import triton  # noqa: E402
+
+DEVICE_TOOLCHAIN = triton.__version__.startswith("3.6.")  # the GPU machines' Triton and ptxas
 
 # (head dim, mode, even Lk, dtype, exact-loop schedule: False sequential (the default), True
-# pipelined, precision)
+# pipelined, precision, query blocks per CTA: None the precision's default for the mode)
 SHAPES = {
     "D128-hybrid-bf16": (128, "hybrid", True, "bfloat16", False),
     "D128-drop-ragged-bf16": (128, "drop", False, "bfloat16", False),
     "D64-zeroth-ragged-fp16": (64, "zeroth", False, "float16", False),
     "D128-hybrid-ragged-bf16-pipelined": (128, "hybrid", False, "bfloat16", True),
+    "D128-drop-bf16": (128, "drop", True, "bfloat16", False),
+    "D64-hybrid-fp16": (64, "hybrid", True, "float16", False),
 }
 PRECISIONS = ("fp8", "int8-fp8", "int8-int8", "int8")
 # INT8 P·V runs in the sequential loop only
 VARIANTS = {f"{p}-{n}": (*v, p) for p in PRECISIONS for n, v in SHAPES.items() if not (p == "int8-int8" and v[4])}
 
 
+def _query_group(name: str) -> int:
+    from pisa_attn.ops.hopper.fp8 import query_group_for
+
+    d, mode, even_k = VARIANTS[name][:3]
+    return query_group_for(mode, 64 if even_k else 65, 64, VARIANTS[name][5])
+
+
 @pytest.fixture(scope="module")
 def built():
+    variants = {n: (*v, _query_group(n)) for n, v in VARIANTS.items()}
     return build("from pisa_attn.ops.hopper.fp8 import compile_for_sm90",
                  "compile_for_sm90(args[0], args[1], args[2], getattr(torch, args[3]), pipeline=args[4], "
-                 "precision=args[5])", VARIANTS)
+                 "precision=args[5], query_group=args[6])", variants)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -35,7 +48,7 @@ def test_lowp_kernel_builds_for_sm90a(built, name):
     mode, pipelined, precision = VARIANTS[name][1], VARIANTS[name][4], VARIANTS[name][5]
     assert r["sm90a"] and r["cubin"] > 0
     assert r["shared"] <= SMEM_LIMIT
-    # The exact phase's products in their formats (two consumers x (Q·Kᵀ + P·V), each issued in
+    # The exact phase's products in their formats (per consumer Q·Kᵀ + P·V, each issued in
     # several wgmma instructions); the tail's products in 16 bits; TMA copies; the register
     # hand-over; nothing spilled.
     qk = r["s8_wgmma"] if precision.startswith("int8") else r["fp8_wgmma"]
@@ -52,11 +65,20 @@ def test_lowp_kernel_builds_for_sm90a(built, name):
     assert r["tma"] >= 4
     assert r["setmaxnreg"] > 0
     assert r["local"] == 0
-    # ptxas's SASS: the sequential loop spills nothing (a ragged build keeps one 64-bit value in
-    # local memory from the prologue to the epilogue); the pipelined loop's two accumulators and
-    # held P do spill (one reason it measures slower and is not the default).
+    # ptxas's SASS: the sequential loop spills nothing and waits for its products in groups (a
+    # ragged build keeps one 64-bit value in local memory from the prologue to the epilogue; three
+    # consumers with a tail spill a few values outside the hot loops, as the input-precision
+    # kernel); the pipelined loop's two accumulators and held P do spill (one reason it measures
+    # slower and is not the default).
+    # Register allocation differs between ptxas releases: the counts hold for the GPU machines'
+    # (Triton 3.6, ``make build-device``); another must still not serialise a hot loop (Triton
+    # 3.9's spills a few values of the 160-register loops, which 3.6's does not).
     if not pipelined:
-        assert r["spills"] <= (0 if VARIANTS[name][2] else 2)
+        assert r["loop_serialized"] == 0
+        if DEVICE_TOOLCHAIN:
+            assert r["loop_spills"] == 0
+            nc, even_k = _query_group(name), VARIANTS[name][2]
+            assert r["spills"] <= (0 if even_k and (nc == 2 or mode == "drop") else 2 if nc == 2 else 16)
     assert (r["wait1"] > 0) == pipelined  # the pipelined loop's wait for the scores alone
 
 

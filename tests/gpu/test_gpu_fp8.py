@@ -410,3 +410,29 @@ def test_lowp_lookahead_is_bitwise(precision, name, sel_kind):
     torch.cuda.synchronize()
     assert torch.isfinite(res[1][0]).all()
     assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
+
+
+@pytest.mark.parametrize("mode", ["drop", "hybrid"])
+@pytest.mark.parametrize("lq", [2048, 1088], ids=["L2048", "L1088"])  # 1088: the last group of three has two blocks
+@pytest.mark.parametrize("precision", LOWP)
+def test_lowp_query_groups_and_tail_maximum(precision, lq, mode):
+    """Two or three query blocks per CTA, the tail's maximum fixed or online: the same function,
+    each against the quantised reference and float64 PISA under one selection."""
+    from pisa_attn.ops.hopper import fp8 as gfp8
+    from pisa_attn.ops.triton.quantize import quantize
+
+    q, k, v = dit(1, 4, 4, lq, lq, 128, seed=17)
+    p, _, sel = fp8_run(q, k, v, mode, precision=precision)
+    oq, o64 = references(q, k, v, p, sel, precision)
+    st = get_backend("hopper").prepare(q, k, v, 64)
+    qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
+    vv = v if quant.PRODUCT_FORMATS[precision][1] == "input" else None
+    for nc in (2, 3):
+        for tail_max in ("auto", "online"):
+            out, lse = gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lq, v=vv,
+                                      alpha=p.alpha, query_group=nc, tail_max=tail_max, kbound=st.kbound)
+            e_q, e_64 = rel_l1(out, oq), rel_l1(out, o64)
+            print(f"[{precision}-L{lq}-{mode}-nc{nc}-{tail_max}] vs quantised reference {e_q:.2e}, "
+                  f"vs float64 PISA {e_64:.2e}")
+            assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+            assert e_q < QREF_TOL and e_64 < F64_TOL

@@ -460,71 +460,20 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
-              q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
-              uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
-              qk_scale, scale, pw,
-              CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
-              STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
-              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
-              CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
-              TAIL_SLACK: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
+            kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
+            BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
+            EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
+            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """A consumer's work after its exact blocks, shared by the input-precision and low-precision
+    kernels: the centroid tail (ring entries ``t``, ``t + 1``, .. of ``k_bufs``/``v_bufs``), the
+    first-order term, the LSE and the output tile (staged in the dead query tile ``q_s``, then one
+    TMA store). ``m_i``, ``l_i`` (rows of ``s_layout``) and ``acc`` (``o_layout``): the state after
+    the exact blocks, in the input-precision kernel's units."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    qi = _query_block(qpair_ptr, pair_row, pair, CID, HAS_QPAIR, NC)
-    active = qi < NQ  # a lone block's partner is Nq: its consumer only releases the slots
-    row = bh * NQ + qi
-    q_s = q_smem.index(CID)
-    mbarrier.wait(q_bar.index(CID), 0)
-    # Q·Kᵀ with Q in registers reads only K from shared memory (with Q there too, a 64-row
-    # product moves as many shared-memory bytes as the tensor cores can consume).
-    if Q_REG:
-        qa = q_s.load(q16_layout)
-    else:
-        qa = q_s
-
-    m_i = gl.full([BS], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BS], gl.float32, layout=row_s)
-    acc = gl.zeros([BS, D], gl.float32, layout=o_layout)
+    q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
-    cols = gl.arange(0, BS, layout=col_s)
-
-    n_union = gl.load(ucnt_ptr + pair_row)
-    ubase = uidx_ptr + pair_row * W2
-    CODE_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    codes = _codes_view(codes_smem, NCH, CW)
-    if CODES:
-        mbarrier.wait(code_bar.index(0), 0)
-    if PIPELINE:
-        m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union,
-                                         m_i, l_i, acc, s_zero, cols, qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout,
-                                         o_layout, p_layout, CODES, NCH * CW, CODE_L, NC)
-    else:
-        # The reference loop: Q·Kᵀ, wait, softmax, P·V, wait, one block after the other.
-        code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCH * CW, CODE_L)
-        for u in range(n_union):
-            code = code_next
-            code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCH * CW, CODE_L)
-            s = u % STAGES
-            ph = (u // STAGES) & 1
-            mbarrier.wait(ready.index(s), ph)
-            if ((code >> CID) & 1) != 0:
-                j = code >> NC
-                sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                if not EVEN_K:
-                    sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
-                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, qk_scale, v_bufs.index(s), s_layout,
-                                                           o_layout, p_layout)
-            mbarrier.arrive(empty.index(s), count=1)
-    t = n_union
-
     l_tail = gl.zeros([BS], gl.float32, layout=row_s)
     if MODE > 0:
         bound = _tail_bound(q_s, kbound_ptr, bhk, qk_scale, BS, D, LOG2_BS, row_s)
@@ -594,6 +543,74 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
         fence_async_shared()
         _tma_store(o_desc, [b, h, qi * BS, 0], _box(q_s, o_desc))
         tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
+              q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
+              uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
+              qk_scale, scale, pw,
+              CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
+              STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
+              Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
+              CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
+              TAIL_SLACK: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    qi = _query_block(qpair_ptr, pair_row, pair, CID, HAS_QPAIR, NC)
+    active = qi < NQ  # a lone block's partner is Nq: its consumer only releases the slots
+    row = bh * NQ + qi
+    q_s = q_smem.index(CID)
+    mbarrier.wait(q_bar.index(CID), 0)
+    # Q·Kᵀ with Q in registers reads only K from shared memory (with Q there too, a 64-row
+    # product moves as many shared-memory bytes as the tensor cores can consume).
+    if Q_REG:
+        qa = q_s.load(q16_layout)
+    else:
+        qa = q_s
+
+    m_i = gl.full([BS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BS], gl.float32, layout=row_s)
+    acc = gl.zeros([BS, D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
+    cols = gl.arange(0, BS, layout=col_s)
+
+    n_union = gl.load(ucnt_ptr + pair_row)
+    ubase = uidx_ptr + pair_row * W2
+    CODE_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    codes = _codes_view(codes_smem, NCH, CW)
+    if CODES:
+        mbarrier.wait(code_bar.index(0), 0)
+    if PIPELINE:
+        m_i, l_i, acc = _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union,
+                                         m_i, l_i, acc, s_zero, cols, qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout,
+                                         o_layout, p_layout, CODES, NCH * CW, CODE_L, NC)
+    else:
+        # The reference loop: Q·Kᵀ, wait, softmax, P·V, wait, one block after the other.
+        code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCH * CW, CODE_L)
+        for u in range(n_union):
+            code = code_next
+            code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCH * CW, CODE_L)
+            s = u % STAGES
+            ph = (u // STAGES) & 1
+            mbarrier.wait(ready.index(s), ph)
+            if ((code >> CID) & 1) != 0:
+                j = code >> NC
+                sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                if not EVEN_K:
+                    sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
+                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, qk_scale, v_bufs.index(s), s_layout,
+                                                           o_layout, p_layout)
+            mbarrier.arrive(empty.index(s), count=1)
+    _finish(q_s, k_bufs, v_bufs, ready, empty, n_union, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
+            kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
+            BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout)
 
 
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
@@ -808,9 +825,7 @@ def attention(
     enough (:data:`TAIL_SLACK`), ``"online"`` never does (None: :data:`TAIL_MAX`); both compute the
     same function."""
     del cnt, n_select
-    tail_max = TAIL_MAX if tail_max is None else tail_max
-    if tail_max not in ("auto", "online"):
-        raise ValueError(f"tail_max must be 'auto' or 'online', got {tail_max!r}")
+    slack = tail_slack(tail_max, kbound, q, k.shape[1])
     pair_only = (pair_group or 2) > 2 or bool(pipeline) or pair_order not in (None, "ascending")
     if query_group is None:  # the mode's default, unless an option only pairs have is asked for
         nc = 2 if pair_only else query_group_for(mode, k.shape[2], block_size)
@@ -825,10 +840,6 @@ def attention(
     hk, lk = k.shape[1], k.shape[2]
     bs = block_size
     nq, nk = -(-lq // bs), -(-lk // bs)
-    if kbound is not None and (kbound.shape != (b, hk, d) or kbound.dtype != torch.float32
-                               or not kbound.is_contiguous()):
-        raise ValueError(f"kbound must be a contiguous float32 [B, Hk, D] = [{b}, {hk}, {d}] tensor, got "
-                         f"{kbound.dtype} {list(kbound.shape)}")
     if out is None:
         out = _alloc_like_layout(q)
     if lse is None:
@@ -851,7 +862,6 @@ def attention(
     alpha = alpha_arg(alpha, h, q.device)
     if kbound is None:
         kbound = tail_bound(kbar, kscale)
-    slack = TAIL_SLACK[q.dtype] if tail_max == "auto" else -1.0
     m = MODE_IDS[mode]
     st = stages or (STAGES if nc == 2 else STAGES3)[d]
     pipe = nc == 2 and (PIPELINE if pipeline is None else bool(pipeline))
@@ -872,6 +882,20 @@ def attention(
     _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
             full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS[nc])
     return out, lse
+
+
+def tail_slack(tail_max: str | None, kbound: Tensor | None, q: Tensor, hk: int) -> float:
+    """The kernels' ``TAIL_SLACK`` for ``tail_max`` (None: :data:`TAIL_MAX`; -1: the online
+    maximum), after checking it and ``kbound`` (a contiguous float32 ``[B, Hk, D]``, or None)."""
+    tail_max = TAIL_MAX if tail_max is None else tail_max
+    if tail_max not in ("auto", "online"):
+        raise ValueError(f"tail_max must be 'auto' or 'online', got {tail_max!r}")
+    b, d = q.shape[0], q.shape[-1]
+    if kbound is not None and (kbound.shape != (b, hk, d) or kbound.dtype != torch.float32
+                               or not kbound.is_contiguous()):
+        raise ValueError(f"kbound must be a contiguous float32 [B, Hk, D] = [{b}, {hk}, {d}] tensor, got "
+                         f"{kbound.dtype} {list(kbound.shape)}")
+    return TAIL_SLACK[q.dtype] if tail_max == "auto" else -1.0
 
 
 def first_order_shift(block_size: int, scale: float) -> float:

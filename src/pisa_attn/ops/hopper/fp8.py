@@ -1,14 +1,16 @@
 """The Hopper pair kernel with its exact blocks in low precision (Gluon, sm_90a).
 
-Same structure as :mod:`.attention` (a loader partition streaming through TMA, two consumer
-warpgroups for a pair of adjacent 64-row query blocks, one online softmax in base 2, the same pair
-stream ``(uidx, ucnt)`` from :func:`pisa_attn.ops.triton.pairs.pair_union`), with the exact phase's
+Same structure as :mod:`.attention` (a loader partition streaming through TMA, one consumer
+warpgroup per 64-row query block of a pair or of three adjacent blocks (:data:`QUERY_GROUP`), one
+online softmax in base 2, the same streams ``(uidx, ucnt)`` from
+:func:`pisa_attn.ops.triton.pairs.pair_union` / ``triple_union``), with the exact phase's
 products on 8-bit tensor cores (twice the bf16 rate, half the bytes of every 8-bit tile). Three
 constexprs pick the formats (:data:`pisa_attn.spec.PRODUCT_FORMATS`):
 
 * ``Q·Kᵀ`` (``QK_INT8``: int8 x int8 -> int32, else e4m3 x e4m3 -> float32): the query tile is
   quantised in the consumer's registers (one scale per row: a power of two for e4m3, ``amax/127``
-  for int8) and is the register A operand (``k_width = 4``); the keys are the pre-quantised
+  for int8) and is the register A operand (``k_width = 4``; with three consumers it is stored to
+  shared memory instead, 16 registers fewer); the keys are the pre-quantised
   smoothed ``k8`` ``[B, Hk, Lk', D]`` (the quantisation pass, :mod:`pisa_attn.ops.triton.quantize`);
   the scores are rescaled per row and per key block and the smoothing constant ``s·q_t·μ`` (one
   float per row, computed once from the unquantised ``q``) is added back.
@@ -24,9 +26,11 @@ constexprs pick the formats (:data:`pisa_attn.spec.PRODUCT_FORMATS`):
   operands; the 256 is exact). Either way one product per block is added to a float32
   accumulator.
 
-The centroid tail and the first-order term are the input-precision kernel's (float16 centroid
-scores, bf16/fp16 ``P·V̂``), on a second ring of shared-memory slots (their tiles are twice the
-size of an FP8 tile) that the loader fills while the consumers still work on the exact blocks.
+The centroid tail, the first-order term and the output store are the input-precision kernel's
+(:func:`.attention._finish`: float16 centroid scores, bf16/fp16 ``P·V̂``, the tail's maximum fixed
+from the per-channel bound where it is tight enough), on a second ring of shared-memory slots
+(their tiles are twice the size of an FP8 tile) that the loader fills while the consumers still
+work on the exact blocks.
 What is rounded where: :mod:`pisa_attn.ops.quant`.
 """
 
@@ -42,21 +46,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...spec import PRODUCT_FORMATS
-from .. import kernel_constants
 from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
-from ..triton.pairs import pair_union
-from .attention import MAX_REGS, _box, _tail_loop, _tma_load, _tma_store
+from ..triton.pairs import pair_union, triple_union, triple_width, union_width
+from .attention import MAX_REGS, TAIL_SLACK, _box, _finish, _tma_load, first_order_shift, tail_bound, tail_slack
 
-LN2 = gl.constexpr(kernel_constants.LN2)
 # The probabilities' factor: 256 for e4m3 and the input dtype, 255 for the unsigned INT8 codes.
 P_SCALE = gl.constexpr(256.0)
 P_SCALE_INT8 = gl.constexpr(255.0)
@@ -221,8 +222,8 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
             q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
             uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr,
-            PV8: gl.constexpr, LOOKAHEAD: gl.constexpr):
-    for c in gl.static_range(2):
+            PV8: gl.constexpr, LOOKAHEAD: gl.constexpr, NC: gl.constexpr):
+    for c in gl.static_range(NC):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, q0 + c * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
     if MODE == 2:
@@ -234,7 +235,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
     code = gl.load(ubase, mask=n_union > 0, other=0)
     code2 = gl.load(ubase + 1, mask=(n_union > 1) & (LOOKAHEAD > 1), other=0)
     for u in range(n_union):
-        j = code >> 2
+        j = code >> NC  # a code: key block << NC | owner bits
         code, code2 = _next_code(ubase, u, n_union, code2, LOOKAHEAD)
         s = u % STAGES
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
@@ -258,14 +259,15 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
-              q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty, turn,
-              uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
-              qk_scale, scale,
+def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+              q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+              turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+              qk_scale, scale, pw,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
               LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV8: gl.constexpr,
-              PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr):
+              PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr,
+              NC: gl.constexpr, TAIL_SLACK: gl.constexpr, Q8_SMEM: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -276,10 +278,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                                                         instr_shape=[16, D, 32 if PV8 else 16])
     p8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o8_layout, k_width=4 if PV8 else 2)
     q8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s8_layout, k_width=4)
-    q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     qrow_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     P_MUL: gl.constexpr = P_SCALE_INT8 if PV_INT8 else P_SCALE
     P_LOG2: gl.constexpr = P_LOG2_INT8 if PV_INT8 else 8.0
 
@@ -298,12 +298,20 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
         y = qf * q_inv[:, None]
         # round half away from zero (the cast truncates), clamped to ±127
         y = gl.minimum(gl.maximum(y + gl.where(y >= 0, 0.5, -0.5), -127.0), 127.0)
-        q8 = gl.convert_layout(y.to(gl.int8), q8_layout)
+        y8 = y.to(gl.int8)
         q_rs = qk_scale * (q_amax / 127.0)
     else:
         q_inv = _pow2_scale_inv(q_amax)
-        q8 = gl.convert_layout((qf * q_inv[:, None]).to(gl.float8e4nv), q8_layout)
+        y8 = (qf * q_inv[:, None]).to(gl.float8e4nv)
         q_rs = qk_scale / q_inv
+    if Q8_SMEM:
+        # Q·Kᵀ reads the 8-bit query tile from shared memory: 16 registers fewer than the
+        # register operand, which three consumers (160 registers each) need in the exact loop.
+        q8 = q8_smem.index(CID)
+        q8.store(y8)
+        fence_async_shared()
+    else:
+        q8 = gl.convert_layout(y8, q8_layout)
     mu = gl.load(mu_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, qrow_layout)))
     q_mu = gl.sum(qf * mu[None, :], axis=1) * qk_scale
 
@@ -326,7 +334,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
     ubase = uidx_ptr + pair_row * W2
     sig_base = sig_ptr + bhk * NK
     code_next = gl.load(ubase, mask=n_union > 0, other=0)
-    sig_next = gl.load(sig_base + (code_next >> 2))
+    sig_next = gl.load(sig_base + (code_next >> NC))
     code_next2 = gl.load(ubase + 1, mask=(n_union > 1) & (LOOKAHEAD > 1), other=0)
     if PIPELINE:
         # As the input-precision kernel's pipelined loop (.attention._exact_pipelined): this
@@ -340,7 +348,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             code = code_next
             sig = sig_next
             code_next, code_next2 = _next_code(ubase, u, n_union, code_next2, LOOKAHEAD)
-            sig_next = gl.load(sig_base + (code_next >> 2))
+            sig_next = gl.load(sig_base + (code_next >> NC))
             s = u % STAGES
             if (tp >= 0) & (u - tp >= STAGES):
                 sp = tp % STAGES
@@ -359,7 +367,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                         pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV8, BS)
                     _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 1, QK_INT8)
-                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
+                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> NC, LK, cols8, BS,
                                                           EVEN_K, P_LOG2, PV_INT8)
                     p8_new = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
                     pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
@@ -372,7 +380,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
                 else:
                     _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 0, QK_INT8)
-                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
+                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> NC, LK, cols8, BS,
                                                           EVEN_K, P_LOG2, PV_INT8)
                     p8_new = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
@@ -391,19 +399,19 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
             sig = sig_next
             # The next block's code and key scale, read one entry ahead (code 0 past the end: block 0).
             code_next, code_next2 = _next_code(ubase, u, n_union, code_next2, LOOKAHEAD)
-            sig_next = gl.load(sig_base + (code_next >> 2))
+            sig_next = gl.load(sig_base + (code_next >> NC))
             s = u % STAGES
             mbarrier.wait(ready.index(s), (u // STAGES) & 1)
             _turn_wait(turn, u, CID, PINGPONG)
             if ((code >> CID) & 1) != 0:
                 if PV_INT8:
-                    vs_off = vs_row + (code >> 2) * D + d8
+                    vs_off = vs_row + (code >> NC) * D + d8
                     vcs = gl.load(vcs_ptr + vs_off)
                     tau_j = gl.load(tau_ptr + vs_off)
                 sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
                 _turn_pass(turn, CID, PINGPONG)
                 raw = _qk_raw(sc, 0, QK_INT8)
-                m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> 2, LK, cols8, BS,
+                m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> NC, LK, cols8, BS,
                                                       EVEN_K, P_LOG2, PV_INT8)
                 p8 = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
                 if PV_ACC:  # the input kernel's way: rescale, then accumulate in the wgmma
@@ -438,59 +446,32 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr
         acc = gl.convert_layout(acc * (1.0 / P_MUL), o_layout)
     m_i = gl.convert_layout(m_i, row_s)
     l_i = gl.convert_layout(l_i * (1.0 / P_MUL), row_s)
-    l_tail = gl.zeros([BS], gl.float32, layout=row_s)
-    s_zero = gl.zeros([BS, BS], gl.float32, layout=s_layout)
-    o_zero = gl.zeros([BS, D], gl.float32, layout=o_layout)
-
-    if MODE > 0:
-        # The input-precision kernel's tail (see .attention): float16 q and centroids, each scaled
-        # by a power of two.
-        qf16 = q_s.load(q16_layout).to(gl.float32)
-        qmax = gl.max(gl.max(gl.abs(qf16), axis=1), axis=0)
-        q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
-        q16 = (qf16 / q_sc).to(gl.float16)
-        sc_scale = qk_scale * q_sc * gl.load(kscale_ptr + bhk)
-        # the online maximum (the input-precision kernel fixes it where a bound allows)
-        m_i, l_i, acc, l_tail = _tail_loop(q16, kb_bufs, vb_bufs, tready, tempty, 0, bits_ptr + row * NW, NW, active,
-                                           m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, TSTAGES, EVEN_K,
-                                           LOG2_BS, s_layout, o_layout, p_layout, False, 1)
-
-    if active:
-        if MODE == 2:
-            mbarrier.wait(hb_bar.index(0), 0)
-            qh = warpgroup_mma(q_s, hb_smem, o_zero, use_acc=False, is_async=True)
-            qh = warpgroup_mma_wait(num_outstanding=0, deps=(qh,))
-            a_h = gl.load(alpha_ptr + h)
-            acc += gl.convert_layout(l_tail * (scale * a_h / BS), row_o)[:, None] * qh
-        out = acc / gl.convert_layout(l_i, row_o)[:, None]
-        lse = (m_i + gl.log2(l_i)) * LN2
-        rows = qi * BS + gl.arange(0, BS, layout=row_s)
-        gl.store(lse_ptr + bh * LQ + rows, lse, mask=rows < LQ)
-        q_s.store(out.to(q_s.dtype))
-        fence_async_shared()
-        _tma_store(o_desc, [b, h, qi * BS, 0], _box(q_s, o_desc))
-        tma.store_wait(pendings=0)
+    # The input-precision kernel's tail (on the tail ring), first-order term and output.
+    _finish(q_s, kb_bufs, vb_bufs, tready, tempty, 0, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
+            kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
+            BS, D, C, TSTAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout)
 
 
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "LKP", "NQ", "NK", "W2", "NW"])
 def _fp8_pair_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc,
-    kscale_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+    kscale_ptr, kbound_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
     H, HK, LQ, LK, LKP, NQ, NK, W2, NW,
-    qk_scale, scale,
+    qk_scale, scale, pw,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
     QK_INT8: gl.constexpr, PV8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
-    LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr,
+    LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
 ):
+    # One CTA per group of NC adjacent query blocks (a pair or three: NC consumer warpgroups).
     pair = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
     hk = h // (H // HK)
     bhk = b * HK + hk
-    q0 = pair * 2 * BS
-    pair_row = bh * ((NQ + 1) // 2) + pair
+    q0 = pair * NC * BS
+    pair_row = bh * ((NQ + NC - 1) // NC) + pair
     dtype: gl.constexpr = q_desc.dtype
     tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BS, D], dtype)
     k8_dtype: gl.constexpr = k_desc.dtype  # int8 or e4m3
@@ -498,8 +479,12 @@ def _fp8_pair_kernel(
     v8_dtype: gl.constexpr = v_desc.dtype  # e4m3 or int8 when PV8
     v8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BS], v8_dtype)
 
-    q_smem = gl.allocate_shared_memory(dtype, [2, BS, D], tile_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NC, BS, D], tile_layout)
     k_bufs = gl.allocate_shared_memory(k8_dtype, [STAGES, BS, D], k8_layout)
+    if NC == 3:  # the 8-bit query tiles (two consumers hold theirs in registers)
+        q8_smem = gl.allocate_shared_memory(k8_dtype, [NC, BS, D], k8_layout)
+    else:
+        q8_smem = gl.allocate_shared_memory(k8_dtype, [1, 16, 32], gl.NVMMASharedLayout.get_default_for([16, 32], k8_dtype))
     if PV8:
         v_bufs = gl.allocate_shared_memory(v8_dtype, [STAGES, D, BS], v8_layout)
     else:
@@ -514,40 +499,65 @@ def _fp8_pair_kernel(
         hb_smem = gl.allocate_shared_memory(dtype, [D, D], gl.NVMMASharedLayout.get_default_for([D, D], dtype))
     else:
         hb_smem = gl.allocate_shared_memory(dtype, [16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
     hb_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     tready = gl.allocate_shared_memory(gl.int64, [TSTAGES, 1], mbarrier.MBarrierLayout())
     tempty = gl.allocate_shared_memory(gl.int64, [TSTAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
+    for c in gl.static_range(NC):
         mbarrier.init(q_bar.index(c), count=1)
+    for c in gl.static_range(2):
         mbarrier.init(turn.index(c), count=1)
     mbarrier.init(hb_bar.index(0), count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
+        mbarrier.init(empty.index(s), count=NC)  # every consumer releases every slot
     for s in gl.static_range(TSTAGES):
         mbarrier.init(tready.index(s), count=1)
-        mbarrier.init(tempty.index(s), count=2)
+        mbarrier.init(tempty.index(s), count=NC)
 
-    gl.warp_specialize([
-        (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
-                   q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-                   uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-                   BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD)),
-        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
-                     q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-                     turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
-                     qk_scale, scale, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8)),
-        (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
-                     q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-                     turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
-                     qk_scale, scale, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                     QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8)),
-    ], [4, 4], [240, 240])
+    # Registers: 240 a consumer for two (168 each at launch), 160 for three (128 at launch).
+    if NC == 2:
+        gl.warp_specialize([
+            (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
+                       q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+                       uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
+                       BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+                         q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                         tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                         qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, NC == 3)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+                         q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                         tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                         qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, NC == 3)),
+        ], [4, 4], [240, 240])
+    else:
+        gl.warp_specialize([
+            (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
+                       q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+                       uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
+                       BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+                         q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                         tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                         qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, NC == 3)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+                         q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                         tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                         qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, NC == 3)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+                         q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                         tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                         qk_scale, scale, pw, 2, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, NC == 3)),
+        ], [4, 4, 4], [160, 160, 160])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -565,6 +575,9 @@ STAGES = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (5, 2), (128, Fa
 # At D=128 in drop mode 5 slots measured faster than 7 (exact phase 4.34 -> 4.24 ms at 32K,
 # results/h100_fp8_sweep.json); 4 with a tail do not fit.
 STAGES_V16 = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 2), (128, False): (5, 1)}
+# Three query tiles (48 KB at D=128, their 8-bit copies another 24) leave fewer slots with a tail.
+STAGES3 = {**STAGES, (128, True): (3, 2)}
+STAGES3_V16 = {**STAGES_V16, (128, True): (2, 2)}
 HEAD_DIMS = (64, 128)
 # The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
 # loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
@@ -586,6 +599,29 @@ LOOKAHEAD = {True: 2, False: 1}
 # 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
 # accumulator 4.34 vs 4.57 ms.
 PV_ACCUMULATE = {True: False, False: True}
+# Adjacent query blocks a CTA serves, per precision and whether the mode has a tail (a ragged Lk
+# keeps pairs, as the input-precision kernel). Three consumers get 160 registers: an 8-bit P·V
+# from zero needs a second [64, D] float32 tile beside the accumulator, so with a tail the e4m3
+# P·V formats' exact loop spills (ptxas 12.8, Triton 3.6), and so does ``int8-int8``'s in every
+# mode. Measured on the H200 at 32K / 64K (benchmarks/results/h200_fp8_query_group.json), exact
+# phase three against two: ``fp8`` drop -1.0 / -0.8 %, ``int8`` drop -3.8 / +0.5 % (kept);
+# ``int8-fp8`` drop +2.5 / -0.1 %, ``int8`` hybrid +4.8 / +7.8 % (pairs kept).
+QUERY_GROUP = {("fp8", False): 3, ("fp8", True): 2, ("int8-fp8", False): 2, ("int8-fp8", True): 2,
+               ("int8-int8", False): 2, ("int8-int8", True): 2, ("int8", False): 3, ("int8", True): 2}
+
+
+def precision_of(quant, v: Tensor | None) -> str:
+    """The precision whose product formats ``quant`` (and ``v``: values in the input dtype) hold."""
+    qk = "int8" if quant.k8.dtype == torch.int8 else "e4m3"
+    pv = "input" if v is not None else "int8" if quant.v8t.dtype == torch.int8 else "e4m3"
+    return next(p for p, f in PRODUCT_FORMATS.items() if f == (qk, pv))
+
+
+def query_group_for(mode: str, lk: int, block_size: int, precision: str) -> int:
+    """Query blocks per CTA the low-precision kernel uses by default."""
+    return QUERY_GROUP[precision, mode != "drop"] if lk % block_size == 0 else 2
+
+
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
               torch.int8: gl.int8}
 
@@ -605,9 +641,10 @@ def attention(
     out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
     pairs: tuple[Tensor, ...] | None = None, stages: tuple[int, int] | None = None,
     pipeline: bool | None = None, v: Tensor | None = None, pv_accumulate: bool | None = None,
-    pingpong: bool | None = None, lookahead: int | None = None,
+    pingpong: bool | None = None, lookahead: int | None = None, query_group: int | None = None,
+    kbound: Tensor | None = None, tail_max: str | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The low-precision pair kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
+    """The low-precision kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
     ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
     of ``Q·Kᵀ``) and values (e4m3 or int8: the format of ``P·V``; ``lk`` the true key count), the
     statistics' tail terms as :func:`.attention.attention` takes them; (out, lse) out. ``v``: the
@@ -618,18 +655,38 @@ def attention(
     ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: either
     loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format);
     ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`); ``lookahead``: how far
-    ahead the stream's codes are read (None: :data:`LOOKAHEAD` for the format)."""
+    ahead the stream's codes are read (None: :data:`LOOKAHEAD` for the format). ``query_group``:
+    adjacent query blocks per CTA, 2 or 3 (None: :func:`query_group_for`; 3 runs neither the
+    pipelined loop nor ping-pong). ``kbound``, ``tail_max``: the tail's maximum, as
+    :func:`.attention.attention` takes them."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
     bs = block_size
     nq, nk = -(-lq // bs), lkp // bs
+    slack = tail_slack(tail_max, kbound, q, hk)
+    if query_group is None:  # the default, unless an option only pairs have is asked for
+        nc = 2 if pipeline or pingpong else query_group_for(mode, lk, bs, precision_of(quant, v))
+    else:
+        nc = query_group
+    if nc not in (2, 3):
+        raise ValueError(f"query_group must be 2 or 3, got {query_group!r}")
+    if nc == 3 and (pipeline or pingpong):
+        raise ValueError(f"query_group=3 runs the sequential loop without turns: pipeline={pipeline!r}, "
+                         f"pingpong={pingpong!r}")
     if out is None:
         out = _alloc_like_layout(q)
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
-    # Adjacent pairs (the bf16 kernel's default): the workspace's (uidx, ucnt[, qpair]) buffers.
-    uidx, ucnt = pair_union(bits, nk, idx.shape[-1], out=None if pairs is None else pairs[:2])
+    # Adjacent blocks; the workspace's (uidx, ucnt[, qpair]) buffers where they have this launch's
+    # shapes (a plan sizes them for its query group).
+    width = (triple_width if nc == 3 else union_width)(nk, idx.shape[-1])
+    if pairs is not None and pairs[0].shape[-2:] != (-(-nq // nc), width):
+        pairs = None
+    union = triple_union if nc == 3 else pair_union
+    uidx, ucnt = union(bits, nk, idx.shape[-1], out=None if pairs is None else pairs[:2])
+    if kbound is None:
+        kbound = tail_bound(kbar, kscale)
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
     pv8 = v is None
@@ -637,40 +694,42 @@ def attention(
         raise ValueError("v: pass the values exactly when quant holds no 8-bit copy of them (P·V in the input dtype)")
     qk_int8 = quant.k8.dtype == torch.int8
     pv_int8 = pv8 and quant.v8t.dtype == torch.int8
-    st, tst = stages or (STAGES if pv8 else STAGES_V16)[d, m > 0]
+    st, tst = stages or ((STAGES if pv8 else STAGES_V16) if nc == 2 else (STAGES3 if pv8 else STAGES3_V16))[d, m > 0]
     tensors = (q, quant.k8, quant.v8t if pv8 else v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
                hbar.view(b * hk, d, d))
     blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs] if pv8 else [1, 1, bs, d], [1, 1, bs, d], [1, bs, d],
               [1, bs, d], [1, d, d])
     tau = quant.tau if pv8 else quant.sigma  # unread without 8-bit values
     vcs = quant.vcs if pv_int8 else quant.sigma  # unread without int8 values
-    scalars = (kscale, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu, vcs,
-               h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale)
-    pipe = PIPELINE if pipeline is None else bool(pipeline)
+    scalars = (kscale, kbound, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu, vcs,
+               h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale,
+               first_order_shift(bs, scale))
+    pipe = nc == 2 and (PIPELINE if pipeline is None else bool(pipeline))
     pv_acc = PV_ACCUMULATE[pv8] if pv_accumulate is None else bool(pv_accumulate)
     if pv_int8 and (pipe or pv_acc):
         raise ValueError("pipeline / pv_accumulate: INT8 P·V runs in the sequential loop, each block's product "
                          "from zero")
-    pp = PINGPONG if pingpong is None else bool(pingpong)
+    pp = nc == 2 and (PINGPONG if pingpong is None else bool(pingpong))
     la = LOOKAHEAD[pv8] if lookahead is None else lookahead
     if la not in (1, 2):
         raise ValueError(f"lookahead: 1 or 2 union entries, got {lookahead!r}")
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
                       PIPELINE=pipe, QK_INT8=qk_int8, PV8=pv8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la,
-                      PV_INT8=pv_int8)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8,
-           tuple(x.data_ptr() % 16 == 0 for x in scalars[:10]))
+                      PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8, nc, slack,
+           tuple(x.data_ptr() % 16 == 0 for x in scalars[:11]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
-    _launch(key, (-(-nq // 2), b * h), descs + scalars, constexprs,
-            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS[2])
+    _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
+            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS[nc])
     return out, lse
 
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None,
                      pipeline: bool | None = None, precision: str = "fp8", pingpong: bool | None = None,
-                     lookahead: int | None = None):
+                     lookahead: int | None = None, query_group: int = 2, tail_max: str = "auto",
+                     pv_accumulate: bool | None = None):
     """Compile the low-precision pair kernel for sm_90a without a GPU (as
     :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``."""
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
@@ -689,21 +748,25 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
-    st, tst = stages or (STAGES if pv8 else STAGES_V16)[d, mode != "drop"]
+    st, tst = stages or ((STAGES if pv8 else STAGES_V16) if query_group == 2
+                         else (STAGES3 if pv8 else STAGES3_V16))[d, mode != "drop"]
     pipe = PIPELINE if pipeline is None else bool(pipeline)
     if pv_int8 and pipe:
         raise ValueError("pipeline: INT8 P·V runs in the sequential loop")
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), PIPELINE=pipe,
-                      QK_INT8=qk_fmt == "int8", PV8=pv8, PV_ACC=PV_ACCUMULATE[pv8],
+                      QK_INT8=qk_fmt == "int8", PV8=pv8,
+                      PV_ACC=PV_ACCUMULATE[pv8] if pv_accumulate is None else bool(pv_accumulate),
                       PINGPONG=PINGPONG if pingpong is None else bool(pingpong),
-                      LOOKAHEAD=LOOKAHEAD[pv8] if lookahead is None else int(lookahead), PV_INT8=pv_int8)
-    types = dict(kscale_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
+                      LOOKAHEAD=LOOKAHEAD[pv8] if lookahead is None else int(lookahead), PV_INT8=pv_int8,
+                      NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0)
+    types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", vcs_ptr="*i32",
-                 qk_scale="fp32", scale="fp32")
+                 qk_scale="fp32", scale="fp32", pw="fp32")
     sig = {}
     for name in _fp8_pair_kernel.arg_names:
         sig[name] = ("constexpr" if name in constexprs else mangle_type(descs[name]) if name in descs
                      else types.get(name, "i32"))
     src = GluonASTSource(fn=_fp8_pair_kernel, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS[2]))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=MAX_REGS[query_group]))

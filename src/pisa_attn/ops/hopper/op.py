@@ -25,7 +25,6 @@ from ..stages import Backend
 from ..triton import attention as _tattn
 from ..triton import op as _top
 from ..triton import quantize as _quant
-from ..triton.pairs import union_width
 from . import attention as _gattn
 from . import fp8 as _fp8
 
@@ -53,15 +52,6 @@ def unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
     if block_size not in BLOCK_SIZES:
         return f"block_size {block_size} (the Hopper kernel is built for block sizes {BLOCK_SIZES})"
     return None
-
-
-def _pair_buffers(ws: _top.Workspace | None, stats: _top.Stats, selection: Selection):
-    """The plan's pair-stream buffers when this selection's width fits them, else None (allocated
-    per call)."""
-    if ws is None or ws.pairs is None:
-        return None
-    fits = ws.pairs[0].shape[-1] == union_width(stats.kbar.shape[2], selection.idx.shape[-1])
-    return ws.pairs if fits else None
 
 
 def attend(
@@ -166,9 +156,11 @@ def attend_lowp(
                          f"{reason}")
     quant = ws.quant if isinstance(ws, Fp8Workspace) else None
     quant = _quant.quantize(k, v, stats.kbar, stats.kscale, block_size, ws=quant, precision=precision)
-    pairs = _pair_buffers(ws, stats, selection)
+    # the kernel checks the workspace's stream buffers against the launch's shapes
+    pairs = None if ws is None else ws.pairs
     return _fp8.attention(q, quant, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
-                          lk=k.shape[2], out=out, lse=lse, alpha=alpha, pairs=pairs, v=v if v_in else None)
+                          lk=k.shape[2], out=out, lse=lse, alpha=alpha, pairs=pairs, v=v if v_in else None,
+                          kbound=stats.kbound)
 
 
 def _lowp_backend(precision: str, name: str) -> Backend:
@@ -178,7 +170,7 @@ def _lowp_backend(precision: str, name: str) -> Backend:
         return attend_lowp(*args, precision=precision, **kwargs)
 
     def workspace_p(plan, q: Tensor, k: Tensor) -> Fp8Workspace:
-        ws = _top.workspace(plan, q, k, pairs=2)  # the low-precision kernel serves pairs
+        ws = _top.workspace(plan, q, k, pairs=_fp8.query_group_for(plan.mode, k.shape[2], plan.block_size, precision))
         b, hk, lk, d = k.shape
         quant = _quant.quant_workspace(b, hk, lk, d, plan.block_size, q.device, precision)
         return Fp8Workspace(ws.stats, ws.selection, ws.lse, ws.pairs, quant)
