@@ -578,6 +578,13 @@ STAGES_V16 = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 2), (128
 # Three query tiles (48 KB at D=128, their 8-bit copies another 24) leave fewer slots with a tail.
 STAGES3 = {**STAGES, (128, True): (3, 2)}
 STAGES3_V16 = {**STAGES_V16, (128, True): (2, 2)}
+
+
+def ring_depths(head_dim: int, tail: bool, pv8: bool, query_group: int) -> tuple[int, int]:
+    """(exact slots, tail slots) for a head dim, a mode with or without a tail, 8-bit values or
+    not, and the query blocks per CTA."""
+    table = (STAGES if pv8 else STAGES_V16) if query_group == 2 else (STAGES3 if pv8 else STAGES3_V16)
+    return table[head_dim, tail]
 HEAD_DIMS = (64, 128)
 # The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
 # loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
@@ -656,8 +663,8 @@ def attention(
     loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format);
     ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`); ``lookahead``: how far
     ahead the stream's codes are read (None: :data:`LOOKAHEAD` for the format). ``query_group``:
-    adjacent query blocks per CTA, 2 or 3 (None: :func:`query_group_for`; 3 runs neither the
-    pipelined loop nor ping-pong). ``kbound``, ``tail_max``: the tail's maximum, as
+    adjacent query blocks per CTA, 2 or 3 (None: :func:`query_group_for`, or 2 with ``pipeline`` or
+    ``pingpong``; 3 runs neither the pipelined loop nor ping-pong). ``kbound``, ``tail_max``: the tail's maximum, as
     :func:`.attention.attention` takes them."""
     del cnt
     b, h, lq, d = q.shape
@@ -694,7 +701,7 @@ def attention(
         raise ValueError("v: pass the values exactly when quant holds no 8-bit copy of them (P·V in the input dtype)")
     qk_int8 = quant.k8.dtype == torch.int8
     pv_int8 = pv8 and quant.v8t.dtype == torch.int8
-    st, tst = stages or ((STAGES if pv8 else STAGES_V16) if nc == 2 else (STAGES3 if pv8 else STAGES3_V16))[d, m > 0]
+    st, tst = stages or ring_depths(d, m > 0, pv8, nc)
     tensors = (q, quant.k8, quant.v8t if pv8 else v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
                hbar.view(b * hk, d, d))
     blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs] if pv8 else [1, 1, bs, d], [1, 1, bs, d], [1, bs, d],
@@ -748,8 +755,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                  o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
                  hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
-    st, tst = stages or ((STAGES if pv8 else STAGES_V16) if query_group == 2
-                         else (STAGES3 if pv8 else STAGES3_V16))[d, mode != "drop"]
+    st, tst = stages or ring_depths(d, mode != "drop", pv8, query_group)
     pipe = PIPELINE if pipeline is None else bool(pipeline)
     if pv_int8 and pipe:
         raise ValueError("pipeline: INT8 P·V runs in the sequential loop")
