@@ -267,7 +267,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
               LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV8: gl.constexpr,
               PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr,
-              NC: gl.constexpr, TAIL_SLACK: gl.constexpr, Q8_SMEM: gl.constexpr):
+              NC: gl.constexpr, TAIL_SLACK: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -304,7 +304,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
         q_inv = _pow2_scale_inv(q_amax)
         y8 = (qf * q_inv[:, None]).to(gl.float8e4nv)
         q_rs = qk_scale / q_inv
-    if Q8_SMEM:
+    if NC == 3:
         # Q·Kᵀ reads the 8-bit query tile from shared memory: 16 registers fewer than the
         # register operand, which three consumers (160 registers each) need in the exact loop.
         q8 = q8_smem.index(CID)
@@ -529,12 +529,12 @@ def _fp8_pair_kernel(
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, NC == 3)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, NC == 3)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
@@ -546,17 +546,17 @@ def _fp8_pair_kernel(
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, NC == 3)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, NC == 3)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 2, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, NC == 3)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
         ], [4, 4, 4], [160, 160, 160])
 
 
