@@ -8,7 +8,9 @@ Speed (B2-H16-D128 bf16, Gaussian q/k/v, density 12.5 %, device ms by ``triton.t
 median, L2 flushed before each call): cuDNN SDPA; whole planned hybrid calls (``run``) per
 precision at the default settings (covariance-aware selection); the exact phase alone on one
 selection: the bf16 pair kernel and the low-precision pair kernel (quantised K/V given) in drop
-mode (exact blocks only) and hybrid mode (with the tail), and the quantisation pass.
+mode (exact blocks only) and hybrid mode (with the tail); prepare as the planned call runs it,
+without and with the quantised copies of K/V (what the copies add to it), and the standalone
+quantisation pass (a second and third read of K/V) beside it.
 Accuracy: rel-L1 and 1 − cos against float64 dense attention per precision (hybrid, 12.5 %) on
 DiT-like inputs (:func:`pisa_attn.data.dit_qkv`), Gaussian inputs and the real DINOv2 layers in
 ``--qkv-file`` (each on its own selection; the growth over input-precision PISA also on the same
@@ -73,6 +75,8 @@ PRECISIONS = ("input", *LOWP)
 
 def speed(lengths, density: float, precisions=LOWP) -> list[dict]:
     from pisa_attn.ops.hopper import fp8 as lowk
+    from pisa_attn.ops.triton.prepare import prepare as tprepare
+    from pisa_attn.ops.triton.prepare import stats_workspace
     from pisa_attn.ops.triton.quantize import quantize
     from pisa_attn.spec import PRODUCT_FORMATS
 
@@ -100,11 +104,20 @@ def speed(lengths, density: float, precisions=LOWP) -> list[dict]:
         for mode in ("drop", "hybrid"):
             row[f"attend_input_{mode}_ms"] = bench_ms(lambda m=mode: hop.attend(
                 q, k, v, stats, sel, mode=m, scale=scale, block_size=64, out=out, lse=lse))
+        # Prepare as the planned call runs it (covariance-aware, into a workspace): the copies of K/V
+        # cost what prepare(quant=) adds over prepare; the standalone pass beside it.
+        for prec in ("input", *precisions):
+            pws = stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=64, with_hdev=True,
+                                  quant=None if prec == "input" else prec)
+            row[f"prepare_{prec}_ms"] = bench_ms(lambda pws=pws, prec=prec: tprepare(
+                q, k, v, 64, with_hdev=True, lean=True, ws=pws, quant=None if prec == "input" else prec))
+            del pws
         for prec in precisions:
             qz = quantize(k, v, stats.kbar, stats.kscale, 64, precision=prec)
             vv = v if PRODUCT_FORMATS[prec][1] == "input" else None
             row[f"quantize_{prec}_ms"] = bench_ms(lambda qz=qz, prec=prec: quantize(
                 k, v, stats.kbar, stats.kscale, 64, ws=qz, precision=prec))
+            row[f"prepare_quant_{prec}_ms"] = row[f"prepare_{prec}_ms"] - row["prepare_input_ms"]
             for mode in ("drop", "hybrid"):
                 t = bench_ms(lambda m=mode, qz=qz, vv=vv: lowk.attention(
                     q, qz, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, lk=L, out=out, lse=lse, v=vv,
@@ -128,6 +141,9 @@ def speed(lengths, density: float, precisions=LOWP) -> list[dict]:
                 for prec in precisions), flush=True)
         print("         quantisation pass: " + " | ".join(f"{prec} {row[f'quantize_{prec}_ms']:.3f}"
                                                          for prec in precisions), flush=True)
+        print(f"         prepare: input {row['prepare_input_ms']:.3f} | " + " | ".join(
+            f"{prec} {row[f'prepare_{prec}_ms']:.3f} (+{row[f'prepare_quant_{prec}_ms']:.3f})" for prec in precisions),
+            flush=True)
         for prec in ("input", *precisions):
             kernels = list(row[f"{prec}_hybrid_kernels_ms"].items())[:6]
             print(f"         {prec} hybrid kernels (ms): " + ", ".join(f"{k_} {t:.3f}" for k_, t in kernels))
@@ -282,7 +298,8 @@ def table(res) -> None:
         print(f"L={r['L']:6d} cuDNN {r['cudnn_ms']:.3f} | bf16 {r['input_hybrid_ms']:.3f} "
               f"({r['input_hybrid_x_cudnn']:.2f}x) | " + " | ".join(
                   f"{p} {r[f'{p}_hybrid_ms']:.3f} ({r[f'{p}_hybrid_x_cudnn']:.2f}x) exact "
-                  f"{r[f'attend_{p}_drop_speedup']:.2f}x q {r[f'quantize_{p}_ms']:.3f}" for p in precs))
+                  f"{r[f'attend_{p}_drop_speedup']:.2f}x q {r[f'prepare_quant_{p}_ms']:.3f} "
+                  f"(alone {r[f'quantize_{p}_ms']:.3f})" for p in precs))
 
 
 def sweep_table(rows) -> None:

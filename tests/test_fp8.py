@@ -324,6 +324,42 @@ def test_quantize_kernel_int8_interpreted(monkeypatch, precision):
         quantize(k, v, kbar, kscale, 64, ws=qz, precision="fp8")
 
 
+@pytest.mark.parametrize(("precision", "with_hdev"), [("fp8", True), ("int8-int8", False)])
+def test_prepare_writes_the_quantised_copies_interpreted(monkeypatch, precision, with_hdev):
+    """``prepare(quant=)`` writes the standalone pass's copies (the ``|v|`` maximum from its own
+    read of V; bit for bit here: both paths round through the interpreter's casts), keeps the
+    statistics, and a shard's statistics drop them (quantised against the whole head's μ)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from pisa_attn.ops.triton.prepare import prepare, stats_workspace
+    from pisa_attn.ops.triton.quantize import quantize
+
+    torch.manual_seed(4)
+    q = torch.randn(1, 2, 200, 64).bfloat16()
+    k = (torch.randn(1, 2, 200, 64) * 3 + 1).bfloat16()
+    v = (torch.randn(1, 2, 200, 64) * 2).bfloat16()
+    st = prepare(q, k, v, 64, with_hdev=with_hdev, quant=precision)
+    plain = prepare(q, k, v, 64, with_hdev=with_hdev)
+    qz = quantize(k, v, plain.kbar, plain.kscale, 64, precision=precision)
+    for f in ("mu", "k8", "sigma", "v8t", "tau", "vcs"):
+        a, b = getattr(st.quant, f), getattr(qz, f)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == quant.E4M3 else a,
+                                                  b.view(torch.uint8) if b.dtype == quant.E4M3 else b), f
+    assert torch.equal(st.kbar, plain.kbar) and torch.equal(st.hbar, plain.hbar)
+    if with_hdev:
+        assert torch.equal(st.hdev, plain.hdev)
+    assert st.blocks(0, 2).quant is None
+    copies = st.quant
+    assert st.for_attend().quant is copies  # attend reads them
+    with pytest.raises(ValueError, match="quant must be"):
+        prepare(q, k, v, 64, quant="bf16")
+    ws = stats_workspace(q.shape, k.shape, q.dtype, "cpu", block_size=64)
+    with pytest.raises(ValueError, match="ws: a stats_workspace"):
+        prepare(q, k, v, 64, quant=precision, ws=ws)
+    ws = stats_workspace(q.shape, k.shape, q.dtype, "cpu", block_size=64, quant="int8")
+    with pytest.raises(ValueError, match="ws.quant: a quant_workspace"):
+        prepare(q, k, v, 64, quant="fp8", ws=ws)
+
+
 @pytest.mark.parametrize("precision", LOWP)
 def test_precision_setting(precision):
     assert PisaSettings().precision == "input"

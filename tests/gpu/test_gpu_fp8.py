@@ -155,6 +155,34 @@ def test_quantize_pass_matches_reference_bitwise(precision):
         assert qz.vcs.numel() == 0
 
 
+def _u8(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("with_hdev", [True, False])
+@pytest.mark.parametrize("shape", ["B2-H4-Hk2-L1000-D128", "B1-H2-L4096-D64"])
+@pytest.mark.parametrize("precision", LOWP)
+def test_prepare_quant_is_the_standalone_pass_bitwise(precision, shape, with_hdev):
+    """The copies prepare writes (the ``|v|`` maximum from its own read of V) are the standalone
+    pass's bit for bit (and so the reference's, above); the statistics are unchanged by them."""
+    from pisa_attn.ops.triton import prepare as tprep
+    from pisa_attn.ops.triton.quantize import quantize
+
+    b, h, hk, lq, d = (2, 4, 2, 1000, 128) if shape.startswith("B2") else (1, 2, 2, 4096, 64)
+    q, k, v = qkv(b, h, hk, lq, lq, d, seed=5, mag=3.0)
+    st = tprep.prepare(q, k, v, 64, with_hdev=with_hdev, quant=precision)
+    plain = tprep.prepare(q, k, v, 64, with_hdev=with_hdev)
+    qz = quantize(k, v, plain.kbar, plain.kscale, 64, precision=precision)
+    for f in ("mu", "k8", "sigma", "v8t", "tau", "vcs"):
+        assert torch.equal(_u8(getattr(st.quant, f)), _u8(getattr(qz, f))), f
+    if quant.PRODUCT_FORMATS[precision][1] == "e4m3":
+        assert torch.equal(st.quant.vmax, qz.vmax)
+    for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "kbound"):
+        assert torch.equal(getattr(st, f), getattr(plain, f)), f
+    if with_hdev:
+        assert torch.equal(st.hdev, plain.hdev)
+
+
 @pytest.mark.parametrize("precision", LOWP)
 @pytest.mark.parametrize("mag", [10.0, 30.0])
 def test_lowp_large_magnitude_is_finite(mag, precision):

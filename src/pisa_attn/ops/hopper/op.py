@@ -6,14 +6,14 @@ bfloat16, head dims 64 and 128 and 64-token blocks; ``backend="auto"`` prefers i
 
 ``LOWP_BACKENDS`` (``"hopper_fp8"``, ``"hopper_int8_fp8"``, ``"hopper_int8_int8"``,
 ``"hopper_int8"``: what ``precision="fp8"``, ``"int8-fp8"``, ``"int8-int8"``, ``"int8"`` run)
-share prepare and select and attend with the low-precision pair kernel (:mod:`.fp8`) after the
-quantisation pass (:mod:`pisa_attn.ops.triton.quantize`).
+share select and attend with the low-precision pair kernel (:mod:`.fp8`); their prepare also
+writes the quantised copies of K (and V) (:mod:`pisa_attn.ops.triton.quantize`) in its second read
+of K and V.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -107,13 +107,6 @@ BACKEND = _fused.register(
 
 
 # --------------------------------------------- precision="fp8", "int8-fp8", "int8-int8", "int8"
-@dataclass
-class Fp8Workspace(_top.Workspace):
-    """The Hopper workspace plus the quantised copies of K (and V) and their scales."""
-
-    quant: _quant.Quantized | None = None
-
-
 def fp8_unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
     """None when the low-precision pair kernel handles this call, else why not."""
     reason = unsupported_reason(q, mode, block_size)
@@ -137,12 +130,14 @@ def attend_lowp(
     alpha: Tensor | None = None,
     out: Tensor | None = None,
     lse: Tensor | None = None,
-    ws: Fp8Workspace | None = None,
+    ws: _top.Workspace | None = None,
     precision: str = "fp8",
 ) -> tuple[Tensor, Tensor]:
-    """Quantise k (and v) (:func:`pisa_attn.ops.triton.quantize.quantize`), then the low-precision
-    pair kernel under ``selection``: (out in q's dtype, lse fp32). There is no other low-precision
-    kernel to run a call this one cannot serve: such a call is a ValueError naming ``precision``."""
+    """The low-precision pair kernel under ``selection``: (out in q's dtype, lse fp32). It reads the
+    quantised copies of k (and v) that ``prepare(..., quant=precision)`` wrote (``stats.quant``);
+    statistics without them (another prepare, a shard's) are quantised here
+    (:func:`pisa_attn.ops.triton.quantize.quantize`). There is no other low-precision kernel to
+    run a call this one cannot serve: such a call is a ValueError naming ``precision``."""
     del n_select
     if out is None:
         out = _tattn._alloc_like_layout(q, out_dtype)
@@ -154,8 +149,11 @@ def attend_lowp(
     if reason is not None:
         raise ValueError(f"precision={precision!r} needs q{', v' if v_in else ''} and out readable through TMA: "
                          f"{reason}")
-    quant = ws.quant if isinstance(ws, Fp8Workspace) else None
-    quant = _quant.quantize(k, v, stats.kbar, stats.kscale, block_size, ws=quant, precision=precision)
+    quant = getattr(stats, "quant", None)
+    if quant is None:
+        quant = _quant.quantize(k, v, stats.kbar, stats.kscale, block_size, precision=precision)
+    else:
+        _quant.checked(quant, k, block_size, precision, "stats.quant")
     # the kernel checks the workspace's stream buffers against the launch's shapes
     pairs = None if ws is None else ws.pairs
     return _fp8.attention(q, quant, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
@@ -164,22 +162,24 @@ def attend_lowp(
 
 
 def _lowp_backend(precision: str, name: str) -> Backend:
-    """The Hopper backend whose attend runs the exact blocks in ``precision``."""
+    """The Hopper backend whose attend runs the exact blocks in ``precision``; its prepare writes
+    the quantised copies in the statistics' second read of K and V."""
+
+    def prepare_p(q: Tensor, k: Tensor, v: Tensor, block_size: int, **kwargs):
+        return _top.prepare(q, k, v, block_size, quant=precision, **kwargs)
 
     def attend_p(*args, **kwargs):
         return attend_lowp(*args, precision=precision, **kwargs)
 
-    def workspace_p(plan, q: Tensor, k: Tensor) -> Fp8Workspace:
-        ws = _top.workspace(plan, q, k, pairs=_fp8.query_group_for(plan.mode, k.shape[2], plan.block_size, precision))
-        b, hk, lk, d = k.shape
-        quant = _quant.quant_workspace(b, hk, lk, d, plan.block_size, q.device, precision)
-        return Fp8Workspace(ws.stats, ws.selection, ws.lse, ws.pairs, quant)
+    def workspace_p(plan, q: Tensor, k: Tensor) -> _top.Workspace:
+        return _top.workspace(plan, q, k, pairs=_fp8.query_group_for(plan.mode, k.shape[2], plan.block_size, precision),
+                              quant=precision)
 
     def forward_p(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
                   alpha: Tensor | None = None):
         return _fused.forward(be, q, k, v, plan, keep, n_keep_max, alpha)
 
-    be = _fused.register(Backend(name, _top.prepare, _top.select, attend_p, _top.deviation, forward_p,
+    be = _fused.register(Backend(name, prepare_p, _top.select, attend_p, _top.deviation, forward_p,
                                  fp8_unsupported_reason, _top.score_scratch, workspace_p))
     return be
 

@@ -25,6 +25,9 @@
    bits, one scalar for the attention kernels to fold back), and ``kbound``, the per-channel
    ``max_j |k̄_jd|`` (the Hopper kernel bounds every tail score with it before the scan).
 
+With ``quant=`` (a low precision) the kv programs also take the per-channel ``max |v|``, the finish
+reduces it, and the quantisation pass of :mod:`.quantize` (``μ``, then the copies) follows.
+
 Covariance-aware selection adds ``_hdev_kernel`` (``||H_j − H̄||_F``, a second read of k and v: it
 needs ``H̄`` first; the expansion ``||H_j||² − 2⟨H_j, H̄⟩ + ||H̄||²`` saves no pass and cancels
 badly when ``H_j ≈ H̄``).
@@ -44,15 +47,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...spec import PRODUCT_FORMATS
 from ..launch import Launcher, spec_class
 from ..stages import slice_blocks
+from . import quantize as _quantize
 from ._common import interpreting, sm_count
 
 # Tunables, measured by benchmarks/stats_select_bench.py (H100): programs of one launch fill this
 # many waves of the GPU (one below ``short_blocks_per_sm`` key-block equivalents per SM: 1 wave was
 # fastest at 4K and 8K, 2-4 at 32K and 64K); software-pipelining depth of the loads (4 beat 3 and
-# 2); bytes of q per step of a q program.
-STATS_TUNING = {"waves": 2, "short_blocks_per_sm": 64, "stages": 4, "q_tile_bytes": 32768}
+# 2); bytes of q per step of a q program; the hdev pass's runs of key blocks are ``hdev_split``
+# times shorter than the stats launch's (it has no partials to reduce; H200: 32K
+# 0.25 → 0.20 ms, 64K 0.49 → 0.37 ms with 2, no better with 4).
+STATS_TUNING = {"waves": 2, "short_blocks_per_sm": 64, "stages": 4, "q_tile_bytes": 32768, "hdev_split": 2}
 F16_MAX = tl.constexpr(65504.0)
 
 
@@ -92,14 +99,14 @@ def _consts(dtype, BS: tl.constexpr, QS: tl.constexpr):
                                "Q_CHUNKS", "N_KV", "ex_sb", "ex_sh"])
 def _stats_kernel(
     q_ptr, k_ptr, v_ptr, excl_ptr,
-    qmean_ptr, kmean_ptr, vbar_ptr, part_h_ptr, part_s_ptr, part_r_ptr,
+    qmean_ptr, kmean_ptr, vbar_ptr, part_h_ptr, part_s_ptr, part_r_ptr, part_v_ptr,
     sqb, sqh, sql, sqd,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     ex_sb, ex_sh,
     H, HK, LQ, LK, NQS, NQT, NK, KV_PER, KV_CHUNKS, Q_PER, Q_CHUNKS, N_KV,
     BS: tl.constexpr, QB: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
-    CLAMP: tl.constexpr, HAS_EXCL: tl.constexpr,
+    CLAMP: tl.constexpr, HAS_EXCL: tl.constexpr, VMAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = tl.float32 if F32 else k_ptr.dtype.element_ty
@@ -115,9 +122,12 @@ def _stats_kernel(
         hacc = tl.zeros([D, D], dtype=tl.float32)
         kmax = tl.zeros([D], dtype=tl.float32)
         count = 0.0
+        vabs = tl.zeros([BS, D], dtype=tl.float32)  # elementwise max |v|, reduced once at the end
         j0 = c * KV_PER
         for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
             kc, k_sum, vt, n = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, BS, D, F32, CLAMP)
+            if VMAX:
+                vabs = tl.maximum(vabs, tl.abs(vt.to(tl.float32)))
             km = tl.max(k_sum, axis=1) / n  # every column holds the sum: a max is exact
             tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
             kmax = tl.maximum(kmax, tl.abs(km))
@@ -135,6 +145,8 @@ def _stats_kernel(
         tl.store(part_s_ptr + part * 2, tl.max(kmax, axis=0))
         tl.store(part_s_ptr + part * 2 + 1, count)
         tl.store(part_r_ptr + part * D + offs_d, kmax)
+        if VMAX:
+            tl.store(part_v_ptr + part * D + offs_d, tl.max(vabs, axis=0))
     else:
         # QT rows per step (several query blocks of QB rows): one tile load, and the block sums as
         # one product with a block-diagonal ones matrix, column c the sum of block c of the tile.
@@ -159,9 +171,10 @@ def _stats_kernel(
 
 @triton.jit(do_not_specialize=["NK", "KV_CHUNKS", "F_PER"])
 def _finish_kernel(
-    part_h_ptr, part_s_ptr, part_r_ptr, kmean_ptr, hbar_ptr, hbar_lp_ptr, kbar_ptr, kscale_ptr, kbound_ptr,
+    part_h_ptr, part_s_ptr, part_r_ptr, part_v_ptr, kmean_ptr, hbar_ptr, hbar_lp_ptr, kbar_ptr, kscale_ptr,
+    kbound_ptr, vmax_ptr,
     NK, KV_CHUNKS, F_PER,
-    D: tl.constexpr, RB: tl.constexpr, TJ: tl.constexpr,
+    D: tl.constexpr, RB: tl.constexpr, TJ: tl.constexpr, VMAX: tl.constexpr,
 ):
     # Program (head, g): rows g·RB .. of H̄ from the partials, and key blocks g·F_PER .. of the
     # float16 centroids (D // RB programs per head share the work).
@@ -179,6 +192,11 @@ def _finish_kernel(
         for c in range(KV_CHUNKS):
             kb = tl.maximum(kb, tl.load(part_r_ptr + (bh * KV_CHUNKS + c) * D + offs_d))
         tl.store(kbound_ptr + bh * D + offs_d, kb)
+        if VMAX:  # the bits of max |v| per channel, as the quantisation pass reads them
+            vm = tl.zeros([D], dtype=tl.float32)
+            for c in range(KV_CHUNKS):
+                vm = tl.maximum(vm, tl.load(part_v_ptr + (bh * KV_CHUNKS + c) * D + offs_d))
+            tl.store(vmax_ptr + bh * D + offs_d, vm.to(tl.int32, bitcast=True))
     rows = g * RB + tl.arange(0, RB)
     tile = rows[:, None] * D + offs_d[None, :]
     hsum = tl.zeros([RB, D], dtype=tl.float32)
@@ -240,6 +258,8 @@ class Stats:
     work: Tensor | None = None  # float32 per-program partials of the prepare launch (scratch)
     # [B, Hk, D] float32: max_j |k̄_jd|, per channel (bounds every tail score before the scan)
     kbound: Tensor | None = None
+    # the low-precision kernel's copies of K (and V), when prepare was asked for them (``quant=``)
+    quant: _quantize.Quantized | None = None
 
     BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "vbar": 2, "hdev": 2}
     # kbar is only meaningful with the kscale it was divided by: a shard keeps its own.
@@ -250,7 +270,8 @@ class Stats:
         return self.kbar, self.kscale, self.vbar, self.hbar_lp
 
     def blocks(self, lo: int, hi: int) -> "Stats":
-        return slice_blocks(self, lo, hi)
+        # the copies are quantised against the whole sequence's μ: a shard is quantised anew
+        return dataclasses.replace(slice_blocks(self, lo, hi), quant=None)
 
     def with_hbar(self, hbar: Tensor) -> "Stats":
         return dataclasses.replace(self, hbar=hbar, hbar_lp=hbar.to(self.hbar_lp.dtype))
@@ -293,14 +314,21 @@ def _geometry(b: int, h: int, hk: int, lq: int, lk: int, bs: int, qb: int, d: in
     return kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups
 
 
+def _part_elems(d: int) -> int:
+    """float32 elements of one kv program's partials: ``Σ H_j``, (largest ``|k̄|``, count), the
+    per-channel largest ``|k̄|`` and largest ``|v|``."""
+    return d * d + 2 + 2 * d
+
+
 def _work_elems(b: int, hk: int, d: int, kv_chunks: int) -> int:
-    return b * hk * max(kv_chunks, 1) * (d * d + d + 2)
+    return b * hk * max(kv_chunks, 1) * _part_elems(d)
 
 
 def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size: int, query_block: int | None = None,
-                    with_hdev: bool = False) -> Stats:
+                    with_hdev: bool = False, quant: str | None = None) -> Stats:
     """Every buffer :func:`prepare` writes for ``[B, H, Lq, D]`` queries and ``[B, Hk, Lk, D]``
-    keys/values of ``dtype``, allocated once (pass it as ``ws=``)."""
+    keys/values of ``dtype``, allocated once (pass it as ``ws=``); ``quant``: a low precision
+    whose copies of K/V ``prepare(..., quant=)`` writes too."""
     b, h, lq, d = q_shape
     hk, lk = kv_shape[1], kv_shape[2]
     device = torch.device(device)
@@ -321,6 +349,7 @@ def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size
         hdev=torch.empty(b, hk, nk, **f32) if with_hdev else None,
         work=torch.empty(_work_elems(b, hk, d, geo[1]), **f32),
         kbound=torch.empty(b, hk, d, **f32),
+        quant=None if quant is None else _quantize.quant_workspace(b, hk, lk, d, block_size, device, quant),
     )
 
 
@@ -334,14 +363,19 @@ def _stats_warps(d: int) -> int:
 
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False, lean: bool = False,
-            query_block: int | None = None, hbar_exclude: Tensor | None = None, ws: Stats | None = None) -> Stats:
+            query_block: int | None = None, hbar_exclude: Tensor | None = None, ws: Stats | None = None,
+            quant: str | None = None) -> Stats:
     """Block statistics of ``[B, H, L, D]`` views (any strides); the query means are over blocks of
     ``query_block`` rows (default ``block_size``). Issues no host synchronisation.
 
     ``hbar_exclude``: optional bool ``[B|1, Hk|1, Nk]``, key blocks left out of ``H̄`` (the mean
     over the others; ``0`` if none is left). ``ws``: a :func:`stats_workspace` of these shapes;
     the statistics are written into its buffers and nothing is allocated. ``lean`` drops the
-    float32 ``H̄`` from the result (the fused path reads only its input-dtype copy).
+    float32 ``H̄`` from the result (the fused path reads only its input-dtype copy). ``quant``: a
+    low precision (:data:`pisa_attn.spec.PRODUCT_FORMATS`) whose copies of K (and V) are written
+    too, into ``ws.quant`` (returned as ``stats.quant``; the math and kernel of
+    :func:`pisa_attn.ops.triton.quantize.quantize`, with the values' ``max |v|`` taken from this
+    pass's own read of V instead of another).
     """
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -350,17 +384,22 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     dev = q.device
     geo = _geometry(b, h, hk, lq, lk, block_size, qb, d, dev, tuple(STATS_TUNING.items()))
     kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups = geo
+    if quant is not None and quant not in PRODUCT_FORMATS:
+        raise ValueError(f"quant must be None or a low precision {tuple(PRODUCT_FORMATS)}, got {quant!r}")
     if ws is None:
         ws = stats_workspace(q.shape, k.shape, v.dtype, dev, block_size=block_size, query_block=qb,
-                             with_hdev=with_hdev)
+                             with_hdev=with_hdev, quant=quant)
     n_part = b * hk * max(kv_chunks, 1)
-    if (ws.work is None or ws.work.numel() < n_part * (d * d + d + 2) or ws.vbar.shape != (b, hk, nk, d)
+    if (ws.work is None or ws.work.numel() < n_part * _part_elems(d) or ws.vbar.shape != (b, hk, nk, d)
             or ws.qmean.shape != (b, h, nqs, d) or ws.vbar.dtype != v.dtype or ws.vbar.device != dev
-            or (with_hdev and ws.hdev is None)):
+            or (with_hdev and ws.hdev is None) or (quant is not None and ws.quant is None)):
         raise ValueError("ws: a stats_workspace made for other shapes, dtype, device or settings")
+    qz = None if quant is None else _quantize.checked(ws.quant, k, block_size, quant, "ws.quant")
+    vmax = qz is not None and _quantize.needs_vmax(quant)
     part_h = ws.work[: n_part * d * d]
     part_s = ws.work[n_part * d * d: n_part * (d * d + 2)]
     part_r = ws.work[n_part * (d * d + 2): n_part * (d * d + d + 2)]
+    part_v = ws.work[n_part * (d * d + d + 2): n_part * _part_elems(d)]
     if hbar_exclude is not None:
         ex = _check_exclude(hbar_exclude, b, hk, nk).view(torch.uint8)
         ex_sb = ex.stride(0) if ex.shape[0] > 1 else 0
@@ -375,26 +414,29 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     if grid:
         strides = (*q.stride(), *k.stride(), *v.stride())
         qt = _q_tile(qb, d)
-        args = (q, k, v, ex, ws.qmean, kmean_t, ws.vbar, part_h, part_s, part_r, *strides, ex_sb, ex_sh,
+        args = (q, k, v, ex, ws.qmean, kmean_t, ws.vbar, part_h, part_s, part_r, part_v, *strides, ex_sb, ex_sh,
                 h, hk, lq, lk, nqs, -(-lq // qt), nk, kv_per, kv_chunks, q_per, q_chunks, n_kv)
         stages = STATS_TUNING["stages"]
-        _launch_stats((k.dtype, block_size, qb, qt, d, hbar_exclude is not None, stages,
+        _launch_stats((k.dtype, block_size, qb, qt, d, hbar_exclude is not None, vmax, stages,
                        spec_class(q, k, v, ex, *strides)), (grid,), args,
-                      dict(BS=block_size, QB=qb, QT=qt, D=d, F32=f32, CLAMP=clamp, HAS_EXCL=hbar_exclude is not None),
+                      dict(BS=block_size, QB=qb, QT=qt, D=d, F32=f32, CLAMP=clamp, HAS_EXCL=hbar_exclude is not None,
+                           VMAX=vmax),
                       num_warps=_stats_warps(d), num_stages=stages)
-    if kv_chunks == 0:  # no key block (an empty K/V shard): H̄ = 0, scale 1, bound 0
-        part_s.zero_()
-        part_h.zero_()
-        part_r.zero_()
-    _launch_finish((d, spec_class(part_h, ws.hbar_lp)), (b * hk * f_groups,),
-                   (part_h, part_s, part_r, kmean_t, ws.hbar, ws.hbar_lp, ws.kbar, ws.kscale, ws.kbound, nk,
-                    max(kv_chunks, 1), f_per),
-                   dict(D=d, RB=_FINISH_ROWS, TJ=32), num_warps=4)
+    if kv_chunks == 0:  # no key block (an empty K/V shard): H̄ = 0, scale 1, bounds 0
+        ws.work[: n_part * _part_elems(d)].zero_()
+    _launch_finish((d, vmax, spec_class(part_h, ws.hbar_lp)), (b * hk * f_groups,),
+                   (part_h, part_s, part_r, part_v, kmean_t, ws.hbar, ws.hbar_lp, ws.kbar, ws.kscale, ws.kbound,
+                    qz.vmax if vmax else part_s, nk, max(kv_chunks, 1), f_per),
+                   dict(D=d, RB=_FINISH_ROWS, TJ=32, VMAX=vmax), num_warps=4)
     if with_hdev:
         _run_hdev(k, v, ws.hbar, ws.hdev, block_size, kv_per, kv_chunks)
+    if qz is not None and b * hk:  # its own launch: inside the hdev pass's loop it spilled (notes/fp8.md)
+        _quantize.launch_mu(ws.kbar, ws.kscale, qz, quant, zero_vmax=False)
+        if nk:
+            _quantize.launch_quant(k, v, qz, quant, block_size)
     return Stats(qmean=ws.qmean, kmean=ws.kmean, kbar=ws.kbar, kscale=ws.kscale, vbar=ws.vbar,
                  hbar=None if lean else ws.hbar, hbar_lp=ws.hbar_lp, hdev=ws.hdev if with_hdev else None,
-                 work=ws.work, kbound=ws.kbound)
+                 work=ws.work, kbound=ws.kbound, quant=qz)
 
 
 def _check_exclude(ex: Tensor, b: int, hk: int, nk: int) -> Tensor:
@@ -409,6 +451,10 @@ def _run_hdev(k: Tensor, v: Tensor, hbar: Tensor, hdev: Tensor, block_size: int,
     b, hk, lk, d = k.shape
     if kv_chunks == 0:
         return
+    # no partials here: shorter runs than the stats launch's fill the SMs better
+    nk = -(-lk // block_size)
+    kv_per = max(1, -(-kv_per // STATS_TUNING["hdev_split"]))
+    kv_chunks = -(-nk // kv_per)
     strides = (*k.stride(), *v.stride())
     stages = STATS_TUNING["stages"]
     _launch_hdev((k.dtype, block_size, d, stages, spec_class(k, v, hbar, *strides)), (b * hk * kv_chunks,),

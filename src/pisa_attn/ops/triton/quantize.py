@@ -1,7 +1,9 @@
 """The low-precision exact phase's quantisation pass: e4m3 or int8 copies of K and e4m3 or int8
 copies of V (math: :mod:`pisa_attn.ops.quant`).
 
-Up to three launches after the statistics (they read the statistics' float16 centroids):
+Up to three launches after the statistics (they read the statistics' float16 centroids; the
+planned low-precision call runs the first and last inside ``prepare(..., quant=)``, which takes
+the ``|v|`` maximum from its own read of V):
 
 * ``_mu_kernel`` (one program per kv head): the smoothing vector ``μ``, the mean of the head's
   centroids ``kbar · kscale``, and a zeroed per-channel maximum of ``|v|``;
@@ -182,6 +184,55 @@ _launch_mu = Launcher(_mu_kernel)
 _launch_vmax = Launcher(_vmax_kernel)
 _launch_quant = Launcher(_quant_kernel)
 VMAX_BLOCKS = 8  # key blocks per program of the |v| maximum (fewer atomics)
+QUANT_WARPS = 4  # per program of the pass (one key block): 8 or 16 were 20-25 % slower at D = 128 (H200)
+
+
+def formats(precision: str) -> dict:
+    """The pass's constexprs for ``precision``: which formats the key and value copies take."""
+    qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
+    return dict(K_INT8=qk_fmt == "int8", WITH_V=pv_fmt != "input", V_INT8=pv_fmt == "int8")
+
+
+def needs_vmax(precision: str) -> bool:
+    """Whether the values' scales come from a per-channel ``max |v|`` over the head (e4m3 values;
+    int8 values are scaled per block from the block alone)."""
+    return PRODUCT_FORMATS[precision][1] == "e4m3"
+
+
+def checked(ws: Quantized, k: Tensor, block_size: int, precision: str, name: str = "ws") -> Quantized:
+    """``ws`` if its buffers are those of ``[B, Hk, Lk, D]`` keys ``k`` in ``precision``, else a
+    ValueError naming ``name``."""
+    b, hk, lk, d = k.shape
+    if any(getattr(ws, f).shape != shape or getattr(ws, f).dtype != dtype
+           for f, (shape, dtype) in _buffers(b, hk, lk, d, block_size, precision).items()):
+        raise ValueError(f"{name}: a quant_workspace made for other shapes or another precision than {precision!r}")
+    return ws
+
+
+def launch_mu(kbar: Tensor, kscale: Tensor, ws: Quantized, precision: str, *, zero_vmax: bool) -> None:
+    """``μ`` into ``ws.mu`` (and, with ``zero_vmax``, a zeroed ``|v|`` maximum for the atomics of
+    :func:`quantize`'s own ``|v|`` pass)."""
+    b, hk, nk, d = kbar.shape
+    zero = zero_vmax and needs_vmax(precision)
+    _launch_mu((d,), (b * hk,), (kbar, kscale, ws.mu, ws.vmax if zero else ws.sigma, nk),
+               dict(D=d, TJ=32, ZERO_VMAX=zero), num_warps=4)
+
+
+def launch_quant(k: Tensor, v: Tensor, ws: Quantized, precision: str, block_size: int) -> None:
+    """The copies of K (and V) into ``ws``, one program per key block, once ``ws.mu`` (and for
+    e4m3 values ``ws.vmax``) hold their values."""
+    b, hk, lk, d = k.shape
+    nk = -(-lk // block_size)
+    fm = formats(precision)
+    # the (empty) buffers a precision does not write stand in by a written one (never touched)
+    vmax = ws.vmax if needs_vmax(precision) else ws.sigma
+    v8t, tau = (ws.v8t, ws.tau) if fm["WITH_V"] else (ws.k8, ws.sigma)
+    vcs = ws.vcs if fm["V_INT8"] else ws.sigma
+    strides = (*k.stride(), *v.stride())
+    _launch_quant((k.dtype, v.dtype, block_size, d, precision, spec_class(k, v, *strides)), (b * hk * nk,),
+                  (k, v, ws.mu, vmax, ws.k8, ws.sigma, v8t, tau, vcs, *strides, hk, lk, nk * block_size, nk),
+                  dict(BS=block_size, D=d, **fm), num_warps=QUANT_WARPS,
+                  enable_fp_fusion=False)  # each rounding where the reference has it (no a·b + 0.5 in one FMA)
 
 
 def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int,
@@ -189,34 +240,24 @@ def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int
     """Quantised keys (and values) of ``[B, Hk, Lk, D]`` views (any strides) for the low-precision
     attention kernel, in the formats of ``precision`` (:data:`pisa_attn.spec.PRODUCT_FORMATS`);
     ``kbar``/``kscale``: the statistics' float16 centroids and their per-head scale. ``ws``: a
-    :func:`quant_workspace` of these shapes and this precision to write into."""
-    qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
-    with_v = pv_fmt != "input"
+    :func:`quant_workspace` of these shapes and this precision to write into.
+
+    The planned low-precision backends get the same copies from ``prepare(..., quant=precision)``
+    (:mod:`.prepare`), whose first read of V already gives the ``|v|`` maximum; this standalone
+    pass reads V for it itself."""
     b, hk, lk, d = k.shape
     nk = -(-lk // block_size)
     if ws is None:
         ws = quant_workspace(b, hk, lk, d, block_size, k.device, precision)
-    if any(getattr(ws, name).shape != shape or getattr(ws, name).dtype != dtype
-           for name, (shape, dtype) in _buffers(b, hk, lk, d, block_size, precision).items()):
-        raise ValueError(f"ws: a quant_workspace made for other shapes or another precision than {precision!r}")
+    checked(ws, k, block_size, precision)
     if b * hk == 0 or nk == 0:
         ws.mu.zero_()
         return ws
-    # without values, the (empty) value buffers stand in for the unused pointers
-    with_vmax = pv_fmt == "e4m3"  # int8 values are scaled per block, from the block alone
-    vmax = ws.vmax if with_vmax else ws.sigma
-    _launch_mu((d,), (b * hk,), (kbar, kscale, ws.mu, vmax, nk), dict(D=d, TJ=32, ZERO_VMAX=with_vmax), num_warps=4)
-    if with_vmax:
+    launch_mu(kbar, kscale, ws, precision, zero_vmax=True)
+    if needs_vmax(precision):
         chunks = -(-nk // VMAX_BLOCKS)
         _launch_vmax((v.dtype, block_size, d, spec_class(v, *v.stride())), (b * hk * chunks,),
                      (v, ws.vmax, *v.stride(), hk, lk, nk, VMAX_BLOCKS, chunks), dict(BS=block_size, D=d),
                      num_warps=4 if d <= 64 else 8)
-    strides = (*k.stride(), *v.stride())
-    v8t, tau = (ws.v8t, ws.tau) if with_v else (ws.k8, ws.sigma)
-    vcs = ws.vcs if pv_fmt == "int8" else ws.sigma
-    _launch_quant((k.dtype, v.dtype, block_size, d, qk_fmt, pv_fmt, spec_class(k, v, *strides)), (b * hk * nk,),
-                  (k, v, ws.mu, vmax, ws.k8, ws.sigma, v8t, tau, vcs, *strides, hk, lk, nk * block_size, nk),
-                  dict(BS=block_size, D=d, K_INT8=qk_fmt == "int8", WITH_V=with_v, V_INT8=pv_fmt == "int8"),
-                  num_warps=4 if d <= 64 else 8,
-                  enable_fp_fusion=False)  # each rounding where the reference has it (no a·b + 0.5 in one FMA)
+    launch_quant(k, v, ws, precision, block_size)
     return ws
