@@ -1,0 +1,60 @@
+"""The whole hybrid call (plan/run, the defaults, B2-H16-D128 bf16, 12.5 %, Gaussian and DiT-like
+inputs) with the hdev pass's key-block runs as long as the stats launch's (``hdev_split`` 1) and
+half as long (2, the default), 3 interleaved rounds (median), cuDNN SDPA in the same run.
+
+    PYTHONPATH=src LENGTHS="32768 65536" OUT=out python3 benchmarks/hdev_split_whole.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import exact_loop as E  # noqa: E402  (the inputs and timing of the exact-loop benchmark)
+
+from pisa_attn import PisaSettings, plan, run  # noqa: E402
+from pisa_attn.ops.triton import prepare as P  # noqa: E402
+
+SPLITS = (1, 2)
+
+
+def main() -> None:
+    rows = []
+    for L in [int(x) for x in os.environ.get("LENGTHS", "32768 65536").split()]:
+        t_cudnn = E.cudnn_ms(L)
+        for source in ("random", "dit"):
+            q, k, v = E.qkv(source, L)
+            out = torch.empty_like(q)
+            plans, ts = {}, {s: [] for s in SPLITS}
+            for s in SPLITS:
+                P.STATS_TUNING["hdev_split"] = s
+                plans[s] = plan(q, k, PisaSettings(density=0.125, backend="hopper"))
+                run(plans[s], q, k, v, out=out)
+            for _ in range(3):
+                for s in SPLITS:
+                    P.STATS_TUNING["hdev_split"] = s
+                    ts[s].append(E.ms(lambda p=plans[s]: run(p, q, k, v, out=out), est_ms=t_cudnn * 0.16))
+            P.STATS_TUNING["hdev_split"] = 2
+            for s in SPLITS:
+                t = statistics.median(ts[s])
+                rows.append(dict(L=L, source=source, hdev_split=s, whole_ms=t, rounds=ts[s], cudnn_ms=t_cudnn,
+                                 speedup=t_cudnn / t))
+                print(f"{L:>6} {source:6} hybrid hdev_split {s}: {t:.3f} ms {t_cudnn / t:.2f}x (cuDNN {t_cudnn:.2f})"
+                      "  rounds " + " ".join(f"{x:.3f}" for x in ts[s]), flush=True)
+            del q, k, v, out, plans
+            torch.cuda.empty_cache()
+    import triton
+
+    os.makedirs(os.environ.get("OUT", "."), exist_ok=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "hdev_split_whole.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
