@@ -7,8 +7,8 @@ bfloat16, head dims 64 and 128 and 64-token blocks; ``backend="auto"`` prefers i
 ``LOWP_BACKENDS`` (``"hopper_fp8"``, ``"hopper_int8_fp8"``, ``"hopper_int8_int8"``,
 ``"hopper_int8"``: what ``precision="fp8"``, ``"int8-fp8"``, ``"int8-int8"``, ``"int8"`` run)
 share select and attend with the low-precision pair kernel (:mod:`.fp8`); their prepare also
-writes the quantised copies of K (and V) (:mod:`pisa_attn.ops.triton.quantize`) in its second read
-of K and V.
+writes the quantised copies of K (and V) (:mod:`pisa_attn.ops.triton.quantize`), the values'
+``|v|`` maximum taken from the statistics' own read of V.
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def attend_lowp(
 
 
 def _lowp_backend(precision: str, name: str) -> Backend:
-    """The Hopper backend whose attend runs the exact blocks in ``precision``; its prepare writes
-    the quantised copies in the statistics' second read of K and V."""
+    """The Hopper backend whose attend runs the exact blocks in ``precision``; its prepare also
+    writes the quantised copies of K (and V) the attend reads (``stats.quant``)."""
 
     def prepare_p(q: Tensor, k: Tensor, v: Tensor, block_size: int, **kwargs):
         return _top.prepare(q, k, v, block_size, quant=precision, **kwargs)
