@@ -70,6 +70,20 @@ def ms(fn, est_ms: float = 1.0) -> float:
     return triton.testing.do_bench(fn, warmup=max(25, 3 * est_ms), rep=max(100, 12 * est_ms), return_mode="median")
 
 
+def write_rows(name: str, rows: list) -> None:
+    """``rows`` as ``$OUT/name`` (default ``.``), with the card and toolchain versions."""
+    import json
+    import os
+
+    import triton
+
+    out = os.environ.get("OUT", ".")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       cudnn=torch.backends.cudnn.version(), rows=rows), f, indent=1)
+
+
 def cudnn_ms(L: int) -> float:
     """Dense cuDNN SDPA on Gaussian B2-H16-D128 bf16 inputs of length ``L`` (the baseline of every row)."""
     q, k, v = qkv("random", L)

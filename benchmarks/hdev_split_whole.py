@@ -7,7 +7,6 @@ half as long (2, the default), 3 interleaved rounds (median), cuDNN SDPA in the 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -48,12 +47,7 @@ def main() -> None:
                       "  rounds " + " ".join(f"{x:.3f}" for x in ts[s]), flush=True)
             del q, k, v, out, plans
             torch.cuda.empty_cache()
-    import triton
-
-    os.makedirs(os.environ.get("OUT", "."), exist_ok=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "hdev_split_whole.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       rows=rows), f, indent=1)
+    E.write_rows("hdev_split_whole.json", rows)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ in the same run.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -49,12 +48,7 @@ def main() -> None:
                           + " ".join(f"{x:.3f}" for x in ts[nc]), flush=True)
             del q, k, v
             torch.cuda.empty_cache()
-    import triton
-
-    os.makedirs(os.environ.get("OUT", "."), exist_ok=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "query_group_whole.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       rows=rows), f, indent=1)
+    E.write_rows("query_group_whole.json", rows)
 
 
 if __name__ == "__main__":

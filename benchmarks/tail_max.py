@@ -12,7 +12,6 @@ first variant's (rel-L1, LSE).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -107,17 +106,11 @@ def bench(L: int, source: str, rows: list) -> None:
 
 
 def main() -> None:
-    import triton
-
     rows: list = []
     for L in [int(x) for x in os.environ.get("LENGTHS", "32768 65536").split()]:
         for source in ("random", "dit"):
             bench(L, source, rows)
-    out = os.environ.get("OUT", ".")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "tail_max.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       cudnn=torch.backends.cudnn.version(), rows=rows), f, indent=1)
+    E.write_rows("tail_max.json", rows)
     print("\n     L input   kind   variant         mode         ms  x cuDNN")
     for r in rows:
         print(f"{r['L']:>6} {r['source']:7} {r['kind']:6} {r['variant']:15} {r['mode']:6} {r['ms']:8.3f} "
