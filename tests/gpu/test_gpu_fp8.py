@@ -464,25 +464,3 @@ def test_lowp_query_groups_and_tail_maximum(precision, lq, mode):
                   f"vs float64 PISA {e_64:.2e}")
             assert torch.isfinite(out).all() and torch.isfinite(lse).all()
             assert e_q < QREF_TOL and e_64 < F64_TOL
-
-
-@pytest.mark.parametrize("lq", [2048, 1000], ids=["L2048", "L1000-ragged"])
-@pytest.mark.parametrize("precision", LOWP)
-def test_lowp_tail_pipeline_is_bitwise(precision, lq):
-    """The input-precision kernel's tail, which this kernel runs, pipelined or not
-    (``tail_pipeline``): bit for bit the same output and LSE, two and three query blocks per CTA."""
-    from pisa_attn.ops.hopper import fp8 as gfp8
-    from pisa_attn.ops.triton.quantize import quantize
-
-    q, k, v = dit(1, 4, 4, lq, lq, 128, seed=19)
-    p, _, sel = fp8_run(q, k, v, "hybrid", precision=precision)
-    st = get_backend("hopper").prepare(q, k, v, 64)
-    qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
-    vv = v if quant.PRODUCT_FORMATS[precision][1] == "input" else None
-    for nc in (2, 3):
-        res = [gfp8.attention(q, qz, *st.tail(), *sel, mode="hybrid", scale=p.scale, block_size=64, lk=lq, v=vv,
-                              alpha=p.alpha, query_group=nc, kbound=st.kbound, tail_pipeline=pipe)
-               for pipe in (False, True)]
-        torch.cuda.synchronize()
-        assert torch.isfinite(res[1][0]).all() and torch.isfinite(res[1][1]).all(), nc
-        assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1]), nc

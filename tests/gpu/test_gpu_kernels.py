@@ -602,41 +602,6 @@ def test_hopper_three_query_blocks_refuse_pair_options():
 
 @HOPPER_ONLY
 @pytest.mark.parametrize("source", ["gauss-B1-H4-Hk2-L8229-D128-bf16-gqa-ragged", "gauss-B2-H2-Lq4096-Lk6000-D64-fp16",
-                                    "dit-T4-30x52-H4-D128-bf16", "uneven-B1-H2-L4096-D128-bf16"])
-@pytest.mark.parametrize("mode", ["hybrid", "zeroth"])
-def test_hopper_tail_pipeline_is_bit_identical(source, mode):
-    """The fixed-maximum tail with each tile's scores under the previous tile's P·V̄
-    (``tail_pipeline=True``) does the sequential scan's operations in the same order: bit for bit
-    the same output and LSE with two and three query blocks per CTA (last groups with a consumer
-    past the end included: Lq = 8229 and 6240), within the bf16 bound of the float64 reference. On
-    the DiT-like heads the fixed maximum is in use (the online scan rounds differently), so the
-    pipelined scan did run."""
-    from pisa_attn.ops.hopper import attention as gattn
-
-    q, k, v, plan, stats, sel, o_ref, lse_ref = _stream_case(source, mode, seed=7)
-    for group in (2, 3):
-        outs = {}
-        for tail_max, pipe in (("auto", False), ("auto", True), ("online", False)):
-            out = torch.full_like(q, float("nan"))
-            lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-            gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
-                            n_select=plan.n_select, out=out, lse=lse, query_group=group, kbound=stats.kbound,
-                            tail_max=tail_max, tail_pipeline=pipe)
-            torch.cuda.synchronize()
-            outs[tail_max, pipe] = (out, lse)
-        base_out, base_lse = outs["auto", False]
-        out, lse = outs["auto", True]
-        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), group
-        assert torch.equal(out, base_out), (group, rel_l1(out, base_out))
-        assert torch.equal(lse, base_lse), group
-        assert rel_l1(out, o_ref) < BF16_TOL, group
-        assert (lse.double() - lse_ref).abs().max().item() < 1e-2, group
-        if source.startswith("dit"):
-            assert not torch.equal(out, outs["online", False][0]), group
-
-
-@HOPPER_ONLY
-@pytest.mark.parametrize("source", ["gauss-B1-H4-Hk2-L8229-D128-bf16-gqa-ragged", "gauss-B2-H2-Lq4096-Lk6000-D64-fp16",
                                     "dit-T4-30x52-H4-D128-bf16", "gauss30-B1-H2-L4096-D128-bf16"])
 @pytest.mark.parametrize("mode", ["hybrid", "zeroth"])
 def test_hopper_tail_fixed_maximum(source, mode):

@@ -246,17 +246,19 @@ def _pad_bits(word, n):
 
 
 @gluon.jit
-def _tail_weights(sc, lo, hi, j0, ct, m_t, c_t, l_i, l_tail, sc_scale, LK, NK, BS: gl.constexpr, EVEN_K: gl.constexpr,
-                  row_s: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
-    """A tile's tail weights under the fixed maximum ``m_t`` (``c_t = log2 BS − m_t``; rows in the
-    score tile's layout) from its raw scores ``sc`` (``[BS, CT]``, centroids from ``j0``; bitmask
-    words ``lo``, and ``hi`` for columns 32..): (l, l_tail, P as the P·V product's operand)."""
-    CT: gl.constexpr = sc.shape[1]
+def _tail_tile_fixed(q16, kb, vb, lo, hi, j0, ct, m_t, c_t, l_i, acc, l_tail, zero, sc_scale, LK, NK,
+                     BS: gl.constexpr, EVEN_K: gl.constexpr, row_s: gl.constexpr, p_layout: gl.constexpr):
+    """``CT`` centroids from ``j0`` (``kb`` ``[CT, D]``; bitmask words ``lo``, and ``hi`` for
+    columns 32..) under the tail's fixed maximum ``m_t`` (``c_t = log2 BS − m_t``; rows in the
+    score tile's layout): no row maximum, no rescale."""
+    CT: gl.constexpr = kb.shape[0]
     if CT > 32:
         word = gl.where(ct < 32, lo, hi)
     else:
         word = lo
     tail = ((word >> (ct % 32)) & 1) == 0
+    sc = warpgroup_mma(q16, kb.permute((1, 0)), zero, use_acc=False, is_async=True)
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
     if EVEN_K:
         p = gl.where(tail[None, :], gl.exp2(sc * sc_scale + c_t[:, None]), 0.0)
     else:
@@ -267,22 +269,10 @@ def _tail_weights(sc, lo, hi, j0, ct, m_t, c_t, l_i, l_tail, sc_scale, LK, NK, B
     ps = gl.convert_layout(gl.sum(p, axis=1), row_s)
     l_i += ps
     l_tail += ps
+    acc = warpgroup_mma(gl.convert_layout(p.to(vb.dtype), p_layout), vb, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     if not EVEN_K:
         l_tail = _ragged_last(l_tail, sc, m_t, cj, j0, LK, NK, BS, CT, row_s)
-    return l_i, l_tail, gl.convert_layout(p.to(dtype), p_layout)
-
-
-@gluon.jit
-def _tail_tile_fixed(q16, kb, vb, lo, hi, j0, ct, m_t, c_t, l_i, acc, l_tail, zero, sc_scale, LK, NK,
-                     BS: gl.constexpr, EVEN_K: gl.constexpr, row_s: gl.constexpr, p_layout: gl.constexpr):
-    """``CT`` centroids from ``j0`` (``kb`` ``[CT, D]``) under the tail's fixed maximum: no row
-    maximum, no rescale (:func:`_tail_weights`)."""
-    sc = warpgroup_mma(q16, kb.permute((1, 0)), zero, use_acc=False, is_async=True)
-    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-    l_i, l_tail, p = _tail_weights(sc, lo, hi, j0, ct, m_t, c_t, l_i, l_tail, sc_scale, LK, NK, BS, EVEN_K, row_s,
-                                   p_layout, vb.dtype)
-    acc = warpgroup_mma(p, vb, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return l_i, acc, l_tail
 
 
@@ -353,92 +343,6 @@ def _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i, l_i,
                                                     EVEN_K, LOG2_BS, s_layout, o_layout, p_layout)
         mbarrier.arrive(empty.index(s), count=1)
     return m_i, l_i, acc, l_tail
-
-
-@gluon.jit
-def _tail_pipelined(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, m_i, l_i, acc, l_tail, sc_scale, LK, NK,
-                    BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
-                    LOG2_BS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT: gl.constexpr):
-    """The tail under its fixed maximum ``m_i`` (the centroid groups at ring entries ``t``, ``t + 1``,
-    .., each in ``SPLIT`` tiles of ``C // SPLIT`` columns) with each tile's Q·K̄ᵀ and weights under
-    the previous tile's P·V̄: the fixed maximum leaves ``acc`` no rescale, so the only thing a tile
-    waits for is its own scores. The same operations in the same order as the sequential scan
-    (:func:`_tail_group_fixed`), bit for bit. A slot goes back once its last tile's product is
-    done; the consumer holds at most one slot while waiting on the next, so two slots suffice."""
-    CT: gl.constexpr = C // SPLIT
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, CT, 16])
-    pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_t: gl.constexpr = gl.SliceLayout(1, st_layout)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    ct = gl.arange(0, CT, layout=gl.SliceLayout(0, st_layout))
-    zero = gl.zeros([BS, CT], gl.float32, layout=st_layout)
-    m_t = gl.convert_layout(m_i, row_t)
-    c_t = LOG2_BS - m_t
-    p = gl.zeros([BS, CT], v_bufs.dtype, layout=pt_layout)  # the tile whose P·V is not issued yet
-    lo_next = gl.load(brow)
-    hi_next = gl.load(brow + 1, mask=NW > 1, other=-1)
-    for g0 in range(0, NK, C):
-        lo = _pad_bits(lo_next, NK - g0)
-        hi = _pad_bits(hi_next, NK - g0 - 32)
-        w_next = (g0 + C) // 32
-        lo_next = gl.load(brow + w_next, mask=w_next < NW, other=0)
-        if C > 32:
-            hi_next = gl.load(brow + w_next + 1, mask=w_next + 1 < NW, other=-1)
-        u = t + g0 // C
-        s = u % STAGES
-        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-        kb = _as_fp16(k_bufs.index(s))
-        for hh in gl.static_range(SPLIT):
-            if SPLIT == 1:
-                kt = kb
-                wlo = lo
-                whi = hi
-            else:
-                kt = kb.slice(hh * CT, CT, dim=0)
-                if hh == 0:
-                    wlo = lo
-                else:
-                    wlo = hi
-                whi = wlo
-            s_tok = warpgroup_mma(q16, kt.permute((1, 0)), zero, use_acc=False, is_async=True)
-            if hh == 0:
-                if g0 > 0:
-                    # the previous group's last tile: its product under this tile's weights
-                    sp = (u - 1) % STAGES
-                    a_tok = warpgroup_mma(p, v_bufs.index(sp).slice((SPLIT - 1) * CT, CT, dim=0), acc,
-                                          is_async=True)
-                    sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-                    l_i, l_tail, p_new = _tail_weights(sc, wlo, whi, g0, ct, m_t, c_t, l_i, l_tail, sc_scale, LK,
-                                                       NK, BS, EVEN_K, row_s, pt_layout, v_bufs.dtype)
-                    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(a_tok, p))
-                    mbarrier.arrive(empty.index(sp), count=1)
-                else:
-                    sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-                    l_i, l_tail, p_new = _tail_weights(sc, wlo, whi, g0, ct, m_t, c_t, l_i, l_tail, sc_scale, LK,
-                                                       NK, BS, EVEN_K, row_s, pt_layout, v_bufs.dtype)
-            else:
-                a_tok = warpgroup_mma(p, v_bufs.index(s).slice((hh - 1) * CT, CT, dim=0), acc, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-                l_i, l_tail, p_new = _tail_weights(sc, wlo, whi, g0 + hh * CT, ct, m_t, c_t, l_i, l_tail, sc_scale,
-                                                   LK, NK, BS, EVEN_K, row_s, pt_layout, v_bufs.dtype)
-                acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(a_tok, p))
-            p = p_new
-    sp = (t + (NK - 1) // C) % STAGES
-    a_tok = warpgroup_mma(p, v_bufs.index(sp).slice((SPLIT - 1) * CT, CT, dim=0), acc, is_async=True)
-    acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(a_tok, p))
-    mbarrier.arrive(empty.index(sp), count=1)
-    return l_i, acc, l_tail
-
-
-@gluon.jit
-def _tail_release(ready, empty, t, NK, C: gl.constexpr, STAGES: gl.constexpr):
-    """A consumer with no query block (past the end) only gives the tail's slots back."""
-    for g0 in range(0, NK, C):
-        u = t + g0 // C
-        s = u % STAGES
-        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-        mbarrier.arrive(empty.index(s), count=1)
 
 
 @gluon.jit
@@ -560,7 +464,7 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
             BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
             EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
-            TAIL_PIPE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """A consumer's work after its exact blocks, shared by the input-precision and low-precision
     kernels: the centroid tail (ring entries ``t``, ``t + 1``, .. of ``k_bufs``/``v_bufs``), the
     first-order term, the LSE and the output tile (staged in the dead query tile ``q_s``, then one
@@ -601,18 +505,9 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
             rescale = gl.exp2(m_i - m_fix)
             acc = acc * gl.convert_layout(rescale, row_o)[:, None]
             l_i = l_i * rescale
-            m_i = m_fix
-            if TAIL_PIPE:
-                if active:
-                    l_i, acc, l_tail = _tail_pipelined(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, m_i, l_i, acc,
-                                                       l_tail, sc_scale, LK, NK, BS, C, STAGES, EVEN_K, LOG2_BS,
-                                                       s_layout, o_layout, 2 if NC == 3 else 1)
-                else:
-                    _tail_release(ready, empty, t, NK, C, STAGES)
-            else:
-                m_i, l_i, acc, l_tail = _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i, l_i,
-                                                   acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES, EVEN_K,
-                                                   LOG2_BS, s_layout, o_layout, p_layout, True, 2 if NC == 3 else 1)
+            m_i, l_i, acc, l_tail = _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_fix, l_i,
+                                               acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES, EVEN_K, LOG2_BS,
+                                               s_layout, o_layout, p_layout, True, 2 if NC == 3 else 1)
         else:
             if NC == 3:
                 q_online = q_s16
@@ -659,7 +554,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
               Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
               CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
-              TAIL_SLACK: gl.constexpr, TAIL_PIPE: gl.constexpr):
+              TAIL_SLACK: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -715,7 +610,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
             mbarrier.arrive(empty.index(s), count=1)
     _finish(q_s, k_bufs, v_bufs, ready, empty, n_union, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
-            BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, TAIL_PIPE, s_layout, o_layout, p_layout)
+            BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout)
 
 
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
@@ -727,7 +622,7 @@ def _pair_attn_kernel(
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
     PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
-    TAIL_SLACK: gl.constexpr, TAIL_PIPE: gl.constexpr,
+    TAIL_SLACK: gl.constexpr,
 ):
     # One CTA per group of NC query blocks (a pair, or three adjacent blocks: NC consumers).
     pair = gl.program_id(0)
@@ -773,12 +668,12 @@ def _pair_attn_kernel(
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, TAIL_PIPE)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, TAIL_PIPE)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
@@ -790,17 +685,17 @@ def _pair_attn_kernel(
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, TAIL_PIPE)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, TAIL_PIPE)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 2, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, TAIL_PIPE)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
         ], [4, 4, 4], [160, 160, 160])
 
 
@@ -864,9 +759,6 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # 7-24 on Gaussian, DiT-like and DINOv2 heads, all within 32 (notes/kernel-notes.md).
 TAIL_SLACK = {torch.bfloat16: 64.0, torch.float16: 4.0}
 TAIL_MAX = "auto"
-# The tail under its fixed maximum with each tile's Q·K̄ᵀ and weights under the previous tile's P·V̄
-# (:func:`_tail_pipelined`; the same bits as the sequential scan).
-TAIL_PIPELINE = False
 
 
 def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
@@ -911,7 +803,7 @@ def attention(
     alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
     pair_group: int | None = None, pair_order: str | None = None, pipeline: bool | None = None,
     codes: bool | None = None, query_group: int | None = None, kbound: Tensor | None = None,
-    tail_max: str | None = None, tail_pipeline: bool | None = None,
+    tail_max: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
@@ -931,8 +823,7 @@ def attention(
     ``kbound``: ``[B, Hk, D]`` float32 ``max_j |k̄_jd|`` (the statistics'; None: computed from
     ``kbar``). ``tail_max``: ``"auto"`` fixes the tail's maximum from that bound where it is tight
     enough (:data:`TAIL_SLACK`), ``"online"`` never does (None: :data:`TAIL_MAX`); both compute the
-    same function. ``tail_pipeline``: the fixed-maximum tail's schedule (None:
-    :data:`TAIL_PIPELINE`); both compute the same bits."""
+    same function."""
     del cnt, n_select
     slack = tail_slack(tail_max, kbound, q, k.shape[1])
     pair_only = (pair_group or 2) > 2 or bool(pipeline) or pair_order not in (None, "ascending")
@@ -974,7 +865,6 @@ def attention(
     m = MODE_IDS[mode]
     st = stages or (STAGES if nc == 2 else STAGES3)[d]
     pipe = nc == 2 and (PIPELINE if pipeline is None else bool(pipeline))
-    tail_pipe = TAIL_PIPELINE if tail_pipeline is None else bool(tail_pipeline)
     w2 = uidx.shape[-1]
     use_codes, cw, nch = code_chunks(w2, CODES if codes is None else bool(codes))
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
@@ -984,8 +874,8 @@ def attention(
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale, first_order_shift(bs, scale))
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
                       HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, NC=nc,
-                      TAIL_SLACK=slack, TAIL_PIPE=tail_pipe)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc, slack, tail_pipe,
+                      TAIL_SLACK=slack)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc, slack,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:8]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -1024,8 +914,7 @@ def tail_bound(kbar: Tensor, kscale: Tensor) -> Tensor:
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
                      has_qpair: bool = True, pipeline: bool | None = None, codes: bool | None = None,
-                     union_entries: int = 128, query_group: int = 2, tail_max: str = "auto",
-                     tail_pipeline: bool | None = None):
+                     union_entries: int = 128, query_group: int = 2, tail_max: str = "auto"):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -1045,8 +934,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or (STAGES if query_group == 2 else STAGES3)[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
                       PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw,
-                      NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0,
-                      TAIL_PIPE=TAIL_PIPELINE if tail_pipeline is None else bool(tail_pipeline))
+                      NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0)
     types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32", pw="fp32")

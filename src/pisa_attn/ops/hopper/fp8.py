@@ -56,7 +56,6 @@ from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.pairs import pair_union, triple_union, triple_width, union_width
-from . import attention as _input_kernel
 from .attention import MAX_REGS, TAIL_SLACK, _box, _finish, _tma_load, first_order_shift, tail_bound, tail_slack
 
 # The probabilities' factor: 256 for e4m3 and the input dtype, 255 for the unsigned INT8 codes.
@@ -268,7 +267,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
               LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV8: gl.constexpr,
               PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr,
-              NC: gl.constexpr, TAIL_SLACK: gl.constexpr, TAIL_PIPE: gl.constexpr):
+              NC: gl.constexpr, TAIL_SLACK: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -450,7 +449,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
     # The input-precision kernel's tail (on the tail ring), first-order term and output.
     _finish(q_s, kb_bufs, vb_bufs, tready, tempty, 0, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
-            BS, D, C, TSTAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, TAIL_PIPE, s_layout, o_layout, p_layout)
+            BS, D, C, TSTAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout)
 
 
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "LKP", "NQ", "NK", "W2", "NW"])
@@ -462,7 +461,7 @@ def _fp8_pair_kernel(
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
     QK_INT8: gl.constexpr, PV8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
-    LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr, TAIL_PIPE: gl.constexpr,
+    LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
 ):
     # One CTA per group of NC adjacent query blocks (a pair or three: NC consumer warpgroups).
     pair = gl.program_id(0)
@@ -530,12 +529,12 @@ def _fp8_pair_kernel(
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, TAIL_PIPE)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, TAIL_PIPE)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
@@ -547,17 +546,17 @@ def _fp8_pair_kernel(
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, TAIL_PIPE)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, TAIL_PIPE)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 2, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, TAIL_PIPE)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
         ], [4, 4, 4], [160, 160, 160])
 
 
@@ -650,7 +649,7 @@ def attention(
     pairs: tuple[Tensor, ...] | None = None, stages: tuple[int, int] | None = None,
     pipeline: bool | None = None, v: Tensor | None = None, pv_accumulate: bool | None = None,
     pingpong: bool | None = None, lookahead: int | None = None, query_group: int | None = None,
-    kbound: Tensor | None = None, tail_max: str | None = None, tail_pipeline: bool | None = None,
+    kbound: Tensor | None = None, tail_max: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The low-precision kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
     ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
@@ -665,8 +664,8 @@ def attention(
     ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`); ``lookahead``: how far
     ahead the stream's codes are read (None: :data:`LOOKAHEAD` for the format). ``query_group``:
     adjacent query blocks per CTA, 2 or 3 (None: :func:`query_group_for`, or 2 with ``pipeline`` or
-    ``pingpong``; 3 runs neither the pipelined loop nor ping-pong). ``kbound``, ``tail_max``, ``tail_pipeline``: the tail's maximum
-    and schedule, as :func:`.attention.attention` takes them."""
+    ``pingpong``; 3 runs neither the pipelined loop nor ping-pong). ``kbound``, ``tail_max``: the tail's maximum, as
+    :func:`.attention.attention` takes them."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
@@ -721,11 +720,10 @@ def attention(
     la = LOOKAHEAD[pv8] if lookahead is None else lookahead
     if la not in (1, 2):
         raise ValueError(f"lookahead: 1 or 2 union entries, got {lookahead!r}")
-    tail_pipe = _input_kernel.TAIL_PIPELINE if tail_pipeline is None else bool(tail_pipeline)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
                       PIPELINE=pipe, QK_INT8=qk_int8, PV8=pv8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la,
-                      PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack, TAIL_PIPE=tail_pipe)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8, nc, slack, tail_pipe,
+                      PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8, nc, slack,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:11]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -738,7 +736,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                      dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None,
                      pipeline: bool | None = None, precision: str = "fp8", pingpong: bool | None = None,
                      lookahead: int | None = None, query_group: int = 2, tail_max: str = "auto",
-                     pv_accumulate: bool | None = None, tail_pipeline: bool | None = None):
+                     pv_accumulate: bool | None = None):
     """Compile the low-precision pair kernel for sm_90a without a GPU (as
     :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``."""
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
@@ -767,8 +765,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                       PV_ACC=PV_ACCUMULATE[pv8] if pv_accumulate is None else bool(pv_accumulate),
                       PINGPONG=PINGPONG if pingpong is None else bool(pingpong),
                       LOOKAHEAD=LOOKAHEAD[pv8] if lookahead is None else int(lookahead), PV_INT8=pv_int8,
-                      NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0,
-                      TAIL_PIPE=_input_kernel.TAIL_PIPELINE if tail_pipeline is None else bool(tail_pipeline))
+                      NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0)
     types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", vcs_ptr="*i32",
                  qk_scale="fp32", scale="fp32", pw="fp32")
