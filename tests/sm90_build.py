@@ -48,7 +48,7 @@ res = {{}}
 for name, args in json.loads(sys.argv[1]).items():
     k = {call}
     ptx = k.asm["ptx"]
-    res[name] = dict(shared=k.metadata.shared, sm90a=".target sm_90a" in ptx,
+    res[name] = dict(triton=triton.__version__, shared=k.metadata.shared, sm90a=".target sm_90a" in ptx,
                      fp8_wgmma=len(re.findall(r"wgmma\\.mma_async[^\\n]*\\.e4m3\\.e4m3", ptx)),
                      s8_wgmma=len(re.findall(r"wgmma\\.mma_async[^\\n]*\\.s8\\.s8", ptx)),
                      wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),

@@ -2,8 +2,8 @@
 
 One CTA owns a group of ``NC`` 64-row query blocks of one head: a *pair* (chosen by how many exact
 key blocks they share, :func:`pisa_attn.ops.triton.pairs.pair_match`, or adjacent), or three
-adjacent blocks (:func:`pisa_attn.ops.triton.pairs.triple_union`; the default for an even key
-length, see :data:`QUERY_GROUP`). It runs ``NC + 1`` partitions:
+adjacent blocks (:func:`pisa_attn.ops.triton.pairs.triple_union`; the default, see
+:data:`QUERY_GROUP`). It runs ``NC + 1`` partitions:
 
 * the loader (default partition, 4 warps, few registers) streams, through a ring of ``STAGES``
   shared-memory slots filled by TMA, first the sorted union of the group's exact key blocks,
@@ -246,6 +246,14 @@ def _pad_bits(word, n):
 
 
 @gluon.jit
+def _mask_ragged(sc, j, cols, LK, BS: gl.constexpr):
+    """Scores of key block ``j`` with the columns past ``LK`` at -inf (only the last block has any;
+    a branch around the select for that block alone miscompiles at D = 64 in keep-or-drop mode with
+    Triton 3.6: every output wrong)."""
+    return gl.where((cols < gl.minimum(LK - j * BS, BS))[None, :], sc, float("-inf"))
+
+
+@gluon.jit
 def _tail_tile_fixed(q16, kb, vb, lo, hi, j0, ct, m_t, c_t, l_i, acc, l_tail, zero, sc_scale, LK, NK,
                      BS: gl.constexpr, EVEN_K: gl.constexpr, row_s: gl.constexpr, p_layout: gl.constexpr):
     """``CT`` centroids from ``j0`` (``kb`` ``[CT, D]``; bitmask words ``lo``, and ``hi`` for
@@ -310,38 +318,64 @@ def _tail_group_fixed(q16, kb, vb, lo, hi, g0, m_i, l_i, acc, l_tail, sc_scale, 
 
 
 @gluon.jit
+def _tail_step(q16, k_bufs, v_bufs, ready, empty, t, g0, brow, NW, active, lo_next, hi_next, m_i, l_i, acc, l_tail,
+               s_zero, cols, sc_scale, LK, NK, BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr,
+               EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+               p_layout: gl.constexpr, FIXED: gl.constexpr, SPLIT: gl.constexpr):
+    """The centroid group from ``g0`` (ring entry ``t + g0 / C``; its bitmask words ``lo_next``,
+    ``hi_next``) into the running state; the next group's words are read here, one group ahead."""
+    lo = lo_next
+    hi = hi_next
+    w_next = (g0 + C) // 32
+    lo_next = gl.load(brow + w_next, mask=active & (w_next < NW), other=0)
+    if C > 32:
+        hi_next = gl.load(brow + w_next + 1, mask=active & (w_next + 1 < NW), other=-1)
+    u = t + g0 // C  # the group's ring entry
+    s = u % STAGES
+    mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+    if active:
+        if FIXED:
+            m_i, l_i, acc, l_tail = _tail_group_fixed(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0,
+                                                      m_i, l_i, acc, l_tail, sc_scale, LK, NK, BS, C, EVEN_K,
+                                                      LOG2_BS, s_layout, o_layout, SPLIT)
+        else:
+            m_i, l_i, acc, l_tail = _tail_group(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0,
+                                                cols, m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C,
+                                                EVEN_K, LOG2_BS, s_layout, o_layout, p_layout)
+    mbarrier.arrive(empty.index(s), count=1)
+    return lo_next, hi_next, m_i, l_i, acc, l_tail
+
+
+@gluon.jit
 def _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i, l_i, acc, l_tail, s_zero, sc_scale,
                LK, NK, BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
                LOG2_BS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-               FIXED: gl.constexpr, SPLIT: gl.constexpr):
+               FIXED: gl.constexpr, SPLIT: gl.constexpr, PEEL: gl.constexpr):
     """Every centroid group of the ring (entries ``t``, ``t + 1``, ..; ``ready``/``empty`` its
     barriers) into the running state, under the fixed maximum ``m_i`` (FIXED) or the online one;
-    a consumer whose query block is past the end (not ``active``) only releases the slots."""
+    a consumer whose query block is past the end (not ``active``) only releases the slots. With a
+    ragged Lk and ``PEEL`` only the group holding the last key block weighs its columns by
+    ``log2 n_j``, after the loop: that keeps the ragged code's registers out of it (three
+    consumers at 160 registers need that; pairs at 240 do not, and the second copy of the group's
+    code would cost them a few spills outside the loop)."""
     # made here, not kept in registers through the exact loop
     cols = gl.arange(0, BS, layout=gl.SliceLayout(0, s_layout))
     # The group's exact-set bits, one (C = 32) or two (C = 64) words, read one group ahead.
     lo_next = gl.load(brow, mask=active, other=0)
     hi_next = gl.load(brow + 1, mask=active & (NW > 1), other=-1)
-    for g0 in range(0, NK, C):
-        lo = lo_next
-        hi = hi_next
-        w_next = (g0 + C) // 32
-        lo_next = gl.load(brow + w_next, mask=active & (w_next < NW), other=0)
-        if C > 32:
-            hi_next = gl.load(brow + w_next + 1, mask=active & (w_next + 1 < NW), other=-1)
-        u = t + g0 // C  # the group's ring entry
-        s = u % STAGES
-        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-        if active:
-            if FIXED:
-                m_i, l_i, acc, l_tail = _tail_group_fixed(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0,
-                                                          m_i, l_i, acc, l_tail, sc_scale, LK, NK, BS, C, EVEN_K,
-                                                          LOG2_BS, s_layout, o_layout, SPLIT)
-            else:
-                m_i, l_i, acc, l_tail = _tail_group(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0,
-                                                    cols, m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C,
-                                                    EVEN_K, LOG2_BS, s_layout, o_layout, p_layout)
-        mbarrier.arrive(empty.index(s), count=1)
+    if EVEN_K or not PEEL:
+        n_even = NK
+    else:
+        n_even = (NK - 1) // C * C  # the groups before the one holding the ragged last block
+    for g0 in range(0, n_even, C):
+        lo_next, hi_next, m_i, l_i, acc, l_tail = _tail_step(
+            q16, k_bufs, v_bufs, ready, empty, t, g0, brow, NW, active, lo_next, hi_next, m_i, l_i, acc, l_tail,
+            s_zero, cols, sc_scale, LK, NK, BS, C, STAGES, EVEN_K or PEEL, LOG2_BS, s_layout, o_layout, p_layout,
+            FIXED, SPLIT)
+    if PEEL and not EVEN_K:
+        lo_next, hi_next, m_i, l_i, acc, l_tail = _tail_step(
+            q16, k_bufs, v_bufs, ready, empty, t, n_even, brow, NW, active, lo_next, hi_next, m_i, l_i, acc, l_tail,
+            s_zero, cols, sc_scale, LK, NK, BS, C, STAGES, False, LOG2_BS, s_layout, o_layout, p_layout, FIXED, SPLIT)
     return m_i, l_i, acc, l_tail
 
 
@@ -439,14 +473,14 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_
                 # The oldest group only (the scores): P·V(j-1) stays on the tensor cores.
                 sc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
                 if not EVEN_K:
-                    sc = gl.where(((code >> NC) * BS + cols < LK)[None, :], sc, float("-inf"))
+                    sc = _mask_ragged(sc, code >> NC, cols, LK, BS)
                 m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, qk_scale, p_layout, v_bufs.dtype)
                 acc, p = warpgroup_mma_wait(num_outstanding=0, deps=(a_tok, p))
                 mbarrier.arrive(empty.index(sp), count=1)
             else:
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
                 if not EVEN_K:
-                    sc = gl.where(((code >> NC) * BS + cols < LK)[None, :], sc, float("-inf"))
+                    sc = _mask_ragged(sc, code >> NC, cols, LK, BS)
                 m_i, l_i, rescale, p_new = _softmax_p(m_i, l_i, sc, qk_scale, p_layout, v_bufs.dtype)
             # acc holds the blocks before j at the old maximum: rescale it after their P·V.
             acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o_layout))[:, None]
@@ -507,7 +541,7 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
             l_i = l_i * rescale
             m_i, l_i, acc, l_tail = _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_fix, l_i,
                                                acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES, EVEN_K, LOG2_BS,
-                                               s_layout, o_layout, p_layout, True, 2 if NC == 3 else 1)
+                                               s_layout, o_layout, p_layout, True, 2 if NC == 3 else 1, NC == 3)
         else:
             if NC == 3:
                 q_online = q_s16
@@ -515,7 +549,7 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
                 q_online = q16
             m_i, l_i, acc, l_tail = _tail_loop(q_online, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i, l_i,
                                                acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES, EVEN_K, LOG2_BS,
-                                               s_layout, o_layout, p_layout, False, 1)
+                                               s_layout, o_layout, p_layout, False, 1, NC == 3)
 
     if active:
         out = acc / gl.convert_layout(l_i, row_o)[:, None]
@@ -604,7 +638,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                 sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
                 if not EVEN_K:
-                    sc = gl.where((j * BS + cols < LK)[None, :], sc, float("-inf"))
+                    sc = _mask_ragged(sc, j, cols, LK, BS)
                 m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, qk_scale, v_bufs.index(s), s_layout,
                                                            o_layout, p_layout)
             mbarrier.arrive(empty.index(s), count=1)
@@ -713,16 +747,19 @@ MAX_REGS = {2: 168, 3: 128}
 # Query blocks a CTA serves, per mode: 2 (a pair; its partner adjacent or matched) or 3 (adjacent
 # blocks, three consumer warpgroups at 160 registers, the union stream in ascending order). Three
 # overlap more of the exact loop's latency: keep-or-drop up to 7 % faster at 8K-64K, hybrid 3-9 %
-# faster at 32K-64K (the tail under its fixed maximum, in 32-column tiles); a ragged Lk spills in
-# the loops, so it takes pairs (H200, benchmarks/results/h200_query_group.json,
-# h200_tail_fixed.json). Ring depth for three per head dim.
+# faster at 32K-64K (the tail under its fixed maximum, in 32-column tiles; H200,
+# benchmarks/results/h200_query_group.json, h200_tail_fixed.json). A ragged Lk too, since only the
+# tail group holding its last block weighs columns by log2 n_j, after the tail loop (no spills in
+# the loops): hybrid attend 2-10 % and the whole call 3-8 % faster than pairs at 32K-75K
+# (h200_ragged_groups.json). Ring depth for three per head dim.
 QUERY_GROUP = {"drop": 3, "zeroth": 3, "hybrid": 3}
 STAGES3 = {64: 4, 128: 4}
 
 
 def query_group_for(mode: str, lk: int, block_size: int) -> int:
-    """Query blocks per CTA the kernel uses by default for ``mode`` and key length ``lk``."""
-    return QUERY_GROUP[mode] if lk % block_size == 0 else 2
+    """Query blocks per CTA the kernel uses by default for ``mode`` (any key length)."""
+    del lk, block_size
+    return QUERY_GROUP[mode]
 
 
 # Query blocks are paired inside aligned groups of this many blocks by shared exact blocks
