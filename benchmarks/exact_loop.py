@@ -70,6 +70,24 @@ def ms(fn, est_ms: float = 1.0) -> float:
     return triton.testing.do_bench(fn, warmup=max(25, 3 * est_ms), rep=max(100, 12 * est_ms), return_mode="median")
 
 
+def whole_rounds(q, k, v, variants: dict, est_ms: float, rounds: int = 3) -> dict:
+    """The whole call (plan/run) of each variant, timed in ``rounds`` interleaved rounds: ``variants``
+    maps a key to ``(apply, settings)``, ``apply()`` setting the variant's module state before its
+    plan and before each of its timings (the caller restores the defaults). Returns key -> ms list."""
+    out = torch.empty_like(q)
+    plans = {}
+    for key, (apply, settings) in variants.items():
+        apply()
+        plans[key] = plan(q, k, settings)
+        run(plans[key], q, k, v, out=out)
+    ts = {key: [] for key in variants}
+    for _ in range(rounds):
+        for key, (apply, _) in variants.items():
+            apply()
+            ts[key].append(ms(lambda p=plans[key]: run(p, q, k, v, out=out), est_ms=est_ms))
+    return ts
+
+
 def write_rows(name: str, rows: list) -> None:
     """``rows`` as ``$OUT/name`` (default ``.``), with the card and toolchain versions."""
     import json

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exact_loop as E  # noqa: E402  (the inputs and timing of the exact-loop benchmark)
 
-from pisa_attn import PisaSettings, plan, run  # noqa: E402
+from pisa_attn import PisaSettings  # noqa: E402
 from pisa_attn.ops.triton import prepare as P  # noqa: E402
 
 SPLITS = (1, 2)
@@ -28,16 +28,9 @@ def main() -> None:
         t_cudnn = E.cudnn_ms(L)
         for source in ("random", "dit"):
             q, k, v = E.qkv(source, L)
-            out = torch.empty_like(q)
-            plans, ts = {}, {s: [] for s in SPLITS}
-            for s in SPLITS:
-                P.STATS_TUNING["hdev_split"] = s
-                plans[s] = plan(q, k, PisaSettings(density=0.125, backend="hopper"))
-                run(plans[s], q, k, v, out=out)
-            for _ in range(3):
-                for s in SPLITS:
-                    P.STATS_TUNING["hdev_split"] = s
-                    ts[s].append(E.ms(lambda p=plans[s]: run(p, q, k, v, out=out), est_ms=t_cudnn * 0.16))
+            ts = E.whole_rounds(q, k, v, {s: (lambda s=s: P.STATS_TUNING.__setitem__("hdev_split", s),
+                                              PisaSettings(density=0.125, backend="hopper")) for s in SPLITS},
+                                est_ms=t_cudnn * 0.16)
             P.STATS_TUNING["hdev_split"] = 2
             for s in SPLITS:
                 t = statistics.median(ts[s])
@@ -45,7 +38,7 @@ def main() -> None:
                                  speedup=t_cudnn / t))
                 print(f"{L:>6} {source:6} hybrid hdev_split {s}: {t:.3f} ms {t_cudnn / t:.2f}x (cuDNN {t_cudnn:.2f})"
                       "  rounds " + " ".join(f"{x:.3f}" for x in ts[s]), flush=True)
-            del q, k, v, out, plans
+            del q, k, v
             torch.cuda.empty_cache()
     E.write_rows("hdev_split_whole.json", rows)
 

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exact_loop as E  # noqa: E402  (the inputs and timing of the exact-loop benchmark)
 
-from pisa_attn import PisaSettings, plan, run  # noqa: E402
+from pisa_attn import PisaSettings  # noqa: E402
 from pisa_attn.ops.hopper import attention as gattn  # noqa: E402
 
 DEFAULTS = dict(gattn.QUERY_GROUP)
@@ -30,16 +30,10 @@ def main() -> None:
         for source in ("random", "dit"):
             q, k, v = E.qkv(source, L)
             for mode in ("hybrid", "drop"):
-                out = torch.empty_like(q)
-                plans, ts = {}, {2: [], 3: []}
-                for nc in (2, 3):
-                    gattn.QUERY_GROUP[mode] = nc
-                    plans[nc] = plan(q, k, PisaSettings(density=0.125, mode=mode, backend="hopper"))
-                    run(plans[nc], q, k, v, out=out)
+                ts = E.whole_rounds(q, k, v, {nc: (lambda nc=nc: gattn.QUERY_GROUP.__setitem__(mode, nc),
+                                                   PisaSettings(density=0.125, mode=mode, backend="hopper"))
+                                              for nc in (2, 3)}, est_ms=t_cudnn * 0.16)
                 gattn.QUERY_GROUP.update(DEFAULTS)
-                for _ in range(3):
-                    for nc in (2, 3):
-                        ts[nc].append(E.ms(lambda p=plans[nc]: run(p, q, k, v, out=out), est_ms=t_cudnn * 0.16))
                 for nc in (2, 3):
                     t = statistics.median(ts[nc])
                     rows.append(dict(L=L, source=source, mode=mode, query_group=nc, whole_ms=t, rounds=ts[nc],

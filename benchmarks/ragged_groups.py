@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exact_loop as E  # noqa: E402
 
-from pisa_attn import PisaSettings, data, plan, run  # noqa: E402
+from pisa_attn import PisaSettings, data  # noqa: E402
 from pisa_attn.metrics import rel_l1  # noqa: E402
 from pisa_attn.ops.hopper import attention as gattn  # noqa: E402
 
@@ -91,18 +91,10 @@ def bench(case: str, source: str, whole: bool) -> list:
               f"{row['share_of_cudnn']:.3f} | vs pairs {row['drop_rel_l1_to_pairs']:.1e} / "
               f"{row['hybrid_rel_l1_to_pairs']:.1e}", flush=True)
     if whole:
-        out = torch.empty_like(q)
         default = gattn.query_group_for
-        plans, tw = {}, {}
-        for nc in (2, 3):
-            gattn.query_group_for = lambda mode, lk, bs, nc=nc: nc
-            plans[nc] = plan(q, k, PisaSettings(density=DENSITY, backend="hopper"))
-            run(plans[nc], q, k, v, out=out)
-            tw[nc] = []
-        for _ in range(ROUNDS):
-            for nc in (2, 3):
-                gattn.query_group_for = lambda mode, lk, bs, nc=nc: nc
-                tw[nc].append(E.ms(lambda p=plans[nc]: run(p, q, k, v, out=out), est_ms=t_cudnn * 0.16))
+        tw = E.whole_rounds(q, k, v, {nc: (lambda nc=nc: setattr(gattn, "query_group_for", lambda mode, lk, bs: nc),
+                                           PisaSettings(density=DENSITY, backend="hopper")) for nc in (2, 3)},
+                            est_ms=t_cudnn * 0.16)
         gattn.query_group_for = default
         for nc in (2, 3):
             t = statistics.median(tw[nc])
