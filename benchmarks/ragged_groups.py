@@ -1,8 +1,8 @@
 """A ragged key length (Lk not a multiple of 64, as in most video models' token counts) on the bf16
-Hopper kernel: two or three query blocks per CTA, against the kernel before the ragged mask moved
-to the last key block alone (``ops/hopper/_before.py`` when present: pairs, its default), on one
+Hopper kernel: two or three query blocks per CTA, against a kernel before a change
+(``ops/hopper/_before.py`` when present, a copy of an earlier ``attention.py``; three), on one
 selection per case: the attend kernel alone (drop, hybrid), then the whole hybrid call (plan/run)
-with each query group. B2-H16-D128 bf16 Gaussian and DiT-like inputs at L - 37 and a
+with each. B2-H16-D128 bf16 Gaussian and DiT-like inputs at L - 37 and a
 Wan2.1-720p-like B1-H16-L75600 DiT-like case, 12.5 %, 3 interleaved rounds (median), cuDNN SDPA
 (at L) in the same run; outputs compared.
 
@@ -60,7 +60,7 @@ def bench(case: str, source: str, whole: bool) -> list:
     stats, sel, n_sel = E.selection(q, k, v, DENSITY)
     frac = sel.cnt.sum().item() / (q.shape[0] * q.shape[1] * sel.bits.shape[2] * stats.kbar.shape[2])
     scale = q.shape[-1] ** -0.5
-    kernels = [("pairs", gattn, 2), ("three", gattn, 3)] + ([("before-pairs", before, 2)] if before else [])
+    kernels = [("pairs", gattn, 2), ("three", gattn, 3)] + ([("before-three", before, 3)] if before else [])
     fns, outs = {}, {}
     for name, mod, nc in kernels:
         for mode in ("drop", "hybrid"):
@@ -91,16 +91,26 @@ def bench(case: str, source: str, whole: bool) -> list:
               f"{row['share_of_cudnn']:.3f} | vs pairs {row['drop_rel_l1_to_pairs']:.1e} / "
               f"{row['hybrid_rel_l1_to_pairs']:.1e}", flush=True)
     if whole:
-        default = gattn.query_group_for
-        tw = E.whole_rounds(q, k, v, {nc: (lambda nc=nc: setattr(gattn, "query_group_for", lambda mode, lk, bs: nc),
-                                           PisaSettings(density=DENSITY, backend="hopper")) for nc in (2, 3)},
-                            est_ms=t_cudnn * 0.16)
-        gattn.query_group_for = default
-        for nc in (2, 3):
-            t = statistics.median(tw[nc])
-            rows.append(dict(case=case, source=source, lk=k.shape[2], kernel="whole", query_group=nc, whole_ms=t,
-                             rounds=tw[nc], cudnn_ms=t_cudnn, speedup=t_cudnn / t))
-            print(f"  whole hybrid query_group {nc}: {t:.3f} ms {t_cudnn / t:.2f}x", flush=True)
+        # With the kernel before: its launcher in place of this one (each plan records its own).
+        default, launch = gattn.query_group_for, gattn._launch
+
+        def variant(nc, lau):
+            def apply():
+                gattn.query_group_for = lambda mode, lk, bs: nc
+                gattn._launch = lau
+            return apply, PisaSettings(density=DENSITY, backend="hopper")
+
+        variants = {"pairs": variant(2, launch), "three": variant(3, launch)}
+        if before:
+            variants["before-three"] = variant(3, before._launch)
+        tw = E.whole_rounds(q, k, v, variants, est_ms=t_cudnn * 0.16)
+        gattn.query_group_for, gattn._launch = default, launch
+        for name in variants:
+            t = statistics.median(tw[name])
+            rows.append(dict(case=case, source=source, lk=k.shape[2], kernel="whole-" + name,
+                             query_group=2 if name == "pairs" else 3, whole_ms=t, rounds=tw[name], cudnn_ms=t_cudnn,
+                             speedup=t_cudnn / t))
+            print(f"  whole hybrid {name:12}: {t:.3f} ms {t_cudnn / t:.2f}x", flush=True)
     return rows
 
 

@@ -247,9 +247,10 @@ def _pad_bits(word, n):
 
 @gluon.jit
 def _mask_ragged(sc, j, cols, LK, BS: gl.constexpr):
-    """Scores of key block ``j`` with the columns past ``LK`` at -inf (only the last block has any;
-    a branch around the select for that block alone miscompiles at D = 64 in keep-or-drop mode with
-    Triton 3.6: every output wrong)."""
+    """Scores of key block ``j`` with the columns past ``LK`` at -inf (only the last block has any).
+    Pairs stream their blocks out of order and select on every block: a branch around the select
+    for the last block alone miscompiled at D = 64 in keep-or-drop mode with Triton 3.6 (every
+    output wrong); three query blocks peel the last stream entry instead."""
     return gl.where((cols < gl.minimum(LK - j * BS, BS))[None, :], sc, float("-inf"))
 
 
@@ -580,6 +581,26 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
 
 
 @gluon.jit
+def _exact_step(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, s_zero, cols, qk_scale, LK,
+                CID: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, NC: gl.constexpr):
+    """Stream entry ``u`` (``code``: key block << NC | owner bits) of the sequential exact loop:
+    wait for its slot, and if this consumer owns it Q·Kᵀ, softmax, P·V; then release the slot.
+    Without EVEN_K the columns past ``LK`` are masked."""
+    s = u % STAGES
+    mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+    if ((code >> CID) & 1) != 0:
+        sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        if not EVEN_K:
+            sc = _mask_ragged(sc, code >> NC, cols, LK, BS)
+        m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, qk_scale, v_bufs.index(s), s_layout,
+                                                   o_layout, p_layout)
+    mbarrier.arrive(empty.index(s), count=1)
+    return m_i, l_i, acc
+
+
+@gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
               q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
               uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
@@ -625,23 +646,23 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                                          m_i, l_i, acc, s_zero, cols, qk_scale, LK, CID, BS, STAGES, EVEN_K, s_layout,
                                          o_layout, p_layout, CODES, NCH * CW, CODE_L, NC)
     else:
-        # The reference loop: Q·Kᵀ, wait, softmax, P·V, wait, one block after the other.
+        # The reference loop: Q·Kᵀ, wait, softmax, P·V, wait, one block after the other. Three
+        # query blocks stream the union in ascending order, so a ragged last key block can only
+        # be the last entry: it is masked after the loop (PEEL), and the loop masks nothing.
+        PEEL: gl.constexpr = NC == 3 and not EVEN_K
+        n_loop = n_union - 1 if PEEL else n_union
         code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCH * CW, CODE_L)
-        for u in range(n_union):
+        for u in range(n_loop):
             code = code_next
             code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCH * CW, CODE_L)
-            s = u % STAGES
-            ph = (u // STAGES) & 1
-            mbarrier.wait(ready.index(s), ph)
-            if ((code >> CID) & 1) != 0:
-                j = code >> NC
-                sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-                if not EVEN_K:
-                    sc = _mask_ragged(sc, j, cols, LK, BS)
-                m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, qk_scale, v_bufs.index(s), s_layout,
-                                                           o_layout, p_layout)
-            mbarrier.arrive(empty.index(s), count=1)
+            m_i, l_i, acc = _exact_step(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, s_zero, cols,
+                                        qk_scale, LK, CID, BS, STAGES, EVEN_K or PEEL, s_layout, o_layout, p_layout,
+                                        NC)
+        if PEEL:
+            if n_union > 0:
+                m_i, l_i, acc = _exact_step(qa, k_bufs, v_bufs, ready, empty, code_next, n_loop, m_i, l_i, acc,
+                                            s_zero, cols, qk_scale, LK, CID, BS, STAGES, False, s_layout, o_layout,
+                                            p_layout, NC)
     _finish(q_s, k_bufs, v_bufs, ready, empty, n_union, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
             BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout)
