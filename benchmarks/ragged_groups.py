@@ -2,11 +2,11 @@
 Hopper kernel: two or three query blocks per CTA, against a kernel before a change
 (``ops/hopper/_before.py`` when present, a copy of an earlier ``attention.py``; three), on one
 selection per case: the attend kernel alone (drop, hybrid), then the whole hybrid call (plan/run)
-with each. B2-H16-D128 bf16 Gaussian and DiT-like inputs at L - 37 and a
-Wan2.1-720p-like B1-H16-L75600 DiT-like case, 12.5 %, 3 interleaved rounds (median), cuDNN SDPA
-(at L) in the same run; outputs compared.
+with each. B2-H16-D128 bf16 Gaussian and DiT-like inputs at L - TRIM (default 37; 0 for an even
+length) and a Wan2.1-720p-like B1-H16-L75600 DiT-like case, 12.5 %, ROUNDS interleaved rounds
+(default 3; median), cuDNN SDPA (at the same length) in the same run; outputs compared.
 
-    PYTHONPATH=src CASES="32768 65536" OUT=out python3 benchmarks/ragged_groups.py
+    PYTHONPATH=src CASES="32768 65536" TRIM=37 OUT=out python3 benchmarks/ragged_groups.py
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pisa_attn import PisaSettings, data  # noqa: E402
 from pisa_attn.metrics import rel_l1  # noqa: E402
 from pisa_attn.ops.hopper import attention as gattn  # noqa: E402
 
-ROUNDS = 3
+ROUNDS = int(os.environ.get("ROUNDS", "3"))
+TRIM = int(os.environ.get("TRIM", "37"))
 DENSITY = 0.125
 try:
     before = importlib.import_module("pisa_attn.ops.hopper._before")
@@ -42,10 +43,10 @@ def inputs(case: str, source: str):
     L = int(case)
     if source == "random":
         g = torch.Generator(device="cuda").manual_seed(L)
-        return tuple(torch.randn(E.B, E.H, L - 37, E.D, generator=g, device="cuda", dtype=torch.bfloat16)
+        return tuple(torch.randn(E.B, E.H, L - TRIM, E.D, generator=g, device="cuda", dtype=torch.bfloat16)
                      for _ in range(3))
     q, k, v = E.qkv("dit", L)
-    return q[:, :, : L - 37].contiguous(), k[:, :, : L - 37].contiguous(), v[:, :, : L - 37].contiguous()
+    return tuple(x[:, :, : L - TRIM].contiguous() for x in (q, k, v))
 
 
 def cudnn_ms(q, k, v) -> float:
@@ -91,20 +92,20 @@ def bench(case: str, source: str, whole: bool) -> list:
               f"{row['share_of_cudnn']:.3f} | vs pairs {row['drop_rel_l1_to_pairs']:.1e} / "
               f"{row['hybrid_rel_l1_to_pairs']:.1e}", flush=True)
     if whole:
-        # With the kernel before: its launcher in place of this one (each plan records its own).
-        default, launch = gattn.query_group_for, gattn._launch
+        # With the kernel before: its attention() in place of this one (each plan records its own launches).
+        default, attend = gattn.query_group_for, gattn.attention
 
-        def variant(nc, lau):
+        def variant(nc, fn):
             def apply():
                 gattn.query_group_for = lambda mode, lk, bs: nc
-                gattn._launch = lau
+                gattn.attention = fn
             return apply, PisaSettings(density=DENSITY, backend="hopper")
 
-        variants = {"pairs": variant(2, launch), "three": variant(3, launch)}
+        variants = {"pairs": variant(2, attend), "three": variant(3, attend)}
         if before:
-            variants["before-three"] = variant(3, before._launch)
-        tw = E.whole_rounds(q, k, v, variants, est_ms=t_cudnn * 0.16)
-        gattn.query_group_for, gattn._launch = default, launch
+            variants["before-three"] = variant(3, before.attention)
+        tw = E.whole_rounds(q, k, v, variants, est_ms=t_cudnn * 0.16, rounds=ROUNDS)
+        gattn.query_group_for, gattn.attention = default, attend
         for name in variants:
             t = statistics.median(tw[name])
             rows.append(dict(case=case, source=source, lk=k.shape[2], kernel="whole-" + name,

@@ -119,9 +119,10 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
             uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
             HAS_QPAIR: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr,
-            NC: gl.constexpr):
-    # The group's stream codes first (one TMA into shared memory, when CODES), then both query tiles
-    # (a tile past Lq is zero-filled by TMA) and H̄, each on its own barrier.
+            NC: gl.constexpr, HB_RING: gl.constexpr):
+    # The group's stream codes first (one TMA into shared memory, when CODES), then the query tiles
+    # (a tile past Lq is zero-filled by TMA) and H̄ (unless it comes last through the ring,
+    # HB_RING), each on its own barrier.
     if CODES:
         mbarrier.expect(code_bar.index(0), NCH * cd_desc.block_type.nbytes)
         for c in gl.static_range(NCH):
@@ -130,7 +131,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
         qi = _query_block(qpair_ptr, pair_row, pair, c, HAS_QPAIR, NC)
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, qi * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
-    if MODE == 2:
+    if MODE == 2 and not HB_RING:
         mbarrier.expect(hb_bar.index(0), hb_desc.block_type.nbytes)
         _tma_load(hb_desc, [bhk, 0, 0], hb_bar.index(0), _box(hb_smem, hb_desc))
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
@@ -167,6 +168,14 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
             _tma_load(kb_desc, [bhk, g0, 0], ready.index(s), _box(k_bufs.index(s), kb_desc))
             _tma_load(vb_desc, [bhk, g0, 0], ready.index(s), _box(v_bufs.index(s), vb_desc))
             t += 1
+    if HB_RING:
+        # H̄'s two 64-row halves as the ring's last entry (its K and V slots): only the
+        # first-order term needs them, so no slot of their size is held through the loops.
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), 2 * hb_desc.block_type.nbytes)
+        _tma_load(hb_desc, [bhk, 0, 0], ready.index(s), _box(k_bufs.index(s), hb_desc))
+        _tma_load(hb_desc, [bhk, BS, 0], ready.index(s), _box(v_bufs.index(s), hb_desc))
 
 
 @gluon.jit
@@ -499,12 +508,14 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
             BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
             EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
-            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, HB_RING: gl.constexpr = False):
     """A consumer's work after its exact blocks, shared by the input-precision and low-precision
     kernels: the centroid tail (ring entries ``t``, ``t + 1``, .. of ``k_bufs``/``v_bufs``), the
     first-order term, the LSE and the output tile (staged in the dead query tile ``q_s``, then one
     TMA store). ``m_i``, ``l_i`` (rows of ``s_layout``) and ``acc`` (``o_layout``): the state after
-    the exact blocks, in the input-precision kernel's units."""
+    the exact blocks, in the input-precision kernel's units. H̄ is ``hb_smem`` (its barrier
+    ``hb_bar``), or with HB_RING (three query blocks, D = 2·BS) the ring entry after the tail: rows
+    0..BS-1 in its K slot, BS..D-1 in its V slot."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
@@ -552,22 +563,35 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
                                                acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES, EVEN_K, LOG2_BS,
                                                s_layout, o_layout, p_layout, False, 1, NC == 3)
 
+    if HB_RING:
+        u_hb = t + (NK + C - 1) // C  # the entry after the centroid groups
+        s_hb = u_hb % STAGES
+        mbarrier.wait(ready.index(s_hb), (u_hb // STAGES) & 1)
     if active:
         out = acc / gl.convert_layout(l_i, row_o)[:, None]
         if MODE == 2:
             # + (l_tail / l)·α·(s / BS)·q H̄, accumulated into the output (no [BS, D] temporary):
             # q·(α l_tail / l)·(s / BS)·2^e as the A operand (at most α|q|), the output scaled by
             # the power of two ``pw`` = 2^e ≈ BS / s around the product (exact: α = 0 is zeroth mode bit for bit).
-            mbarrier.wait(hb_bar.index(0), 0)
             w = gl.convert_layout(l_tail / l_i * (gl.load(alpha_ptr + h) * (scale / BS) * pw),
                                   gl.SliceLayout(1, p_layout))
-            if NC == 3:
-                # q back from its float16 copy (exact but for entries below 2^-28 of the row's
-                # largest, which fall into float16's subnormals)
-                qw = _as_fp16(q_s).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
+            if HB_RING:
+                # q back from its float16 copy, as below, in two halves of D against H̄'s row halves
+                # (the same products in the same order as one K = D product)
+                q_h = _as_fp16(q_s)
+                qw = q_h.slice(0, BS, dim=1).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
+                out = warpgroup_mma(qw.to(q_s.dtype), k_bufs.index(s_hb), out * pw, is_async=True)
+                qw = q_h.slice(BS, BS, dim=1).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
+                out = warpgroup_mma(qw.to(q_s.dtype), v_bufs.index(s_hb), out, is_async=True)
             else:
-                qw = q_s.load(p_layout).to(gl.float32) * w[:, None]
-            out = warpgroup_mma(qw.to(q_s.dtype), hb_smem, out * pw, is_async=True)
+                mbarrier.wait(hb_bar.index(0), 0)
+                if NC == 3:
+                    # q back from its float16 copy (exact but for entries below 2^-28 of the row's
+                    # largest, which fall into float16's subnormals)
+                    qw = _as_fp16(q_s).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
+                else:
+                    qw = q_s.load(p_layout).to(gl.float32) * w[:, None]
+                out = warpgroup_mma(qw.to(q_s.dtype), hb_smem, out * pw, is_async=True)
             out = warpgroup_mma_wait(num_outstanding=0, deps=(out,)) * (1.0 / pw)
         lse = (m_i + gl.log2(l_i)) * LN2
         rows = qi * BS + gl.arange(0, BS, layout=row_s)
@@ -578,6 +602,8 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
         fence_async_shared()
         _tma_store(o_desc, [b, h, qi * BS, 0], _box(q_s, o_desc))
         tma.store_wait(pendings=0)
+    if HB_RING:
+        mbarrier.arrive(empty.index(s_hb), count=1)
 
 
 @gluon.jit
@@ -609,7 +635,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
               Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
               CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
-              TAIL_SLACK: gl.constexpr):
+              TAIL_SLACK: gl.constexpr, HB_RING: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -665,7 +691,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                                             p_layout, NC)
     _finish(q_s, k_bufs, v_bufs, ready, empty, n_union, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
-            BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout)
+            BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout, HB_RING)
 
 
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
@@ -677,7 +703,7 @@ def _pair_attn_kernel(
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
     PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
-    TAIL_SLACK: gl.constexpr,
+    TAIL_SLACK: gl.constexpr, HB_RING: gl.constexpr,
 ):
     # One CTA per group of NC query blocks (a pair, or three adjacent blocks: NC consumers).
     pair = gl.program_id(0)
@@ -693,7 +719,7 @@ def _pair_attn_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [NC, BS, D], tile_layout)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
-    if MODE == 2:
+    if MODE == 2 and not HB_RING:
         hb_smem = gl.allocate_shared_memory(dtype, [D, D], gl.NVMMASharedLayout.get_default_for([D, D], dtype))
     else:
         hb_smem = gl.allocate_shared_memory(dtype, [16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
@@ -718,39 +744,39 @@ def _pair_attn_kernel(
             (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
                        q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                        uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
-                       BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC)),
+                       BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
             (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
                        q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                        uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
-                       BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC)),
+                       BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 2, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING)),
         ], [4, 4, 4], [160, 160, 160])
 
 
@@ -772,9 +798,18 @@ MAX_REGS = {2: 168, 3: 128}
 # benchmarks/results/h200_query_group.json, h200_tail_fixed.json). A ragged Lk too, since only the
 # tail group holding its last block weighs columns by log2 n_j, after the tail loop (no spills in
 # the loops): hybrid attend 2-10 % and the whole call 3-8 % faster than pairs at 32K-75K
-# (h200_ragged_groups.json). Ring depth for three per head dim.
+# (h200_ragged_groups.json). Ring depth for three per head dim: at D = 128 five slots, H̄ coming
+# through the ring (:func:`hbar_in_ring`) so that hybrid fits them too; keep-or-drop with five
+# against four was 1-2 % faster at 16K-64K in six rounds (H200, results/h200_stages3_drop.json).
 QUERY_GROUP = {"drop": 3, "zeroth": 3, "hybrid": 3}
-STAGES3 = {64: 4, 128: 4}
+STAGES3 = {64: 4, 128: 5}
+
+
+def hbar_in_ring(mode: str, query_group: int, head_dim: int, block_size: int) -> bool:
+    """Whether H̄ comes to the consumers as the ring's last entry (its two row halves in a K and a V
+    slot) instead of its own ``[D, D]`` tile, held from the start: three query blocks in the hybrid
+    mode at D = 2·BS, where that tile's 32 KB is a fifth ring slot."""
+    return mode == "hybrid" and query_group == 3 and head_dim == 2 * block_size
 
 
 def query_group_for(mode: str, lk: int, block_size: int) -> int:
@@ -925,14 +960,15 @@ def attention(
     pipe = nc == 2 and (PIPELINE if pipeline is None else bool(pipeline))
     w2 = uidx.shape[-1]
     use_codes, cw, nch = code_chunks(w2, CODES if codes is None else bool(codes))
+    hb_ring = hbar_in_ring(mode, nc, d, bs)
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
                uidx.view(-1, w2))
-    blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, d, d], [1, cw])
+    blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, bs if hb_ring else d, d], [1, cw])
     scalars = (kscale, kbound, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale, first_order_shift(bs, scale))
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
                       HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, NC=nc,
-                      TAIL_SLACK=slack)
+                      TAIL_SLACK=slack, HB_RING=hb_ring)
     key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc, slack,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:8]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
@@ -986,13 +1022,15 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     descs = dict(q_desc=_desc(x, [1, 1, bs, d]), k_desc=_desc(x, [1, 1, bs, d]), v_desc=_desc(x, [1, 1, bs, d]),
                  o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
-                 hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
+                 hb_desc=_desc(torch.empty(1, d, d, dtype=dtype),
+                               [1, bs if hbar_in_ring(mode, query_group, d, bs) else d, d]))
     use_codes, cw, nch = code_chunks(union_entries, CODES if codes is None else bool(codes))
     descs["cd_desc"] = _desc(torch.empty(1, union_entries, dtype=torch.int32), [1, cw])
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or (STAGES if query_group == 2 else STAGES3)[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
                       LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
                       PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw,
-                      NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0)
+                      NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0,
+                      HB_RING=hbar_in_ring(mode, query_group, d, bs))
     types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32", pw="fp32")

@@ -43,7 +43,7 @@ MAX_FUSED_BLOCKS = 4096
 # thread), i.e. 1024 * warps // NKP rows. Fewer warps keep each row's reductions inside fewer warps.
 # Threshold bits decided per search step: 2 (16 steps of three counts) up to "two_bit_max_nkp" padded
 # key blocks, 1 (32 steps) beyond. H100: 8K 0.024 vs 0.030 ms with 2 bits, 32K 0.189 vs 0.215 ms with 1.
-TOPK_WARPS = {"warps": 1, "two_bit_max_nkp": 128}  # 1 warp: 0.145 ms vs 8 warps 0.285 ms at 32K (H100)
+TOPK_WARPS = {"warps": 1, "two_bit_max_nkp": 128, "keys_per_thread": 32}  # 1 warp: 0.145 ms vs 8 warps 0.285 ms at 32K (H100)
 # Score GEMM tile of the two-kernel path (rows, key blocks, warps).
 SCORES_TILE = {"bm": 64, "bn": 64, "warps": 4}
 # The one-kernel path: rows per program (a 64-row tensor-core tile over 4 warps keeps each row in
@@ -306,8 +306,9 @@ def select(
                        num_warps=FUSED["warps"])
         return ws.sel
     cq = ws.scratch.numel() // max(1, b * h * nk)
-    warps = max(TOPK_WARPS["warps"], nkp // 1024)  # at most 32 scores per thread (no spills)
-    r = max(1, min(64, 1024 * warps // nkp))
+    kpt = TOPK_WARPS["keys_per_thread"]  # a row's scores per thread, at most
+    warps = max(TOPK_WARPS["warps"], nkp // (32 * kpt))
+    r = max(1, min(64, 32 * kpt * warps // nkp))
     bm, bn, sw = SCORES_TILE["bm"], SCORES_TILE["bn"], SCORES_TILE["warps"]
     for c0 in range(0, nqs, cq):
         c = min(cq, nqs - c0)
