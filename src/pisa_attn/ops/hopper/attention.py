@@ -9,7 +9,8 @@ adjacent blocks (:func:`pisa_attn.ops.triton.pairs.triple_union`; the default, s
   shared-memory slots filled by TMA, first the sorted union of the group's exact key blocks,
   then the head's centroid groups (``kbar``/``vbar``, ``C = BS`` centroids a slot), and loads
   the query tiles, ``H̄`` and the group's stream codes (``CODES``: into shared memory, so no
-  partition loads from global memory in its loop) once;
+  partition loads from global memory in its loop) once; with three query blocks at D = 2·BS,
+  ``H̄`` comes last through the ring instead (:func:`hbar_in_ring`);
 * ``NC`` consumer warpgroups (worker partitions), one per query block, walk the same stream: each
   computes only the exact blocks its own selection holds (the union code's owner bits), then
   every centroid group under its own tail bitmask, all in one softmax (base 2), then the
