@@ -2,9 +2,8 @@
 without covariance-aware selection, at a Wan2.1-720p-like shape (B1-H16-L75600 DiT-like) and on
 B2-H16-D128 Gaussian inputs at 64K and 32K.
 
-    PYTHONPATH=src OUT=DIR python3 benchmarks/call_kernels.py   # writes DIR/wan_phases.json
+    PYTHONPATH=src OUT=DIR python3 benchmarks/call_kernels.py   # writes DIR/call_kernels.json
 """
-import json
 import os
 import sys
 import torch
@@ -32,5 +31,4 @@ for case in cases:
         print(f"\n{case} cov={cov} shape {list(q.shape)} total GPU {tot:.3f} ms")
         for name, (t, c) in sorted(kt.items(), key=lambda x: -x[1][0]):
             print(f"  {t:8.3f} ms  x{c}  {name[:90]}")
-os.makedirs(os.environ.get("OUT", "."), exist_ok=True)
-json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "wan_phases.json"), "w"), indent=1)
+E.write_rows("call_kernels.json", res)  # {case: {kernel: (ms per call, launches per call)}}

@@ -4,7 +4,7 @@ each with its own defaults, on one top-k selection per case: keep-or-drop and hy
 interleaved rounds (default 8), median and minimum, and whether the outputs and LSE are the same bits.
 Cases ``L:source`` (B2-H16-D128 bf16; ``wan720``: a Wan2.1-720p-like B1-H16-L75600 DiT-like head set).
 
-    PYTHONPATH=src OUT=DIR python3 benchmarks/kernel_ab.py   # writes DIR/ab_ring.json
+    PYTHONPATH=src OUT=DIR python3 benchmarks/kernel_ab.py   # writes DIR/kernel_ab.json
 """
 import os
 import statistics
@@ -34,8 +34,7 @@ for case in os.environ.get("CASES", "32768:random 32768:dit 65536:random 65536:d
                 lse=lse, kbound=stats.kbound)
             fns[name, mode](); outs[name, mode] = (out, lse)
     torch.cuda.synchronize()
-    same = {m: bool(torch.equal(outs["now", m][0], outs["before", m][0]) and torch.equal(outs["now", m][1], outs["before", m][1]))
-            for m in ("drop", "hybrid")}
+    same = {m: all(torch.equal(a, b) for a, b in zip(outs["now", m], outs["before", m])) for m in ("drop", "hybrid")}
     ts = {n: [] for n in fns}
     est = 4.6 * (q.shape[0] * q.shape[1] * q.shape[2] ** 2) / (2 * 16 * 32768 ** 2)
     for _ in range(R):
@@ -43,10 +42,12 @@ for case in os.environ.get("CASES", "32768:random 32768:dit 65536:random 65536:d
             ts[n].append(E.ms(fn, est_ms=est))
     for mode in ("drop", "hybrid"):
         a, b = ts["now", mode], ts["before", mode]
-        r = dict(case=L, source=source, lk=k.shape[2], mode=mode, now_ms=statistics.median(a), before_ms=statistics.median(b),
-                 now_min=min(a), before_min=min(b), now_rounds=a, before_rounds=b, bit_identical=same[mode])
+        r = dict(case=L, source=source, lk=k.shape[2], mode=mode, now_ms=statistics.median(a),
+                 before_ms=statistics.median(b), now_min=min(a), before_min=min(b), now_rounds=a, before_rounds=b,
+                 bit_identical=same[mode])
         rows.append(r)
         print(f"{L:7} {source:6} {mode:6} now {r['now_ms']:.3f} (min {r['now_min']:.3f}) before {r['before_ms']:.3f} "
-              f"(min {r['before_min']:.3f}) ratio {r['now_ms'] / r['before_ms']:.3f} / {r['now_min'] / r['before_min']:.3f}"
+              f"(min {r['before_min']:.3f}) ratio {r['now_ms'] / r['before_ms']:.3f} / "
+              f"{r['now_min'] / r['before_min']:.3f}"
               f" same bits {same[mode]}", flush=True)
-    E.write_rows("ab_ring.json", rows)
+    E.write_rows("kernel_ab.json", rows)

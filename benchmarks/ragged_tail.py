@@ -5,7 +5,6 @@ Gaussian inputs, three query blocks, 3 interleaved rounds.
 
     PYTHONPATH=src OUT=DIR LS=32768 python3 benchmarks/ragged_tail.py
 """
-import json
 import os
 import statistics
 import sys
@@ -42,5 +41,4 @@ for L in [int(x) for x in os.environ.get("LS", "32768").split()]:
                  hyb_vs_before=rel_l1(fns["hyb-auto"][1], fns["before-hyb"][1]))
         r["tail_auto"] = r["hyb-auto"] - r["drop"]; r["tail_online"] = r["hyb-online"] - r["drop"]
         rows.append(r); print({a: (round(b, 4) if isinstance(b, float) else b) for a, b in r.items()}, flush=True)
-os.makedirs(os.environ.get("OUT", "."), exist_ok=True)
-json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), open(os.path.join(os.environ.get("OUT", "."), "ragged_tail.json"), "w"), indent=1)
+E.write_rows("ragged_tail.json", rows)

@@ -41,5 +41,6 @@ for L in [int(x) for x in os.environ.get("LS", "32768 65536").split()]:
             if mode == "drop":
                 r["share"] = frac * t_cudnn / r["ms"]
             rows.append(r)
-            print(L, source, mode, st, f"{r['ms']:.3f}", [round(x, 3) for x in t], f"share {r.get('share', 0):.3f}", flush=True)
+            print(L, source, mode, st, f"{r['ms']:.3f}", [round(x, 3) for x in t], f"share {r.get('share', 0):.3f}",
+                  flush=True)
         E.write_rows("stages3.json", rows)
