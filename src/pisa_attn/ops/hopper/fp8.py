@@ -141,6 +141,18 @@ def _pv_flush(pa, v_slot, acc, zero, PV8: gl.constexpr, BS: gl.constexpr, PV_ACC
 
 
 @gluon.jit
+def _pv_halves(ph, v_slot, acc_lo, acc_hi, rescale, BS: gl.constexpr, D: gl.constexpr):
+    """One block's e4m3 P·V from zero in two halves of D (``v_slot``: the ``[D, BS]`` transposed
+    tile), each added to its half of the rescaled accumulator: the sums of one ``[64, D]`` product
+    in half its registers."""
+    pv = _pv_issue(ph, v_slot.slice(0, D // 2, dim=0), gl.zeros_like(acc_lo), True, BS)
+    acc_lo = acc_lo * rescale[:, None] + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+    pv = _pv_issue(ph, v_slot.slice(D // 2, D // 2, dim=0), gl.zeros_like(acc_hi), True, BS)
+    acc_hi = acc_hi * rescale[:, None] + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+    return acc_lo, acc_hi
+
+
+@gluon.jit
 def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_K: gl.constexpr,
                    P_LOG2: gl.constexpr = 8.0, BLOCK_MAX: gl.constexpr = False):
     """One exact block's raw 8-bit scores into the running (m, l): (m, l, rescale, F·p, f).
@@ -277,8 +289,18 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
     o8_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, D, 32 if PV8 else 16])
     p8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o8_layout, k_width=4 if PV8 else 2)
+    # Three consumers with a tail: an e4m3 P·V from zero in two halves of D (a [64, D/2] product,
+    # 32 registers, instead of [64, D]), the accumulator in two halves joined after the loop (in
+    # registers), so that the exact loop fits 160 registers.
+    PV_HALVES: gl.constexpr = NC == 3 and MODE > 0 and PV8 and not PV_INT8 and not PV_ACC
+    oh_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D // 2, 32])
+    ph_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=oh_layout, k_width=4)
     q8_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s8_layout, k_width=4)
-    qrow_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    # Not the layout of :func:`.attention._tail_bound`'s reads of the same tile after the loop: with
+    # it LLVM computes the shared-memory addresses of both reads once and holds them (45 registers)
+    # through the exact loop.
+    qrow_layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     P_MUL: gl.constexpr = P_SCALE_INT8 if PV_INT8 else P_SCALE
     P_LOG2: gl.constexpr = P_LOG2_INT8 if PV_INT8 else 8.0
@@ -319,6 +341,9 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
     m_i = gl.full([BS], float("-inf"), gl.float32, layout=row8)
     l_i = gl.zeros([BS], gl.float32, layout=row8)
     acc = gl.zeros([BS, D], gl.float32, layout=o8_layout)
+    if PV_HALVES:
+        acc_lo = gl.zeros([BS, D // 2], gl.float32, layout=oh_layout)
+        acc_hi = gl.zeros([BS, D // 2], gl.float32, layout=oh_layout)
     s8_zero = gl.zeros([BS, BS], gl.int32 if QK_INT8 else gl.float32, layout=s8_layout)
     o8_zero = gl.zeros([BS, D], gl.int32 if PV_INT8 else gl.float32, layout=o8_layout)
     # INT8 P·V: each block's value-code sums (the offset's correction) and value scales per
@@ -413,8 +438,12 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
                 raw = _qk_raw(sc, 0, QK_INT8)
                 m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> NC, LK, cols8, BS,
                                                       EVEN_K, P_LOG2, PV_INT8)
-                p8 = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
-                if PV_ACC:  # the input kernel's way: rescale, then accumulate in the wgmma
+                if PV_HALVES:
+                    acc_lo, acc_hi = _pv_halves(_pv_operand(p, q_s.dtype, ph_layout, PV8), v_bufs.index(s), acc_lo,
+                                                acc_hi, gl.convert_layout(rescale, gl.SliceLayout(1, oh_layout)),
+                                                BS, D)
+                elif PV_ACC:  # the input kernel's way: rescale, then accumulate in the wgmma
+                    p8 = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                     acc = _pv_issue(p8, v_bufs.index(s), acc, PV8, BS, True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -422,6 +451,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
                     # Each block's P·V starts from zero and is added in float32, so the
                     # accumulator's rescale runs while the tensor cores compute the product (and
                     # no FP8 sum spans more than one block).
+                    p8 = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
                     pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV8, BS, False, PV_INT8)
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
                     if PV_INT8:
@@ -437,6 +467,8 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
                 _turn_pass(turn, CID, PINGPONG)
             mbarrier.arrive(empty.index(s), count=1)
 
+    if PV_HALVES:
+        acc = gl.convert_layout(gl.reshape(gl.permute(gl.join(acc_lo, acc_hi), (0, 2, 1)), [BS, D]), o8_layout)
     # The exact blocks' numerator back in value units (τ / F per channel, or 1 / F: int8 values
     # are scaled per block above), then the tail's input-precision layouts.
     if PV8 and not PV_INT8:
@@ -624,10 +656,19 @@ def precision_of(quant, v: Tensor | None) -> str:
     return next(p for p, f in PRODUCT_FORMATS.items() if f == (qk, pv))
 
 
+# A ragged Lk: ``fp8`` with a tail on three query blocks (its P·V in two halves of D; no spill in the
+# loops there, ptxas 12.8, where an even Lk still spills four registers a block): a Wan2.1-720p-like
+# shape 13.42 -> 12.16 ms hybrid, 13.48 -> 12.30 zeroth, 32K Gaussian at L - 37 the same (H200,
+# notes/fp8.md); the other formats and keep-or-drop stay on pairs (not measured).
+QUERY_GROUP_RAGGED = {("fp8", True): 3}
+
+
 def query_group_for(mode: str, lk: int, block_size: int, precision: str) -> int:
-    """Query blocks per CTA the low-precision kernel uses by default: pairs for a ragged ``lk``
-    (three consumers with a tail spill in the ``fp8`` loops there, ptxas 12.8; not measured)."""
-    return QUERY_GROUP[precision, mode != "drop"] if lk % block_size == 0 else 2
+    """Query blocks per CTA the low-precision kernel uses by default (:data:`QUERY_GROUP`, and
+    :data:`QUERY_GROUP_RAGGED` for a ragged ``lk``)."""
+    if lk % block_size == 0:
+        return QUERY_GROUP[precision, mode != "drop"]
+    return QUERY_GROUP_RAGGED.get((precision, mode != "drop"), 2)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
