@@ -228,18 +228,18 @@ def dino_overlap(path: str, density: float, res: dict):
 
 
 def ncu_launches(L: int = 32768):
-    """One drop-mode attend launch per (input, loop variant: pairs, then triples) for
+    """One attend launch of the default kernel per (input, mode: keep-or-drop, then hybrid) for
     ncu -k regex:pair."""
     for source in ("random", "dit"):
         q, k, v = qkv(source, L)
         stats, sel, n_sel = selection(q, k, v, 0.125)
-        for name, kw in LOOP_VARIANTS[:2]:
+        for mode in ("drop", "hybrid"):
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-            gattn.attention(q, k, v, *stats.tail(), *sel, mode="drop", scale=q.shape[-1] ** -0.5, block_size=64,
-                            n_select=n_sel, out=out, lse=lse, **kw)
+            gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=q.shape[-1] ** -0.5, block_size=64,
+                            n_select=n_sel, out=out, lse=lse, kbound=stats.kbound)
             torch.cuda.synchronize()
-            print(f"ncu launch: {source} {name}", flush=True)
+            print(f"ncu launch: {source} {mode}", flush=True)
 
 
 # (name, keyword arguments of the pair kernel): query_group = query blocks per CTA (None: the

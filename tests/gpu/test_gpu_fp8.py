@@ -440,6 +440,30 @@ def test_lowp_lookahead_is_bitwise(precision, name, sel_kind):
     assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
 
 
+@pytest.mark.parametrize("name,nc", [("B1-H4-L2048-D128-hybrid", 2), ("B1-H4-L2048-D128-drop", 3),
+                                     ("B1-H4-L1000-D128-hybrid-ragged", 3), ("B1-H4-L2048-D128-drop", 2),
+                                     ("B1-H4-Lq960-Lk1379-D64-hybrid", 2)])
+@pytest.mark.parametrize("precision", ["fp8", "int8-fp8"])
+def test_lowp_slot_meta_is_bitwise(precision, name, nc):
+    """Each entry's code and key scale from the copy the loader writes into its slot, or read
+    ahead from global memory: the same numbers, so outputs and LSE are equal bit for bit (two
+    and three query blocks, with and without a tail, even and ragged key lengths)."""
+    from pisa_attn.ops.hopper import fp8 as gfp8
+    from pisa_attn.ops.triton.quantize import quantize
+
+    b, h, hk, lq, lk, d, mode = CASES[name]
+    q, k, v = dit(b, h, hk, lq, lk, d, seed=21)
+    p, _, sel = fp8_run(q, k, v, mode, precision=precision)
+    st = get_backend("hopper").prepare(q, k, v, 64)
+    qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
+    res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk,
+                          alpha=p.alpha, query_group=nc, slot_meta=meta, kbound=st.kbound) for meta in (False, True)]
+    torch.cuda.synchronize()
+    oq, _ = references(q, k, v, p, sel, precision)
+    assert torch.isfinite(res[1][0]).all() and rel_l1(res[1][0], oq) < QREF_TOL
+    assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
+
+
 @pytest.mark.parametrize("mode", ["drop", "hybrid"])
 @pytest.mark.parametrize("lq", [2048, 1088], ids=["L2048", "L1088"])  # 1088: the last group of three has two blocks
 @pytest.mark.parametrize("precision", LOWP)

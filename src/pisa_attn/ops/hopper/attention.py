@@ -62,6 +62,7 @@ TAIL_HEADROOM = gl.constexpr(15.0)
 # Names that moved between Triton releases (3.6: ``_reinterpret``, ``async_copy_*``).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the partition's threads
 if hasattr(gl.shared_memory_descriptor, "reinterpret"):
     @gluon.jit
     def _box(buf, desc):

@@ -56,7 +56,8 @@ from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.pairs import pair_union, triple_union, triple_width, union_width
-from .attention import MAX_REGS, TAIL_SLACK, _box, _finish, _tma_load, first_order_shift, tail_bound, tail_slack
+from .attention import (MAX_REGS, TAIL_SLACK, _box, _finish, _thread_barrier, _tma_load, first_order_shift, tail_bound,
+                        tail_slack)
 
 # The probabilities' factor: 256 for e4m3 and the input dtype, 255 for the unsigned INT8 codes.
 P_SCALE = gl.constexpr(256.0)
@@ -232,9 +233,9 @@ def _turn_pass(turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
             q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-            uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
+            code_ring, sig_ring, uidx_ptr, ucnt_ptr, sig_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr,
-            PV8: gl.constexpr, LOOKAHEAD: gl.constexpr, NC: gl.constexpr):
+            PV8: gl.constexpr, LOOKAHEAD: gl.constexpr, NC: gl.constexpr, SLOT_META: gl.constexpr):
     for c in gl.static_range(NC):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, q0 + c * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
@@ -246,11 +247,22 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
     ubase = uidx_ptr + pair_row * W2
     code = gl.load(ubase, mask=n_union > 0, other=0)
     code2 = gl.load(ubase + 1, mask=(n_union > 1) & (LOOKAHEAD > 1), other=0)
+    META_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     for u in range(n_union):
+        cur = code
         j = code >> NC  # a code: key block << NC | owner bits
         code, code2 = _next_code(ubase, u, n_union, code2, LOOKAHEAD)
         s = u % STAGES
+        if SLOT_META:
+            sig = gl.load(sig_ptr + bhk * NK + j)
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
+        if SLOT_META:
+            # The entry's code and key scale travel with its slot: every loader thread stores the
+            # same values, and the barrier orders all of those stores before the arrival below that
+            # releases the slot to the consumers.
+            code_ring.index(s).store(gl.full([1], 0, gl.int32, META_L) + cur)
+            sig_ring.index(s).store(gl.full([1], 0.0, gl.float32, META_L) + sig)
+            _thread_barrier()
         mbarrier.expect(ready.index(s), kv_bytes)
         _tma_load(k_desc, [b, hk, j * BS, 0], ready.index(s), _box(k_bufs.index(s), k_desc))
         if PV8:
@@ -273,13 +285,13 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
 @gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
               q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-              turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+              turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
               qk_scale, scale, pw,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
               LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV8: gl.constexpr,
               PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr,
-              NC: gl.constexpr, TAIL_SLACK: gl.constexpr):
+              NC: gl.constexpr, TAIL_SLACK: gl.constexpr, SLOT_META: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -358,9 +370,10 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
     n_union = gl.load(ucnt_ptr + pair_row)
     ubase = uidx_ptr + pair_row * W2
     sig_base = sig_ptr + bhk * NK
-    code_next = gl.load(ubase, mask=n_union > 0, other=0)
-    sig_next = gl.load(sig_base + (code_next >> NC))
-    code_next2 = gl.load(ubase + 1, mask=(n_union > 1) & (LOOKAHEAD > 1), other=0)
+    if not SLOT_META:
+        code_next = gl.load(ubase, mask=n_union > 0, other=0)
+        sig_next = gl.load(sig_base + (code_next >> NC))
+        code_next2 = gl.load(ubase + 1, mask=(n_union > 1) & (LOOKAHEAD > 1), other=0)
     if PIPELINE:
         # As the input-precision kernel's pipelined loop (.attention._exact_pipelined): this
         # block's Q·Kᵀ and the previous owned block's P·V are queued together and the softmax runs
@@ -419,14 +432,22 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
             acc = _pv_flush(p8, v_bufs.index(sp), acc, o8_zero, PV8, BS, PV_ACC)
             mbarrier.arrive(empty.index(sp), count=1)
     else:
+        META_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         for u in range(n_union):
-            code = code_next
-            sig = sig_next
-            # The next block's code and key scale, read one entry ahead (code 0 past the end: block 0).
-            code_next, code_next2 = _next_code(ubase, u, n_union, code_next2, LOOKAHEAD)
-            sig_next = gl.load(sig_base + (code_next >> NC))
             s = u % STAGES
-            mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+            if SLOT_META:
+                # The entry's code and key scale from its slot (the loader wrote them): no pointer
+                # into the stream or the scales is live through the loop.
+                mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+                code = gl.max(code_ring.index(s).load(META_L), axis=0)
+                sig = gl.max(sig_ring.index(s).load(META_L), axis=0)
+            else:
+                code = code_next
+                sig = sig_next
+                # The next block's code and key scale, read ahead (code 0 past the end: block 0).
+                code_next, code_next2 = _next_code(ubase, u, n_union, code_next2, LOOKAHEAD)
+                sig_next = gl.load(sig_base + (code_next >> NC))
+                mbarrier.wait(ready.index(s), (u // STAGES) & 1)
             _turn_wait(turn, u, CID, PINGPONG)
             if ((code >> CID) & 1) != 0:
                 if PV_INT8:
@@ -494,6 +515,7 @@ def _fp8_pair_kernel(
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
     QK_INT8: gl.constexpr, PV8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
     LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
+    SLOT_META: gl.constexpr,
 ):
     # One CTA per group of NC adjacent query blocks (a pair or three: NC consumer warpgroups).
     pair = gl.program_id(0)
@@ -538,6 +560,9 @@ def _fp8_pair_kernel(
     tready = gl.allocate_shared_memory(gl.int64, [TSTAGES, 1], mbarrier.MBarrierLayout())
     tempty = gl.allocate_shared_memory(gl.int64, [TSTAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    meta_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    code_ring = gl.allocate_shared_memory(gl.int32, [STAGES, 1], meta_layout)
+    sig_ring = gl.allocate_shared_memory(gl.float32, [STAGES, 1], meta_layout)
     for c in gl.static_range(NC):
         mbarrier.init(q_bar.index(c), count=1)
     for c in gl.static_range(2):
@@ -555,40 +580,40 @@ def _fp8_pair_kernel(
         gl.warp_specialize([
             (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
                        q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-                       uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-                       BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC)),
+                       code_ring, sig_ring, uidx_ptr, ucnt_ptr, sig_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
+                       BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC, SLOT_META)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                         tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                         tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                         tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                         tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
             (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
                        q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
-                       uidx_ptr, ucnt_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-                       BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC)),
+                       code_ring, sig_ring, uidx_ptr, ucnt_ptr, sig_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
+                       BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC, SLOT_META)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                         tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                         tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                         tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                         tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
-                         tready, tempty, turn, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
+                         tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 2, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META)),
         ], [4, 4, 4], [160, 160, 160])
 
 
@@ -632,20 +657,33 @@ PINGPONG = False
 # drop/hybrid cases (up to -5.5 %), slower for ``int8`` in 3 of 4; near the spread between two
 # timings of the same configuration (up to 13 % in that run).
 LOOKAHEAD = {True: 2, False: 1}
+# Where the sequential loop reads each entry's code and key scale: from a copy the loader writes
+# into the entry's slot (for these (precision, query blocks per CTA, tail, even Lk)), else from
+# global memory ahead of the slot (``LOOKAHEAD``). The slot copy takes the stream and scale
+# pointers out of the loop (three consumers with a tail: 12 -> 4 local accesses a block at an
+# even Lk, still too many for three to win there) but puts a shared-memory read after the slot's
+# wait. H200, 32K Gaussian, medians of 4 interleaved rounds (results/h200_fp8_slot_meta.json),
+# exact phase slot / global: three drop 3.56 / 3.68 ms (fp8), 3.71 / 3.92 (int8-fp8), ragged
+# 3.94 / 4.11 (fp8); pairs hybrid 4.42 / 4.49, 4.76 / 4.85; global stays where it measured
+# faster: pairs drop 4.12 / 3.91 (int8-fp8), ragged hybrid 5.35 / 5.21 (three), 5.52 / 5.33
+# (pairs), ragged pairs drop 4.53 / 4.33.
+SLOT_META = {("fp8", 3, False, True), ("fp8", 3, False, False), ("fp8", 2, True, True),
+             ("int8-fp8", 3, False, True), ("int8-fp8", 2, True, True)}
 # The exact loop's P·V per format (key: P·V on 8-bit values; int8 values always from zero): from
 # zero and added in float32 (False),
 # or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
 # 32K (results/h100_fp8_sweep.json): e4m3 from zero 3.87 vs 4.18 ms (drop), input dtype into the
 # accumulator 4.34 vs 4.57 ms.
 PV_ACCUMULATE = {True: False, False: True}
-# Adjacent query blocks a CTA serves, per precision and whether the mode has a tail (a ragged Lk
-# keeps pairs, as the input-precision kernel). Three consumers get 160 registers: an 8-bit P·V
+# Adjacent query blocks a CTA serves, per precision and whether the mode has a tail (a ragged Lk:
+# :data:`QUERY_GROUP_RAGGED`). Three consumers get 160 registers: an 8-bit P·V
 # from zero needs a second [64, D] float32 tile beside the accumulator, so with a tail the e4m3
 # P·V formats' exact loop spills (ptxas 12.8, Triton 3.6), and so does ``int8-int8``'s in every
 # mode. Measured on the H200 at 32K / 64K (benchmarks/results/h200_fp8_query_group.json), exact
 # phase three against two: ``fp8`` drop -1.0 / -0.8 %, ``int8`` drop -3.8 / +0.5 % (kept);
-# ``int8-fp8`` drop +2.5 / -0.1 %, ``int8`` hybrid +4.8 / +7.8 % (pairs kept).
-QUERY_GROUP = {("fp8", False): 3, ("fp8", True): 2, ("int8-fp8", False): 2, ("int8-fp8", True): 2,
+# ``int8-fp8`` drop +2.5 / -0.1 %, ``int8`` hybrid +4.8 / +7.8 % (pairs kept). With the codes
+# from the slot (:data:`SLOT_META`) ``int8-fp8`` drop on three: 3.71 against 3.91 ms on pairs.
+QUERY_GROUP = {("fp8", False): 3, ("fp8", True): 2, ("int8-fp8", False): 3, ("int8-fp8", True): 2,
                ("int8-int8", False): 2, ("int8-int8", True): 2, ("int8", False): 3, ("int8", True): 2}
 
 
@@ -659,8 +697,9 @@ def precision_of(quant, v: Tensor | None) -> str:
 # A ragged Lk: ``fp8`` with a tail on three query blocks (its P·V in two halves of D; no spill in the
 # loops there, ptxas 12.8, where an even Lk still spills four registers a block): a Wan2.1-720p-like
 # shape 13.42 -> 12.16 ms hybrid, 13.48 -> 12.30 zeroth, 32K Gaussian at L - 37 the same (H200,
-# notes/fp8.md); the other formats and keep-or-drop stay on pairs (not measured).
-QUERY_GROUP_RAGGED = {("fp8", True): 3}
+# notes/fp8.md); ``fp8`` drop on three 3.94 against 4.33 ms on pairs (32K, L - 37); the other
+# formats stay on pairs (not measured).
+QUERY_GROUP_RAGGED = {("fp8", True): 3, ("fp8", False): 3}
 
 
 def query_group_for(mode: str, lk: int, block_size: int, precision: str) -> int:
@@ -691,7 +730,7 @@ def attention(
     pairs: tuple[Tensor, ...] | None = None, stages: tuple[int, int] | None = None,
     pipeline: bool | None = None, v: Tensor | None = None, pv_accumulate: bool | None = None,
     pingpong: bool | None = None, lookahead: int | None = None, query_group: int | None = None,
-    kbound: Tensor | None = None, tail_max: str | None = None,
+    kbound: Tensor | None = None, tail_max: str | None = None, slot_meta: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The low-precision kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
     ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
@@ -704,7 +743,9 @@ def attention(
     ``pipeline``: the exact loop's schedule (None: :data:`PIPELINE`); ``pv_accumulate``: either
     loop's P·V into the accumulator (None: :data:`PV_ACCUMULATE` for the format);
     ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`); ``lookahead``: how far
-    ahead the stream's codes are read (None: :data:`LOOKAHEAD` for the format). ``query_group``:
+    ahead the stream's codes are read (None: :data:`LOOKAHEAD` for the format); ``slot_meta``: the
+    sequential loop reads each entry's code and key scale from the copy in its slot instead (None:
+    :data:`SLOT_META`; the pipelined loop reads them ahead). ``query_group``:
     adjacent query blocks per CTA, 2 or 3 (None: :func:`query_group_for`, or 2 with ``pipeline`` or
     ``pingpong``; 3 runs neither the pipelined loop nor ping-pong). ``kbound``, ``tail_max``: the tail's maximum, as
     :func:`.attention.attention` takes them."""
@@ -762,10 +803,14 @@ def attention(
     la = LOOKAHEAD[pv8] if lookahead is None else lookahead
     if la not in (1, 2):
         raise ValueError(f"lookahead: 1 or 2 union entries, got {lookahead!r}")
+    if slot_meta is None:
+        meta = not pipe and (precision_of(quant, v), nc, m > 0, lk % bs == 0) in SLOT_META
+    else:
+        meta = not pipe and bool(slot_meta)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
                       PIPELINE=pipe, QK_INT8=qk_int8, PV8=pv8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la,
-                      PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8, nc, slack,
+                      PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack, SLOT_META=meta)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8, nc, slack, meta,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:11]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -778,7 +823,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                      dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None,
                      pipeline: bool | None = None, precision: str = "fp8", pingpong: bool | None = None,
                      lookahead: int | None = None, query_group: int = 2, tail_max: str = "auto",
-                     pv_accumulate: bool | None = None):
+                     pv_accumulate: bool | None = None, slot_meta: bool | None = None):
     """Compile the low-precision pair kernel for sm_90a without a GPU (as
     :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``."""
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
@@ -807,7 +852,9 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                       PV_ACC=PV_ACCUMULATE[pv8] if pv_accumulate is None else bool(pv_accumulate),
                       PINGPONG=PINGPONG if pingpong is None else bool(pingpong),
                       LOOKAHEAD=LOOKAHEAD[pv8] if lookahead is None else int(lookahead), PV_INT8=pv_int8,
-                      NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0)
+                      NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0,
+                      SLOT_META=not pipe and ((precision, query_group, mode != "drop", even_k) in SLOT_META
+                                              if slot_meta is None else bool(slot_meta)))
     types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", vcs_ptr="*i32",
                  qk_scale="fp32", scale="fp32", pw="fp32")
