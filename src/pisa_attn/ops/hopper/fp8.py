@@ -154,22 +154,24 @@ def _pv_halves(ph, v_slot, acc_lo, acc_hi, rescale, BS: gl.constexpr, D: gl.cons
 
 
 @gluon.jit
-def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_K: gl.constexpr,
+def _exact_softmax(raw, a, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_K: gl.constexpr,
                    P_LOG2: gl.constexpr = 8.0, BLOCK_MAX: gl.constexpr = False):
     """One exact block's raw 8-bit scores into the running (m, l): (m, l, rescale, F·p, f).
 
-    Scores S = raw·a + s·q·μ (base 2) with a = ρ_t σ_j s ≥ 0, so max S = max(raw)·a + s·q·μ; the
-    scaling, the shift and the probabilities' factor F = 2^P_LOG2 (256, or 255 for INT8 codes)
-    are one FMA in the exponent: F·p = exp2(raw·a + (s·q·μ − r + P_LOG2)), r the new running
-    maximum m, f = 1. With ``BLOCK_MAX`` r is the row's largest score in this block instead (the
-    INT8 codes' reference) and f = exp2(r − m) ≤ 1 weighs the block's product and its share of
-    ``l`` (in units of F). Columns past ``LK`` are masked after the scaling: ``a`` is 0 for an
-    all-zero query row, where −inf·0 would be NaN."""
+    Scores S = raw·a + s·q·μ (base 2) with a = ρ_t σ_j s ≥ 0. The row's constant s·q·μ cancels
+    in every exponent of the exact blocks, so the running maximum ``m`` here leaves it out (the
+    caller adds it after the loop, before the tail continues in the frame of S): max = max(raw)·a,
+    and the scaling and the probabilities' factor F = 2^P_LOG2 (256, or 255 for INT8 codes) are
+    one FMA in the exponent: F·p = exp2(raw·a + (P_LOG2 − r)), r the new running maximum m,
+    f = 1. With ``BLOCK_MAX`` r is the row's largest score in this block instead (the INT8 codes'
+    reference) and f = exp2(r − m) ≤ 1 weighs the block's product and its share of ``l`` (in
+    units of F). Columns past ``LK`` are masked after the scaling: ``a`` is 0 for an all-zero
+    query row, where −inf·0 would be NaN."""
     if EVEN_K:
-        b_new = gl.max(raw, axis=1) * a + q_mu
+        b_new = gl.max(raw, axis=1) * a
     else:
         x = gl.where((j * BS + cols8 < LK)[None, :], raw * a[:, None], float("-inf"))
-        b_new = gl.max(x, axis=1) + q_mu
+        b_new = gl.max(x, axis=1)
     m_new = gl.maximum(m_i, b_new)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     rescale = gl.exp2(m_i - m_use)
@@ -180,14 +182,27 @@ def _exact_softmax(raw, a, q_mu, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_
         r = m_use
         f = rescale  # unused
     if EVEN_K:
-        p = gl.exp2(raw * a[:, None] + (q_mu - r + P_LOG2)[:, None])
+        p = gl.exp2(raw * a[:, None] + (P_LOG2 - r)[:, None])
     else:
-        p = gl.exp2(x + (q_mu - r + P_LOG2)[:, None])
+        p = gl.exp2(x + (P_LOG2 - r)[:, None])
     if BLOCK_MAX:
         l_i = l_i * rescale + gl.sum(p, axis=1) * f
     else:
         l_i = l_i * rescale + gl.sum(p, axis=1)
     return m_new, l_i, rescale, p, f
+
+
+@gluon.jit
+def _row_dot(q_s, vec_ptr, qk_scale, BS: gl.constexpr, D: gl.constexpr, row_s: gl.constexpr):
+    """``s·q·v`` per row of the query tile ``q_s`` (``v``: ``D`` floats at ``vec_ptr``), read as
+    :func:`.attention._tail_bound` reads the tile (64 columns at a time)."""
+    BL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    acc = gl.zeros([BS], gl.float32, layout=gl.SliceLayout(1, BL))
+    for c in gl.static_range(D // 64):
+        qv = q_s.slice(c * 64, 64, dim=1).load(BL).to(gl.float32)
+        v = gl.load(vec_ptr + c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, BL)))
+        acc += gl.sum(qv * v[None, :], axis=1)
+    return gl.convert_layout(acc * qk_scale, row_s)
 
 
 @gluon.jit
@@ -346,8 +361,6 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
         fence_async_shared()
     else:
         q8 = gl.convert_layout(y8, q8_layout)
-    mu = gl.load(mu_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, qrow_layout)))
-    q_mu = gl.sum(qf * mu[None, :], axis=1) * qk_scale
 
     row8: gl.constexpr = gl.SliceLayout(1, s8_layout)
     m_i = gl.full([BS], float("-inf"), gl.float32, layout=row8)
@@ -364,7 +377,6 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
     d8 = gl.arange(0, D, layout=gl.SliceLayout(0, o8_layout))
     vs_row = bhk * NK * D
     cols8 = gl.arange(0, BS, layout=gl.SliceLayout(0, s8_layout))
-    q_mu = gl.convert_layout(q_mu, row8)
     q_rs = gl.convert_layout(q_rs, row8)
 
     n_union = gl.load(ucnt_ptr + pair_row)
@@ -405,7 +417,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
                         pv = _pv_issue(p8, v_bufs.index(sp), o8_zero, PV8, BS)
                     _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 1, QK_INT8)
-                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> NC, LK, cols8, BS,
+                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, m_i, l_i, code >> NC, LK, cols8, BS,
                                                           EVEN_K, P_LOG2, PV_INT8)
                     p8_new = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
                     pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
@@ -418,7 +430,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
                 else:
                     _turn_pass(turn, CID, PINGPONG)
                     raw = _qk_raw(sc, 0, QK_INT8)
-                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> NC, LK, cols8, BS,
+                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, m_i, l_i, code >> NC, LK, cols8, BS,
                                                           EVEN_K, P_LOG2, PV_INT8)
                     p8_new = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
                     acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
@@ -457,7 +469,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
                 sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
                 _turn_pass(turn, CID, PINGPONG)
                 raw = _qk_raw(sc, 0, QK_INT8)
-                m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, q_mu, m_i, l_i, code >> NC, LK, cols8, BS,
+                m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, m_i, l_i, code >> NC, LK, cols8, BS,
                                                       EVEN_K, P_LOG2, PV_INT8)
                 if PV_HALVES:
                     acc_lo, acc_hi = _pv_halves(_pv_operand(p, q_s.dtype, ph_layout, PV8), v_bufs.index(s), acc_lo,
@@ -497,7 +509,9 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
         acc = gl.convert_layout(acc * tau[None, :], o_layout)
     else:
         acc = gl.convert_layout(acc * (1.0 / P_MUL), o_layout)
-    m_i = gl.convert_layout(m_i, row_s)
+    # The running maximum back in the frame of the scores S = raw·a + s·q·μ (the loop left the
+    # row's constant out: it needs no register there).
+    m_i = gl.convert_layout(m_i, row_s) + _row_dot(q_s, mu_ptr + bhk * D, qk_scale, BS, D, row_s)
     l_i = gl.convert_layout(l_i * (1.0 / P_MUL), row_s)
     # The input-precision kernel's tail (on the tail ring), first-order term and output.
     _finish(q_s, kb_bufs, vb_bufs, tready, tempty, 0, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
@@ -660,8 +674,7 @@ LOOKAHEAD = {True: 2, False: 1}
 # Where the sequential loop reads each entry's code and key scale: from a copy the loader writes
 # into the entry's slot (for these (precision, query blocks per CTA, tail, even Lk)), else from
 # global memory ahead of the slot (``LOOKAHEAD``). The slot copy takes the stream and scale
-# pointers out of the loop (three consumers with a tail: 12 -> 4 local accesses a block at an
-# even Lk, still too many for three to win there) but puts a shared-memory read after the slot's
+# pointers out of the loop (fewer registers there) but puts a shared-memory read after the slot's
 # wait. H200, 32K Gaussian, medians of 4 interleaved rounds (results/h200_fp8_slot_meta.json),
 # exact phase slot / global: three drop 3.56 / 3.68 ms (fp8), 3.71 / 3.92 (int8-fp8), ragged
 # 3.94 / 4.11 (fp8); pairs hybrid 4.42 / 4.49, 4.76 / 4.85; global stays where it measured
@@ -676,10 +689,11 @@ SLOT_META = {("fp8", 3, False, True), ("fp8", 3, False, False), ("fp8", 2, True,
 # accumulator 4.34 vs 4.57 ms.
 PV_ACCUMULATE = {True: False, False: True}
 # Adjacent query blocks a CTA serves, per precision and whether the mode has a tail (a ragged Lk:
-# :data:`QUERY_GROUP_RAGGED`). Three consumers get 160 registers: an 8-bit P·V
-# from zero needs a second [64, D] float32 tile beside the accumulator, so with a tail the e4m3
-# P·V formats' exact loop spills (ptxas 12.8, Triton 3.6), and so does ``int8-int8``'s in every
-# mode. Measured on the H200 at 32K / 64K (benchmarks/results/h200_fp8_query_group.json), exact
+# :data:`QUERY_GROUP_RAGGED`). Three consumers get 160 registers: with a tail the e4m3 P·V
+# formats' exact loop fits them (P·V in two halves of D, codes through the slot, the row constant
+# s·q·μ added after the loop; ptxas 12.8, Triton 3.6) but still measured slower than pairs at an
+# even Lk: ``fp8`` hybrid 4.70 against 4.51 ms, ``int8-fp8`` 4.87 against 4.77 (H200, 32K, 3
+# rounds, results/h200_fp8_qmu_after_loop.json). ``int8-int8``'s loop spills in every mode. Measured on the H200 at 32K / 64K (benchmarks/results/h200_fp8_query_group.json), exact
 # phase three against two: ``fp8`` drop -1.0 / -0.8 %, ``int8`` drop -3.8 / +0.5 % (kept);
 # ``int8-fp8`` drop +2.5 / -0.1 %, ``int8`` hybrid +4.8 / +7.8 % (pairs kept). With the codes
 # from the slot (:data:`SLOT_META`) ``int8-fp8`` drop on three: 3.71 against 3.91 ms on pairs.
