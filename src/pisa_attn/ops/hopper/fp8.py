@@ -682,6 +682,17 @@ LOOKAHEAD = {True: 2, False: 1}
 # (pairs), ragged pairs drop 4.53 / 4.33.
 SLOT_META = {("fp8", 3, False, True), ("fp8", 3, False, False), ("fp8", 2, True, True),
              ("int8-fp8", 3, False, True), ("int8-fp8", 2, True, True)}
+
+
+def slot_meta_for(precision: str, query_group: int, mode: str, even_k: bool, pipeline: bool,
+                  slot_meta: bool | None = None) -> bool:
+    """Whether the sequential loop reads codes and key scales from the slots (``slot_meta``, None:
+    :data:`SLOT_META`); the pipelined loop always reads them ahead."""
+    if pipeline:
+        return False
+    if slot_meta is None:
+        return (precision, query_group, mode != "drop", even_k) in SLOT_META
+    return bool(slot_meta)
 # The exact loop's P·V per format (key: P·V on 8-bit values; int8 values always from zero): from
 # zero and added in float32 (False),
 # or into the rescaled accumulator in the wgmma (True, as the input-precision kernel). Measured at
@@ -817,10 +828,7 @@ def attention(
     la = LOOKAHEAD[pv8] if lookahead is None else lookahead
     if la not in (1, 2):
         raise ValueError(f"lookahead: 1 or 2 union entries, got {lookahead!r}")
-    if slot_meta is None:
-        meta = not pipe and (precision_of(quant, v), nc, m > 0, lk % bs == 0) in SLOT_META
-    else:
-        meta = not pipe and bool(slot_meta)
+    meta = slot_meta_for(precision_of(quant, v), nc, mode, lk % bs == 0, pipe, slot_meta)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
                       PIPELINE=pipe, QK_INT8=qk_int8, PV8=pv8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la,
                       PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack, SLOT_META=meta)
@@ -867,8 +875,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                       PINGPONG=PINGPONG if pingpong is None else bool(pingpong),
                       LOOKAHEAD=LOOKAHEAD[pv8] if lookahead is None else int(lookahead), PV_INT8=pv_int8,
                       NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0,
-                      SLOT_META=not pipe and ((precision, query_group, mode != "drop", even_k) in SLOT_META
-                                              if slot_meta is None else bool(slot_meta)))
+                      SLOT_META=slot_meta_for(precision, query_group, mode, even_k, pipe, slot_meta))
     types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", vcs_ptr="*i32",
                  qk_scale="fp32", scale="fp32", pw="fp32")
