@@ -234,6 +234,16 @@ VARIANTS = {
     "pairs_global_codes": dict(query_group=2, slot_meta=False),
     "triples_global_codes": dict(query_group=3, slot_meta=False),
     "triples_online": dict(query_group=3, tail_max="online", modes=("hybrid",)),
+    # the tail's slots laid over the exact ring's (8-bit values only), at the default or other depths
+    "pairs_alias": dict(query_group=2, tail_alias=True, modes=("hybrid",)),
+    "triples_alias": dict(query_group=3, tail_alias=True, modes=("hybrid",)),
+    "triples_alias_6_3": dict(query_group=3, tail_alias=True, stages=(6, 3), modes=("hybrid",)),
+    "pairs_separate": dict(query_group=2, tail_alias=False, modes=("hybrid",)),
+    "triples_separate": dict(query_group=3, tail_alias=False, modes=("hybrid",)),
+    "triples_alias_slot": dict(query_group=3, tail_alias=True, slot_meta=True, modes=("hybrid",)),
+    "pairs_separate_zeroth": dict(query_group=2, tail_alias=False, modes=("zeroth",)),
+    "triples_separate_zeroth": dict(query_group=3, tail_alias=False, modes=("zeroth",)),
+    "triples_alias_zeroth": dict(query_group=3, tail_alias=True, modes=("zeroth",)),
 }
 SCHEDULES = ("default", "pingpong", "pipelined", "pipelined_pingpong", "pipelined_pv_flip",
              "pipelined_pingpong_pv_flip", "lookahead1", "lookahead2")
@@ -264,7 +274,9 @@ def sweep(L: int, density: float, precisions=LOWP, variants=tuple(VARIANTS), tri
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         res["cudnn_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v))
     print(f"sweep L={L} cuDNN SDPA {res['cudnn_ms']:.3f} ms", flush=True)
-    for mode in ("drop", "hybrid"):
+    for mode in ("drop", "hybrid", "zeroth"):
+        if mode == "zeroth" and not any("zeroth" in VARIANTS[n].get("modes", ()) for n in variants):
+            continue
         res[f"input_{mode}_ms"] = bench_ms(lambda m=mode: hop.attend(
             q, k, v, stats, sel, mode=m, scale=128 ** -0.5, block_size=64, out=out, lse=lse))
     for prec in precisions:

@@ -4,7 +4,8 @@
 # The GPU test file holds 157 tests (200 s on an H200 with their compiles):
 # with the default benchmark they can pass a device call's 10 minutes, so run STEPS=tests and
 # STEPS=bench as two calls.
-# Schedule sweep (cuDNN and the bf16 kernel in the same run), then ncu of the best schedule:
+# Schedule sweep (cuDNN and the bf16 kernel in the same run; SWEEP_ARGS: e.g. "--precisions fp8 --rounds 3"),
+# then ncu of the best schedule:
 #   STEPS="warm tests sweep ncu" SWEEP_LENGTHS="32768 65536" SWEEP_VARIANTS="default pingpong" bash benchmarks/fp8_suite.sh
 # ("warm" compiles the sweep's kernels in the background at a short length while the tests run.)
 # Instructions per SASS opcode, one precision per ncu run (benchmarks/ncu_opcodes.py):
@@ -18,7 +19,7 @@ mkdir -p "$OUT"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 rc=0
 if [[ " $STEPS " == *" warm "* ]]; then
-  python3 benchmarks/fp8_bench.py --speed-only --lengths --sweep 4096 --variants $SWEEP_VARIANTS \
+  python3 benchmarks/fp8_bench.py --speed-only --lengths --sweep 4096 --variants $SWEEP_VARIANTS ${SWEEP_ARGS:-} \
     --out "$OUT/warm.json" > "$OUT/warm.log" 2>&1 &
   warm_pid=$!
 fi
@@ -33,7 +34,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
 fi
 if [[ " $STEPS " == *" sweep "* ]]; then
   timeout "${SWEEP_TIMEOUT:-200}" python3 benchmarks/fp8_bench.py --speed-only --lengths --sweep ${SWEEP_LENGTHS:-32768} \
-    --variants $SWEEP_VARIANTS --out "$OUT/fp8_sweep.json" 2>&1 | tee "$OUT/fp8_sweep.log" | grep -v "^sweep L=" || rc=1
+    --variants $SWEEP_VARIANTS ${SWEEP_ARGS:-} --out "$OUT/fp8_sweep.json" 2>&1 | tee "$OUT/fp8_sweep.log" | grep -v "^sweep L=" || rc=1
   # the schedule with the shortest hybrid attend at the first length, summed over the precisions (ncu runs it)
   NCU_SCHEDULE=${NCU_SCHEDULE:-$(python3 -c "
 import json, sys

@@ -394,7 +394,8 @@ def test_precision_lowp_refused_by_the_ring(precision):
 def test_lowp_kernel_query_group_and_tail_options_are_checked():
     """The low-precision kernel's own options are refused before anything runs: a query group
     other than 2 or 3, three with a schedule only pairs have, an unknown tail option; the default
-    query group per precision and mode (a ragged key length: three for ``fp8``, else pairs)."""
+    query group per precision and mode (a ragged key length: three for ``fp8`` and ``int8-fp8``,
+    else pairs)."""
     pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
     from types import SimpleNamespace
 
@@ -418,5 +419,40 @@ def test_lowp_kernel_query_group_and_tail_options_are_checked():
     for prec in LOWP:
         for mode in ("drop", "hybrid"):
             assert gfp8.query_group_for(mode, 128, 64, prec) in (2, 3)
-            # a ragged key length: three for fp8 (its exact loop fits three consumers there), else pairs
-            assert gfp8.query_group_for(mode, 129, 64, prec) == (3 if prec == "fp8" else 2)
+            # a ragged key length: three for the e4m3 P·V formats (their exact loop fits three
+            # consumers there), else pairs
+            assert gfp8.query_group_for(mode, 129, 64, prec) == (3 if prec in ("fp8", "int8-fp8") else 2)
+
+
+def test_lowp_kernel_tail_alias_option_is_checked():
+    """The tail's slots over the exact ring: only for 8-bit values and a mode with a tail (refused by
+    name before anything runs), at half as many slots as the exact ring; by default where it
+    measured faster (three query blocks), with H̄ through that ring in hybrid mode at D = 128."""
+    pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
+    from types import SimpleNamespace
+
+    from pisa_attn.ops.hopper import fp8 as gfp8
+
+    q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
+    kbar = torch.zeros(1, 2, 2, 64, dtype=torch.float16)
+    none = (None,) * 6
+    kw = dict(scale=0.125, block_size=64, lk=128, tail_alias=True)
+    v16 = SimpleNamespace(k8=torch.zeros(1, 2, 128, 64, dtype=torch.int8), v8t=torch.zeros(0, dtype=torch.int8))
+    with pytest.raises(ValueError, match="tail_alias"):
+        gfp8.attention(q, v16, kbar, *none, mode="hybrid", v=q, **kw)
+    v8 = SimpleNamespace(k8=torch.zeros(1, 2, 128, 64, dtype=torch.float8_e4m3fn),
+                         v8t=torch.zeros(1, 2, 64, 128, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="tail_alias"):
+        gfp8.attention(q, v8, kbar, *none, mode="drop", **kw)
+    with pytest.raises(ValueError, match="stages"):
+        gfp8.attention(q, v8, kbar, *none, mode="hybrid", stages=(5, 2), **kw)
+    for d in gfp8.HEAD_DIMS:
+        for nc in (2, 3):
+            st, tst = gfp8.ring_depths(d, True, True, nc, alias=True)
+            assert st == 2 * tst
+    for prec in ("fp8", "int8-fp8"):
+        assert gfp8.tail_alias_for(prec, 3, "hybrid", True) and not gfp8.tail_alias_for(prec, 2, "hybrid", True)
+        assert not gfp8.tail_alias_for(prec, 3, "drop", True)
+    assert not gfp8.tail_alias_for("int8", 3, "hybrid", False)
+    assert gfp8.hbar_in_tail_ring(True, "hybrid", 3, 128, 64)
+    assert not gfp8.hbar_in_tail_ring(True, "zeroth", 3, 128, 64) and not gfp8.hbar_in_tail_ring(True, "hybrid", 3, 64, 64)

@@ -85,6 +85,11 @@ def test_lowp_kernel_builds_for_sm90a(built, name):
             # memory and read back once per partition (5 accesses, none in a loop)
             if slot_meta_for(precision, nc, mode, even_k, pipelined) and nc == 3:
                 allowed += 5
+            # three consumers with a tail and e4m3 P·V: about 70 values a consumer go through local
+            # memory between the exact loop and the tail (the accumulator's change of layout, the
+            # tail's set-up at 160 registers), once per tile, none in a loop
+            if nc == 3 and mode != "drop" and precision in ("fp8", "int8-fp8"):
+                allowed = 240
             assert r["spills"] <= allowed
     assert (r["wait1"] > 0) == pipelined  # the pipelined loop's wait for the scores alone
 

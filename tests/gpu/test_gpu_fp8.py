@@ -394,8 +394,8 @@ def _lopsided_selection(p, lq, kind):
                          ids=[f"{p}-sequential" for p in LOWP] + [f"{p}-pipelined" for p in LOWP_SCHEDULED])
 def test_lowp_pingpong_is_bitwise_unscheduled(precision, name, sel_kind, pipelined):
     """The consumers' products in turns change only when independent work is issued: outputs and
-    LSE equal the unscheduled kernel's bit for bit, and the kernel finishes (no lost turn) where
-    one consumer owns few or no entries of the union."""
+    LSE equal the unscheduled kernel's (pairs: turns are a pairs option) bit for bit, and the
+    kernel finishes (no lost turn) where one consumer owns few or no entries of the union."""
     from pisa_attn.ops.hopper import fp8 as gfp8
     from pisa_attn.ops.triton.quantize import quantize
 
@@ -409,7 +409,7 @@ def test_lowp_pingpong_is_bitwise_unscheduled(precision, name, sel_kind, pipelin
     qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
     vv = v if quant.PRODUCT_FORMATS[precision][1] == "input" else None
     res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk, v=vv,
-                          alpha=p.alpha, pipeline=pipelined, pingpong=pp) for pp in (False, True)]
+                          alpha=p.alpha, pipeline=pipelined, pingpong=pp, query_group=2) for pp in (False, True)]
     torch.cuda.synchronize()
     assert torch.isfinite(res[1][0]).all()
     assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
@@ -420,7 +420,8 @@ def test_lowp_pingpong_is_bitwise_unscheduled(precision, name, sel_kind, pipelin
 @pytest.mark.parametrize("precision", LOWP)
 def test_lowp_lookahead_is_bitwise(precision, name, sel_kind):
     """Reading the stream's codes two entries ahead changes when the codes arrive, nothing else:
-    outputs and LSE equal the one-ahead kernel's bit for bit."""
+    outputs and LSE equal the one-ahead kernel's bit for bit (pairs reading the codes from global
+    memory, where the lookahead applies)."""
     from pisa_attn.ops.hopper import fp8 as gfp8
     from pisa_attn.ops.triton.quantize import quantize
 
@@ -434,13 +435,14 @@ def test_lowp_lookahead_is_bitwise(precision, name, sel_kind):
     qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
     vv = v if quant.PRODUCT_FORMATS[precision][1] == "input" else None
     res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk, v=vv,
-                          alpha=p.alpha, lookahead=la) for la in (1, 2)]
+                          alpha=p.alpha, lookahead=la, query_group=2, slot_meta=False) for la in (1, 2)]
     torch.cuda.synchronize()
     assert torch.isfinite(res[1][0]).all()
     assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
 
 
-@pytest.mark.parametrize("name,nc", [("B1-H4-L2048-D128-hybrid", 2), ("B1-H4-L2048-D128-drop", 3),
+@pytest.mark.parametrize("name,nc", [("B1-H4-L2048-D128-hybrid", 2), ("B1-H4-L2048-D128-hybrid", 3),
+                                     ("B1-H4-L2048-D128-drop", 3),
                                      ("B1-H4-L1000-D128-hybrid-ragged", 3), ("B1-H4-L2048-D128-drop", 2),
                                      ("B1-H4-Lq960-Lk1379-D64-hybrid", 2)])
 @pytest.mark.parametrize("precision", ["fp8", "int8-fp8"])
@@ -461,6 +463,34 @@ def test_lowp_slot_meta_is_bitwise(precision, name, nc):
     torch.cuda.synchronize()
     oq, _ = references(q, k, v, p, sel, precision)
     assert torch.isfinite(res[1][0]).all() and rel_l1(res[1][0], oq) < QREF_TOL
+    assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
+
+
+@pytest.mark.parametrize("name,nc", [("B1-H4-L2048-D128-hybrid", 2), ("B1-H4-L2048-D128-hybrid", 3),
+                                     ("B2-H4-L1536-D128-zeroth", 3), ("B1-H4-L1000-D128-hybrid-ragged", 3),
+                                     ("B1-H4-Lq960-Lk1379-D64-hybrid", 2), ("B1-H4-Lq960-Lk1379-D64-hybrid", 3),
+                                     ("B1-H8-Hk2-L2048-D128-hybrid-gqa", 3), ("B1-H2-L20480-D128-hybrid", 2),
+                                     ("B1-H2-L20480-D128-hybrid", 3)])
+@pytest.mark.parametrize("precision", ["fp8", "int8-fp8"])
+def test_lowp_tail_alias_is_bitwise(precision, name, nc):
+    """The tail's slots laid over the exact ring's (H̄ through that ring with three query blocks in
+    hybrid mode at D = 128) or in their own: the same products in the same order, so outputs and
+    LSE are equal bit for bit. L = 20480 has five centroid groups, so the tail ring wraps around."""
+    from pisa_attn.ops.hopper import fp8 as gfp8
+    from pisa_attn.ops.triton.quantize import quantize
+
+    b, h, hk, lq, lk, d, mode = {**CASES, "B1-H2-L20480-D128-hybrid": (1, 2, 2, 20480, 20480, 128, "hybrid")}[name]
+    q, k, v = dit(b, h, hk, lq, lk, d, seed=23)
+    p, _, sel = fp8_run(q, k, v, mode, precision=precision)
+    st = get_backend("hopper").prepare(q, k, v, 64)
+    qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
+    res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk,
+                          alpha=p.alpha, query_group=nc, tail_alias=alias, kbound=st.kbound) for alias in (False, True)]
+    torch.cuda.synchronize()
+    assert torch.isfinite(res[1][0]).all()
+    if lq <= 4096:
+        oq, _ = references(q, k, v, p, sel, precision)
+        assert rel_l1(res[1][0], oq) < QREF_TOL
     assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
 
 

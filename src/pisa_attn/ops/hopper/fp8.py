@@ -28,9 +28,11 @@ constexprs pick the formats (:data:`pisa_attn.spec.PRODUCT_FORMATS`):
 
 The centroid tail, the first-order term and the output store are the input-precision kernel's
 (:func:`.attention._finish`: float16 centroid scores, bf16/fp16 ``P·V̂``, the tail's maximum fixed
-from the per-channel bound where it is tight enough), on a second ring of shared-memory slots
-(their tiles are twice the size of an FP8 tile) that the loader fills while the consumers still
-work on the exact blocks.
+from the per-channel bound where it is tight enough), on a ring of 16-bit slots (twice the size
+of an 8-bit tile): its own, which the loader fills while the consumers still work on the exact
+blocks, or (``TAIL_ALIAS``, three query blocks) laid over pairs of 8-bit slots once the exact
+blocks are done with them, so that the exact ring gets all the room (H̄ then comes last through
+that ring, as in the input-precision kernel).
 What is rounded where: :mod:`pisa_attn.ops.quant`.
 """
 
@@ -56,8 +58,8 @@ from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.pairs import pair_union, triple_union, triple_width, union_width
-from .attention import (MAX_REGS, TAIL_SLACK, _box, _finish, _thread_barrier, _tma_load, first_order_shift, tail_bound,
-                        tail_slack)
+from .attention import (MAX_REGS, TAIL_SLACK, _box, _finish, _reinterpret, _thread_barrier, _tma_load, first_order_shift,
+                        tail_bound, tail_slack)
 
 # The probabilities' factor: 256 for e4m3 and the input dtype, 255 for the unsigned INT8 codes.
 P_SCALE = gl.constexpr(256.0)
@@ -250,11 +252,12 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
             q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
             code_ring, sig_ring, uidx_ptr, ucnt_ptr, sig_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
             BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr,
-            PV8: gl.constexpr, LOOKAHEAD: gl.constexpr, NC: gl.constexpr, SLOT_META: gl.constexpr):
+            PV8: gl.constexpr, LOOKAHEAD: gl.constexpr, NC: gl.constexpr, SLOT_META: gl.constexpr,
+            TAIL_ALIAS: gl.constexpr, HB_RING: gl.constexpr):
     for c in gl.static_range(NC):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, h, q0 + c * BS, 0], q_bar.index(c), _box(q_smem.index(c), q_desc))
-    if MODE == 2:
+    if MODE == 2 and not HB_RING:
         mbarrier.expect(hb_bar.index(0), hb_desc.block_type.nbytes)
         _tma_load(hb_desc, [bhk, 0, 0], hb_bar.index(0), _box(hb_smem, hb_desc))
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
@@ -285,16 +288,40 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
         else:
             _tma_load(v_desc, [b, hk, j * BS, 0], ready.index(s), _box(v_bufs.index(s), v_desc))
     if MODE > 0:
-        # The tail ring is separate: its first groups load while the exact blocks are computed.
+        # The tail ring: with its own slots, its first groups load while the exact blocks are
+        # computed; laid over the exact ring (TAIL_ALIAS), once those slots are free.
         c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
         t = 0
         for g0 in range(0, NK, C):
-            s = t % TSTAGES
-            mbarrier.wait(tempty.index(s), ((t // TSTAGES) & 1) ^ 1)
+            s = _tail_slot_wait(t, n_union, empty, tempty, STAGES, TSTAGES, TAIL_ALIAS)
             mbarrier.expect(tready.index(s), c_bytes)
             _tma_load(kb_desc, [bhk, g0, 0], tready.index(s), _box(kb_bufs.index(s), kb_desc))
             _tma_load(vb_desc, [bhk, g0, 0], tready.index(s), _box(vb_bufs.index(s), vb_desc))
             t += 1
+        if HB_RING:
+            # H̄'s two 64-row halves as the tail ring's last entry (as the input-precision kernel's
+            # ring): no [D, D] tile held through the loops.
+            s = _tail_slot_wait(t, n_union, empty, tempty, STAGES, TSTAGES, TAIL_ALIAS)
+            mbarrier.expect(tready.index(s), 2 * hb_desc.block_type.nbytes)
+            _tma_load(hb_desc, [bhk, 0, 0], tready.index(s), _box(kb_bufs.index(s), hb_desc))
+            _tma_load(hb_desc, [bhk, BS, 0], tready.index(s), _box(vb_bufs.index(s), hb_desc))
+
+
+@gluon.jit
+def _tail_slot_wait(t, n_union, empty, tempty, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
+                    TAIL_ALIAS: gl.constexpr):
+    """The loader's wait before it fills tail entry ``t``; its slot out. A tail slot laid over exact
+    slots 2s and 2s + 1 (TAIL_ALIAS) is first filled once every consumer released the last exact
+    entries those held: the wait on each is the one the entry after them would make there."""
+    s = t % TSTAGES
+    if TAIL_ALIAS:
+        if t < TSTAGES:
+            for e in gl.static_range(2):
+                se = 2 * s + e
+                un = n_union + (se + STAGES - n_union % STAGES) % STAGES
+                mbarrier.wait(empty.index(se), ((un // STAGES) & 1) ^ 1)
+    mbarrier.wait(tempty.index(s), ((t // TSTAGES) & 1) ^ 1)
+    return s
 
 
 @gluon.jit
@@ -306,7 +333,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
               LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV8: gl.constexpr,
               PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr,
-              NC: gl.constexpr, TAIL_SLACK: gl.constexpr, SLOT_META: gl.constexpr):
+              NC: gl.constexpr, TAIL_SLACK: gl.constexpr, SLOT_META: gl.constexpr, HB_RING: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -516,7 +543,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
     # The input-precision kernel's tail (on the tail ring), first-order term and output.
     _finish(q_s, kb_bufs, vb_bufs, tready, tempty, 0, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
-            BS, D, C, TSTAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout)
+            BS, D, C, TSTAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout, HB_RING)
 
 
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "LKP", "NQ", "NK", "W2", "NW"])
@@ -529,7 +556,7 @@ def _fp8_pair_kernel(
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
     QK_INT8: gl.constexpr, PV8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
     LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
-    SLOT_META: gl.constexpr,
+    SLOT_META: gl.constexpr, TAIL_ALIAS: gl.constexpr, HB_RING: gl.constexpr,
 ):
     # One CTA per group of NC adjacent query blocks (a pair or three: NC consumer warpgroups).
     pair = gl.program_id(0)
@@ -549,21 +576,31 @@ def _fp8_pair_kernel(
 
     q_smem = gl.allocate_shared_memory(dtype, [NC, BS, D], tile_layout)
     k_bufs = gl.allocate_shared_memory(k8_dtype, [STAGES, BS, D], k8_layout)
+    if TAIL_ALIAS:
+        # The tail's 16-bit slots laid over pairs of 8-bit slots (no room of their own). The V ring
+        # is allocated in the K ring's 128-byte swizzle, so that the tail's tiles over it have the
+        # alignment their swizzle needs, and seen as the transposed 8-bit value tiles.
+        v_ring = gl.allocate_shared_memory(k8_dtype, [STAGES, BS, D], k8_layout)
     if NC == 3:  # the 8-bit query tiles (two consumers hold theirs in registers)
         q8_smem = gl.allocate_shared_memory(k8_dtype, [NC, BS, D], k8_layout)
     else:
         q8_smem = gl.allocate_shared_memory(k8_dtype, [1, 16, 32], gl.NVMMASharedLayout.get_default_for([16, 32], k8_dtype))
-    if PV8:
+    if TAIL_ALIAS:
+        v_bufs = _reinterpret(v_ring, v8_dtype, [STAGES, D, BS], v8_layout)
+    elif PV8:
         v_bufs = gl.allocate_shared_memory(v8_dtype, [STAGES, D, BS], v8_layout)
     else:
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
-    if MODE > 0:
+    if TAIL_ALIAS:
+        kb_bufs = _reinterpret(k_bufs, dtype, [TSTAGES, BS, D], tile_layout)
+        vb_bufs = _reinterpret(v_ring, dtype, [TSTAGES, BS, D], tile_layout)
+    elif MODE > 0:
         kb_bufs = gl.allocate_shared_memory(dtype, [TSTAGES, BS, D], tile_layout)
         vb_bufs = gl.allocate_shared_memory(dtype, [TSTAGES, BS, D], tile_layout)
     else:
         kb_bufs = gl.allocate_shared_memory(dtype, [1, 16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
         vb_bufs = gl.allocate_shared_memory(dtype, [1, 16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
-    if MODE == 2:
+    if MODE == 2 and not HB_RING:
         hb_smem = gl.allocate_shared_memory(dtype, [D, D], gl.NVMMASharedLayout.get_default_for([D, D], dtype))
     else:
         hb_smem = gl.allocate_shared_memory(dtype, [16, D], gl.NVMMASharedLayout.get_default_for([16, D], dtype))
@@ -595,39 +632,39 @@ def _fp8_pair_kernel(
             (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
                        q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                        code_ring, sig_ring, uidx_ptr, ucnt_ptr, sig_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-                       BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC, SLOT_META)),
+                       BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC, SLOT_META, TAIL_ALIAS, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
             (_loader, (q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
                        q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                        code_ring, sig_ring, uidx_ptr, ucnt_ptr, sig_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
-                       BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC, SLOT_META)),
+                       BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC, SLOT_META, TAIL_ALIAS, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 2, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING)),
         ], [4, 4, 4], [160, 160, 160])
 
 
@@ -646,16 +683,57 @@ STAGES = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (5, 2), (128, Fa
 # At D=128 in drop mode 5 slots measured faster than 7 (exact phase 4.34 -> 4.24 ms at 32K,
 # results/h100_fp8_sweep.json); 4 with a tail do not fit.
 STAGES_V16 = {(64, True): (6, 3), (64, False): (8, 1), (128, True): (3, 2), (128, False): (5, 1)}
-# Three query tiles (48 KB at D=128, their 8-bit copies another 24) leave fewer slots with a tail.
+# Three query tiles (48 KB at D=128, their 8-bit copies another 24) leave fewer slots with a tail
+# ring of its own (the default lays it over the exact ring: :data:`STAGES_ALIAS`).
 STAGES3 = {**STAGES, (128, True): (3, 2)}
 STAGES3_V16 = {**STAGES_V16, (128, True): (2, 2)}
 
 
-def ring_depths(head_dim: int, tail: bool, pv8: bool, query_group: int) -> tuple[int, int]:
+# With the tail ring laid over the exact ring (:func:`tail_alias_for`) the tail takes no room of
+# its own: (exact slots, tail slots = half of them) per head dim and query blocks per CTA. At
+# D = 128: pairs 8 slots (128 KB) beside two query tiles and H̄ (64 KB); three query blocks 8
+# beside three query tiles and their 8-bit copies (72 KB), H̄ coming through the tail ring
+# (:func:`hbar_in_tail_ring`).
+STAGES_ALIAS = {(64, 2): (8, 4), (64, 3): (8, 4), (128, 2): (8, 4), (128, 3): (8, 4)}
+
+
+def ring_depths(head_dim: int, tail: bool, pv8: bool, query_group: int, alias: bool = False) -> tuple[int, int]:
     """(exact slots, tail slots) for a head dim, a mode with or without a tail, 8-bit values or
-    not, and the query blocks per CTA."""
+    not, the query blocks per CTA and whether the tail ring lies over the exact one."""
+    if alias:
+        return STAGES_ALIAS[head_dim, query_group]
     table = (STAGES if pv8 else STAGES_V16) if query_group == 2 else (STAGES3 if pv8 else STAGES3_V16)
     return table[head_dim, tail]
+
+
+# Where the tail ring lies over the exact ring (8-bit values, a mode with a tail): per (precision,
+# query blocks per CTA). Three query blocks with a tail had 3 exact slots and 2 tail slots of their
+# own at D = 128; over one ring they get 8 and 4. H200, 32K Gaussian hybrid attend, medians of 3
+# rounds (results/h200_fp8_tail_alias.json): ``fp8`` three 4.67 -> 4.39 ms (6 + 3 slots 4.34;
+# pairs 4.43), ``int8-fp8`` 4.88 -> 4.59 (4.63; pairs 4.78); pairs over one ring (8 + 4 for
+# 5 + 2) were slower (4.54, 4.87), so they keep their own tail slots.
+TAIL_ALIAS = {("fp8", 3), ("int8-fp8", 3)}
+
+
+def tail_alias_for(precision: str, query_group: int, mode: str, pv8: bool, tail_alias: bool | None = None) -> bool:
+    """Whether the tail's 16-bit slots lie over pairs of 8-bit exact slots (``tail_alias``, None:
+    :data:`TAIL_ALIAS`): the exact ring then gets the tail ring's room too. Needs 8-bit values
+    (their K and V slots are the same size) and a mode with a tail."""
+    if mode == "drop" or not pv8:
+        if tail_alias:
+            raise ValueError(f"tail_alias: needs 8-bit values and a mode with a tail, got mode={mode!r}, "
+                             f"values {'8-bit' if pv8 else 'in the input dtype'}")
+        return False
+    if tail_alias is None:
+        return (precision, query_group) in TAIL_ALIAS
+    return bool(tail_alias)
+
+
+def hbar_in_tail_ring(alias: bool, mode: str, query_group: int, head_dim: int, block_size: int) -> bool:
+    """Whether H̄ comes as the tail ring's last entry (its row halves over a tail slot's two tiles,
+    as :func:`.attention.hbar_in_ring`) instead of its own ``[D, D]`` tile: three query blocks with
+    the tail over the exact ring, hybrid, D = 2·BS."""
+    return alias and mode == "hybrid" and query_group == 3 and head_dim == 2 * block_size
 HEAD_DIMS = (64, 128)
 # The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
 # loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
@@ -675,13 +753,16 @@ LOOKAHEAD = {True: 2, False: 1}
 # into the entry's slot (for these (precision, query blocks per CTA, tail, even Lk)), else from
 # global memory ahead of the slot (``LOOKAHEAD``). The slot copy takes the stream and scale
 # pointers out of the loop (fewer registers there) but puts a shared-memory read after the slot's
-# wait. H200, 32K Gaussian, medians of 4 interleaved rounds (results/h200_fp8_slot_meta.json),
-# exact phase slot / global: three drop 3.56 / 3.68 ms (fp8), 3.71 / 3.92 (int8-fp8), ragged
-# 3.94 / 4.11 (fp8); pairs hybrid 4.42 / 4.49, 4.76 / 4.85; global stays where it measured
-# faster: pairs drop 4.12 / 3.91 (int8-fp8), ragged hybrid 5.35 / 5.21 (three), 5.52 / 5.33
-# (pairs), ragged pairs drop 4.53 / 4.33.
+# wait. H200, 32K Gaussian, medians of 3-4 interleaved rounds (results/h200_fp8_slot_meta.json,
+# h200_fp8_tail_alias.json), exact phase slot / global: three drop 3.56 / 3.68 ms (fp8), 3.71 /
+# 3.92 (int8-fp8), ragged 3.94 / 4.11 (fp8); pairs hybrid 4.42 / 4.49, 4.76 / 4.85; three hybrid
+# (tail over the ring) 4.29 / 4.30 (fp8), ragged 4.93 / 5.01 (fp8), 5.17 / 5.45 (int8-fp8). Global
+# stays where it measured faster: pairs drop 4.12 / 3.91 (int8-fp8), ragged pairs hybrid 5.52 /
+# 5.33, ragged pairs drop 4.53 / 4.33; and for ``int8-fp8`` three with a tail at an even Lk (4.58 /
+# 4.63, but the slot read leaves its exact loop two registers short: local memory in the loop).
 SLOT_META = {("fp8", 3, False, True), ("fp8", 3, False, False), ("fp8", 2, True, True),
-             ("int8-fp8", 3, False, True), ("int8-fp8", 2, True, True)}
+             ("int8-fp8", 3, False, True), ("int8-fp8", 2, True, True),
+             ("fp8", 3, True, True), ("fp8", 3, True, False), ("int8-fp8", 3, True, False)}
 
 
 def slot_meta_for(precision: str, query_group: int, mode: str, even_k: bool, pipeline: bool,
@@ -700,15 +781,18 @@ def slot_meta_for(precision: str, query_group: int, mode: str, even_k: bool, pip
 # accumulator 4.34 vs 4.57 ms.
 PV_ACCUMULATE = {True: False, False: True}
 # Adjacent query blocks a CTA serves, per precision and whether the mode has a tail (a ragged Lk:
-# :data:`QUERY_GROUP_RAGGED`). Three consumers get 160 registers: with a tail the e4m3 P·V
-# formats' exact loop fits them (P·V in two halves of D, codes through the slot, the row constant
-# s·q·μ added after the loop; ptxas 12.8, Triton 3.6) but still measured slower than pairs at an
-# even Lk: ``fp8`` hybrid 4.70 against 4.51 ms, ``int8-fp8`` 4.87 against 4.77 (H200, 32K, 3
-# rounds, results/h200_fp8_qmu_after_loop.json). ``int8-int8``'s loop spills in every mode. Measured on the H200 at 32K / 64K (benchmarks/results/h200_fp8_query_group.json), exact
-# phase three against two: ``fp8`` drop -1.0 / -0.8 %, ``int8`` drop -3.8 / +0.5 % (kept);
-# ``int8-fp8`` drop +2.5 / -0.1 %, ``int8`` hybrid +4.8 / +7.8 % (pairs kept). With the codes
-# from the slot (:data:`SLOT_META`) ``int8-fp8`` drop on three: 3.71 against 3.91 ms on pairs.
-QUERY_GROUP = {("fp8", False): 3, ("fp8", True): 2, ("int8-fp8", False): 3, ("int8-fp8", True): 2,
+# :data:`QUERY_GROUP_RAGGED`). Three consumers get 160 registers; the e4m3 P·V formats' exact loop
+# fits them in every mode (P·V in two halves of D, the row constant s·q·μ added after the loop;
+# ptxas 12.8, Triton 3.6). With a tail three need the tail ring over the exact ring
+# (:data:`TAIL_ALIAS`), else their exact loop has 3 slots: H200, 32K, three (tail over the ring)
+# against pairs, medians of 3 rounds (results/h200_fp8_tail_alias.json): ``fp8`` hybrid 4.29
+# against 4.51 ms, zeroth 4.43 / 4.47; ``int8-fp8`` hybrid 4.63 / 4.82, zeroth 4.57 / 4.73; 64K
+# hybrid 16.32 / 16.88 (``fp8``), 17.20 / 17.96 (``int8-fp8``). ``int8-int8``'s loop spills in
+# every mode. Without a tail, on the H200 at 32K / 64K (benchmarks/results/h200_fp8_query_group.json),
+# exact phase three against two: ``fp8`` drop -1.0 / -0.8 %, ``int8`` drop -3.8 / +0.5 % (kept);
+# ``int8`` hybrid +4.8 / +7.8 % (its 16-bit V slots: pairs kept). With the codes from the slot
+# (:data:`SLOT_META`) ``int8-fp8`` drop on three: 3.71 against 3.91 ms on pairs.
+QUERY_GROUP = {("fp8", False): 3, ("fp8", True): 3, ("int8-fp8", False): 3, ("int8-fp8", True): 3,
                ("int8-int8", False): 2, ("int8-int8", True): 2, ("int8", False): 3, ("int8", True): 2}
 
 
@@ -719,12 +803,12 @@ def precision_of(quant, v: Tensor | None) -> str:
     return next(p for p, f in PRODUCT_FORMATS.items() if f == (qk, pv))
 
 
-# A ragged Lk: ``fp8`` with a tail on three query blocks (its P·V in two halves of D; no spill in the
-# loops there, ptxas 12.8, where an even Lk still spills four registers a block): a Wan2.1-720p-like
-# shape 13.42 -> 12.16 ms hybrid, 13.48 -> 12.30 zeroth, 32K Gaussian at L - 37 the same (H200,
-# notes/fp8.md); ``fp8`` drop on three 3.94 against 4.33 ms on pairs (32K, L - 37); the other
-# formats stay on pairs (not measured).
-QUERY_GROUP_RAGGED = {("fp8", True): 3, ("fp8", False): 3}
+# A ragged Lk: the e4m3 P·V formats on three query blocks in every mode (no spill in the loops, ptxas
+# 12.8). H200, 32K Gaussian at Lk = L - 37, medians of 2 rounds (results/h200_fp8_tail_alias.json),
+# three with the tail over the exact ring and the codes from the slots against pairs: ``fp8``
+# hybrid 4.93 / 5.48 ms, zeroth 4.90 / 5.38; ``int8-fp8`` hybrid 5.17 / 5.81, zeroth 5.22 / 5.50;
+# ``fp8`` drop on three 3.94 against 4.33 ms on pairs; the other formats stay on pairs (not measured).
+QUERY_GROUP_RAGGED = {("fp8", True): 3, ("fp8", False): 3, ("int8-fp8", True): 3, ("int8-fp8", False): 3}
 
 
 def query_group_for(mode: str, lk: int, block_size: int, precision: str) -> int:
@@ -756,6 +840,7 @@ def attention(
     pipeline: bool | None = None, v: Tensor | None = None, pv_accumulate: bool | None = None,
     pingpong: bool | None = None, lookahead: int | None = None, query_group: int | None = None,
     kbound: Tensor | None = None, tail_max: str | None = None, slot_meta: bool | None = None,
+    tail_alias: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The low-precision kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
     ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
@@ -770,7 +855,8 @@ def attention(
     ``pingpong``: the consumers' products in turns (None: :data:`PINGPONG`); ``lookahead``: how far
     ahead the stream's codes are read (None: :data:`LOOKAHEAD` for the format); ``slot_meta``: the
     sequential loop reads each entry's code and key scale from the copy in its slot instead (None:
-    :data:`SLOT_META`; the pipelined loop reads them ahead). ``query_group``:
+    :data:`SLOT_META`; the pipelined loop reads them ahead). ``tail_alias``: the tail's slots laid
+    over the exact ring's (None: :func:`tail_alias_for`). ``query_group``:
     adjacent query blocks per CTA, 2 or 3 (None: :func:`query_group_for`, or 2 with ``pipeline`` or
     ``pingpong``; 3 runs neither the pipelined loop nor ping-pong). ``kbound``, ``tail_max``: the tail's maximum, as
     :func:`.attention.attention` takes them."""
@@ -789,6 +875,14 @@ def attention(
     if nc == 3 and (pipeline or pingpong):
         raise ValueError(f"query_group=3 runs the sequential loop without turns: pipeline={pipeline!r}, "
                          f"pingpong={pingpong!r}")
+    pv8 = v is None
+    if pv8 == (quant.v8t.numel() == 0 and b * hk * d > 0):
+        raise ValueError("v: pass the values exactly when quant holds no 8-bit copy of them (P·V in the input dtype)")
+    alias = tail_alias_for(precision_of(quant, v), nc, mode, pv8, tail_alias)
+    hb_ring = hbar_in_tail_ring(alias, mode, nc, d, bs)
+    st, tst = stages or ring_depths(d, mode != "drop", pv8, nc, alias)
+    if alias and st != 2 * tst:
+        raise ValueError(f"stages: a tail laid over the exact ring has half as many slots, got {stages!r}")
     if out is None:
         out = _alloc_like_layout(q)
     if lse is None:
@@ -804,16 +898,12 @@ def attention(
         kbound = tail_bound(kbar, kscale)
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
-    pv8 = v is None
-    if pv8 == (quant.v8t.numel() == 0 and b * hk * d > 0):
-        raise ValueError("v: pass the values exactly when quant holds no 8-bit copy of them (P·V in the input dtype)")
     qk_int8 = quant.k8.dtype == torch.int8
     pv_int8 = pv8 and quant.v8t.dtype == torch.int8
-    st, tst = stages or ring_depths(d, m > 0, pv8, nc)
     tensors = (q, quant.k8, quant.v8t if pv8 else v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
                hbar.view(b * hk, d, d))
     blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs] if pv8 else [1, 1, bs, d], [1, 1, bs, d], [1, bs, d],
-              [1, bs, d], [1, d, d])
+              [1, bs, d], [1, bs if hb_ring else d, d])
     tau = quant.tau if pv8 else quant.sigma  # unread without 8-bit values
     vcs = quant.vcs if pv_int8 else quant.sigma  # unread without int8 values
     scalars = (kscale, kbound, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu, vcs,
@@ -831,8 +921,9 @@ def attention(
     meta = slot_meta_for(precision_of(quant, v), nc, mode, lk % bs == 0, pipe, slot_meta)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
                       PIPELINE=pipe, QK_INT8=qk_int8, PV8=pv8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la,
-                      PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack, SLOT_META=meta)
-    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8, nc, slack, meta,
+                      PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack, SLOT_META=meta, TAIL_ALIAS=alias,
+                      HB_RING=hb_ring)
+    key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8, nc, slack, meta, alias,
            tuple(x.data_ptr() % 16 == 0 for x in scalars[:11]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
@@ -845,7 +936,8 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                      dtype: torch.dtype = torch.bfloat16, stages: tuple[int, int] | None = None,
                      pipeline: bool | None = None, precision: str = "fp8", pingpong: bool | None = None,
                      lookahead: int | None = None, query_group: int = 2, tail_max: str = "auto",
-                     pv_accumulate: bool | None = None, slot_meta: bool | None = None):
+                     pv_accumulate: bool | None = None, slot_meta: bool | None = None,
+                     tail_alias: bool | None = None):
     """Compile the low-precision pair kernel for sm_90a without a GPU (as
     :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``."""
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
@@ -856,6 +948,8 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     from triton.runtime.jit import mangle_type
 
     d, bs = head_dim, 64
+    alias = tail_alias_for(precision, query_group, mode, pv8, tail_alias)
+    hb_ring = hbar_in_tail_ring(alias, mode, query_group, d, bs)
     x = torch.empty(1, 1, bs, d, dtype=dtype)
     k8 = torch.empty(1, 1, bs, d, dtype=torch.int8 if qk_fmt == "int8" else torch.float8_e4m3fn)
     v8 = torch.empty(1, 1, d, bs, dtype=torch.int8 if pv_int8 else torch.float8_e4m3fn) if pv8 else x
@@ -863,8 +957,8 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     descs = dict(q_desc=_desc(x, [1, 1, bs, d]), k_desc=_desc(k8, [1, 1, bs, d]), v_desc=_desc(v8, [1, 1, d, bs] if pv8 else [1, 1, bs, d]),
                  o_desc=_desc(x, [1, 1, bs, d]), kb_desc=_desc(c, [1, bs, d]),
                  vb_desc=_desc(torch.empty(1, bs, d, dtype=dtype), [1, bs, d]),
-                 hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, d, d]))
-    st, tst = stages or ring_depths(d, mode != "drop", pv8, query_group)
+                 hb_desc=_desc(torch.empty(1, d, d, dtype=dtype), [1, bs if hb_ring else d, d]))
+    st, tst = stages or ring_depths(d, mode != "drop", pv8, query_group, alias)
     pipe = PIPELINE if pipeline is None else bool(pipeline)
     if pv_int8 and pipe:
         raise ValueError("pipeline: INT8 P·V runs in the sequential loop")
@@ -875,7 +969,8 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                       PINGPONG=PINGPONG if pingpong is None else bool(pingpong),
                       LOOKAHEAD=LOOKAHEAD[pv8] if lookahead is None else int(lookahead), PV_INT8=pv_int8,
                       NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0,
-                      SLOT_META=slot_meta_for(precision, query_group, mode, even_k, pipe, slot_meta))
+                      SLOT_META=slot_meta_for(precision, query_group, mode, even_k, pipe, slot_meta),
+                      TAIL_ALIAS=alias, HB_RING=hb_ring)
     types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", vcs_ptr="*i32",
                  qk_scale="fp32", scale="fp32", pw="fp32")
