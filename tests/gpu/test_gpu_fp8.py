@@ -450,20 +450,26 @@ def test_lowp_slot_meta_is_bitwise(precision, name, nc):
     """Each entry's code and key scale from the copy the loader writes into its slot, or read
     ahead from global memory: the same numbers, so outputs and LSE are equal bit for bit (two
     and three query blocks, with and without a tail, even and ragged key lengths)."""
+    res, refs = _kernel_both_ways(precision, CASES[name], nc, 21, "slot_meta")
+    assert torch.isfinite(res[1][0]).all() and rel_l1(res[1][0], refs()[0]) < QREF_TOL
+    assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
+
+
+def _kernel_both_ways(precision, case, nc, seed, option):
+    """The 8-bit-value kernel on a case's DiT-like inputs and top-k selection with ``option`` False,
+    then True: the two (out, lse), and a function giving (quantised reference, float64 PISA)."""
     from pisa_attn.ops.hopper import fp8 as gfp8
     from pisa_attn.ops.triton.quantize import quantize
 
-    b, h, hk, lq, lk, d, mode = CASES[name]
-    q, k, v = dit(b, h, hk, lq, lk, d, seed=21)
+    b, h, hk, lq, lk, d, mode = case
+    q, k, v = dit(b, h, hk, lq, lk, d, seed=seed)
     p, _, sel = fp8_run(q, k, v, mode, precision=precision)
     st = get_backend("hopper").prepare(q, k, v, 64)
     qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
     res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk,
-                          alpha=p.alpha, query_group=nc, slot_meta=meta, kbound=st.kbound) for meta in (False, True)]
+                          alpha=p.alpha, query_group=nc, kbound=st.kbound, **{option: on}) for on in (False, True)]
     torch.cuda.synchronize()
-    oq, _ = references(q, k, v, p, sel, precision)
-    assert torch.isfinite(res[1][0]).all() and rel_l1(res[1][0], oq) < QREF_TOL
-    assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
+    return res, lambda: references(q, k, v, p, sel, precision)
 
 
 @pytest.mark.parametrize("name,nc", [("B1-H4-L2048-D128-hybrid", 2), ("B1-H4-L2048-D128-hybrid", 3),
@@ -476,21 +482,11 @@ def test_lowp_tail_alias_is_bitwise(precision, name, nc):
     """The tail's slots laid over the exact ring's (H̄ through that ring with three query blocks in
     hybrid mode at D = 128) or in their own: the same products in the same order, so outputs and
     LSE are equal bit for bit. L = 20480 has five centroid groups, so the tail ring wraps around."""
-    from pisa_attn.ops.hopper import fp8 as gfp8
-    from pisa_attn.ops.triton.quantize import quantize
-
-    b, h, hk, lq, lk, d, mode = {**CASES, "B1-H2-L20480-D128-hybrid": (1, 2, 2, 20480, 20480, 128, "hybrid")}[name]
-    q, k, v = dit(b, h, hk, lq, lk, d, seed=23)
-    p, _, sel = fp8_run(q, k, v, mode, precision=precision)
-    st = get_backend("hopper").prepare(q, k, v, 64)
-    qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
-    res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk,
-                          alpha=p.alpha, query_group=nc, tail_alias=alias, kbound=st.kbound) for alias in (False, True)]
-    torch.cuda.synchronize()
+    case = {**CASES, "B1-H2-L20480-D128-hybrid": (1, 2, 2, 20480, 20480, 128, "hybrid")}[name]
+    res, refs = _kernel_both_ways(precision, case, nc, 23, "tail_alias")
     assert torch.isfinite(res[1][0]).all()
-    if lq <= 4096:
-        oq, _ = references(q, k, v, p, sel, precision)
-        assert rel_l1(res[1][0], oq) < QREF_TOL
+    if case[3] <= 4096:
+        assert rel_l1(res[1][0], refs()[0]) < QREF_TOL
     assert torch.equal(res[1][0], res[0][0]) and torch.equal(res[1][1], res[0][1])
 
 
