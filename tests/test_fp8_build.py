@@ -19,6 +19,7 @@ SHAPES = {
     "D128-drop-ragged-bf16": (128, "drop", False, "bfloat16", False),
     "D64-zeroth-ragged-fp16": (64, "zeroth", False, "float16", False),
     "D128-hybrid-ragged-bf16-pipelined": (128, "hybrid", False, "bfloat16", True),
+    "D128-hybrid-ragged-bf16": (128, "hybrid", False, "bfloat16", False),
     "D128-drop-bf16": (128, "drop", True, "bfloat16", False),
     "D64-hybrid-fp16": (64, "hybrid", True, "float16", False),
 }
