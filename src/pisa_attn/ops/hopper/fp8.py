@@ -59,7 +59,7 @@ from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.pairs import pair_union, triple_union, triple_width, union_width
 from .attention import (MAX_REGS, TAIL_SLACK, _box, _finish, _reinterpret, _thread_barrier, _tma_load, first_order_shift,
-                        tail_bound, tail_slack)
+                        hbar_in_ring, tail_bound, tail_slack)
 
 # The probabilities' factor: 256 for e4m3 and the input dtype, 255 for the unsigned INT8 codes.
 P_SCALE = gl.constexpr(256.0)
@@ -733,7 +733,7 @@ def hbar_in_tail_ring(alias: bool, mode: str, query_group: int, head_dim: int, b
     """Whether H̄ comes as the tail ring's last entry (its row halves over a tail slot's two tiles,
     as :func:`.attention.hbar_in_ring`) instead of its own ``[D, D]`` tile: three query blocks with
     the tail over the exact ring, hybrid, D = 2·BS."""
-    return alias and mode == "hybrid" and query_group == 3 and head_dim == 2 * block_size
+    return alias and hbar_in_ring(mode, query_group, head_dim, block_size)
 HEAD_DIMS = (64, 128)
 # The exact loop's schedule (see :data:`.attention.PIPELINE`): sequential by default, the pipelined
 # loop measured 16-25 % slower on the H100 (benchmarks/results/h100_pipeline.json).
