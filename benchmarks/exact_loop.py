@@ -253,7 +253,8 @@ LOOP_VARIANTS = [
 ]
 
 
-def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict, rounds: int = 3):
+def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict, rounds: int = 3,
+                        names=None):
     """Each loop variant's attend kernel alone on one top-k selection (adjacent pairs), drop and
     hybrid, timed in ``rounds`` interleaved rounds (every variant once per round; the median of the
     rounds is reported: run-to-run drift hits all variants alike), outputs compared with the first
@@ -270,6 +271,8 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict,
         scale = q.shape[-1] ** -0.5
         ref, rows, fns = {}, [], []
         for name, kw in LOOP_VARIANTS:
+            if names is not None and name not in names:
+                continue
             row = dict(L=L, source=source, density=density, variant=name, **kw,
                        computed_fraction=frac, cudnn_ms=t_cudnn, rounds=rounds, **ps)
             for mode in ("drop", "hybrid"):
@@ -386,6 +389,7 @@ def main(argv=None):
     ap.add_argument("--schedules", action="store_true", help="compare the exact loop's schedules instead")
     ap.add_argument("--loop-variants", action="store_true",
                     help="compare the stream / barrier protocols of the bf16 kernel instead")
+    ap.add_argument("--variants", nargs="+", default=None, help="names of --loop-variants to time (default: all)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of --loop-variants")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "exact_loop.json"))
     a = ap.parse_args(argv)
@@ -403,7 +407,7 @@ def main(argv=None):
             if a.schedules:
                 bench_schedules(L, a.sources, density, res)
             elif a.loop_variants:
-                bench_loop_variants(L, a.sources, density, a.whole, res, a.rounds)
+                bench_loop_variants(L, a.sources, density, a.whole, res, a.rounds, a.variants)
             else:
                 bench_length(L, a.sources, density, a.whole, res)
         if a.dino:
