@@ -34,6 +34,7 @@ from pisa_attn.ops.selection import bits_to_mask
 from pisa_attn.ops.triton import pairs as PU
 from pisa_attn.ops.triton import prepare as P
 from pisa_attn.ops.triton import select as S
+from pisa_attn.ops.triton.op import score_scratch
 
 B, H, D, BS, DENSITY = 2, 16, 128, 64, 0.125
 
@@ -122,7 +123,7 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
     res: dict = {"L": L, "n_kv_blocks": nk, "n_select": n_sel}
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         res["cudnn_ms"] = ms(lambda: F.scaled_dot_product_attention(q, k, v))
-    scratch = max(1, 4 * q.numel() * q.element_size() // 400)  # the op's budget: 1 % of q, k, v, o bytes
+    scratch = score_scratch(q, k)  # the op's budget
     kw = dict(n_select=n_sel, width=width, scale=scale)
 
     def new_phases(tag: str, qb: int | None = None):
@@ -211,6 +212,21 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
             except Exception as e:  # e.g. out of shared memory: reported, not fatal
                 v_[f"select_scores{bm}x{bn}w{w}"] = f"error: {type(e).__name__}: {str(e)[:80]}"
         S.SCORES_TILE.update(keep_s)
+        # score precision, and the scratch budget (chunks of query blocks per scores + top-k pair)
+        m_ref = idx_to_mask(sel.idx, sel.cnt, nk)
+        for name, prec, budget in (("tf32", "tf32", scratch), ("scratch_1pct", None, scratch // 4),
+                                   ("scratch_whole", None, None), ("tf32_whole", "tf32", None)):
+            keep_p = S.SCORES_PRECISION
+            if prec:
+                S.SCORES_PRECISION = prec
+            sw = S.selection_workspace(B, H, nk, nk, width, q.device, scratch_elems=budget)
+            try:
+                v_[f"select_{name}"] = ms(lambda: S.select(st.qmean, st.kmean, ws=sw, scratch_elems=budget, **kw))
+                s2 = S.select(st.qmean, st.kmean, ws=sw, scratch_elems=budget, **kw)
+                v_[f"select_{name}_overlap"] = ((idx_to_mask(s2.idx, s2.cnt, nk) & m_ref).sum() / m_ref.sum()).item()
+            except Exception as e:  # reported, not fatal
+                v_[f"select_{name}"] = f"error: {type(e).__name__}: {str(e)[:80]}"
+            S.SCORES_PRECISION = keep_p
         res["variants"] = v_
     res["kernels_new"] = kernel_table(q, k, v, nk, width, kw)
     if check:
@@ -246,11 +262,42 @@ def kernel_table(q, k, v, nk, width, kw) -> dict:
     return out
 
 
+def whole_ab(L: int, rounds: int = 3) -> dict:
+    """The whole hybrid call (plan/run, backend ``hopper``, the library's default selection) with
+    the score buffer at 1 % and at the library's fraction of q, k, v, o bytes, timed in
+    interleaved rounds with cuDNN SDPA."""
+    import statistics
+
+    from pisa_attn import PisaSettings, plan, run
+    from pisa_attn.ops.triton import op as TO
+
+    torch.manual_seed(L)
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    keep = TO.SCORE_SCRATCH_FRACTION
+    plans = {}
+    for frac in (0.01, keep):
+        TO.SCORE_SCRATCH_FRACTION = frac
+        plans[frac] = plan(q, k, PisaSettings(density=DENSITY, backend="hopper"))
+        run(plans[frac], q, k, v, out=out)
+    TO.SCORE_SCRATCH_FRACTION = keep
+    ts = {"cudnn": [], 0.01: [], keep: []}
+    for _ in range(rounds):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ts["cudnn"].append(ms(lambda: F.scaled_dot_product_attention(q, k, v)))
+        for frac, p in plans.items():
+            ts[frac].append(ms(lambda p=p: run(p, q, k, v, out=out)))
+    med = {key: statistics.median(t) for key, t in ts.items()}
+    return {"L": L, "cudnn_ms": med["cudnn"], "whole_ms_scratch_1pct": med[0.01],
+            f"whole_ms_scratch_{round(keep * 100)}pct": med[keep], "rounds": {str(k_): t for k_, t in ts.items()}}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", default=None)
     ap.add_argument("--lengths", default="4096,8192,32768,65536")
     ap.add_argument("--check-max", type=int, default=32768, help="float64 checks up to this length")
+    ap.add_argument("--whole", default="", help="lengths of the whole-call A/B of the score buffer (e.g. 32768,65536)")
     a = ap.parse_args()
     base = load_baseline(a.baseline) if a.baseline else None
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -265,12 +312,19 @@ def main():
         out["rows"].append(r)
         print(json.dumps(r), flush=True)
         torch.cuda.empty_cache()
+    out["whole"] = [whole_ab(int(s_)) for s_ in a.whole.split(",") if s_]
+    for r in out["whole"]:
+        print(json.dumps(r), flush=True)
     path = os.path.join(os.environ.get("OUT", "."), "stats_select.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\n{out['device']}, torch {out['torch']}, triton {out['triton']}, {out['shape']}; ms (host in µs)")
     cols = ("prep", "prep_cov", "select", "union", "outside_graph", "outside_eager", "host_us")
     print(f"{'L':>6} {'impl':>10} " + " ".join(f"{c:>13}" for c in cols) + f" {'cudnn':>9}")
+    for r in out["whole"]:
+        print(f"{r['L']:>6} whole hybrid call: cuDNN {r['cudnn_ms']:.3f} | "
+              + " | ".join(f"{k_[9:]} {v_:.3f} ({r['cudnn_ms'] / v_:.2f}x)" for k_, v_ in r.items()
+                           if k_.startswith("whole_ms")))
     for r in out["rows"]:
         for impl in ("old", "new", "new_qb128"):
             if impl in r:

@@ -66,7 +66,10 @@ def test_prepare_matches_reference(case, exclude):
     if exclude == "all":
         assert not st.hbar.any() and not st.hbar_lp.any()
     else:
-        assert rel_l1(st.hbar, rs.hbar) < 3e-3  # the centred keys are rounded to the input dtype once
+        # The GPU path rounds the centred keys to the input dtype once before the product (bf16:
+        # 2^-9 relative, 4e-3 here at these few blocks); the interpreter keeps them in float32.
+        tol = 6e-3 if DEV == "cuda" and dtype == torch.bfloat16 else 3e-3
+        assert rel_l1(st.hbar, rs.hbar) < tol
         assert rel_l1(st.hbar_lp, rs.hbar) < 1e-2
     assert rel_l1(st.hdev, rs.hdev) < 3e-3
     assert torch.isfinite(st.hbar).all() and torch.isfinite(st.hdev).all()
@@ -190,3 +193,28 @@ def test_selection_paths_match_the_reference(case, path, monkeypatch):
     assert torch.equal(ucnt, c2)
     valid = torch.arange(uidx.shape[-1], device=DEV) < ucnt[..., None]
     assert torch.equal(torch.where(valid, uidx, 0), torch.where(valid, u2, 0))
+
+
+@pytest.mark.parametrize("path", ["one-kernel", "two-kernel-1bit", "two-kernel-2bit"])
+@pytest.mark.parametrize("scores", ["distinct", "ties"])
+def test_topk_is_the_order_statistic_with_ties_to_the_lowest_blocks(path, scores, monkeypatch):
+    """The top-k is exactly the ``n_select`` largest scores, ties at the threshold to the lowest
+    block indices, whether the search settles early (distinct scores) or runs every step (ties):
+    scores made exact (one-hot query means pick one channel of the key means)."""
+    b, h, nq, nk, d, n_sel = 1, 2, 40, 50, 16, 7
+    g = torch.Generator().manual_seed(7 if scores == "ties" else 8)
+    vals = (torch.randint(0, 5, (b, h, d, nk), generator=g) / 4.0 if scores == "ties"
+            else torch.randn(b, h, d, nk, generator=g))
+    qmean = torch.zeros(b, h, nq, d)
+    qmean[..., torch.arange(nq), torch.arange(nq) % d] = 1.0
+    monkeypatch.setitem(S.FUSED, "max_nkp", 64 if path == "one-kernel" else 0)
+    monkeypatch.setitem(S.TOPK_WARPS, "two_bit_max_nkp", 1 << 20 if path.endswith("2bit") else 0)
+    sel = S.select(qmean.to(DEV), vals.to(DEV).transpose(2, 3), n_select=n_sel, width=n_sel, scale=0.25)
+    s = vals[:, :, torch.arange(nq) % d, :]  # [b, h, nq, nk]: row i's scores are channel i % d
+    order = torch.sort(-s, dim=-1, stable=True).indices  # descending, equal scores by block index
+    want = torch.zeros(b, h, nq, nk, dtype=torch.bool).scatter_(-1, order[..., :n_sel], True)
+    assert torch.equal(idx_to_mask(sel.idx, sel.cnt, nk).cpu(), want)
+    assert torch.equal(bits_to_mask(sel.bits, nk).cpu(), want)
+    if scores == "ties":  # the case must put ties across the threshold, or it tests nothing more
+        kth = torch.gather(s, -1, order[..., n_sel - 1:n_sel])
+        assert ((s == kth).sum(-1) > (want & (s == kth)).sum(-1)).any()

@@ -46,10 +46,18 @@ def unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
     return None
 
 
+# Selection's score buffer as a fraction of the bytes of q, k, v and o. Each chunk of query blocks
+# it holds costs a score launch and a top-k launch: at B2-H16, 4 % holds the whole score matrix up
+# to 32K tokens and two chunks at 64K (1 % took four and seven, and twice the selection's time at
+# 32K on an H200).
+SCORE_SCRATCH_FRACTION = 0.04
+
+
 def score_scratch(q: Tensor, k: Tensor) -> int:
-    """Selection's score buffer (fp32 elements): 1% of the bytes of q, k, v and o."""
+    """Selection's score buffer (fp32 elements): :data:`SCORE_SCRATCH_FRACTION` of the bytes of
+    q, k, v and o."""
     qkvo = 2 * (q.numel() * q.element_size() + k.numel() * k.element_size())
-    return max(1, qkvo // 400)
+    return max(1, int(qkvo * SCORE_SCRATCH_FRACTION) // 4)
 
 
 def attend(

@@ -10,9 +10,10 @@ a tensor-core GEMM writes the scores of a chunk of query blocks into a scratch b
 the caller (the whole ``[B, H, Nq, Nk]`` matrix would break the memory budget at long lengths) and
 the top-k kernel streams them.
 
-Top-k: each row's ``n_select``-th largest score by a 32-step bitwise search over an
-order-preserving integer image of the floats (exact: the k-th order statistic, not an estimate),
-then the chosen blocks compacted. Ties at the threshold go to the lowest block indices
+Top-k: each row's ``n_select``-th largest score by a bitwise search over an order-preserving
+integer image of the floats (exact: the k-th order statistic, not an estimate; at most 32 steps,
+ending once every row's count at the threshold is exactly ``n_select``), then the chosen blocks
+compacted. Ties at the threshold go to the lowest block indices
 (``torch.topk`` may break them differently; tests compare attention under one shared selection and
 check selection overlap separately).
 
@@ -44,6 +45,9 @@ MAX_FUSED_BLOCKS = 4096
 # Threshold bits decided per search step: 2 (16 steps of three counts) up to "two_bit_max_nkp" padded
 # key blocks, 1 (32 steps) beyond. H100: 8K 0.024 vs 0.030 ms with 2 bits, 32K 0.189 vs 0.215 ms with 1.
 TOPK_WARPS = {"warps": 1, "two_bit_max_nkp": 128, "keys_per_thread": 32}  # 1 warp: 0.145 ms vs 8 warps 0.285 ms at 32K (H100)
+# Precision of the score products on the GPU: tf32x3 is within float32 rounding of the float32
+# reference's scores (the interpreter computes them in float32).
+SCORES_PRECISION = "tf32x3"
 # Score GEMM tile of the two-kernel path (rows, key blocks, warps).
 SCORES_TILE = {"bm": 64, "bn": 64, "warps": 4}
 # The one-kernel path: rows per program (a 64-row tensor-core tile over 4 warps keeps each row in
@@ -80,12 +84,18 @@ def _select_rows(
     key = tl.where(cvalid[None, :], key, tl.zeros([R, NKP], tl.uint32))
 
     # Largest T with #{key >= T} >= n_sel, built from the top bit down: T is the n_sel-th largest key.
+    # A row is settled once #{key >= T} == n_sel: later steps only move T inside the gap above the
+    # (n_sel+1)-th key, which names the same set, so the search stops when every row of the
+    # program is settled (about half the steps on continuous scores; ties at the n_sel-th key run
+    # them all). Rows past the last query block count as settled.
     thr = tl.zeros([R], tl.uint32)
     one = tl.full([R], 1, tl.uint32)
+    n_thr = tl.where(rvalid, NKP + 1, n_sel)  # #{key >= thr}; NKP + 1: not settled before the first step
+    step = 0
     if BITS == 2:
         # Two bits per step: three independent counts, half the dependent steps (each step waits on
         # its row reductions); the largest digit whose count still reaches n_sel wins.
-        for step in range(16):
+        while (step < 16) & (tl.max((n_thr != n_sel).to(tl.int32), axis=0) != 0):
             sh = 30 - 2 * step
             c1 = thr | (one << sh)
             c2 = thr | ((one + one) << sh)
@@ -94,11 +104,15 @@ def _select_rows(
             n2 = tl.sum((key >= c2[:, None]).to(tl.int32), axis=1)
             n3 = tl.sum((key >= c3[:, None]).to(tl.int32), axis=1)
             thr = tl.where(n3 >= n_sel, c3, tl.where(n2 >= n_sel, c2, tl.where(n1 >= n_sel, c1, thr)))
+            n_thr = tl.where(n3 >= n_sel, n3, tl.where(n2 >= n_sel, n2, tl.where(n1 >= n_sel, n1, n_thr)))
+            step += 1
     else:
-        for step in range(32):
+        while (step < 32) & (tl.max((n_thr != n_sel).to(tl.int32), axis=0) != 0):
             cand = thr | (one << (31 - step))
             n_ge = tl.sum((key >= cand[:, None]).to(tl.int32), axis=1)
             thr = tl.where(n_ge >= n_sel, cand, thr)
+            n_thr = tl.where(n_ge >= n_sel, n_ge, n_thr)
+            step += 1
     gt = key > thr[:, None]
     eq = key == thr[:, None]
     need = n_sel - tl.sum(gt.to(tl.int32), axis=1)
@@ -295,7 +309,7 @@ def select(
     hd = hdev if hdev is not None else cnt
     cov, has_keep = hdev is not None, keep is not None
     nkp = max(32, next_pow2(nk))
-    prec = "ieee" if interpreting() else "tf32x3"
+    prec = "ieee" if interpreting() else SCORES_PRECISION
     bits_ = 2 if nkp <= TOPK_WARPS["two_bit_max_nkp"] else 1
     if _fused(nk):
         r = FUSED["rows"]
