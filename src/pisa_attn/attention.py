@@ -227,7 +227,9 @@ class PisaPlan:
 
     Made by :func:`plan`; run by :func:`run`. ``q_shape``/``kv_shape`` are in the settings' layout
     (``[B, H, L, D]`` for ``"bhsd"``, ``[B, L, H, D]`` for ``"bshd"``). The workspace (statistics,
-    selection, pair stream, log-sum-exp) is reused by every run of the plan: runs of one plan are
+    selection and its score buffer of up to 4 % of the bytes of q, k, v and o
+    (:data:`pisa_attn.ops.triton.op.SCORE_SCRATCH_FRACTION`), pair stream, log-sum-exp, and the
+    low precisions' copies of K and V) is reused by every run of the plan: runs of one plan are
     ordered on one CUDA stream (a plan is not for concurrent use from several streams).
     """
 
