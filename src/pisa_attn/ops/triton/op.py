@@ -48,8 +48,8 @@ def unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
 
 # Selection's score buffer as a fraction of the bytes of q, k, v and o. Each chunk of query blocks
 # it holds costs a score launch and a top-k launch: at B2-H16, 4 % holds the whole score matrix up
-# to 32K tokens and two chunks at 64K (1 % took four and seven, and twice the selection's time at
-# 32K on an H200).
+# to 32K tokens and two chunks at 64K (1 % took four and seven: 1.35x / 1.2x the selection's time
+# on an H200).
 SCORE_SCRATCH_FRACTION = 0.04
 
 
