@@ -292,13 +292,30 @@ def whole_ab(L: int, rounds: int = 3) -> dict:
             f"whole_ms_scratch_{round(keep * 100)}pct": med[keep], "rounds": {str(k_): t for k_, t in ts.items()}}
 
 
+def ncu_launches(L: int) -> None:
+    """One covariance-aware prepare and one selection at ``L`` (twice), for
+    ``ncu -k regex:"_stats|_hdev|_scores|_topk"``."""
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    nk = spec.num_blocks(L, BS)
+    n_sel = spec.num_selected(DENSITY, nk)
+    width = spec.selection_width(nk, n_sel, 0)
+    st = P.prepare(q, k, v, BS, with_hdev=True)
+    sw = S.selection_workspace(B, H, nk, nk, width, q.device, scratch_elems=score_scratch(q, k))
+    for _ in range(2):
+        S.select(st.qmean, st.kmean, n_select=n_sel, width=width, scale=D ** -0.5, hdev=st.hdev, ws=sw)
+    torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", default=None)
     ap.add_argument("--lengths", default="4096,8192,32768,65536")
     ap.add_argument("--check-max", type=int, default=32768, help="float64 checks up to this length")
     ap.add_argument("--whole", default="", help="lengths of the whole-call A/B of the score buffer (e.g. 32768,65536)")
+    ap.add_argument("--ncu", type=int, default=0, help="only one prepare + select at this length, for ncu")
     a = ap.parse_args()
+    if a.ncu:
+        return ncu_launches(a.ncu)
     base = load_baseline(a.baseline) if a.baseline else None
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "shape": f"B{B}-H{H}-D{D} bf16, density {DENSITY}", "rows": []}
