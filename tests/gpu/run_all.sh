@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 rc=0
 if [[ " $STEPS " == *" tests "* ]]; then
   # Fixed kernel config (no autotuning) keeps compile time down; autotuning is exercised by bench.
-  PISA_ATTN_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_plan_run.py tests/gpu/test_gpu_calibration.py tests/gpu/test_gpu_fp8.py -q -s -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+  PISA_ATTN_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_plan_run.py tests/gpu/test_gpu_calibration.py tests/gpu/test_gpu_fp8.py tests/test_stats_select.py -q -s -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
     | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
