@@ -262,34 +262,28 @@ def kernel_table(q, k, v, nk, width, kw) -> dict:
     return out
 
 
-def whole_ab(L: int, rounds: int = 3) -> dict:
+def whole_ab(L: int) -> dict:
     """The whole hybrid call (plan/run, backend ``hopper``, the library's default selection) with
-    the score buffer at 1 % and at the library's fraction of q, k, v, o bytes, timed in
-    interleaved rounds with cuDNN SDPA."""
+    the score buffer at 1 % and at the library's fraction of q, k, v, o bytes, in the exact-loop
+    benchmark's interleaved rounds, cuDNN SDPA in the same run."""
     import statistics
 
-    from pisa_attn import PisaSettings, plan, run
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import exact_loop as E  # the inputs and whole-call timing of the exact-loop benchmark
+
+    from pisa_attn import PisaSettings
     from pisa_attn.ops.triton import op as TO
 
-    torch.manual_seed(L)
-    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    out = torch.empty_like(q)
     keep = TO.SCORE_SCRATCH_FRACTION
-    plans = {}
-    for frac in (0.01, keep):
-        TO.SCORE_SCRATCH_FRACTION = frac
-        plans[frac] = plan(q, k, PisaSettings(density=DENSITY, backend="hopper"))
-        run(plans[frac], q, k, v, out=out)
+    t_cudnn = E.cudnn_ms(L)
+    q, k, v = E.qkv("random", L)
+    settings = PisaSettings(density=DENSITY, backend="hopper")
+    ts = E.whole_rounds(q, k, v, {f: (lambda f=f: setattr(TO, "SCORE_SCRATCH_FRACTION", f), settings)
+                                  for f in (0.01, keep)}, est_ms=t_cudnn * 0.16)
     TO.SCORE_SCRATCH_FRACTION = keep
-    ts = {"cudnn": [], 0.01: [], keep: []}
-    for _ in range(rounds):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            ts["cudnn"].append(ms(lambda: F.scaled_dot_product_attention(q, k, v)))
-        for frac, p in plans.items():
-            ts[frac].append(ms(lambda p=p: run(p, q, k, v, out=out)))
-    med = {key: statistics.median(t) for key, t in ts.items()}
-    return {"L": L, "cudnn_ms": med["cudnn"], "whole_ms_scratch_1pct": med[0.01],
-            f"whole_ms_scratch_{round(keep * 100)}pct": med[keep], "rounds": {str(k_): t for k_, t in ts.items()}}
+    return {"L": L, "cudnn_ms": t_cudnn, "whole_ms_scratch_1pct": statistics.median(ts[0.01]),
+            f"whole_ms_scratch_{round(keep * 100)}pct": statistics.median(ts[keep]),
+            "rounds": {str(f): t for f, t in ts.items()}}
 
 
 def ncu_launches(L: int) -> None:
