@@ -5,7 +5,8 @@ with cuDNN SDPA timed in the same run, and checks of the kernels against the flo
 
 Phases (``triton.testing.do_bench`` medians, L2 flushed; ``outside`` = prepare + select + pair union
 with workspaces, replayed from a CUDA graph: the GPU time a call spends outside the attend kernel):
-``prep`` (no covariance term), ``prep_cov`` (with ``||H_j − H̄||``), ``select``, ``union``, ``host_us``
+``prep`` (no covariance term), ``prep_cov`` (with ``||H_j − H̄||``), ``select`` (top-k), ``select_cov``
+(covariance-aware, the library's default), ``select_cov_keep`` (and ``N_KEEP`` kept key blocks), ``union``, ``host_us``
 (host time per eager prepare + select + union call, 200 calls queued without synchronising).
 ``--baseline DIR`` holds earlier ``prepare.py`` / ``select.py`` (loaded as modules of
 ``pisa_attn.ops.triton``) and times them the same way. Variants: ``STATS_TUNING`` (waves, pipelining depth, q tile), and the
@@ -37,6 +38,7 @@ from pisa_attn.ops.triton import select as S
 from pisa_attn.ops.triton.op import score_scratch
 
 B, H, D, BS, DENSITY = 2, 16, 128, 64, 0.125
+N_KEEP = 8  # kept key blocks in the `select_cov_keep` phase (as a text prefix of 512 tokens)
 
 
 def idx_to_mask(idx, cnt, n_kv_blocks: int):
@@ -144,9 +146,21 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
              "select": ms(lambda: S.select(st.qmean, st.kmean, repeat=rep, n_q_blocks=nk, ws=sw, **kw)),
              "union": ms(lambda: PU.pair_union(sel.bits, nk, width, out=sw.union)),
              "outside_graph": graph_ms(whole), "outside_eager": ms(whole), "host_us": host_us(whole)}
+        if qb is None:  # the covariance-aware selection (the default), alone and with kept blocks
+            st_c = P.prepare(q, k, v, BS, with_hdev=True)
+            sw_c = S.selection_workspace(B, H, nk, nk, width, q.device, scratch_elems=scratch)  # not sw: sel's
+            sw_k = S.selection_workspace(B, H, nk, nk, width_k, q.device, scratch_elems=scratch)
+            r["select_cov"] = ms(lambda: S.select(st_c.qmean, st_c.kmean, hdev=st_c.hdev, ws=sw_c, **kw))
+            r["select_cov_keep"] = ms(lambda: S.select(st_c.qmean, st_c.kmean, hdev=st_c.hdev, keep=keep, ws=sw_k,
+                                                       **kw_k))
         res[tag] = r
         return st, sel
 
+    # Kept blocks as a text prefix leaves them: the last N_KEEP key blocks of every head.
+    keep = torch.zeros(1, 1, nk, dtype=torch.bool, device=q.device)
+    keep[..., -N_KEEP:] = True
+    width_k = spec.selection_width(nk, n_sel, N_KEEP)
+    kw_k = dict(kw, width=width_k)
     st, sel = new_phases("new")
     new_phases("new_qb128", 128)
     if base is not None:
@@ -164,9 +178,19 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
                       "select": ms(lambda: bsel.select(bst.qmean, bst.kmean, scratch_elems=scratch, **kw)),
                       "union": ms(lambda: PU.pair_union(bs_.bits, nk, width)),
                       "outside_graph": graph_ms(whole_old), "outside_eager": ms(whole_old), "host_us": host_us(whole_old)}
+        st_c = P.prepare(q, k, v, BS, with_hdev=True)
+        res["old"]["select_cov"] = ms(lambda: bsel.select(st_c.qmean, st_c.kmean, hdev=st_c.hdev, scratch_elems=scratch,
+                                                          **kw))
+        res["old"]["select_cov_keep"] = ms(lambda: bsel.select(st_c.qmean, st_c.kmean, hdev=st_c.hdev, keep=keep,
+                                                               scratch_elems=scratch, **kw_k))
         m_new = idx_to_mask(sel.idx, sel.cnt, nk)
         m_old = idx_to_mask(bs_.idx, bs_.cnt, nk)
         res["old_new_selection_overlap"] = ((m_new & m_old).sum() / m_old.sum()).item()
+        for name, extra in (("cov", dict(kw)), ("cov_keep", dict(kw_k, keep=keep))):
+            a_ = S.select(st_c.qmean, st_c.kmean, hdev=st_c.hdev, **extra)
+            b_ = bsel.select(st_c.qmean, st_c.kmean, hdev=st_c.hdev, scratch_elems=scratch, **extra)
+            res[f"old_new_same_{name}"] = (torch.equal(a_.cnt, b_.cnt) and torch.equal(a_.bits, b_.bits) and torch.equal(
+                idx_to_mask(a_.idx, a_.cnt, nk), idx_to_mask(b_.idx, b_.cnt, nk)))
     if variants:
         v_ = {}
         keep_t = dict(P.STATS_TUNING)
@@ -330,7 +354,8 @@ def main():
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\n{out['device']}, torch {out['torch']}, triton {out['triton']}, {out['shape']}; ms (host in µs)")
-    cols = ("prep", "prep_cov", "select", "union", "outside_graph", "outside_eager", "host_us")
+    cols = ("prep", "prep_cov", "select", "select_cov", "select_cov_keep", "union", "outside_graph",
+            "outside_eager", "host_us")
     print(f"{'L':>6} {'impl':>10} " + " ".join(f"{c:>13}" for c in cols) + f" {'cudnn':>9}")
     for r in out["whole"]:
         print(f"{r['L']:>6} whole hybrid call: cuDNN {r['cudnn_ms']:.3f} | "
@@ -339,7 +364,8 @@ def main():
     for r in out["rows"]:
         for impl in ("old", "new", "new_qb128"):
             if impl in r:
-                print(f"{r['L']:>6} {impl:>10} " + " ".join(f"{r[impl][c]:>13.4f}" for c in cols) + f" {r['cudnn_ms']:>9.3f}")
+                print(f"{r['L']:>6} {impl:>10} " + " ".join(f"{r[impl].get(c, float('nan')):>13.4f}" for c in cols)
+                      + f" {r['cudnn_ms']:>9.3f}")
         if "variants" in r:
             print("       variants: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                            for k, v in r["variants"].items()))

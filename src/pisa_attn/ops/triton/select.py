@@ -62,19 +62,30 @@ def _select_rows(
     hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
     NQ, NK, n_sel, W, NW, keep_sb, keep_sh,
     R: tl.constexpr, NKP: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr, REP: tl.constexpr,
-    BITS: tl.constexpr,
+    BITS: tl.constexpr, ONE_HEAD: tl.constexpr = False,
 ):
     """Top-k of ``scores [R, NKP]`` (already scaled) of score rows ``qi`` of heads ``bh``; writes
-    output rows ``qi·REP .. qi·REP + REP − 1`` (those < NQ)."""
+    output rows ``qi·REP .. qi·REP + REP − 1`` (those < NQ). With ONE_HEAD every row belongs to one
+    head (``bh``, ``b``, ``h``, ``bhk`` scalars), and the covariance term and the kept blocks are
+    read as one row of NKP instead of an ``[R, NKP]`` tile: the tile's registers, live through the
+    threshold search, made that search spill."""
     cols = tl.arange(0, NKP)
     cvalid = cols < NK
-    m2 = rvalid[:, None] & cvalid[None, :]
-    if COV:
-        hd = tl.load(hdev_ptr + bhk.to(tl.int64)[:, None] * NK + cols[None, :], mask=m2, other=1.0)
-        scores += tl.log(hd + _COV_EPS)
-    if HAS_KEEP:
-        kp = tl.load(keep_ptr + (b * keep_sb + h * keep_sh)[:, None] + cols[None, :], mask=m2, other=0) != 0
-        scores = tl.where(kp, float("-inf"), scores)
+    if ONE_HEAD:
+        if COV:
+            hd = tl.load(hdev_ptr + bhk.to(tl.int64) * NK + cols, mask=cvalid, other=1.0)
+            scores += tl.log(hd + _COV_EPS)[None, :]
+        if HAS_KEEP:
+            kp = (tl.load(keep_ptr + b * keep_sb + h * keep_sh + cols, mask=cvalid, other=0) != 0)[None, :]
+            scores = tl.where(kp, float("-inf"), scores)
+    else:
+        m2 = rvalid[:, None] & cvalid[None, :]
+        if COV:
+            hd = tl.load(hdev_ptr + bhk.to(tl.int64)[:, None] * NK + cols[None, :], mask=m2, other=1.0)
+            scores += tl.log(hd + _COV_EPS)
+        if HAS_KEEP:
+            kp = tl.load(keep_ptr + (b * keep_sb + h * keep_sh)[:, None] + cols[None, :], mask=m2, other=0) != 0
+            scores = tl.where(kp, float("-inf"), scores)
 
     # Order-preserving uint32 image of the scores; padding columns get 0, below every real score
     # (-inf maps to 0x007FFFFF), so they are never counted while n_sel <= NK.
@@ -160,10 +171,9 @@ def _select_kernel(
     km = tl.load(kmean_ptr + bhk1.to(tl.int64) * D * NK + offs_d[:, None] * NK + cols[None, :],
                  mask=(cols < NK)[None, :], other=0.0)
     scores = tl.dot(qm, km, input_precision=PREC) * scale
-    zero = tl.zeros([R], tl.int32)
-    _select_rows(scores, rvalid, bh1 + zero, qi, b1 + zero, h1 + zero, bhk1 + zero,
+    _select_rows(scores, rvalid, bh1, qi, b1, h1, bhk1,
                  hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr, NQ, NK, n_sel, W, NW, keep_sb, keep_sh,
-                 R, NKP, COV, HAS_KEEP, REP, BITS)
+                 R, NKP, COV, HAS_KEEP, REP, BITS, ONE_HEAD=True)
 
 
 @triton.jit(do_not_specialize=["H", "HK", "NQS", "NK", "C0", "CQ"])
@@ -228,6 +238,39 @@ class SelectionWorkspace(NamedTuple):
 
 def _fused(nk: int) -> bool:
     return max(32, next_pow2(nk)) <= FUSED["max_nkp"]
+
+
+def _topk_config(nkp: int) -> tuple[int, int, int]:
+    """(rows per program, warps, threshold bits per step) of the top-k kernel for ``nkp`` padded
+    key blocks."""
+    kpt = TOPK_WARPS["keys_per_thread"]  # a row's scores per thread, at most
+    warps = max(TOPK_WARPS["warps"], nkp // (32 * kpt))
+    return max(1, min(64, 32 * kpt * warps // nkp)), warps, 2 if nkp <= TOPK_WARPS["two_bit_max_nkp"] else 1
+
+
+def compile_for_sm90(nk: int, cov: bool = True, keep: bool = False, head_dim: int = 128):
+    """Compile the selection kernel :func:`select` launches for ``nk`` key blocks (the fused one up
+    to ``FUSED["max_nkp"]`` padded blocks, else the top-k kernel) for sm_90 without a GPU: what the
+    CPU build tests read registers and spills from. Returns Triton's compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    nkp = max(32, next_pow2(nk))
+    ptr = dict(hdev_ptr="*fp32", keep_ptr="*u8", idx_ptr="*i32", cnt_ptr="*i32", bits_ptr="*i32", scale="fp32")
+    if _fused(nk):
+        fn, warps = _select_kernel, FUSED["warps"]
+        cons = dict(R=FUSED["rows"], NKP=nkp, D=head_dim, COV=cov, HAS_KEEP=keep, REP=1, PREC=SCORES_PRECISION,
+                    BITS=_topk_config(nkp)[2])
+        ptr.update(qmean_ptr="*fp32", kmean_ptr="*fp32")
+    else:
+        fn = _topk_kernel
+        r, warps, bits_ = _topk_config(nkp)
+        cons = dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=keep, REP=1, BITS=bits_)
+        ptr.update(scores_ptr="*fp32")
+    sig = {n: "constexpr" if n in cons else ptr.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
 def _chunk_rows(b: int, h: int, nqs: int, nk: int, scratch_elems: int | None) -> int:
@@ -310,7 +353,7 @@ def select(
     cov, has_keep = hdev is not None, keep is not None
     nkp = max(32, next_pow2(nk))
     prec = "ieee" if interpreting() else SCORES_PRECISION
-    bits_ = 2 if nkp <= TOPK_WARPS["two_bit_max_nkp"] else 1
+    r, warps, bits_ = _topk_config(nkp)
     if _fused(nk):
         r = FUSED["rows"]
         args = (qmean, kmean_t, hd, keep_u8, idx, cnt, bits, h, hk, nqs, nq, nk, n_sel, width, nw, scale, ksb, ksh)
@@ -320,9 +363,6 @@ def select(
                        num_warps=FUSED["warps"])
         return ws.sel
     cq = ws.scratch.numel() // max(1, b * h * nk)
-    kpt = TOPK_WARPS["keys_per_thread"]  # a row's scores per thread, at most
-    warps = max(TOPK_WARPS["warps"], nkp // (32 * kpt))
-    r = max(1, min(64, 32 * kpt * warps // nkp))
     bm, bn, sw = SCORES_TILE["bm"], SCORES_TILE["bn"], SCORES_TILE["warps"]
     for c0 in range(0, nqs, cq):
         c = min(cq, nqs - c0)
