@@ -32,7 +32,8 @@ def _sig(fn, types: dict, constexprs: dict):
     for i, name in enumerate(fn.arg_names):
         if name in UNIT and name not in constexprs:
             constexprs[name] = 1
-        sig[name] = "constexpr" if name in constexprs else types.get(name, "i32")
+        # a pointer not named in ``types`` is taken as float32 (what most statistics buffers are)
+        sig[name] = "constexpr" if name in constexprs else types.get(name, "*fp32" if name.endswith("_ptr") else "i32")
         if sig[name].startswith("*") or name in DIV16:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
@@ -77,10 +78,10 @@ def main():
             for qb in (64, 128):
                 for stages in (2, 3, 4):
                     _report(f"stats D={d} QB={qb}", P._stats_kernel, types,
-                            dict(BS=64, QB=qb, QT=P._q_tile(qb, d), D=d, F32=False, CLAMP=False, HAS_EXCL=False),
+                            dict(BS=64, QB=qb, QT=P._q_tile(qb, d), D=d, F32=False, CLAMP=False, HAS_EXCL=False, VMAX=False),
                             P._stats_warps(d), stages)
             _report(f"stats D={d} excl", P._stats_kernel, types,
-                    dict(BS=64, QB=64, QT=P._q_tile(64, d), D=d, F32=False, CLAMP=False, HAS_EXCL=True),
+                    dict(BS=64, QB=64, QT=P._q_tile(64, d), D=d, F32=False, CLAMP=False, HAS_EXCL=True, VMAX=False),
                     P._stats_warps(d), 3)
             _report(f"finish D={d}", P._finish_kernel, types, dict(D=d, RB=16, TJ=32), 4, 2)
             _report(f"hdev D={d}", P._hdev_kernel, types, dict(BS=64, D=d, F32=False, CLAMP=False), P._stats_warps(d), 2)
@@ -93,6 +94,9 @@ def main():
                         dict(R=64, NKP=nkp, D=128, COV=False, HAS_KEEP=False, REP=1, PREC="tf32", BITS=2), warps, 1)
                 _report(f"select NKP={nkp} R=64", S._select_kernel, types,
                         dict(R=64, NKP=nkp, D=128, COV=False, HAS_KEEP=False, REP=1, PREC="tf32x3", BITS=2), warps, 1)
+        for cov, keep in ((True, False), (True, True), (False, True)):  # the default fused kernel's variants
+            _report(f"select NKP=64 R=64 cov={cov} keep={keep}", S._select_kernel, types,
+                    dict(R=64, NKP=64, D=128, COV=cov, HAS_KEEP=keep, REP=1, PREC="tf32x3", BITS=2), 4, 1)
         _report("scores D=128 64x64", S._scores_kernel, types, dict(BM=64, BN=64, D=128, PREC="tf32x3"), 4, 1)
         for nkp in (512, 1024, 4096):
             for warps in (1, 2):
