@@ -25,10 +25,11 @@ from pisa_attn import PisaSettings, pisa_attention, plan, run
 from pisa_attn.bench.kernels import capture_graph
 
 # Kernel name substrings -> phase (first match wins; anything else is "other": memsets, copies).
+# The union of a CTA's exact blocks (``_pair_union`` / ``_triple_union``) and any copy are "other".
 PHASES = (
     ("attend", ("_attn_kernel", "_pair_attn_kernel", "attend")),
-    ("selection", ("_topk", "_pair_union", "select", "gemm", "cutlass", "matmul", "dot_kernel")),
-    ("statistics", ("_kv_means", "_hbar", "_q_mean", "_hdev", "stats", "prepare")),
+    ("selection", ("_topk", "_scores_kernel", "_select_kernel", "gemm", "cutlass", "matmul", "dot_kernel")),
+    ("statistics", ("_kv_means", "_hbar", "_q_mean", "_hdev", "_stats_kernel", "_finish_kernel", "prepare")),
 )
 
 
