@@ -354,7 +354,7 @@ def select(
     nkp = max(32, next_pow2(nk))
     prec = "ieee" if interpreting() else SCORES_PRECISION
     r, warps, bits_ = _topk_config(nkp)
-    if _fused(nk):
+    if _fused(nk):  # its own rows and warps; the top-k's threshold bits
         r = FUSED["rows"]
         args = (qmean, kmean_t, hd, keep_u8, idx, cnt, bits, h, hk, nqs, nq, nk, n_sel, width, nw, scale, ksb, ksh)
         _launch_select((r, nkp, d, cov, has_keep, repeat, FUSED["warps"], bits_, spec_class(*args[:7])),
