@@ -38,7 +38,7 @@ from pisa_attn.ops.triton import select as S
 from pisa_attn.ops.triton.op import score_scratch
 
 B, H, D, BS, DENSITY = 2, 16, 128, 64, 0.125
-N_KEEP = 8  # kept key blocks in the `select_cov_keep` phase (as a text prefix of 512 tokens)
+N_KEEP = 8  # kept key blocks in the `select_cov_keep` phase (as 512 text tokens after the others)
 
 
 def idx_to_mask(idx, cnt, n_kv_blocks: int):
@@ -147,7 +147,6 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
              "union": ms(lambda: PU.pair_union(sel.bits, nk, width, out=sw.union)),
              "outside_graph": graph_ms(whole), "outside_eager": ms(whole), "host_us": host_us(whole)}
         if qb is None:  # the covariance-aware selection (the default), alone and with kept blocks
-            st_c = P.prepare(q, k, v, BS, with_hdev=True)
             sw_c = S.selection_workspace(B, H, nk, nk, width, q.device, scratch_elems=scratch)  # not sw: sel's
             sw_k = S.selection_workspace(B, H, nk, nk, width_k, q.device, scratch_elems=scratch)
             r["select_cov"] = ms(lambda: S.select(st_c.qmean, st_c.kmean, hdev=st_c.hdev, ws=sw_c, **kw))
@@ -156,7 +155,9 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
         res[tag] = r
         return st, sel
 
-    # Kept blocks as a text prefix leaves them: the last N_KEEP key blocks of every head.
+    # The statistics the covariance-aware selections read (new and baseline alike), and kept blocks:
+    # the last N_KEEP key blocks of every head.
+    st_c = P.prepare(q, k, v, BS, with_hdev=True)
     keep = torch.zeros(1, 1, nk, dtype=torch.bool, device=q.device)
     keep[..., -N_KEEP:] = True
     width_k = spec.selection_width(nk, n_sel, N_KEEP)
@@ -178,7 +179,6 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
                       "select": ms(lambda: bsel.select(bst.qmean, bst.kmean, scratch_elems=scratch, **kw)),
                       "union": ms(lambda: PU.pair_union(bs_.bits, nk, width)),
                       "outside_graph": graph_ms(whole_old), "outside_eager": ms(whole_old), "host_us": host_us(whole_old)}
-        st_c = P.prepare(q, k, v, BS, with_hdev=True)
         res["old"]["select_cov"] = ms(lambda: bsel.select(st_c.qmean, st_c.kmean, hdev=st_c.hdev, scratch_elems=scratch,
                                                           **kw))
         res["old"]["select_cov_keep"] = ms(lambda: bsel.select(st_c.qmean, st_c.kmean, hdev=st_c.hdev, keep=keep,
