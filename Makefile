@@ -47,7 +47,7 @@ test-slow: $(EXTRAS)
 DEVICE_TRITON ?= triton==3.6.0
 build-device: $(EXTRAS)
 	$(PY) -m pip install -q --no-deps --target $(VENV)/device-triton "$(DEVICE_TRITON)"
-	PYTHONPATH=$(VENV)/device-triton $(PYTEST) tests/test_hopper_build.py tests/test_fp8_build.py tests/test_select_build.py
+	PYTHONPATH=$(VENV)/device-triton $(PYTEST) tests/test_hopper_build.py tests/test_fp8_build.py tests/test_select_build.py tests/test_prepare_build.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -6,7 +6,7 @@ with cuDNN SDPA timed in the same run, and checks of the kernels against the flo
 Phases (``triton.testing.do_bench`` medians, L2 flushed; ``outside`` = prepare + select + pair union
 with workspaces, replayed from a CUDA graph: the GPU time a call spends outside the attend kernel):
 ``prep`` (no covariance term), ``prep_cov`` (with ``||H_j − H̄||``), ``select`` (top-k), ``select_cov``
-(covariance-aware, the library's default), ``select_cov_keep`` (and ``N_KEEP`` kept key blocks), ``union``, ``host_us``
+(covariance-aware, the library's default), ``select_cov_keep`` (and ``N_KEEP`` kept key blocks), ``prep_fp8`` (prepare with the e4m3 copies of K and V), ``union``, ``host_us``
 (host time per eager prepare + select + union call, 200 calls queued without synchronising).
 ``--baseline DIR`` holds earlier ``prepare.py`` / ``select.py`` (loaded as modules of
 ``pisa_attn.ops.triton``) and times them the same way. Variants: ``STATS_TUNING`` (waves, pipelining depth, q tile), and the
@@ -146,6 +146,9 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
              "select": ms(lambda: S.select(st.qmean, st.kmean, repeat=rep, n_q_blocks=nk, ws=sw, **kw)),
              "union": ms(lambda: PU.pair_union(sel.bits, nk, width, out=sw.union)),
              "outside_graph": graph_ms(whole), "outside_eager": ms(whole), "host_us": host_us(whole)}
+        if qb is None:  # the low-precision call's prepare (statistics, |v| maxima, e4m3 copies of K and V)
+            ws_q = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=BS, quant="fp8")
+            r["prep_fp8"] = ms(lambda: P.prepare(q, k, v, BS, ws=ws_q, quant="fp8"))
         if qb is None:  # the covariance-aware selection (the default), alone and with kept blocks
             sw_c = S.selection_workspace(B, H, nk, nk, width, q.device, scratch_elems=scratch)  # not sw: sel's
             sw_k = S.selection_workspace(B, H, nk, nk, width_k, q.device, scratch_elems=scratch)
@@ -176,6 +179,7 @@ def run_length(L: int, base, variants: bool, check: bool) -> dict:
 
         res["old"] = {"prep": ms(lambda: bp.prepare(q, k, v, BS)),
                       "prep_cov": ms(lambda: bp.prepare(q, k, v, BS, with_hdev=True)),
+                      "prep_fp8": ms(lambda: bp.prepare(q, k, v, BS, quant="fp8")),
                       "select": ms(lambda: bsel.select(bst.qmean, bst.kmean, scratch_elems=scratch, **kw)),
                       "union": ms(lambda: PU.pair_union(bs_.bits, nk, width)),
                       "outside_graph": graph_ms(whole_old), "outside_eager": ms(whole_old), "host_us": host_us(whole_old)}
@@ -354,7 +358,7 @@ def main():
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"\n{out['device']}, torch {out['torch']}, triton {out['triton']}, {out['shape']}; ms (host in µs)")
-    cols = ("prep", "prep_cov", "select", "select_cov", "select_cov_keep", "union", "outside_graph",
+    cols = ("prep", "prep_cov", "prep_fp8", "select", "select_cov", "select_cov_keep", "union", "outside_graph",
             "outside_eager", "host_us")
     print(f"{'L':>6} {'impl':>10} " + " ".join(f"{c:>13}" for c in cols) + f" {'cudnn':>9}")
     for r in out["whole"]:

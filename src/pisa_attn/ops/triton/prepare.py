@@ -9,12 +9,13 @@
      nothing to zero per call);
    * q programs (a query head and a run of its query blocks): the query means selection reads.
 
-   Every block sum is a tensor-core product with a constant operand: ``Kᵀ·I`` (the keys in the
-   accumulator's layout), ``Kᵀ·J`` (``J`` all ones: each column is the block's key sum), ``Vᵀ·J``
-   and ``Qᵀ·J``. The loop therefore holds no reduction across the token axis, which would put a
-   block-wide barrier into every step (the earlier one-pass kernel, notes/kernel-notes.md). Only
-   reductions along the accumulator's columns remain, which stay inside a warp. The centred keys
-   are exact in float32 and rounded once to the input dtype before ``(K − k̄)ᵀ·V``: rounding the
+   Every block sum is a tensor-core product with a constant operand: the centred keys
+   ``Kᵀ·(I − J/BS)`` (``J`` all ones; a ragged block ``Kᵀ·I − Kᵀ·J/n_j``), and 16 columns of
+   ``Kᵀ·J``, ``Vᵀ·J`` and ``Qᵀ·J`` (each column the block's sum). The loop therefore holds no
+   reduction across the token axis, which would put a block-wide barrier into every step (the
+   earlier one-pass kernel, notes/kernel-notes.md). Only reductions along the accumulator's
+   columns remain, which stay inside a warp. The centred keys are summed in float32 from exact
+   products and rounded once to the input dtype before ``(K − k̄)ᵀ·V``: rounding the
    centred keys instead of subtracting ``k̄ᵀV̂`` from ``KᵀV`` keeps keys with a large common
    component accurate (H̄ to about 2e-3 relative in bfloat16, the precision of its input-dtype
    copy the attention kernels read).
@@ -64,35 +65,73 @@ F16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
-def _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones,
-                   BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr):
-    """Block ``j`` of one kv head: (``(K_j − 1·k̄_j)ᵀ`` ``[D, BS]`` in the dot dtype, ``K_jᵀ·J``
-    ``[D, BS]`` float32 (every column the key sum), ``V_j`` ``[BS, D]``, ``n_j``). Padded rows
-    are 0, so they add nothing to any product."""
+def _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, centre,
+                   BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr, FULL: tl.constexpr):
+    """Block ``j`` of one kv head (``FULL``: of ``BS`` keys; else the ragged last one): (``(K_j −
+    1·k̄_j)ᵀ`` ``[D, BS]`` in the dot dtype, ``K_jᵀ`` ``[D, BS]`` as loaded, ``V_j`` ``[BS, D]``,
+    ``n_j``). Padded rows are 0, so they add nothing to any product."""
     rows = j * BS + tl.arange(0, BS)
     offs_d = tl.arange(0, D)
-    valid = (rows < LK)[:, None]
-    kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
-    vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
+    if FULL:
+        kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd)
+        vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd)
+    else:
+        valid = (rows < LK)[:, None]
+        kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
+        vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
     if F32:  # Triton 3.9's interpreter mis-evaluates low-precision tl.dot
         kt = kt.to(tl.float32)
         vt = vt.to(tl.float32)
     n = tl.minimum(LK - j * BS, BS).to(tl.float32)
     k_t = tl.trans(kt)
-    k_sum = tl.dot(k_t, ones)  # exact products by 1, float32 accumulation
-    kc = tl.dot(k_t, eye) - k_sum / n
+    # A full block: one product by I − J/BS, whose entries (1 − 1/BS, −1/BS) are exact in the dot
+    # dtype up to BS = 256 (a power of two); its products are exact and summed in float32. A ragged
+    # one: the keys and their sum (exact products by 1), then the subtraction.
+    if FULL and BS <= 256:
+        kc = tl.dot(k_t, centre)
+    else:
+        kc = tl.dot(k_t, eye) - tl.dot(k_t, ones) / n
     if CLAMP:  # float16 inputs: |k − k̄| may exceed float16's range by up to 2x
         kc = tl.minimum(tl.maximum(kc, -F16_MAX), F16_MAX)
-    return kc.to(kt.dtype), k_sum, vt, n
+    return kc.to(kt.dtype), k_t, vt, n
 
 
 @triton.jit
 def _consts(dtype, BS: tl.constexpr, QS: tl.constexpr):
     r = tl.arange(0, BS)
-    eye = (r[:, None] == r[None, :]).to(dtype)
+    diag = r[:, None] == r[None, :]
+    eye = diag.to(dtype)
     ones = tl.full([BS, BS], 1.0, dtype)
     ones_n = tl.full([BS, QS], 1.0, dtype)
-    return eye, ones, ones_n
+    centre = (diag.to(tl.float32) - 1.0 / BS).to(dtype)  # I − J/BS
+    return eye, ones, ones_n, centre
+
+
+@triton.jit
+def _kv_block(k_base, v_base, excl_ptr, kmean_ptr, vbar_ptr, j, b, h, bh, LK, NK, skl, skd, svl, svd, ex_sb, ex_sh,
+              eye, ones, ones_n, centre, hacc, kmax, count, vabs,
+              BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr, HAS_EXCL: tl.constexpr,
+              VMAX: tl.constexpr, FULL: tl.constexpr):
+    """Key block ``j`` of a kv program: its centroid and value mean stored, its ``H_j`` and bounds
+    into the program's running (``Σ H_j``, largest ``|k̄|``, count, ``|v|`` maxima)."""
+    offs_d = tl.arange(0, D)
+    kc, k_t, vt, n = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, centre,
+                                    BS, D, F32, CLAMP, FULL)
+    if VMAX:
+        vabs = tl.maximum(vabs, tl.abs(vt.to(tl.float32)))
+    km = tl.max(tl.dot(k_t, ones_n), axis=1) / n  # every column holds the sum: a max is exact
+    tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
+    kmax = tl.maximum(kmax, tl.abs(km))
+    v_mean = tl.max(tl.dot(tl.trans(vt), ones_n), axis=1) / n
+    tl.store(vbar_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d, v_mean.to(vbar_ptr.dtype.element_ty))
+    if HAS_EXCL:
+        w = (tl.load(excl_ptr + b * ex_sb + h * ex_sh + j) == 0).to(tl.float32)
+        kc = (kc * w).to(kc.dtype)
+        count += w
+    else:
+        count += 1.0
+    hacc = tl.dot(kc, vt, hacc)
+    return hacc, kmax, count, vabs
 
 
 @triton.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQS", "NQT", "NK", "KV_PER", "KV_CHUNKS", "Q_PER",
@@ -110,7 +149,7 @@ def _stats_kernel(
 ):
     pid = tl.program_id(0)
     dt = tl.float32 if F32 else k_ptr.dtype.element_ty
-    eye, ones, ones_n = _consts(dt, BS, 16)
+    eye, ones, ones_n, centre = _consts(dt, BS, 16)
     offs_d = tl.arange(0, D)
     if pid < N_KV:
         c = pid % KV_CHUNKS
@@ -124,22 +163,16 @@ def _stats_kernel(
         count = 0.0
         vabs = tl.zeros([BS, D], dtype=tl.float32)  # elementwise max |v|, reduced once at the end
         j0 = c * KV_PER
-        for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
-            kc, k_sum, vt, n = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, BS, D, F32, CLAMP)
-            if VMAX:
-                vabs = tl.maximum(vabs, tl.abs(vt.to(tl.float32)))
-            km = tl.max(k_sum, axis=1) / n  # every column holds the sum: a max is exact
-            tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
-            kmax = tl.maximum(kmax, tl.abs(km))
-            v_mean = tl.max(tl.dot(tl.trans(vt), ones_n), axis=1) / n
-            tl.store(vbar_ptr + (bh.to(tl.int64) * NK + j) * D + offs_d, v_mean.to(vbar_ptr.dtype.element_ty))
-            if HAS_EXCL:
-                w = (tl.load(excl_ptr + b * ex_sb + h * ex_sh + j) == 0).to(tl.float32)
-                kc = (kc * w).to(kc.dtype)
-                count += w
-            else:
-                count += 1.0
-            hacc = tl.dot(kc, vt, hacc)
+        j1 = tl.minimum(NK, j0 + KV_PER)
+        n_full = LK // BS  # a ragged last block runs after the loop, which then has no mask
+        for j in range(j0, tl.minimum(j1, n_full)):
+            hacc, kmax, count, vabs = _kv_block(k_base, v_base, excl_ptr, kmean_ptr, vbar_ptr, j, b, h, bh, LK, NK,
+                                                skl, skd, svl, svd, ex_sb, ex_sh, eye, ones, ones_n, centre,
+                                                hacc, kmax, count, vabs, BS, D, F32, CLAMP, HAS_EXCL, VMAX, True)
+        if j1 > n_full:
+            hacc, kmax, count, vabs = _kv_block(k_base, v_base, excl_ptr, kmean_ptr, vbar_ptr, n_full, b, h, bh, LK,
+                                                NK, skl, skd, svl, svd, ex_sb, ex_sh, eye, ones, ones_n, centre,
+                                                hacc, kmax, count, vabs, BS, D, F32, CLAMP, HAS_EXCL, VMAX, False)
         part = bh.to(tl.int64) * KV_CHUNKS + c
         tl.store(part_h_ptr + part * D * D + offs_d[:, None] * D + offs_d[None, :], hacc)
         tl.store(part_s_ptr + part * 2, tl.max(kmax, axis=0))
@@ -227,7 +260,7 @@ def _hdev_kernel(
 ):
     pid = tl.program_id(0)
     dt = tl.float32 if F32 else k_ptr.dtype.element_ty
-    eye, ones, ones_n = _consts(dt, BS, 16)
+    eye, ones, ones_n, centre = _consts(dt, BS, 16)
     c = pid % KV_CHUNKS
     bh = pid // KV_CHUNKS
     b = (bh // HK).to(tl.int64)
@@ -237,10 +270,23 @@ def _hdev_kernel(
     v_base = v_ptr + b * svb + h * svh
     hb = tl.load(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
     j0 = c * KV_PER
-    for j in range(j0, tl.minimum(NK, j0 + KV_PER)):
-        kc, k_sum, vt, n = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, BS, D, F32, CLAMP)
-        diff = tl.dot(kc, vt) - hb
-        tl.store(hdev_ptr + bh.to(tl.int64) * NK + j, tl.sqrt(tl.sum(tl.sum(diff * diff, axis=1), axis=0)))
+    j1 = tl.minimum(NK, j0 + KV_PER)
+    n_full = LK // BS  # a ragged last block after the loop, as in the stats launch
+    for j in range(j0, tl.minimum(j1, n_full)):
+        _hdev_block(k_base, v_base, hdev_ptr, hb, j, bh, LK, NK, skl, skd, svl, svd, eye, ones, centre,
+                    BS, D, F32, CLAMP, True)
+    if j1 > n_full:
+        _hdev_block(k_base, v_base, hdev_ptr, hb, n_full, bh, LK, NK, skl, skd, svl, svd, eye, ones, centre,
+                    BS, D, F32, CLAMP, False)
+
+
+@triton.jit
+def _hdev_block(k_base, v_base, hdev_ptr, hb, j, bh, LK, NK, skl, skd, svl, svd, eye, ones, centre,
+                BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr, FULL: tl.constexpr):
+    kc, k_t, vt, n = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, centre,
+                                    BS, D, F32, CLAMP, FULL)
+    diff = tl.dot(kc, vt) - hb
+    tl.store(hdev_ptr + bh.to(tl.int64) * NK + j, tl.sqrt(tl.sum(tl.sum(diff * diff, axis=1), axis=0)))
 
 
 @dataclass
@@ -474,3 +520,31 @@ def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int)
                                   tuple(STATS_TUNING.items()))[:2]
     _run_hdev(k, v, hbar.float().contiguous(), hdev, block_size, kv_per, kv_chunks)
     return hdev
+
+
+def compile_for_sm90(kernel: str = "stats", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
+                     block_size: int = 64, vmax: bool = False, exclude: bool = False):
+    """Compile the ``"stats"`` or ``"hdev"`` kernel of :func:`prepare` for sm_90 without a GPU (what
+    the CPU build tests read registers and spills from). Returns Triton's compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ty = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    d, bs = head_dim, block_size
+    if kernel == "stats":
+        fn = _stats_kernel
+        qt = _q_tile(bs, d)
+        cons = dict(BS=bs, QB=bs, QT=qt, D=d, F32=False, CLAMP=dtype == torch.float16, HAS_EXCL=exclude, VMAX=vmax)
+        ptr = dict(q_ptr=ty, k_ptr=ty, v_ptr=ty, excl_ptr="u8", vbar_ptr=ty)
+    elif kernel == "hdev":
+        fn = _hdev_kernel
+        cons = dict(BS=bs, D=d, F32=False, CLAMP=dtype == torch.float16)
+        ptr = dict(k_ptr=ty, v_ptr=ty)
+    else:
+        raise ValueError(f"kernel must be 'stats' or 'hdev', got {kernel!r}")
+    sig = {n: "constexpr" if n in cons else ("*" + ptr.get(n, "fp32") if n.endswith("_ptr") else "i32")
+           for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=_stats_warps(d), num_stages=STATS_TUNING["stages"]))
