@@ -39,12 +39,12 @@ def exact_mask(q, k, density: float) -> torch.Tensor:
     return sel.to_mask(nk)
 
 
-def sharing(mask: torch.Tensor) -> dict:
+def sharing(mask: torch.Tensor, groups=GROUPS) -> dict:
     """loads/computed per group size (adjacent query blocks), and the mean pair overlap."""
     b, h, nq, nk = mask.shape
     computed = mask.sum().item()
     out = {}
-    for g in GROUPS:
+    for g in groups:
         pad = (-nq) % g
         m = torch.cat([mask, mask.new_zeros(b, h, pad, nk)], 2).view(b, h, -1, g, nk)
         out[f"loads_per_computed_g{g}"] = m.any(3).sum().item() / computed
@@ -60,15 +60,18 @@ def main() -> None:
     ap.add_argument("--lengths", nargs="+", type=int, default=[4096, 32768])
     ap.add_argument("--density", type=float, default=0.125)
     ap.add_argument("--dino", default=DINO)
+    ap.add_argument("--groups", nargs="+", type=int, default=list(GROUPS),
+                    help="query blocks sharing one load (3: the kernel's three per CTA; 6, 12: clusters of 2, 4 CTAs)")
     args = ap.parse_args()
+    groups = tuple(args.groups)
     torch.set_num_threads(os.cpu_count() or 1)
     rows = []
 
     def report(source, L, mask):
-        r = dict(source=source, L=L, density=args.density, **sharing(mask))
+        r = dict(source=source, L=L, density=args.density, **sharing(mask, groups))
         rows.append(r)
         print(f"{source:16s} L={L:6d} overlap {r['pair_overlap']:.3f} | loads/computed " + " ".join(
-            f"G{g} {r[f'loads_per_computed_g{g}']:.3f}" for g in GROUPS), flush=True)
+            f"G{g} {r[f'loads_per_computed_g{g}']:.3f}" for g in groups), flush=True)
 
     for L in args.lengths:
         g = torch.Generator().manual_seed(L)
@@ -83,13 +86,14 @@ def main() -> None:
         for e in read_qkv_file(args.dino).entries:
             report(f"dinov2-{e.name.split('.')[-1]}", e.q.shape[2], exact_mask(e.q.float(), e.k.float(), args.density))
     with open(args.out, "w") as f:
-        json.dump({"note": __doc__.split("\n\n")[0].replace("\n", " "), "torch": torch.__version__, "rows": rows},
+        json.dump({"note": __doc__.split("\n\n")[0].replace("\n", " "), "torch": torch.__version__, "groups": groups,
+                   "rows": rows},
                   f, indent=1)
-    print("\n| input | L | pair overlap | loads/computed G2 (pairs) | G4 (2-CTA cluster) | G8 (4-CTA cluster) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| input | L | pair overlap | " + " | ".join(f"loads/computed G{g}" for g in groups) + " |")
+    print("|---|---|---|" + "---|" * len(groups))
     for r in rows:
         print(f"| {r['source']} | {r['L']} | {r['pair_overlap']:.2f} | " + " | ".join(
-            f"{r[f'loads_per_computed_g{g}']:.3f}" for g in GROUPS) + " |")
+            f"{r[f'loads_per_computed_g{g}']:.3f}" for g in groups) + " |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 # One device call for the Triton kernels: GPU correctness tests, diagnostics and/or the benchmark.
 #   STEPS="tests diag bench" OUT=/tmp/out bash tests/gpu/run_all.sh
 #   PYTEST_K="L8229 or selection" (a pytest -k filter), BENCH_ARGS="--cases 2-16-128:32768:0.125"
+#   SHARD=1/2, then SHARD=2/2: every second test of the suite (in collection order), for two device
+#   calls: on a fresh machine the whole suite with its compiles runs past one call's 10 minutes.
 # Everything lands under $OUT (logs, JSON, PNG, markdown); a short summary is printed last.
 set -o pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -13,8 +15,17 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 rc=0
 if [[ " $STEPS " == *" tests "* ]]; then
   # Fixed kernel config (no autotuning) keeps compile time down; autotuning is exercised by bench.
-  PISA_ATTN_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_plan_run.py tests/gpu/test_gpu_calibration.py tests/gpu/test_gpu_fp8.py tests/test_stats_select.py -q -s -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-    | tee "$OUT/gpu_tests.log" || rc=1
+  files=(tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_plan_run.py tests/gpu/test_gpu_calibration.py
+         tests/gpu/test_gpu_fp8.py tests/test_stats_select.py)
+  filter=(${PYTEST_K:+-k "$PYTEST_K"})
+  if [[ -n "$SHARD" ]]; then  # "i/n": tests i, i + n, ... of the collection (compile-heavy ones spread out)
+    mapfile -t files < <(python3 -m pytest "${files[@]}" "${filter[@]}" --collect-only -q -p no:cacheprovider \
+      2>/dev/null | grep "::" | awk -v i="${SHARD%/*}" -v n="${SHARD#*/}" 'NR % n == i % n')
+    filter=()
+    echo "shard $SHARD: ${#files[@]} tests"
+  fi
+  PISA_ATTN_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest "${files[@]}" "${filter[@]}" -q -s \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   timeout "${BENCH_TIMEOUT:-400}" python3 -m pisa_attn.bench.kernels ${BENCH_ARGS:-} --out "$OUT/bench_kernels.json" \
