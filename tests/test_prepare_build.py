@@ -29,7 +29,7 @@ def built():
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_prepare_kernel_builds_without_loop_spills(built, name):
+def test_prepare_kernel_builds_without_spills(built, name):
     r = built[name]
     assert r["sm90a"] and r["cubin"] > 0
     assert r["wgmma"] > 0  # the block sums and H_j are tensor-core products

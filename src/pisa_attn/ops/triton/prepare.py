@@ -283,6 +283,7 @@ def _hdev_kernel(
 @triton.jit
 def _hdev_block(k_base, v_base, hdev_ptr, hb, j, bh, LK, NK, skl, skd, svl, svd, eye, ones, centre,
                 BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr, FULL: tl.constexpr):
+    """``||H_j − H̄||_F`` of key block ``j`` into ``hdev``."""
     kc, k_t, vt, n = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, centre,
                                     BS, D, F32, CLAMP, FULL)
     diff = tl.dot(kc, vt) - hb
