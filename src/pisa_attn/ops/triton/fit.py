@@ -43,7 +43,7 @@ from ... import spec
 from ...spec import COV_EPS
 from ..launch import Launcher, spec_class
 from . import prepare as tprep
-from ._common import LOG2E, interpreting, next_pow2, sm_count
+from ._common import LOG2E, compile_sm90, interpreting, next_pow2, sm_count
 
 # Programs of the rows kernel per multiprocessor (key chunks are cut to this many waves; more
 # chunks mean more partials for the merge to read), warps and pipelining depth of its loads,
@@ -438,9 +438,6 @@ def compile_for_sm90(head_dim: int = 128, rows: int = 32, rules: int = 2, dtype:
     """Compile the select, rows and merge kernels for sm_90 without a GPU (Triton ships
     ``ptxas``): what a CPU CI runs so that a kernel that does not build fails there. Returns
     ``{name: Triton's compiled kernel}``."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     lp = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
     d, rt, nr = head_dim, row_tile(rows), rules
     nkp = max(16, next_pow2(key_blocks))
@@ -456,9 +453,5 @@ def compile_for_sm90(head_dim: int = 128, rows: int = 32, rules: int = 2, dtype:
                                       out_ptr="*fp64", scale="fp32"),
                   dict(D=d, DS=min(FIT_TUNING["merge_slice"], d), RT=rt, NR=nr), 4, 3),
     }
-    out = {}
-    for name, (fn, types, constexprs, warps, stages) in kernels.items():
-        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-        out[name] = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-    return out
+    return {name: compile_sm90(fn, types, constexprs, num_warps=warps, num_stages=stages)
+            for name, (fn, types, constexprs, warps, stages) in kernels.items()}

@@ -52,7 +52,7 @@ from ...spec import PRODUCT_FORMATS
 from ..launch import Launcher, spec_class
 from ..stages import slice_blocks
 from . import quantize as _quantize
-from ._common import interpreting, sm_count
+from ._common import compile_sm90, interpreting, sm_count
 
 # Tunables, measured by benchmarks/stats_select_bench.py (H100): programs of one launch fill this
 # many waves of the GPU (one below ``short_blocks_per_sm`` key-block equivalents per SM: 1 wave was
@@ -527,15 +527,12 @@ def compile_for_sm90(kernel: str = "stats", head_dim: int = 128, dtype: torch.dt
                      block_size: int = 64, vmax: bool = False, exclude: bool = False):
     """Compile the ``"stats"`` or ``"hdev"`` kernel of :func:`prepare` for sm_90 without a GPU (what
     the CPU build tests read registers and spills from). Returns Triton's compiled kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     d, bs = head_dim, block_size
     if kernel == "stats":
         fn = _stats_kernel
-        qt = _q_tile(bs, d)
-        cons = dict(BS=bs, QB=bs, QT=qt, D=d, F32=False, CLAMP=dtype == torch.float16, HAS_EXCL=exclude, VMAX=vmax)
+        cons = dict(BS=bs, QB=bs, QT=_q_tile(bs, d), D=d, F32=False, CLAMP=dtype == torch.float16, HAS_EXCL=exclude,
+                    VMAX=vmax)
         ptr = dict(q_ptr=ty, k_ptr=ty, v_ptr=ty, excl_ptr="u8", vbar_ptr=ty)
     elif kernel == "hdev":
         fn = _hdev_kernel
@@ -543,9 +540,5 @@ def compile_for_sm90(kernel: str = "stats", head_dim: int = 128, dtype: torch.dt
         ptr = dict(k_ptr=ty, v_ptr=ty)
     else:
         raise ValueError(f"kernel must be 'stats' or 'hdev', got {kernel!r}")
-    sig = {n: "constexpr" if n in cons else ("*" + ptr.get(n, "fp32") if n.endswith("_ptr") else "i32")
-           for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=_stats_warps(d), num_stages=STATS_TUNING["stages"]))
+    types = {n: "*" + ptr.get(n, "fp32") for n in fn.arg_names if n.endswith("_ptr")}  # the rest: float32
+    return compile_sm90(fn, types, cons, aligned=True, num_warps=_stats_warps(d), num_stages=STATS_TUNING["stages"])

@@ -36,7 +36,7 @@ from ...spec import COV_EPS
 from .. import reference as _ref
 from ..launch import Launcher, spec_class
 from ..selection import Selection
-from ._common import interpreting, next_pow2
+from ._common import compile_sm90, interpreting, next_pow2
 from .pairs import union_width
 
 MAX_FUSED_BLOCKS = 4096
@@ -252,9 +252,6 @@ def compile_for_sm90(nk: int, cov: bool = True, keep: bool = False, head_dim: in
     """Compile the selection kernel :func:`select` launches for ``nk`` key blocks (the fused one up
     to ``FUSED["max_nkp"]`` padded blocks, else the top-k kernel) for sm_90 without a GPU: what the
     CPU build tests read registers and spills from. Returns Triton's compiled kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     nkp = max(32, next_pow2(nk))
     ptr = dict(hdev_ptr="*fp32", keep_ptr="*u8", idx_ptr="*i32", cnt_ptr="*i32", bits_ptr="*i32", scale="fp32")
     if _fused(nk):
@@ -267,10 +264,7 @@ def compile_for_sm90(nk: int, cov: bool = True, keep: bool = False, head_dim: in
         r, warps, bits_ = _topk_config(nkp)
         cons = dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=keep, REP=1, BITS=bits_)
         ptr.update(scores_ptr="*fp32")
-    sig = {n: "constexpr" if n in cons else ptr.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return compile_sm90(fn, ptr, cons, aligned=True, num_warps=warps)
 
 
 def _chunk_rows(b: int, h: int, nqs: int, nk: int, scratch_elems: int | None) -> int:
