@@ -4,6 +4,8 @@
 #   PYTEST_K="L8229 or selection" (a pytest -k filter), BENCH_ARGS="--cases 2-16-128:32768:0.125"
 #   SHARD=1/2, then SHARD=2/2: every second test of the suite (in collection order), for two device
 #   calls: on a fresh machine the whole suite with its compiles runs past one call's 10 minutes.
+#   XDIST=8: that many pytest-xdist workers on the one GPU (the compiles are CPU-bound and run in
+#   parallel; the tests' tensors are small beside the GPU's memory).
 # Everything lands under $OUT (logs, JSON, PNG, markdown); a short summary is printed last.
 set -o pipefail
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -18,13 +20,14 @@ if [[ " $STEPS " == *" tests "* ]]; then
   files=(tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_plan_run.py tests/gpu/test_gpu_calibration.py
          tests/gpu/test_gpu_fp8.py tests/test_stats_select.py)
   filter=(${PYTEST_K:+-k "$PYTEST_K"})
+  workers=(${XDIST:+-n "$XDIST"})
   if [[ -n "$SHARD" ]]; then  # "i/n": tests i, i + n, ... of the collection (compile-heavy ones spread out)
     mapfile -t files < <(python3 -m pytest "${files[@]}" "${filter[@]}" --collect-only -q -p no:cacheprovider \
       2>/dev/null | grep "::" | awk -v i="${SHARD%/*}" -v n="${SHARD#*/}" 'NR % n == i % n')
     filter=()
     echo "shard $SHARD: ${#files[@]} tests"
   fi
-  PISA_ATTN_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest "${files[@]}" "${filter[@]}" -q -s \
+  PISA_ATTN_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest "${files[@]}" "${filter[@]}" "${workers[@]}" -q -s \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
