@@ -14,7 +14,9 @@ pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 # (head dim, mode, even Lk, dtype, pairing table, exact-loop schedule: False sequential (the
 # default), True pipelined; stream codes in shared memory, union entries per pair: 2048 codes in 8
 # TMA chunks; 4100 past the limit and 8 (under one 32-code chunk) are read from global memory;
-# query blocks per CTA; the tail's maximum: "auto" compiles both the fixed and the online scan)
+# query blocks per CTA; the tail's maximum: "auto" compiles both the fixed and the online scan; the
+# exact loop's maximum: "auto" (bfloat16: both loops, fixed from the keys' maxima or online) or
+# "online")
 VARIANTS = {
     "D128-hybrid-bf16": (128, "hybrid", True, "bfloat16", True, False, True, 128, 2),
     "D128-hybrid-bf16-online-tail": (128, "hybrid", True, "bfloat16", True, False, True, 128, 2, "online"),
@@ -32,6 +34,10 @@ VARIANTS = {
     "D128-hybrid-bf16-three-online-tail": (128, "hybrid", True, "bfloat16", False, False, True, 192, 3, "online"),
     "D128-drop-ragged-bf16-three": (128, "drop", False, "bfloat16", False, False, True, 192, 3),
     "D128-hybrid-ragged-bf16-three": (128, "hybrid", False, "bfloat16", False, False, True, 192, 3),
+    "D128-drop-bf16-three-online-exact": (128, "drop", True, "bfloat16", False, False, True, 192, 3, "auto", "online"),
+    "D128-hybrid-bf16-three-online-exact": (128, "hybrid", True, "bfloat16", False, False, True, 192, 3, "auto",
+                                            "online"),
+    "D128-hybrid-bf16-online-exact": (128, "hybrid", True, "bfloat16", True, False, True, 128, 2, "auto", "online"),
 }
 
 
@@ -40,7 +46,8 @@ def built():
     return build("from pisa_attn.ops.hopper.attention import compile_for_sm90",
                  "compile_for_sm90(args[0], args[1], args[2], getattr(torch, args[3]), has_qpair=args[4], "
                  "pipeline=args[5], codes=args[6], union_entries=args[7], query_group=args[8], "
-                 "tail_max=args[9] if len(args) > 9 else 'auto')", VARIANTS)
+                 "tail_max=args[9] if len(args) > 9 else 'auto', exact_max=args[10] if len(args) > 10 else None)",
+                 VARIANTS)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -100,6 +100,28 @@ def test_kbound_bounds_every_tail_score(mag):
         assert (bound - scores.amax(-1)).median() < 64  # keeps the online maximum (a GPU test)
 
 
+@pytest.mark.parametrize("case", PREP_CASES)
+def test_prepare_kmax_is_the_keys_channel_maxima(case):
+    """``with_kmax``: the per-channel maxima of ``|k|`` over each kv head's keys (what bounds the
+    Hopper kernel's exact scores), exact; the other statistics bit for bit those without it; it is
+    refused beside ``quant`` (one register tile holds either maxima)."""
+    b, h, hk, lq, lk, d, bs, qb, dtype = case
+    q, k, v = qkv(b, h, hk, lq, lk, d, dtype, seed=lq + 2 * lk, k_shift=1.5)
+    st = P.prepare(q, k, v, bs, with_hdev=True, query_block=qb, with_kmax=True)
+    base = P.prepare(q, k, v, bs, with_hdev=True, query_block=qb)
+    assert base.kmax is None and st.kmax.dtype == torch.float32
+    assert torch.equal(st.kmax, k.float().abs().amax(2))
+    for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hdev", "kbound"):
+        assert torch.equal(getattr(st, f), getattr(base, f)), f
+    ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=bs, query_block=qb, with_kmax=True)
+    assert P.prepare(q, k, v, bs, query_block=qb, with_kmax=True, ws=ws).kmax.data_ptr() == ws.kmax.data_ptr()
+    with pytest.raises(ValueError, match="ws"):
+        P.prepare(q, k, v, bs, query_block=qb, with_kmax=True, ws=P.stats_workspace(
+            q.shape, k.shape, q.dtype, q.device, block_size=bs, query_block=qb))
+    with pytest.raises(ValueError, match="with_kmax"):
+        P.prepare(q, k, v, bs, with_kmax=True, quant="fp8")
+
+
 def test_reference_hbar_exclude_is_the_mean_of_the_other_blocks():
     """The reference's H̄ with excluded blocks, against every H_j materialised."""
     b, hk, lk, d, bs = 2, 2, 150, 8, 16

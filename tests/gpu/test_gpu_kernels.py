@@ -459,6 +459,10 @@ def _stream_case(source: str, mode: str, seed: int):
     elif source.startswith("gauss30"):  # 30x a unit-variance input: scores in the thousands
         q, k, v = qkv(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "bhsd", seed=seed + 4)
         q, k = q * 30, k * 30
+    elif source.startswith("mixed30"):  # head 0 at 30x, head 1 as given
+        q, k, v = qkv(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "bhsd", seed=seed + 5)
+        scale = torch.tensor([30.0, 1.0], device=q.device, dtype=q.dtype)[None, :, None, None]
+        q, k = q * scale, k * scale
     elif "D128" in source:
         q, k, v = qkv(1, 2, 2, 4096, 4096, 128, torch.bfloat16, "bhsd", seed=seed + 2)
     else:
@@ -487,7 +491,7 @@ def test_hopper_pipelined_loop_is_bit_identical(source, mode):
     """The pipelined exact loop (Q·Kᵀ and softmax of a block under the previous block's P·V; pairs)
     does the sequential loop's operations in the same order: bit for bit the same output and LSE, in
     both stream orders, with 3 to 5 ring slots, and within the bf16 bound of the float64
-    reference."""
+    reference (both with the online maximum: the pipelined loop has no fixed one)."""
     from pisa_attn.ops.hopper import attention as gattn
 
     q, k, v, plan, stats, sel, o_ref, lse_ref = _stream_case(source, mode, seed=12)
@@ -498,7 +502,7 @@ def test_hopper_pipelined_loop_is_bit_identical(source, mode):
             lse = torch.full(q.shape[:3], float("nan"), device="cuda")
             gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
                             n_select=plan.n_select, out=out, lse=lse, pair_order=order, pipeline=pipe, stages=st,
-                            query_group=2)
+                            query_group=2, exact_max="online")
             torch.cuda.synchronize()
             outs[pipe, st] = (out, lse)
         base_out, base_lse = outs[False, None]
@@ -535,7 +539,7 @@ def test_hopper_stream_protocols_are_bit_identical(source, monkeypatch):
             lse = torch.full(q.shape[:3], float("nan"), device="cuda")
             gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
                             n_select=plan.n_select, out=out, lse=lse, pair_order=order, pipeline=pipe, stages=st,
-                            codes=codes, query_group=2)
+                            codes=codes, query_group=2, exact_max="online")
             torch.cuda.synchronize()
             outs[codes, pipe, st, chunk, limit] = (out, lse)
         base_out, base_lse = outs[variants[0]]
@@ -569,7 +573,7 @@ def test_hopper_three_query_blocks_per_cta(source, mode):
             lse = torch.full(q.shape[:3], float("nan"), device="cuda")
             gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
                             n_select=plan.n_select, out=out, lse=lse, pair_order="ascending", stages=st,
-                            query_group=group, kbound=stats.kbound, tail_max=tail_max)
+                            query_group=group, kbound=stats.kbound, tail_max=tail_max, exact_max="online")
             torch.cuda.synchronize()
             outs[group, st] = (out, lse)
         base_out, base_lse = outs[2, None]
@@ -621,7 +625,7 @@ def test_hopper_tail_fixed_maximum(source, mode):
             lse = torch.full(q.shape[:3], float("nan"), device="cuda")
             gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
                             n_select=plan.n_select, out=out, lse=lse, query_group=group, kbound=stats.kbound,
-                            tail_max=tail_max)
+                            tail_max=tail_max, exact_max="online")
             torch.cuda.synchronize()
             assert torch.isfinite(out).all() and torch.isfinite(lse).all(), (group, tail_max)
             assert rel_l1(out, o_ref) < BF16_TOL, (group, tail_max, rel_l1(out, o_ref))
@@ -634,3 +638,52 @@ def test_hopper_tail_fixed_maximum(source, mode):
             assert not same, group
         print(f"\n[{source} {mode} group {group}] fixed vs online rel-L1 "
               f"{rel_l1(outs['auto'][0], outs['online'][0]):.1e}")
+
+
+@HOPPER_ONLY
+@pytest.mark.parametrize("source", ["gauss-B1-H4-Hk2-L8229-D128-bf16-gqa-ragged", "gauss-B2-H2-Lq4096-Lk6000-D64-fp16",
+                                    "dit-T4-30x52-H4-D128-bf16", "uneven-B1-H2-L4096-D128-bf16",
+                                    "gauss30-B1-H2-L4096-D128-bf16", "mixed30-B1-H2-L4096-D128-bf16"])
+@pytest.mark.parametrize("mode", ["hybrid", "zeroth", "drop"])
+def test_hopper_exact_fixed_maximum(source, mode):
+    """The exact loop's maximum fixed at the per-row bound ``s·Σ|q_d|·max|k_d|`` (``exact_max=
+    "bound"``, the keys' maxima as prepare writes them) and the online one compute the same function: both within the bf16
+    bound of the float64 reference, with two and three query blocks per CTA, the tail's maximum
+    fixed or online. The bound is used on bfloat16 Gaussian and DiT-like heads (the sums then round
+    differently, so equal bits would mean the fixed path never ran); where it is loose (scores in
+    the thousands: every head, or one of two) the loop keeps the online maximum, bit for bit the
+    online result there; float16 always keeps it."""
+    from pisa_attn.ops.hopper import attention as gattn
+
+    from pisa_attn.ops.triton import prepare as P
+
+    q, k, v, plan, stats, sel, o_ref, lse_ref = _stream_case(source, mode, seed=7)
+    fp16 = q.dtype == torch.float16
+    kmax = P.prepare(q, k, v, 64, with_kmax=True).kmax
+    assert torch.equal(kmax, k.float().abs().amax(2))
+    for group in (2, 3):
+        for tail_max in ("auto", "online") if mode != "drop" else ("auto",):
+            outs = {}
+            for exact_max in ("bound", "online"):
+                out = torch.full_like(q, float("nan"))
+                lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+                gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
+                                n_select=plan.n_select, out=out, lse=lse, query_group=group, kbound=stats.kbound,
+                                tail_max=tail_max, exact_max=exact_max, kmax=kmax)
+                torch.cuda.synchronize()
+                key = (group, tail_max, exact_max)
+                assert torch.isfinite(out).all() and torch.isfinite(lse).all(), key
+                assert rel_l1(out, o_ref) < BF16_TOL, (key, rel_l1(out, o_ref))
+                assert (lse.double() - lse_ref).abs().max().item() < 1e-2, key
+                outs[exact_max] = (out, lse)
+            (fo, fl), (oo, ol) = outs["bound"], outs["online"]
+            if source.startswith("gauss30") or fp16:
+                assert torch.equal(fo, oo) and torch.equal(fl, ol), (group, tail_max)
+            elif source.startswith("mixed30"):  # head 0 falls back, head 1 fixes its maximum
+                assert torch.equal(fo[:, 0], oo[:, 0]) and torch.equal(fl[:, 0], ol[:, 0]), (group, tail_max)
+                assert not torch.equal(fo[:, 1], oo[:, 1]), (group, tail_max)
+            else:
+                assert not torch.equal(fo, oo), (group, tail_max)
+            assert rel_l1(fo, oo) < 5e-3, (group, tail_max)
+            print(f"\n[{source} {mode} group {group} tail {tail_max}] exact fixed vs online rel-L1 "
+                  f"{rel_l1(fo, oo):.1e}, max |dLSE| {(fl - ol).abs().max().item():.1e}")

@@ -336,7 +336,7 @@ def _gather_stats(be: Backend, local, k: Tensor, v: Tensor, blocks: list[int], g
     world, rank = len(blocks), dist.get_rank(group)
     cls = type(local)
     per_block = [(n, ax) for n, ax in cls.BLOCK_AXES.items() if n != "hdev" and getattr(local, n) is not None]
-    whole = list(cls.SHARD_FIELDS)
+    whole = [n for n in cls.SHARD_FIELDS if getattr(local, n) is not None]  # e.g. kmax: hopper only
     hsum = local.hbar * blocks[rank]  # H̄ is the mean of all H_j: block-weighted local means add up
 
     def resized(x: Tensor, axis: int, n: int) -> tuple[int, ...]:

@@ -57,6 +57,7 @@ LN2 = gl.constexpr(kernel_constants.LN2)
 # With the tail's maximum fixed before the scan (``max(m, bound − TAIL_HEADROOM)``), a tail weight
 # is at most 2^15: finite in float16's P operand, and far from float32's range in ``l``.
 TAIL_HEADROOM = gl.constexpr(15.0)
+EXACT_TAIL_HEADROOM = gl.constexpr(60.0)
 
 
 # Names that moved between Triton releases (3.6: ``_reinterpret``, ``async_copy_*``).
@@ -510,7 +511,8 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
             BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
             EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
-            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, HB_RING: gl.constexpr = False):
+            s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, HB_RING: gl.constexpr = False,
+            efix=0, EXACT_FX: gl.constexpr = False):
     """A consumer's work after its exact blocks, shared by the input-precision and low-precision
     kernels: the centroid tail (ring entries ``t``, ``t + 1``, .. of ``k_bufs``/``v_bufs``), the
     first-order term, the LSE and the output tile (staged in the dead query tile ``q_s``, then one
@@ -549,6 +551,13 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
         # With a maximum fixed before the scan the tail needs no row maximum and no rescale per
         # group (tail loop about 270 SASS instructions against 430 with the online one, ptxas 12.8).
         m_fix, fixed = _fixed_max(m_i, bound, TAIL_HEADROOM, TAIL_SLACK)
+        if EXACT_FX:
+            if efix != 0:
+                # m is the exact scores' bound, at or above every exact score but up to the exact
+                # loop's slack above the row's maximum: the tail keeps it (no move further up)
+                # when no tail weight can exceed 2^EXACT_TAIL_HEADROOM under it.
+                m_fix = m_i
+                fixed = gl.max(bound - m_i, axis=0) <= EXACT_TAIL_HEADROOM
         if fixed:
             rescale = gl.exp2(m_i - m_fix)
             acc = acc * gl.convert_layout(rescale, row_o)[:, None]
@@ -629,7 +638,47 @@ def _exact_step(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, s_zero
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
+def _exact_step_fx(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, fx, s_zero, cols, qk_scale, LK,
+                   CID: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
+                   s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, NC: gl.constexpr,
+                   SLACK: gl.constexpr):
+    """:func:`_exact_step` under a maximum fixed once per consumer (``fx`` 1) at a per-row bound of
+    every exact score, ``s·Σ_d |q_d|·max_n |k_nd|`` (base 2; ``kmax``: the per-channel maxima of
+    the kv head's keys): no row maximum, no rescale of ``acc``. Until the first owned block
+    (``fx`` 0) ``m_i`` holds that bound (no other register carries it through the loop); the first
+    owned block's maximum, a lower bound of the row's, decides: if the bound is at most ``SLACK``
+    above it in every row, it stays the maximum (``fx`` 1), else the online maximum takes over from
+    that block on (``fx`` 2)."""
+    s = u % STAGES
+    mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+    if ((code >> CID) & 1) != 0:
+        sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        if not EVEN_K:
+            sc = _mask_ragged(sc, code >> NC, cols, LK, BS)
+        if fx == 0:
+            m_blk = gl.max(sc, axis=1) * qk_scale
+            gap = gl.where(m_blk == float("-inf"), float("inf"), m_i - m_blk)
+            if gl.max(gap, axis=0) <= SLACK:
+                fx = fx * 0 + 1
+            else:
+                fx = fx * 0 + 2
+                m_i = gl.full([BS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        if fx == 1:
+            p = gl.exp2(sc * qk_scale - m_i[:, None])
+            l_i = l_i + gl.sum(p, axis=1)
+            pv = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+            acc = warpgroup_mma(pv, v_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        else:
+            m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, qk_scale, v_bufs.index(s), s_layout,
+                                                       o_layout, p_layout)
+    mbarrier.arrive(empty.index(s), count=1)
+    return m_i, l_i, acc, fx
+
+
+@gluon.jit
+def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
               q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
               uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
               qk_scale, scale, pw,
@@ -637,7 +686,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
               STAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
               Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr, PIPELINE: gl.constexpr,
               CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
-              TAIL_SLACK: gl.constexpr, HB_RING: gl.constexpr):
+              TAIL_SLACK: gl.constexpr, HB_RING: gl.constexpr, EXACT_SLACK: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -680,32 +729,52 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
         PEEL: gl.constexpr = NC == 3 and not EVEN_K
         n_loop = n_union - 1 if PEEL else n_union
         code_next = _stream_code(codes, ubase, n_union, 0, CODES, NCH * CW, CODE_L)
-        for u in range(n_loop):
-            code = code_next
-            code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCH * CW, CODE_L)
-            m_i, l_i, acc = _exact_step(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, s_zero, cols,
-                                        qk_scale, LK, CID, BS, STAGES, EVEN_K or PEEL, s_layout, o_layout, p_layout,
-                                        NC)
-        if PEEL:
-            if n_union > 0:
-                m_i, l_i, acc = _exact_step(qa, k_bufs, v_bufs, ready, empty, code_next, n_loop, m_i, l_i, acc,
-                                            s_zero, cols, qk_scale, LK, CID, BS, STAGES, False, s_layout, o_layout,
+        if EXACT_SLACK >= 0:
+            fx = n_union * 0
+            m_i = _tail_bound(q_s, kmax_ptr, bhk, qk_scale, BS, D, 0.0, row_s)
+            for u in range(n_loop):
+                code = code_next
+                code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCH * CW, CODE_L)
+                m_i, l_i, acc, fx = _exact_step_fx(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, fx,
+                                                   s_zero, cols, qk_scale, LK, CID, BS, STAGES, EVEN_K or PEEL,
+                                                   s_layout, o_layout, p_layout, NC, EXACT_SLACK)
+            if PEEL:
+                if n_union > 0:
+                    m_i, l_i, acc, fx = _exact_step_fx(qa, k_bufs, v_bufs, ready, empty, code_next, n_loop, m_i,
+                                                       l_i, acc, fx, s_zero, cols, qk_scale, LK, CID, BS, STAGES,
+                                                       False, s_layout, o_layout, p_layout, NC, EXACT_SLACK)
+        else:
+            for u in range(n_loop):
+                code = code_next
+                code_next = _stream_code(codes, ubase, n_union, u + 1, CODES, NCH * CW, CODE_L)
+                m_i, l_i, acc = _exact_step(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, s_zero, cols,
+                                            qk_scale, LK, CID, BS, STAGES, EVEN_K or PEEL, s_layout, o_layout,
                                             p_layout, NC)
+            if PEEL:
+                if n_union > 0:
+                    m_i, l_i, acc = _exact_step(qa, k_bufs, v_bufs, ready, empty, code_next, n_loop, m_i, l_i, acc,
+                                                s_zero, cols, qk_scale, LK, CID, BS, STAGES, False, s_layout,
+                                                o_layout, p_layout, NC)
+    if EXACT_SLACK >= 0:
+        efix = (fx == 1).to(gl.int32)
+    else:
+        efix = 0
     _finish(q_s, k_bufs, v_bufs, ready, empty, n_union, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
-            BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout, HB_RING)
+            BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout, HB_RING,
+            efix, EXACT_SLACK >= 0)
 
 
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
 def _pair_attn_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc, cd_desc,
-    kscale_ptr, kbound_ptr, uidx_ptr, ucnt_ptr, qpair_ptr, bits_ptr, lse_ptr, alpha_ptr,
+    kscale_ptr, kbound_ptr, kmax_ptr, uidx_ptr, ucnt_ptr, qpair_ptr, bits_ptr, lse_ptr, alpha_ptr,
     H, HK, LQ, LK, NQ, NK, W2, NW,
     qk_scale, scale, pw,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
     PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
-    TAIL_SLACK: gl.constexpr, HB_RING: gl.constexpr,
+    TAIL_SLACK: gl.constexpr, HB_RING: gl.constexpr, EXACT_SLACK: gl.constexpr,
 ):
     # One CTA per group of NC query blocks (a pair, or three adjacent blocks: NC consumers).
     pair = gl.program_id(0)
@@ -747,16 +816,16 @@ def _pair_attn_kernel(
                        q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                        uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
                        BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC, HB_RING)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING, EXACT_SLACK)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING, EXACT_SLACK)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
@@ -764,21 +833,21 @@ def _pair_attn_kernel(
                        q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                        uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
                        BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC, HB_RING)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING, EXACT_SLACK)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr,
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING, EXACT_SLACK)),
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 2, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
-                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING)),
+                         PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING, EXACT_SLACK)),
         ], [4, 4, 4], [160, 160, 160])
 
 
@@ -854,6 +923,18 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # 7-24 on Gaussian, DiT-like and DINOv2 heads, all within 32 (notes/kernel-notes.md).
 TAIL_SLACK = {torch.bfloat16: 64.0, torch.float16: 4.0}
 TAIL_MAX = "auto"
+# The exact loop's maximum is fixed at a per-row bound of every exact score, ``s·Σ_d |q_d|·kmax_d``
+# (``kmax``: per-channel maxima of |k| over the kv head), when the bound is at most this far above
+# the first owned block's maximum in every row; else the online maximum. A weight is then flushed
+# to zero (below 2^-126) only if it is under 2^-36 of the row's largest: nothing a bfloat16 P
+# keeps. Float16 P (subnormal below 2^-14) always takes the online maximum. Measured ``bound − m``
+# per query block: 30-70 on Gaussian, DiT-like and DINOv2 heads (notes/kernel-notes.md).
+EXACT_SLACK = {torch.bfloat16: 90.0, torch.float16: -1.0}
+# "auto": the bound from EXACT_MIN_KEYS keys on (H100: the exact phase 4-18 % faster at 32K-64K;
+# at 4K and 8K the whole call was 1-3 % slower with a tail), "bound": wherever it is tight
+# enough, "online": never.
+EXACT_MAX = "auto"
+EXACT_MIN_KEYS = 16384
 
 
 def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
@@ -898,7 +979,7 @@ def attention(
     alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
     pair_group: int | None = None, pair_order: str | None = None, pipeline: bool | None = None,
     codes: bool | None = None, query_group: int | None = None, kbound: Tensor | None = None,
-    tail_max: str | None = None,
+    tail_max: str | None = None, exact_max: str | None = None, kmax: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The pair kernel for a given selection; same contract as the Triton ``attention``:
     ``[B, H, L, D]`` views in (any TMA-compatible strides), (out, lse [B, H, Lq] fp32) out.
@@ -918,7 +999,11 @@ def attention(
     ``kbound``: ``[B, Hk, D]`` float32 ``max_j |k̄_jd|`` (the statistics'; None: computed from
     ``kbar``). ``tail_max``: ``"auto"`` fixes the tail's maximum from that bound where it is tight
     enough (:data:`TAIL_SLACK`), ``"online"`` never does (None: :data:`TAIL_MAX`); both compute the
-    same function."""
+    same function. ``exact_max``: ``"bound"`` fixes the exact loop's maximum at the per-row bound
+    from ``kmax`` (``[B, Hk, D]`` float32 per-channel maxima of ``|k|``; None: computed here) where
+    it is tight enough (:data:`EXACT_SLACK`), ``"auto"`` does from :data:`EXACT_MIN_KEYS` keys on,
+    ``"online"`` never does (None: :data:`EXACT_MAX`); the same function up to the rounding of P
+    (the pipelined loop of pairs keeps the online maximum)."""
     del cnt, n_select
     slack = tail_slack(tail_max, kbound, q, k.shape[1])
     pair_only = (pair_group or 2) > 2 or bool(pipeline) or pair_order not in (None, "ascending")
@@ -960,19 +1045,23 @@ def attention(
     m = MODE_IDS[mode]
     st = stages or (STAGES if nc == 2 else STAGES3)[d]
     pipe = nc == 2 and (PIPELINE if pipeline is None else bool(pipeline))
+    exact_slack = exact_max_slack(exact_max, kmax, q, hk, pipe, lk)
+    if exact_slack >= 0 and kmax is None:
+        kmax = k.abs().amax(2).float()
     w2 = uidx.shape[-1]
     use_codes, cw, nch = code_chunks(w2, CODES if codes is None else bool(codes))
     hb_ring = hbar_in_ring(mode, nc, d, bs)
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
                uidx.view(-1, w2))
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, bs if hb_ring else d, d], [1, cw])
-    scalars = (kscale, kbound, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse, alpha, h, hk, lq, lk, nq, nk,
+    scalars = (kscale, kbound, kbound if kmax is None else kmax, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse,
+               alpha, h, hk, lq, lk, nq, nk,
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale, first_order_shift(bs, scale))
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
                       HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, NC=nc,
-                      TAIL_SLACK=slack, HB_RING=hb_ring)
-    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc, slack,
-           tuple(x.data_ptr() % 16 == 0 for x in scalars[:8]))
+                      TAIL_SLACK=slack, HB_RING=hb_ring, EXACT_SLACK=exact_slack)
+    key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc, slack, exact_slack,
+           tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
@@ -994,6 +1083,32 @@ def tail_slack(tail_max: str | None, kbound: Tensor | None, q: Tensor, hk: int) 
     return TAIL_SLACK[q.dtype] if tail_max == "auto" else -1.0
 
 
+def uses_kmax(dtype: torch.dtype, lk: int) -> bool:
+    """Whether the kernel's default exact loop (:data:`EXACT_MAX`) reads the keys' maxima for
+    ``lk`` keys of ``dtype`` (prepare then writes them)."""
+    return EXACT_SLACK.get(dtype, -1.0) >= 0 and (
+        EXACT_MAX == "bound" or (EXACT_MAX == "auto" and lk >= EXACT_MIN_KEYS))
+
+
+def exact_max_slack(exact_max: str | None, kmax: Tensor | None, q: Tensor, hk: int, pipeline: bool,
+                    lk: int) -> float:
+    """The kernel's ``EXACT_SLACK`` for ``exact_max`` (None: :data:`EXACT_MAX`) and ``lk`` keys (-1:
+    the online maximum), after checking it and ``kmax`` (a contiguous float32 ``[B, Hk, D]``, or
+    None)."""
+    exact_max = EXACT_MAX if exact_max is None else exact_max
+    if exact_max not in ("auto", "bound", "online"):
+        raise ValueError(f"exact_max must be 'auto', 'bound' or 'online', got {exact_max!r}")
+    if exact_max == "auto":
+        exact_max = "bound" if lk >= EXACT_MIN_KEYS else "online"
+    b, d = q.shape[0], q.shape[-1]
+    if kmax is not None and (kmax.shape != (b, hk, d) or kmax.dtype != torch.float32 or not kmax.is_contiguous()):
+        raise ValueError(f"kmax must be a contiguous float32 [B, Hk, D] = [{b}, {hk}, {d}] tensor, got "
+                         f"{kmax.dtype} {list(kmax.shape)}")
+    if exact_max == "online" or pipeline:  # the pipelined loop keeps the online maximum
+        return -1.0
+    return EXACT_SLACK[q.dtype]
+
+
 def first_order_shift(block_size: int, scale: float) -> float:
     """The power of two near ``block_size / scale`` the output is scaled by around the first-order
     product (so its A operand stays near q in magnitude)."""
@@ -1010,7 +1125,8 @@ def tail_bound(kbar: Tensor, kscale: Tensor) -> Tensor:
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
                      dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
                      has_qpair: bool = True, pipeline: bool | None = None, codes: bool | None = None,
-                     union_entries: int = 128, query_group: int = 2, tail_max: str = "auto"):
+                     union_entries: int = 128, query_group: int = 2, tail_max: str = "auto",
+                     exact_max: str | None = None):
     """Compile the pair kernel for sm_90a without a GPU (Triton ships ``ptxas``): what a CPU CI
     runs so that a kernel that does not build fails there. Returns Triton's compiled kernel
     (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``)."""
@@ -1032,8 +1148,11 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                       LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
                       PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw,
                       NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0,
-                      HB_RING=hbar_in_ring(mode, query_group, d, bs))
-    types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
+                      HB_RING=hbar_in_ring(mode, query_group, d, bs),
+                      EXACT_SLACK=exact_max_slack("bound" if exact_max is None else exact_max, None, x, 1,
+                                                  query_group == 2 and (
+                                                      PIPELINE if pipeline is None else bool(pipeline)), 0))
+    types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", kmax_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32", pw="fp32")
     sig = {}

@@ -87,12 +87,20 @@ def attend(
     pairs = None if ws is None else ws.pairs
     return _gattn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,
                             n_select=selection.idx.shape[-1] if n_select is None else n_select, out=out, lse=lse,
-                            alpha=alpha, pairs=pairs, kbound=stats.kbound)
+                            alpha=alpha, pairs=pairs, kbound=stats.kbound, kmax=getattr(stats, "kmax", None))
+
+
+def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, **kwargs) -> _top.Stats:
+    """The Triton prepare, with the keys' per-channel maxima where the pair kernel's exact loop
+    fixes its maximum from them (:func:`pisa_attn.ops.hopper.attention.uses_kmax`)."""
+    return _top.prepare(q, k, v, block_size, with_kmax=_gattn.uses_kmax(k.dtype, k.shape[2]), **kwargs)
 
 
 def workspace(plan, q: Tensor, k: Tensor) -> _top.Workspace:
-    """The Triton backend's workspace plus the stream buffers of the kernel's query group."""
-    return _top.workspace(plan, q, k, pairs=_gattn.query_group_for(plan.mode, k.shape[2], plan.block_size))
+    """The Triton backend's workspace plus the stream buffers of the kernel's query group (and room
+    for the keys' maxima its exact loop reads)."""
+    return _top.workspace(plan, q, k, pairs=_gattn.query_group_for(plan.mode, k.shape[2], plan.block_size),
+                          kmax=_gattn.uses_kmax(k.dtype, k.shape[2]))
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
@@ -102,7 +110,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n
 
 
 BACKEND = _fused.register(
-    Backend("hopper", _top.prepare, _top.select, attend, _top.deviation, forward, unsupported_reason,
+    Backend("hopper", prepare, _top.select, attend, _top.deviation, forward, unsupported_reason,
             _top.score_scratch, workspace))
 
 

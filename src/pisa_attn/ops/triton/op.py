@@ -102,14 +102,17 @@ class Workspace:
     pairs: tuple[Tensor, Tensor, Tensor] | None = None
 
 
-def workspace(plan, q: Tensor, k: Tensor, *, pairs: int = 0, quant: str | None = None) -> Workspace:
+def workspace(plan, q: Tensor, k: Tensor, *, pairs: int = 0, quant: str | None = None,
+              kmax: bool = False) -> Workspace:
     """The workspace of ``plan`` (``q``/``k``: ``[B, H, L, D]`` tensors or stand-ins of its shapes);
     ``pairs``: the Hopper kernel's query blocks per CTA (2 or 3) to size its stream buffers for, 0
-    for none; ``quant``: the low precision whose copies of K/V prepare writes (None: none)."""
+    for none; ``quant``: the low precision whose copies of K/V prepare writes (None: none);
+    ``kmax``: room for the keys' per-channel maxima (the Hopper kernel's exact-score bound)."""
     b, h, lq = q.shape[:3]
     dev = q.device
     stats = stats_workspace(q.shape, k.shape, q.dtype, dev, block_size=plan.block_size,
-                            query_block=plan.query_block, with_hdev=plan.covariance_aware, quant=quant)
+                            query_block=plan.query_block, with_hdev=plan.covariance_aware, quant=quant,
+                            with_kmax=kmax)
     sel = selection_workspace(b, h, plan.n_q_blocks, plan.n_kv_blocks, plan.width, dev,
                               n_q_rows=stats.qmean.shape[2], scratch_elems=score_scratch(q, k))
     pair_bufs = None

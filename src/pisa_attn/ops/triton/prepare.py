@@ -111,14 +111,17 @@ def _consts(dtype, BS: tl.constexpr, QS: tl.constexpr):
 def _kv_block(k_base, v_base, excl_ptr, kmean_ptr, vbar_ptr, j, b, h, bh, LK, NK, skl, skd, svl, svd, ex_sb, ex_sh,
               eye, ones, ones_n, centre, hacc, kmax, count, vabs,
               BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr, HAS_EXCL: tl.constexpr,
-              VMAX: tl.constexpr, FULL: tl.constexpr):
+              VMAX: tl.constexpr, FULL: tl.constexpr, KMAX: tl.constexpr):
     """Key block ``j`` of a kv program: its centroid and value mean stored, its ``H_j`` and bounds
-    into the program's running (``Σ H_j``, largest ``|k̄|``, count, ``|v|`` maxima)."""
+    into the program's running (``Σ H_j``, largest ``|k̄|``, count, ``|v|`` maxima or, with KMAX,
+    ``|k|`` maxima ``[D, BS]``)."""
     offs_d = tl.arange(0, D)
     kc, k_t, vt, n = _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, centre,
                                     BS, D, F32, CLAMP, FULL)
     if VMAX:
         vabs = tl.maximum(vabs, tl.abs(vt.to(tl.float32)))
+    if KMAX:
+        vabs = tl.maximum(vabs, tl.abs(k_t.to(tl.float32)))
     km = tl.max(tl.dot(k_t, ones_n), axis=1) / n  # every column holds the sum: a max is exact
     tl.store(kmean_ptr + bh.to(tl.int64) * D * NK + offs_d * NK + j, km)
     kmax = tl.maximum(kmax, tl.abs(km))
@@ -145,7 +148,7 @@ def _stats_kernel(
     ex_sb, ex_sh,
     H, HK, LQ, LK, NQS, NQT, NK, KV_PER, KV_CHUNKS, Q_PER, Q_CHUNKS, N_KV,
     BS: tl.constexpr, QB: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
-    CLAMP: tl.constexpr, HAS_EXCL: tl.constexpr, VMAX: tl.constexpr,
+    CLAMP: tl.constexpr, HAS_EXCL: tl.constexpr, VMAX: tl.constexpr, KMAX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dt = tl.float32 if F32 else k_ptr.dtype.element_ty
@@ -161,18 +164,24 @@ def _stats_kernel(
         hacc = tl.zeros([D, D], dtype=tl.float32)
         kmax = tl.zeros([D], dtype=tl.float32)
         count = 0.0
-        vabs = tl.zeros([BS, D], dtype=tl.float32)  # elementwise max |v|, reduced once at the end
+        # elementwise max |v| (or |k|, transposed), reduced once at the end
+        if KMAX:
+            vabs = tl.zeros([D, BS], dtype=tl.float32)
+        else:
+            vabs = tl.zeros([BS, D], dtype=tl.float32)
         j0 = c * KV_PER
         j1 = tl.minimum(NK, j0 + KV_PER)
         n_full = LK // BS  # a ragged last block runs after the loop, which then has no mask
         for j in range(j0, tl.minimum(j1, n_full)):
             hacc, kmax, count, vabs = _kv_block(k_base, v_base, excl_ptr, kmean_ptr, vbar_ptr, j, b, h, bh, LK, NK,
                                                 skl, skd, svl, svd, ex_sb, ex_sh, eye, ones, ones_n, centre,
-                                                hacc, kmax, count, vabs, BS, D, F32, CLAMP, HAS_EXCL, VMAX, True)
+                                                hacc, kmax, count, vabs, BS, D, F32, CLAMP, HAS_EXCL, VMAX, True,
+                                                KMAX)
         if j1 > n_full:
             hacc, kmax, count, vabs = _kv_block(k_base, v_base, excl_ptr, kmean_ptr, vbar_ptr, n_full, b, h, bh, LK,
                                                 NK, skl, skd, svl, svd, ex_sb, ex_sh, eye, ones, ones_n, centre,
-                                                hacc, kmax, count, vabs, BS, D, F32, CLAMP, HAS_EXCL, VMAX, False)
+                                                hacc, kmax, count, vabs, BS, D, F32, CLAMP, HAS_EXCL, VMAX, False,
+                                                KMAX)
         part = bh.to(tl.int64) * KV_CHUNKS + c
         tl.store(part_h_ptr + part * D * D + offs_d[:, None] * D + offs_d[None, :], hacc)
         tl.store(part_s_ptr + part * 2, tl.max(kmax, axis=0))
@@ -180,6 +189,8 @@ def _stats_kernel(
         tl.store(part_r_ptr + part * D + offs_d, kmax)
         if VMAX:
             tl.store(part_v_ptr + part * D + offs_d, tl.max(vabs, axis=0))
+        if KMAX:
+            tl.store(part_v_ptr + part * D + offs_d, tl.max(vabs, axis=1))
     else:
         # QT rows per step (several query blocks of QB rows): one tile load, and the block sums as
         # one product with a block-diagonal ones matrix, column c the sum of block c of the tile.
@@ -207,7 +218,7 @@ def _finish_kernel(
     part_h_ptr, part_s_ptr, part_r_ptr, part_v_ptr, kmean_ptr, hbar_ptr, hbar_lp_ptr, kbar_ptr, kscale_ptr,
     kbound_ptr, vmax_ptr,
     NK, KV_CHUNKS, F_PER,
-    D: tl.constexpr, RB: tl.constexpr, TJ: tl.constexpr, VMAX: tl.constexpr,
+    D: tl.constexpr, RB: tl.constexpr, TJ: tl.constexpr, VMAX: tl.constexpr, KMAX: tl.constexpr,
 ):
     # Program (head, g): rows g·RB .. of H̄ from the partials, and key blocks g·F_PER .. of the
     # float16 centroids (D // RB programs per head share the work).
@@ -230,6 +241,11 @@ def _finish_kernel(
             for c in range(KV_CHUNKS):
                 vm = tl.maximum(vm, tl.load(part_v_ptr + (bh * KV_CHUNKS + c) * D + offs_d))
             tl.store(vmax_ptr + bh * D + offs_d, vm.to(tl.int32, bitcast=True))
+        if KMAX:  # max |k| per channel (the exact loop's bound of its scores), float32
+            km = tl.zeros([D], dtype=tl.float32)
+            for c in range(KV_CHUNKS):
+                km = tl.maximum(km, tl.load(part_v_ptr + (bh * KV_CHUNKS + c) * D + offs_d))
+            tl.store(vmax_ptr + bh * D + offs_d, km)
     rows = g * RB + tl.arange(0, RB)
     tile = rows[:, None] * D + offs_d[None, :]
     hsum = tl.zeros([RB, D], dtype=tl.float32)
@@ -305,12 +321,15 @@ class Stats:
     work: Tensor | None = None  # float32 per-program partials of the prepare launch (scratch)
     # [B, Hk, D] float32: max_j |k̄_jd|, per channel (bounds every tail score before the scan)
     kbound: Tensor | None = None
+    # [B, Hk, D] float32: max_n |k_nd| over the head's keys, per channel (bounds every exact score
+    # before the Hopper kernel's exact loop), when prepare was asked for it (``with_kmax``)
+    kmax: Tensor | None = None
     # the low-precision kernel's copies of K (and V), when prepare was asked for them (``quant=``)
     quant: _quantize.Quantized | None = None
 
     BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "vbar": 2, "hdev": 2}
     # kbar is only meaningful with the kscale it was divided by: a shard keeps its own.
-    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ("kscale", "kbound")
+    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ("kscale", "kbound", "kmax")
 
     def tail(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """What the attention kernel reads besides q, k, v and the selection."""
@@ -372,10 +391,11 @@ def _work_elems(b: int, hk: int, d: int, kv_chunks: int) -> int:
 
 
 def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size: int, query_block: int | None = None,
-                    with_hdev: bool = False, quant: str | None = None) -> Stats:
+                    with_hdev: bool = False, quant: str | None = None, with_kmax: bool = False) -> Stats:
     """Every buffer :func:`prepare` writes for ``[B, H, Lq, D]`` queries and ``[B, Hk, Lk, D]``
     keys/values of ``dtype``, allocated once (pass it as ``ws=``); ``quant``: a low precision
-    whose copies of K/V ``prepare(..., quant=)`` writes too."""
+    whose copies of K/V ``prepare(..., quant=)`` writes too; ``with_kmax``: room for the keys'
+    per-channel maxima."""
     b, h, lq, d = q_shape
     hk, lk = kv_shape[1], kv_shape[2]
     device = torch.device(device)
@@ -396,6 +416,7 @@ def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size
         hdev=torch.empty(b, hk, nk, **f32) if with_hdev else None,
         work=torch.empty(_work_elems(b, hk, d, geo[1]), **f32),
         kbound=torch.empty(b, hk, d, **f32),
+        kmax=torch.empty(b, hk, d, **f32) if with_kmax else None,
         quant=None if quant is None else _quantize.quant_workspace(b, hk, lk, d, block_size, device, quant),
     )
 
@@ -411,7 +432,7 @@ def _stats_warps(d: int) -> int:
 
 def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = False, lean: bool = False,
             query_block: int | None = None, hbar_exclude: Tensor | None = None, ws: Stats | None = None,
-            quant: str | None = None) -> Stats:
+            quant: str | None = None, with_kmax: bool = False) -> Stats:
     """Block statistics of ``[B, H, L, D]`` views (any strides); the query means are over blocks of
     ``query_block`` rows (default ``block_size``). Issues no host synchronisation.
 
@@ -422,7 +443,9 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     low precision (:data:`pisa_attn.spec.PRODUCT_FORMATS`) whose copies of K (and V) are written
     too, into ``ws.quant`` (returned as ``stats.quant``; the math and kernel of
     :func:`pisa_attn.ops.triton.quantize.quantize`, with the values' ``max |v|`` taken from this
-    pass's own read of V instead of another).
+    pass's own read of V instead of another). ``with_kmax``: also ``kmax``, the per-channel maxima
+    of ``|k|`` over each kv head's keys (from the same read of K; not with ``quant``, whose ``|v|``
+    maxima take that register tile).
     """
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
@@ -433,13 +456,16 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     kv_per, kv_chunks, q_per, q_chunks, f_per, f_groups = geo
     if quant is not None and quant not in PRODUCT_FORMATS:
         raise ValueError(f"quant must be None or a low precision {tuple(PRODUCT_FORMATS)}, got {quant!r}")
+    if with_kmax and quant is not None:
+        raise ValueError(f"with_kmax and quant={quant!r} cannot be asked together (the kernel holds one maxima tile)")
     if ws is None:
         ws = stats_workspace(q.shape, k.shape, v.dtype, dev, block_size=block_size, query_block=qb,
-                             with_hdev=with_hdev, quant=quant)
+                             with_hdev=with_hdev, quant=quant, with_kmax=with_kmax)
     n_part = b * hk * max(kv_chunks, 1)
     if (ws.work is None or ws.work.numel() < n_part * _part_elems(d) or ws.vbar.shape != (b, hk, nk, d)
             or ws.qmean.shape != (b, h, nqs, d) or ws.vbar.dtype != v.dtype or ws.vbar.device != dev
-            or (with_hdev and ws.hdev is None) or (quant is not None and ws.quant is None)):
+            or (with_hdev and ws.hdev is None) or (quant is not None and ws.quant is None)
+            or (with_kmax and (ws.kmax is None or ws.kmax.shape != (b, hk, d)))):
         raise ValueError("ws: a stats_workspace made for other shapes, dtype, device or settings")
     qz = None if quant is None else _quantize.checked(ws.quant, k, block_size, quant, "ws.quant")
     vmax = qz is not None and _quantize.needs_vmax(quant)
@@ -464,17 +490,17 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
         args = (q, k, v, ex, ws.qmean, kmean_t, ws.vbar, part_h, part_s, part_r, part_v, *strides, ex_sb, ex_sh,
                 h, hk, lq, lk, nqs, -(-lq // qt), nk, kv_per, kv_chunks, q_per, q_chunks, n_kv)
         stages = STATS_TUNING["stages"]
-        _launch_stats((k.dtype, block_size, qb, qt, d, hbar_exclude is not None, vmax, stages,
+        _launch_stats((k.dtype, block_size, qb, qt, d, hbar_exclude is not None, vmax, with_kmax, stages,
                        spec_class(q, k, v, ex, *strides)), (grid,), args,
                       dict(BS=block_size, QB=qb, QT=qt, D=d, F32=f32, CLAMP=clamp, HAS_EXCL=hbar_exclude is not None,
-                           VMAX=vmax),
+                           VMAX=vmax, KMAX=with_kmax),
                       num_warps=_stats_warps(d), num_stages=stages)
     if kv_chunks == 0:  # no key block (an empty K/V shard): H̄ = 0, scale 1, bounds 0
         ws.work[: n_part * _part_elems(d)].zero_()
-    _launch_finish((d, vmax, spec_class(part_h, ws.hbar_lp)), (b * hk * f_groups,),
+    _launch_finish((d, vmax, with_kmax, spec_class(part_h, ws.hbar_lp)), (b * hk * f_groups,),
                    (part_h, part_s, part_r, part_v, kmean_t, ws.hbar, ws.hbar_lp, ws.kbar, ws.kscale, ws.kbound,
-                    qz.vmax if vmax else part_s, nk, max(kv_chunks, 1), f_per),
-                   dict(D=d, RB=_FINISH_ROWS, TJ=32, VMAX=vmax), num_warps=4)
+                    qz.vmax if vmax else ws.kmax if with_kmax else part_s, nk, max(kv_chunks, 1), f_per),
+                   dict(D=d, RB=_FINISH_ROWS, TJ=32, VMAX=vmax, KMAX=with_kmax), num_warps=4)
     if with_hdev:
         _run_hdev(k, v, ws.hbar, ws.hdev, block_size, kv_per, kv_chunks)
     if qz is not None and b * hk:  # its own launch: inside the hdev pass's loop it spilled (notes/fp8.md)
@@ -483,7 +509,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
             _quantize.launch_quant(k, v, qz, quant, block_size)
     return Stats(qmean=ws.qmean, kmean=ws.kmean, kbar=ws.kbar, kscale=ws.kscale, vbar=ws.vbar,
                  hbar=None if lean else ws.hbar, hbar_lp=ws.hbar_lp, hdev=ws.hdev if with_hdev else None,
-                 work=ws.work, kbound=ws.kbound, quant=qz)
+                 work=ws.work, kbound=ws.kbound, kmax=ws.kmax if with_kmax else None, quant=qz)
 
 
 def _check_exclude(ex: Tensor, b: int, hk: int, nk: int) -> Tensor:
@@ -524,7 +550,7 @@ def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int)
 
 
 def compile_for_sm90(kernel: str = "stats", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
-                     block_size: int = 64, vmax: bool = False, exclude: bool = False):
+                     block_size: int = 64, vmax: bool = False, exclude: bool = False, kmax: bool = False):
     """Compile the ``"stats"`` or ``"hdev"`` kernel of :func:`prepare` for sm_90 without a GPU (what
     the CPU build tests read registers and spills from). Returns Triton's compiled kernel."""
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -532,7 +558,7 @@ def compile_for_sm90(kernel: str = "stats", head_dim: int = 128, dtype: torch.dt
     if kernel == "stats":
         fn = _stats_kernel
         cons = dict(BS=bs, QB=bs, QT=_q_tile(bs, d), D=d, F32=False, CLAMP=dtype == torch.float16, HAS_EXCL=exclude,
-                    VMAX=vmax)
+                    VMAX=vmax, KMAX=kmax)
         ptr = dict(q_ptr=ty, k_ptr=ty, v_ptr=ty, excl_ptr="u8", vbar_ptr=ty)
     elif kernel == "hdev":
         fn = _hdev_kernel
