@@ -149,7 +149,7 @@ def attend_fn(q, k, v, stats, sel, mode, group, order, n_sel):
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     return (lambda: gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=q.shape[-1] ** -0.5,
                                     block_size=64, n_select=n_sel, out=out, lse=lse, pair_group=group,
-                                    pair_order=order)), out
+                                    pair_order=order, kbound=stats.kbound, kmax=stats.kmax)), out
 
 
 def bench_length(L: int, sources, density: float, whole: bool, res: dict):
@@ -237,7 +237,7 @@ def ncu_launches(L: int = 32768):
             out = torch.empty_like(q)
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
             gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=q.shape[-1] ** -0.5, block_size=64,
-                            n_select=n_sel, out=out, lse=lse, kbound=stats.kbound)
+                            n_select=n_sel, out=out, lse=lse, kbound=stats.kbound, kmax=stats.kmax)
             torch.cuda.synchronize()
             print(f"ncu launch: {source} {mode}", flush=True)
 
@@ -280,7 +280,7 @@ def bench_loop_variants(L: int, sources, density: float, whole: bool, res: dict,
                 lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
                 fn = lambda m=mode, out=out, lse=lse, kw=kw: gattn.attention(  # noqa: E731
                     q, k, v, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, n_select=n_sel, out=out,
-                    lse=lse, **kw)
+                    lse=lse, kbound=stats.kbound, kmax=stats.kmax, **kw)
                 fn()
                 torch.cuda.synchronize()
                 row[f"{mode}_finite"] = bool(torch.isfinite(out).all())
@@ -356,7 +356,7 @@ def bench_schedules(L: int, sources, density: float, res: dict):
                 if kern == "bf16":
                     fn = lambda m=mode, out=out, lse=lse: gattn.attention(  # noqa: E731
                         q, k, v, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, n_select=n_sel, out=out,
-                        lse=lse, pipeline=pipe, stages=slots)
+                        lse=lse, pipeline=pipe, stages=slots, kbound=stats.kbound, kmax=stats.kmax)
                 else:
                     fn = lambda m=mode, out=out, lse=lse: gfp8.attention(  # noqa: E731
                         q, qz, *stats.tail(), *sel, mode=m, scale=scale, block_size=64, lk=L, out=out, lse=lse,

@@ -91,7 +91,8 @@ def bench(L: int, source: str, density: float, t_cudnn: float) -> dict:
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
     for mode in ("drop", "hybrid"):
         fn = (lambda m=mode: gattn.attention(q, k, v, *stats.tail(), *sel, mode=m, scale=scale, block_size=64,
-                                             n_select=n_sel, out=out, lse=lse))
+                                             n_select=n_sel, out=out, lse=lse, kbound=stats.kbound,
+                                             kmax=stats.kmax))
         fn()
         torch.cuda.synchronize()
         if mode == "drop":
