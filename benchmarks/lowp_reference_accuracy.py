@@ -34,9 +34,10 @@ QKV_FILE = "/work/shared/data/dinov2_vits14_astronaut_l0_5_11.safetensors"
 CASES = ("dit4k", "dit16k", "gaussian", "dinov2")
 
 
-def case(name: str, q, k, v, scale: float, density: float, precisions) -> dict:
+def setup(name: str, q, k, v, scale: float, density: float):
+    """q/k/v rounded to bf16 (float32), their statistics, the default selection, float64 dense
+    attention, the default α and the result row holding the input precision's errors."""
     q, k, v = (x.bfloat16().float() for x in (q, k, v))
-    t0 = time.time()
     st = ref.block_stats(k, v, 64, with_hdev=True)
     mask = metrics.select(q, k, v, density=density, block_size=64, covariance_aware=True, scale=scale,
                           stats=st).selected
@@ -46,6 +47,12 @@ def case(name: str, q, k, v, scale: float, density: float, precisions) -> dict:
     alpha = torch.full((h,), spec.DEFAULT_ALPHA)
     base, _ = ref.pisa_forward(q, k, v, st, mask, mode="hybrid", scale=scale, block_size=64, alpha=alpha)
     row = {"case": name, "shape": list(q.shape), "density": density, "input": errors(base, dense)}
+    return q, k, v, st, mask, dense, alpha, row
+
+
+def case(name: str, q, k, v, scale: float, density: float, precisions) -> dict:
+    t0 = time.time()
+    q, k, v, st, mask, dense, alpha, row = setup(name, q, k, v, scale, density)
     for prec in precisions:
         out, _ = quant.lowp_pisa_forward(q, k, v, st.kmean, st.vsum, st.hbar, mask, mode="hybrid", scale=scale,
                                          block_size=64, alpha=alpha, precision=prec)

@@ -35,12 +35,11 @@ import sys
 import time
 
 import torch
-from lowp_reference_accuracy import CASES, QKV_FILE, inputs
+from lowp_reference_accuracy import CASES, QKV_FILE, inputs, setup
 from tail_bias import errors
 
-from pisa_attn import metrics, spec
+from pisa_attn import spec
 from pisa_attn.ops import quant
-from pisa_attn.ops import reference as ref
 
 TAIL_FORMATS = (("float32", "input"), ("int8", "input"), ("e4m3", "input"), ("float32", "e4m3"), ("int8", "e4m3"),
                 ("e4m3", "e4m3"))
@@ -95,17 +94,8 @@ def tail_formats_forward(q, k, v, st, sel, scale: float, alpha, precision: str, 
 
 
 def case(name: str, q, k, v, scale: float, density: float, precisions, check: bool) -> dict:
-    q, k, v = (x.bfloat16().float() for x in (q, k, v))
     t0 = time.time()
-    st = ref.block_stats(k, v, 64, with_hdev=True)
-    sel = metrics.select(q, k, v, density=density, block_size=64, covariance_aware=True, scale=scale,
-                         stats=st).selected
-    h = q.shape[1]
-    dense = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), spec.expand_kv_heads(k.double(), h), spec.expand_kv_heads(v.double(), h), scale=scale)
-    alpha = torch.full((h,), spec.DEFAULT_ALPHA)
-    base, _ = ref.pisa_forward(q, k, v, st, sel, mode="hybrid", scale=scale, block_size=64, alpha=alpha)
-    row = {"case": name, "shape": list(q.shape), "density": density, "input": errors(base, dense)}
+    q, k, v, st, sel, dense, alpha, row = setup(name, q, k, v, scale, density)
     for prec in precisions:
         lib, _ = quant.lowp_pisa_forward(q, k, v, st.kmean, st.vsum, st.hbar, sel, mode="hybrid", scale=scale,
                                          block_size=64, alpha=alpha, precision=prec)

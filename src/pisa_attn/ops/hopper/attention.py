@@ -618,6 +618,17 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
 
 
 @gluon.jit
+def _exact_scores(qa, k_slot, s_zero, code, cols, LK, BS: gl.constexpr, EVEN_K: gl.constexpr, NC: gl.constexpr):
+    """Q·Kᵀ of one exact block (its K tile ``k_slot``; ``code``: key block << NC | owner bits), the
+    columns past ``LK`` at -inf without EVEN_K."""
+    sc = warpgroup_mma(qa, k_slot.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+    if not EVEN_K:
+        sc = _mask_ragged(sc, code >> NC, cols, LK, BS)
+    return sc
+
+
+@gluon.jit
 def _exact_step(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, s_zero, cols, qk_scale, LK,
                 CID: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, NC: gl.constexpr):
@@ -627,10 +638,7 @@ def _exact_step(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, s_zero
     s = u % STAGES
     mbarrier.wait(ready.index(s), (u // STAGES) & 1)
     if ((code >> CID) & 1) != 0:
-        sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-        if not EVEN_K:
-            sc = _mask_ragged(sc, code >> NC, cols, LK, BS)
+        sc = _exact_scores(qa, k_bufs.index(s), s_zero, code, cols, LK, BS, EVEN_K, NC)
         m_i, l_i, acc, rescale, ps = _softmax_step(m_i, l_i, acc, sc, qk_scale, v_bufs.index(s), s_layout,
                                                    o_layout, p_layout)
     mbarrier.arrive(empty.index(s), count=1)
@@ -652,10 +660,7 @@ def _exact_step_fx(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, fx,
     s = u % STAGES
     mbarrier.wait(ready.index(s), (u // STAGES) & 1)
     if ((code >> CID) & 1) != 0:
-        sc = warpgroup_mma(qa, k_bufs.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-        if not EVEN_K:
-            sc = _mask_ragged(sc, code >> NC, cols, LK, BS)
+        sc = _exact_scores(qa, k_bufs.index(s), s_zero, code, cols, LK, BS, EVEN_K, NC)
         if fx == 0:
             m_blk = gl.max(sc, axis=1) * qk_scale
             gap = gl.where(m_blk == float("-inf"), float("inf"), m_i - m_blk)
