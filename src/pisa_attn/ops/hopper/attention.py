@@ -935,9 +935,9 @@ TAIL_MAX = "auto"
 # keeps. Float16 P (subnormal below 2^-14) always takes the online maximum. Measured ``bound − m``
 # per query block: 30-70 on Gaussian, DiT-like and DINOv2 heads (notes/kernel-notes.md).
 EXACT_SLACK = {torch.bfloat16: 90.0, torch.float16: -1.0}
-# "auto": the bound from EXACT_MIN_KEYS keys on (H100: the exact phase 4-18 % faster at 32K-64K;
-# at 4K and 8K the whole call was 1-3 % slower with a tail), "bound": wherever it is tight
-# enough, "online": never.
+# "auto": the bound from EXACT_MIN_KEYS keys on (H100: the attend 3-14 % faster at 32K-64K, 64K
+# Gaussian keep-or-drop unchanged; at 4K and 8K the whole call was 1-3 % slower with a tail),
+# "bound": wherever it is tight enough, "online": never.
 EXACT_MAX = "auto"
 EXACT_MIN_KEYS = 16384
 
