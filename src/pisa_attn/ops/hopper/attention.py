@@ -1088,28 +1088,34 @@ def tail_slack(tail_max: str | None, kbound: Tensor | None, q: Tensor, hk: int) 
     return TAIL_SLACK[q.dtype] if tail_max == "auto" else -1.0
 
 
-def uses_kmax(dtype: torch.dtype, lk: int) -> bool:
-    """Whether the kernel's default exact loop (:data:`EXACT_MAX`) reads the keys' maxima for
-    ``lk`` keys of ``dtype`` (prepare then writes them)."""
-    return EXACT_SLACK.get(dtype, -1.0) >= 0 and (
-        EXACT_MAX == "bound" or (EXACT_MAX == "auto" and lk >= EXACT_MIN_KEYS))
-
-
-def exact_max_slack(exact_max: str | None, kmax: Tensor | None, q: Tensor, hk: int, pipeline: bool,
-                    lk: int) -> float:
-    """The kernel's ``EXACT_SLACK`` for ``exact_max`` (None: :data:`EXACT_MAX`) and ``lk`` keys (-1:
-    the online maximum), after checking it and ``kmax`` (a contiguous float32 ``[B, Hk, D]``, or
-    None)."""
+def exact_mode(exact_max: str | None, lk: int) -> str:
+    """``"bound"`` or ``"online"``: the exact loop ``exact_max`` (None: :data:`EXACT_MAX`) asks for
+    with ``lk`` keys (``"auto"``: the bound from :data:`EXACT_MIN_KEYS` keys on)."""
     exact_max = EXACT_MAX if exact_max is None else exact_max
     if exact_max not in ("auto", "bound", "online"):
         raise ValueError(f"exact_max must be 'auto', 'bound' or 'online', got {exact_max!r}")
     if exact_max == "auto":
-        exact_max = "bound" if lk >= EXACT_MIN_KEYS else "online"
+        return "bound" if lk >= EXACT_MIN_KEYS else "online"
+    return exact_max
+
+
+def uses_kmax(dtype: torch.dtype, lk: int) -> bool:
+    """Whether the kernel's default exact loop (:data:`EXACT_MAX`) reads the keys' maxima for
+    ``lk`` keys of ``dtype`` (prepare then writes them)."""
+    return EXACT_SLACK.get(dtype, -1.0) >= 0 and exact_mode(None, lk) == "bound"
+
+
+def exact_max_slack(exact_max: str | None, kmax: Tensor | None, q: Tensor, hk: int, pipeline: bool,
+                    lk: int) -> float:
+    """The kernel's ``EXACT_SLACK`` for ``exact_max`` (:func:`exact_mode`) and ``lk`` keys (-1: the
+    online maximum), after checking it and ``kmax`` (a contiguous float32 ``[B, Hk, D]``, or
+    None)."""
+    mode = exact_mode(exact_max, lk)
     b, d = q.shape[0], q.shape[-1]
     if kmax is not None and (kmax.shape != (b, hk, d) or kmax.dtype != torch.float32 or not kmax.is_contiguous()):
         raise ValueError(f"kmax must be a contiguous float32 [B, Hk, D] = [{b}, {hk}, {d}] tensor, got "
                          f"{kmax.dtype} {list(kmax.shape)}")
-    if exact_max == "online" or pipeline:  # the pipelined loop keeps the online maximum
+    if mode == "online" or pipeline:  # the pipelined loop keeps the online maximum
         return -1.0
     return EXACT_SLACK[q.dtype]
 
