@@ -11,6 +11,8 @@ the paper's top-k selection is computed once by pisa-attn's select stage and han
 * ``pisa_call``: the whole default hybrid call (``plan``/``run``: statistics, selection, attend);
 * ``cudnn``: dense SDPA with the cuDNN backend.
 
+The four are timed in 3 interleaved rounds (median).
+
 FA4 and pisa keep-or-drop compute the same exact attention over the same blocks, so their outputs are
 compared (rel-L1 on every row). ``share`` is the share of cuDNN's throughput on the computed blocks
 (``computed fraction · t_cuDNN / t``). FA4 comes from a ``pip install --target`` folder (``--site``,
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import site
+import statistics
 import sys
 
 import torch
@@ -47,7 +50,7 @@ def rel_l1(a, b) -> float:
     return ((a.float() - b.float()).abs().sum() / b.float().abs().sum()).item()
 
 
-def bench(L: int, source: str, density: float, t_cudnn: float) -> dict:
+def bench(L: int, source: str, density: float, t_cudnn: float, rounds: int = 3) -> dict:
     from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
     from flash_attn.cute.interface import _flash_attn_fwd
 
@@ -85,7 +88,7 @@ def bench(L: int, source: str, density: float, t_cudnn: float) -> dict:
 
     fa4()
     torch.cuda.synchronize()
-    row["fa4_bs64x64_ms"] = ms(fa4, est)
+    fns = {"fa4_bs64x64": fa4}
 
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
@@ -98,12 +101,21 @@ def bench(L: int, source: str, density: float, t_cudnn: float) -> dict:
         if mode == "drop":
             row["rel_l1_fa4_vs_pisa_drop"] = rel_l1(of.transpose(1, 2), out)
             row["lse_max_abs_diff"] = (lf - lse).abs().max().item()
-        row[f"pisa_{mode}_ms"] = ms(fn, est)
+        fns[f"pisa_{mode}"] = fn
     p = plan(q, k, PisaSettings(density=density, backend="hopper"))
     call_out = torch.empty_like(q)
     run(p, q, k, v, out=call_out)
     torch.cuda.synchronize()
-    row["pisa_call_ms"] = ms(lambda: run(p, q, k, v, out=call_out), est)
+    fns["pisa_call"] = lambda: run(p, q, k, v, out=call_out)
+    # interleaved rounds, median: a length's first timing reads slow on a GPU that sat idle while
+    # the kernels compiled
+    ts = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            ts[name].append(ms(fn, est))
+    for name, t in ts.items():
+        row[f"{name}_ms"] = statistics.median(t)
+    row["rounds"] = ts
     for name in ("fa4_bs64x64", "pisa_drop"):
         row[f"{name}_share"] = frac * t_cudnn / row[f"{name}_ms"]
     for name in ("fa4_bs64x64", "pisa_drop", "pisa_hybrid", "pisa_call"):
