@@ -1,10 +1,12 @@
 """Prepare's launch geometry for short calls (4K-16K keys), A/B in one process: one wave of
 statistics programs (the default below ``STATS_TUNING["short_blocks_per_sm"]`` key blocks per SM)
-against 2-6 waves, each with the ``||H_j − H̄||`` pass's runs 1, 2 or 4 times shorter
-(``hdev_split``). Covariance-aware prepare into a workspace as a planned call runs it (the keys'
-maxima from 16K keys, as the Hopper backend asks), B2-H16-D128 bf16, Gaussian q/k/v, 3 interleaved
-rounds; the statistics launch alone (no covariance pass) once per configuration; checks that H̄ and
-hdev agree across configurations.
+against 2-6 waves, each with the ``||H_j − H̄||`` pass's equal runs in 1, 2 or 4 waves
+(``hdev_waves``; the committed ``h100_prepare_short_calls.json`` measured the earlier pass, whose
+runs stopped at a head's end, 1, 2 or 4 times shorter than the stats launch's: ``hdev_split``).
+Covariance-aware prepare into a workspace as a planned call runs it (the keys' maxima from 16K
+keys, as the Hopper backend asks), B2-H16-D128 bf16, Gaussian q/k/v, 3 interleaved rounds; the
+statistics launch alone (no covariance pass) once per configuration; checks that H̄ and hdev agree
+across configurations.
 
     PYTHONPATH=src python3 benchmarks/prepare_short_calls.py --out $OUT/prepare_short_calls.json
 """
@@ -22,7 +24,7 @@ from pisa_attn.bench.kernels import bench_ms
 from pisa_attn.ops.triton import prepare as P
 
 
-# (short_blocks_per_sm, waves, hdev_split): the default one wave, then 2-6 waves at every length
+# (short_blocks_per_sm, waves, hdev_waves): the default one wave, then 2-6 waves at every length
 CONFIGS = [(P.STATS_TUNING["short_blocks_per_sm"], 1, s) for s in (1, 2, 4)] + [
     (0, w, s) for w in (2, 3, 4, 6) for s in (1, 2, 4)]
 
@@ -39,7 +41,7 @@ def bench(L: int, rounds: int = 3) -> list:
             for c in CONFIGS:
                 sb, waves, split = c
                 P.STATS_TUNING.update(base)
-                P.STATS_TUNING.update(short_blocks_per_sm=sb, waves=waves, hdev_split=split)
+                P.STATS_TUNING.update(short_blocks_per_sm=sb, waves=waves, hdev_waves=split)
                 ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=64, with_hdev=True,
                                        with_kmax=km)
                 st = P.prepare(q, k, v, 64, with_hdev=True, ws=ws, with_kmax=km)
@@ -52,14 +54,14 @@ def bench(L: int, rounds: int = 3) -> list:
                 if rnd == 0:
                     ws2 = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=64, with_kmax=km)
                     geo = P._geometry(2, 16, 16, L, L, 64, 64, 128, q.device, tuple(P.STATS_TUNING.items()))
-                    rows[c] = dict(L=L, short_blocks_per_sm=sb, waves=waves, hdev_split=split, geometry=geo,
+                    rows[c] = dict(L=L, short_blocks_per_sm=sb, waves=waves, hdev_waves=split, geometry=geo,
                                    rel_err_vs_first=err, stats_launch_ms=bench_ms(
                                        lambda ws2=ws2: P.prepare(q, k, v, 64, lean=True, ws=ws2, with_kmax=km)))
     finally:
         P.STATS_TUNING.update(base)
     for c, r in rows.items():
         r.update(ms=statistics.median(ts[c]), rounds=ts[c])
-        print(f"{L:>6} short {c[0]:>2} waves {c[1]} hdev_split {c[2]} programs/head {r['geometry'][1]}+"
+        print(f"{L:>6} short {c[0]:>2} waves {c[1]} hdev_waves {c[2]} programs/head {r['geometry'][1]}+"
               f"{r['geometry'][3]}: statistics {r['stats_launch_ms'] * 1e3:6.1f} us, with covariance "
               f"{r['ms'] * 1e3:6.1f} us (err {r['rel_err_vs_first']:.1e})", flush=True)
     return list(rows.values())

@@ -138,6 +138,21 @@ def test_reference_hbar_exclude_is_the_mean_of_the_other_blocks():
     torch.testing.assert_close(st.hdev, torch.linalg.matrix_norm(hj - want[:, :, None], ord="fro"))
 
 
+@pytest.mark.parametrize("waves", [1, 2, 3, 40])
+def test_hdev_runs_across_heads(monkeypatch, waves):
+    """The covariance pass splits the launch's key blocks, numbered head after head, into equal
+    runs that may cross from one head into the next (ragged last blocks included): every split
+    gives the same ||H_j − H̄|| as the reference's, and the same values bit for bit."""
+    b, hk, lk, d, bs = 3, 2, 150, 16, 16  # 10 key blocks a head, the last ragged; 60 in the launch
+    _, k, v = qkv(b, 1, hk, 1, lk, d, seed=11, k_shift=2.0)
+    st = P.prepare(k[:, :1], k, v, bs, with_hdev=True)
+    rs = ref.block_stats(k.double(), v.double(), bs, with_hdev=True)
+    assert rel_l1(st.hdev, rs.hdev) < 2e-3
+    monkeypatch.setitem(P.STATS_TUNING, "hdev_waves", waves)
+    other = P.deviation(k, v, st, st.hbar, bs)
+    assert torch.equal(other, st.hdev)
+
+
 def test_workspace_is_written_and_nothing_else():
     q, k, v = qkv(1, 2, 1, 130, 130, 32, seed=7)
     ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=32, with_hdev=True)

@@ -57,10 +57,9 @@ from ._common import compile_sm90, interpreting, sm_count
 # Tunables, measured by benchmarks/stats_select_bench.py (H100): programs of one launch fill this
 # many waves of the GPU (one below ``short_blocks_per_sm`` key-block equivalents per SM: 1 wave was
 # fastest at 4K and 8K, 2-4 at 32K and 64K); software-pipelining depth of the loads (4 beat 3 and
-# 2); bytes of q per step of a q program; the hdev pass's runs of key blocks are ``hdev_split``
-# times shorter than the stats launch's (it has no partials to reduce; H200: 32K
-# 0.25 → 0.20 ms, 64K 0.49 → 0.37 ms with 2, no better with 4).
-STATS_TUNING = {"waves": 2, "short_blocks_per_sm": 64, "stages": 4, "q_tile_bytes": 32768, "hdev_split": 2}
+# 2); bytes of q per step of a q program; waves of the hdev pass's equal runs of key blocks (one:
+# H100, 4K-8K 12 % faster than runs that stop at a head's end, the same from 16K).
+STATS_TUNING = {"waves": 2, "short_blocks_per_sm": 64, "stages": 4, "q_tile_bytes": 32768, "hdev_waves": 1}
 F16_MAX = tl.constexpr(65504.0)
 
 
@@ -266,27 +265,42 @@ def _finish_kernel(
         tl.store(kbar_ptr + (bh * NK + j[None, :]) * D + offs_d[:, None], (km / ks).to(tl.float16), mask=m[None, :])
 
 
-@triton.jit(do_not_specialize=["HK", "LK", "NK", "KV_PER", "KV_CHUNKS"])
+@triton.jit(do_not_specialize=["HK", "LK", "NK", "PER", "TOTAL"])
 def _hdev_kernel(
     k_ptr, v_ptr, hbar_ptr, hdev_ptr,
     skb, skh, skl, skd,
     svb, svh, svl, svd,
-    HK, LK, NK, KV_PER, KV_CHUNKS,
+    HK, LK, NK, PER, TOTAL,
     BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr,
 ):
+    """``||H_j − H̄||_F`` of the key blocks ``[pid·PER, (pid + 1)·PER)`` of the launch, numbered
+    head after head (``bh·NK + j``; ``PER ≤ NK``). A run may go on into the next head: the runs
+    split the launch evenly whatever the number of heads, so one wave leaves no SM idle."""
     pid = tl.program_id(0)
+    f0 = pid * PER
+    f1 = tl.minimum(TOTAL, f0 + PER)
+    bh = f0 // NK
+    j0 = f0 - bh * NK
+    _hdev_run(k_ptr, v_ptr, hbar_ptr, hdev_ptr, skb, skh, skl, skd, svb, svh, svl, svd, HK, LK, NK, bh, j0,
+              tl.minimum(NK, j0 + f1 - f0), BS, D, F32, CLAMP)
+    if j0 + f1 - f0 > NK:  # the run's rest, in the next head (two loops one after the other, not
+        # nested: a loop over heads around the block loop made ptxas spill H̄)
+        _hdev_run(k_ptr, v_ptr, hbar_ptr, hdev_ptr, skb, skh, skl, skd, svb, svh, svl, svd, HK, LK, NK, bh + 1, 0,
+                  j0 + f1 - f0 - NK, BS, D, F32, CLAMP)
+
+
+@triton.jit
+def _hdev_run(k_ptr, v_ptr, hbar_ptr, hdev_ptr, skb, skh, skl, skd, svb, svh, svl, svd, HK, LK, NK, bh, j0, j1,
+              BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr):
+    """Key blocks ``[j0, j1)`` of head ``bh`` (batch x kv head) against its H̄."""
     dt = tl.float32 if F32 else k_ptr.dtype.element_ty
     eye, ones, ones_n, centre = _consts(dt, BS, 16)
-    c = pid % KV_CHUNKS
-    bh = pid // KV_CHUNKS
+    offs_d = tl.arange(0, D)
     b = (bh // HK).to(tl.int64)
     h = (bh % HK).to(tl.int64)
-    offs_d = tl.arange(0, D)
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
     hb = tl.load(hbar_ptr + bh.to(tl.int64) * D * D + offs_d[:, None] * D + offs_d[None, :])
-    j0 = c * KV_PER
-    j1 = tl.minimum(NK, j0 + KV_PER)
     n_full = LK // BS  # a ragged last block after the loop, as in the stats launch
     for j in range(j0, tl.minimum(j1, n_full)):
         _hdev_block(k_base, v_base, hdev_ptr, hb, j, bh, LK, NK, skl, skd, svl, svd, eye, ones, centre,
@@ -502,7 +516,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
                     qz.vmax if vmax else ws.kmax if with_kmax else part_s, nk, max(kv_chunks, 1), f_per),
                    dict(D=d, RB=_FINISH_ROWS, TJ=32, VMAX=vmax, KMAX=with_kmax), num_warps=4)
     if with_hdev:
-        _run_hdev(k, v, ws.hbar, ws.hdev, block_size, kv_per, kv_chunks)
+        _run_hdev(k, v, ws.hbar, ws.hdev, block_size)
     if qz is not None and b * hk:  # its own launch: inside the hdev pass's loop it spilled (notes/fp8.md)
         _quantize.launch_mu(ws.kbar, ws.kscale, qz, quant, zero_vmax=False)
         if nk:
@@ -520,18 +534,19 @@ def _check_exclude(ex: Tensor, b: int, hk: int, nk: int) -> Tensor:
     return ex if ex.stride(2) == 1 else ex.contiguous()
 
 
-def _run_hdev(k: Tensor, v: Tensor, hbar: Tensor, hdev: Tensor, block_size: int, kv_per: int, kv_chunks: int):
+def _run_hdev(k: Tensor, v: Tensor, hbar: Tensor, hdev: Tensor, block_size: int):
     b, hk, lk, d = k.shape
-    if kv_chunks == 0:
-        return
-    # no partials here: shorter runs than the stats launch's fill the SMs better
     nk = -(-lk // block_size)
-    kv_per = max(1, -(-kv_per // STATS_TUNING["hdev_split"]))
-    kv_chunks = -(-nk // kv_per)
+    total = b * hk * nk
+    if total == 0:
+        return
+    # no partials here, so the runs need not stop at a head's end: equal runs, whole waves (at
+    # most a head long, so that a run spans two heads at most)
+    per = min(nk, -(-total // min(total, STATS_TUNING["hdev_waves"] * sm_count(k.device))))
     strides = (*k.stride(), *v.stride())
     stages = STATS_TUNING["stages"]
-    _launch_hdev((k.dtype, block_size, d, stages, spec_class(k, v, hbar, *strides)), (b * hk * kv_chunks,),
-                 (k, v, hbar, hdev, *strides, hk, lk, -(-lk // block_size), kv_per, kv_chunks),
+    _launch_hdev((k.dtype, block_size, d, stages, spec_class(k, v, hbar, *strides)), (-(-total // per),),
+                 (k, v, hbar, hdev, *strides, hk, lk, nk, per, total),
                  dict(BS=block_size, D=d, F32=interpreting(), CLAMP=k.dtype == torch.float16),
                  num_warps=_stats_warps(d), num_stages=stages)
 
@@ -543,9 +558,7 @@ def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int)
     b, hk, lk, d = k.shape
     nk = -(-lk // block_size)
     hdev = torch.empty(b, hk, nk, device=k.device, dtype=torch.float32)
-    kv_per, kv_chunks = _geometry(b, hk, hk, 0, lk, block_size, block_size, d, k.device,
-                                  tuple(STATS_TUNING.items()))[:2]
-    _run_hdev(k, v, hbar.float().contiguous(), hdev, block_size, kv_per, kv_chunks)
+    _run_hdev(k, v, hbar.float().contiguous(), hdev, block_size)
     return hdev
 
 
