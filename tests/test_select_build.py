@@ -12,14 +12,17 @@ from sm90_build import build
 # (key blocks, covariance-aware, kept blocks): 50 and 64 blocks take the fused kernel (scores and
 # top-k in one), 100 to 1024 the top-k kernel after the score GEMM (2 threshold bits per step up
 # to 128 padded blocks, 1 beyond).
-VARIANTS = {f"NK{nk}-{'cov' if cov else 'topk'}{'-keep' if keep else ''}": (nk, cov, keep)
+VARIANTS = {f"NK{nk}-{'cov' if cov else 'topk'}{'-keep' if keep else ''}": (nk, cov, keep, None)
             for nk in (50, 64, 100, 256, 1024) for cov in (False, True) for keep in (False, True)}
+# the fused kernel with 16 rows a program (a short call's launch, one wave)
+VARIANTS.update({f"NK{nk}-{'cov' if cov else 'topk'}-keep-R16": (nk, cov, True, 16)
+                 for nk in (50, 64) for cov in (False, True)})
 
 
 @pytest.fixture(scope="module")
 def built():
     return build("from pisa_attn.ops.triton.select import compile_for_sm90",
-                 "compile_for_sm90(args[0], cov=args[1], keep=args[2])", VARIANTS)
+                 "compile_for_sm90(args[0], cov=args[1], keep=args[2], rows=args[3])", VARIANTS)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -217,6 +217,12 @@ def test_selection_paths_match_the_reference(case, path, monkeypatch):
     if path == "two-kernel":  # one threshold bit per search step: the same selection
         monkeypatch.setitem(S.TOPK_WARPS, "two_bit_max_nkp", 0)
         assert torch.equal(S.select(st.qmean, st.kmean, scratch_elems=scratch, **kw).bits, sel.bits)
+    if path == "one-kernel":  # 16 or 64 rows a program (a short call takes 16): the same selection
+        for r in (16, 64):
+            monkeypatch.setitem(S.FUSED, "rows", r)
+            monkeypatch.setitem(S.FUSED, "short_rows", r)
+            again = S.select(st.qmean, st.kmean, scratch_elems=scratch, **kw)
+            assert torch.equal(again.bits, sel.bits) and torch.equal(idx_to_mask(again.idx, again.cnt, nk), mask), r
     # The workspace path writes the same selection into its own buffers.
     ws = S.selection_workspace(b, h, nk, nk, n_sel + 2, DEV, repeat=rep, scratch_elems=scratch, pairs=True)
     again = S.select(st.qmean, st.kmean, scratch_elems=scratch, ws=ws, **kw)

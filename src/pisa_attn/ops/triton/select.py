@@ -36,7 +36,7 @@ from ...spec import COV_EPS
 from .. import reference as _ref
 from ..launch import Launcher, spec_class
 from ..selection import Selection
-from ._common import compile_sm90, interpreting, next_pow2
+from ._common import compile_sm90, interpreting, next_pow2, sm_count
 from .pairs import union_width
 
 MAX_FUSED_BLOCKS = 4096
@@ -51,8 +51,11 @@ SCORES_PRECISION = "tf32x3"
 # Score GEMM tile of the two-kernel path (rows, key blocks, warps).
 SCORES_TILE = {"bm": 64, "bn": 64, "warps": 4}
 # The one-kernel path: rows per program (a 64-row tensor-core tile over 4 warps keeps each row in
-# one warp) and the widest padded row it takes.
-FUSED = {"max_nkp": 64, "rows": 64, "warps": 4}
+# one warp; 16 where programs of 16 rows still fit one wave: B2-H16 at 4K ran 32 programs, 17.3 →
+# 13.6 µs with 16 rows (21.4 → 17.5 covariance-aware), B1-H24 17.6 → 14.7, the same selections;
+# B4-H24, 384 such programs, 22.6 → 29.9; 32 rows spill at 4 warps; H100,
+# results/h100_select_short_calls.json) and the widest padded row it takes.
+FUSED = {"max_nkp": 64, "rows": 64, "short_rows": 16, "warps": 4}
 _COV_EPS = tl.constexpr(COV_EPS)
 
 
@@ -240,6 +243,13 @@ def _fused(nk: int) -> bool:
     return max(32, next_pow2(nk)) <= FUSED["max_nkp"]
 
 
+def _fused_rows(n_heads: int, nqs: int, device: torch.device) -> int:
+    """Rows per program of the one-kernel path: ``FUSED["short_rows"]`` where that many programs
+    still fit one wave of the GPU, else ``FUSED["rows"]``."""
+    short = FUSED["short_rows"]
+    return short if n_heads * triton.cdiv(nqs, short) <= sm_count(device) else FUSED["rows"]
+
+
 def _topk_config(nkp: int) -> tuple[int, int, int]:
     """(rows per program, warps, threshold bits per step) of the top-k kernel for ``nkp`` padded
     key blocks."""
@@ -248,16 +258,17 @@ def _topk_config(nkp: int) -> tuple[int, int, int]:
     return max(1, min(64, 32 * kpt * warps // nkp)), warps, 2 if nkp <= TOPK_WARPS["two_bit_max_nkp"] else 1
 
 
-def compile_for_sm90(nk: int, cov: bool = True, keep: bool = False, head_dim: int = 128):
+def compile_for_sm90(nk: int, cov: bool = True, keep: bool = False, head_dim: int = 128, rows: int | None = None):
     """Compile the selection kernel :func:`select` launches for ``nk`` key blocks (the fused one up
-    to ``FUSED["max_nkp"]`` padded blocks, else the top-k kernel) for sm_90 without a GPU: what the
-    CPU build tests read registers and spills from. Returns Triton's compiled kernel."""
+    to ``FUSED["max_nkp"]`` padded blocks, with ``rows`` rows a program, default ``FUSED["rows"]``;
+    else the top-k kernel) for sm_90 without a GPU: what the CPU build tests read registers and
+    spills from. Returns Triton's compiled kernel."""
     nkp = max(32, next_pow2(nk))
     ptr = dict(hdev_ptr="*fp32", keep_ptr="*u8", idx_ptr="*i32", cnt_ptr="*i32", bits_ptr="*i32", scale="fp32")
     if _fused(nk):
         fn, warps = _select_kernel, FUSED["warps"]
-        cons = dict(R=FUSED["rows"], NKP=nkp, D=head_dim, COV=cov, HAS_KEEP=keep, REP=1, PREC=SCORES_PRECISION,
-                    BITS=_topk_config(nkp)[2])
+        cons = dict(R=rows or FUSED["rows"], NKP=nkp, D=head_dim, COV=cov, HAS_KEEP=keep, REP=1,
+                    PREC=SCORES_PRECISION, BITS=_topk_config(nkp)[2])
         ptr.update(qmean_ptr="*fp32", kmean_ptr="*fp32")
     else:
         fn = _topk_kernel
@@ -349,7 +360,7 @@ def select(
     prec = "ieee" if interpreting() else SCORES_PRECISION
     r, warps, bits_ = _topk_config(nkp)
     if _fused(nk):  # its own rows and warps; the top-k's threshold bits
-        r = FUSED["rows"]
+        r = _fused_rows(b * h, nqs, qmean.device)
         args = (qmean, kmean_t, hd, keep_u8, idx, cnt, bits, h, hk, nqs, nq, nk, n_sel, width, nw, scale, ksb, ksh)
         _launch_select((r, nkp, d, cov, has_keep, repeat, FUSED["warps"], bits_, spec_class(*args[:7])),
                        (triton.cdiv(nqs, r), b * h), args,
