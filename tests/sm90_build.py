@@ -53,6 +53,7 @@ for name, args in json.loads(sys.argv[1]).items():
                      s8_wgmma=len(re.findall(r"wgmma\\.mma_async[^\\n]*\\.s8\\.s8", ptx)),
                      wgmma=len(re.findall(r"wgmma\\.mma_async", ptx)),
                      tma=len(re.findall(r"cp\\.async\\.bulk\\.tensor", ptx)),
+                     cp_async=len(re.findall(r"cp\\.async\\.c[ag]\\.shared", ptx)),
                      tma2d=len(re.findall(r"cp\\.async\\.bulk\\.tensor\\.2d", ptx)),
                      ld_global=len(re.findall(r"\\bld\\.global\\b", ptx)),
                      wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
@@ -73,8 +74,8 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
 
 def build(imports: str, call: str, variants: dict) -> dict:
     """Compile every variant (``call``: an expression of ``args``, the variant's tuple) and count
-    in its PTX: wgmma (all, FP8, INT8), TMA copies (all, 2D), ``wait_group 1``, setmaxnreg, global and
-    local loads/stores; ``spills``: local stores and loads in the SASS, ``loop_spills``: those inside
+    in its PTX: wgmma (all, FP8, INT8), TMA copies (all, 2D), ``cp.async`` copies, ``wait_group 1``,
+    setmaxnreg, global and local loads/stores; ``spills``: local stores and loads in the SASS, ``loop_spills``: those inside
     the innermost loops that issue tensor-core products, ``loop_serialized``: those loops that wait
     after every product instruction."""
     p = run_script(_SCRIPT.format(imports=imports, call=call), json.dumps(variants))

@@ -16,19 +16,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def compile_sm90(fn, types: dict, constexprs: dict, *, aligned: bool = False, **options):
+def compile_sm90(fn, types: dict, constexprs: dict, *, aligned: bool = False, divisible: tuple = (), **options):
     """Compile the Triton kernel ``fn`` for sm_90 without a GPU (the CPU build tests read its PTX,
     SASS and spills): arguments in ``constexprs`` are those constants, those in ``types`` take that
     Triton type (``"*fp32"``, ``"fp32"``, ...), every other one is an ``i32``; ``aligned``: every
-    pointer 16-byte aligned, as launches on fresh tensors specialise them. ``options``: Triton's
-    (``num_warps``, ``num_stages``)."""
+    pointer 16-byte aligned, as launches on fresh tensors specialise them; ``divisible``: integer
+    arguments a launch sees as multiples of 16 (the strides of contiguous tensors), which it
+    specialises alike (a stride of 1 is a constant: pass it in ``constexprs``). ``options``:
+    Triton's (``num_warps``, ``num_stages``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    attrs = ({(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-             if aligned else None)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if (aligned and sig[n].startswith("*")) or n in divisible} or None
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 

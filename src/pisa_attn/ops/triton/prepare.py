@@ -565,19 +565,24 @@ def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int)
 def compile_for_sm90(kernel: str = "stats", head_dim: int = 128, dtype: torch.dtype = torch.bfloat16,
                      block_size: int = 64, vmax: bool = False, exclude: bool = False, kmax: bool = False):
     """Compile the ``"stats"`` or ``"hdev"`` kernel of :func:`prepare` for sm_90 without a GPU (what
-    the CPU build tests read registers and spills from). Returns Triton's compiled kernel."""
+    the CPU build tests read registers and spills from), specialised as a launch on contiguous
+    ``[B, H, L, D]`` tensors is (unit channel strides, the others multiples of 16): only then do
+    the loads of the block loop go through ``cp.async`` stages. Returns Triton's compiled kernel."""
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     d, bs = head_dim, block_size
     if kernel == "stats":
         fn = _stats_kernel
         cons = dict(BS=bs, QB=bs, QT=_q_tile(bs, d), D=d, F32=False, CLAMP=dtype == torch.float16, HAS_EXCL=exclude,
-                    VMAX=vmax, KMAX=kmax)
+                    VMAX=vmax, KMAX=kmax, sqd=1, skd=1, svd=1)
         ptr = dict(q_ptr=ty, k_ptr=ty, v_ptr=ty, excl_ptr="u8", vbar_ptr=ty)
+        divisible = ("sqb", "sqh", "sql", "skb", "skh", "skl", "svb", "svh", "svl")
     elif kernel == "hdev":
         fn = _hdev_kernel
-        cons = dict(BS=bs, D=d, F32=False, CLAMP=dtype == torch.float16)
+        cons = dict(BS=bs, D=d, F32=False, CLAMP=dtype == torch.float16, skd=1, svd=1)
         ptr = dict(k_ptr=ty, v_ptr=ty)
+        divisible = ("skb", "skh", "skl", "svb", "svh", "svl")
     else:
         raise ValueError(f"kernel must be 'stats' or 'hdev', got {kernel!r}")
     types = {n: "*" + ptr.get(n, "fp32") for n in fn.arg_names if n.endswith("_ptr")}  # the rest: float32
-    return compile_sm90(fn, types, cons, aligned=True, num_warps=_stats_warps(d), num_stages=STATS_TUNING["stages"])
+    return compile_sm90(fn, types, cons, aligned=True, divisible=divisible, num_warps=_stats_warps(d),
+                        num_stages=STATS_TUNING["stages"])
