@@ -308,3 +308,26 @@ def test_pisa_attention_with_keep_blocks_replays_B1_H2_L256_D64(monkeypatch):
         other[1] = True  # another mask: the checked path first (its count is read once), never the old copy
         pisa_attention(q, k, v, settings=s, keep_blocks=other)
         assert calls  # the checked path
+
+
+def test_host_descriptors_carry_every_field_tritons_descriptor_has():
+    # The cached launchers hand Triton's descriptor encoder a ``Desc`` (or a ``_PtrDesc``) where it
+    # expects its own host ``TensorDescriptor``: a field a Triton release adds and reads (3.9:
+    # ``round_f32_to_tf32``) must be there, or every cached launch fails after the first call.
+    import dataclasses
+
+    from triton.tools.tensor_descriptor import TensorDescriptor as TritonDesc
+
+    from pisa_attn.ops.bound import _PtrDesc
+    from pisa_attn.ops.launch import Desc
+
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDesc
+    except ImportError:
+        GluonDesc = TritonDesc
+    needed = {f.name for cls in (TritonDesc, GluonDesc) for f in dataclasses.fields(cls)} - {"block_shape", "layout"}
+    d = Desc(torch.zeros(4, 4), [4, 4], [4, 1])
+    p = _PtrDesc(0, [4, 4], [4, 1], "zero")
+    assert needed <= set(Desc._fields), needed - set(Desc._fields)
+    assert all(hasattr(p, n) for n in needed), [n for n in needed if not hasattr(p, n)]
+    assert not d.round_f32_to_tf32 and d.padding == "zero"

@@ -33,6 +33,11 @@ class Desc(NamedTuple):
     shape: list
     strides: list
     padding: str = "zero"
+    # what later releases' descriptor encoders also read (as :class:`bound._PtrDesc` has them)
+    round_f32_to_tf32: bool = False
+    element_strides: list | None = None
+    pixel_box_lower_corner: list | None = None
+    pixel_box_upper_corner: list | None = None
 
 
 class Launcher:
