@@ -1,0 +1,73 @@
+"""What the centroid tail and the first-order term cost in the Hopper attend at short lengths: the
+attend kernel alone on one top-k selection in keep-or-drop, zeroth (the tail without the first-order
+term) and hybrid mode, the tail's maximum fixed where allowed (``auto``) or online, three or two
+query blocks per CTA; medians of 3 interleaved rounds, cuDNN SDPA in the same run. B2-H16-D128 bf16,
+density 12.5 %, Gaussian and DiT-like inputs.
+
+    PYTHONPATH=src python3 benchmarks/tail_costs.py --out benchmarks/results/h100_tail_costs.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import exact_loop as el  # noqa: E402
+
+from pisa_attn.ops.hopper import attention as gattn  # noqa: E402
+
+
+def cases(q, k, v, stats, sel, n_sel):
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    fns = {}
+    for mode in ("drop", "zeroth", "hybrid"):
+        for tail_max in ("auto",) if mode == "drop" else ("auto", "online"):
+            for group in (3, 2):
+                fns[f"{mode}-{tail_max}-g{group}"] = (
+                    lambda mode=mode, tail_max=tail_max, group=group: gattn.attention(
+                        q, k, v, *stats.tail(), *sel, mode=mode, scale=q.shape[-1] ** -0.5, block_size=64,
+                        n_select=n_sel, out=out, lse=lse, query_group=group, kbound=stats.kbound, kmax=stats.kmax,
+                        tail_max=None if mode == "drop" else tail_max))
+    return fns
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tail_costs.json"))
+    a = ap.parse_args(argv)
+    rows = []
+    for L in a.lengths:
+        t_cudnn = el.cudnn_ms(L)
+        for source in ("random", "dit"):
+            q, k, v = el.qkv(source, L)
+            stats, sel, n_sel = el.selection(q, k, v, 0.125)
+            fns = cases(q, k, v, stats, sel, n_sel)
+            for f in fns.values():
+                f()
+            torch.cuda.synchronize()
+            ts = {key: [] for key in fns}
+            for _ in range(a.rounds):  # interleaved: a slow spell of the card hits every case
+                for key, f in fns.items():
+                    ts[key].append(el.ms(f, est_ms=t_cudnn / 6))
+            med = {key: sorted(v)[len(v) // 2] for key, v in ts.items()}
+            rows.append(dict(L=L, source=source, cudnn_ms=t_cudnn, ms=med, rounds_ms=ts))
+            print(f"{L} {source}: " + " ".join(f"{key} {t * 1e3:.1f}" for key, t in med.items()) + " (us)", flush=True)
+    import triton
+
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       cudnn=torch.backends.cudnn.version(), shape="B2-H16-D128", dtype="bfloat16", density=0.125,
+                       timing="attend kernel alone, eager call, triton.testing.do_bench median", rows=rows), f,
+                  indent=1)
+
+
+if __name__ == "__main__":
+    main()
