@@ -319,8 +319,7 @@ def bench(lengths, sources, rounds, out):
                   f" | bit-equal to prod-online {same}", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       cudnn=torch.backends.cudnn.version(), shape=f"B{el.B}-H{el.H}-D128", dtype="bfloat16",
+        json.dump(dict(el.toolchain(), shape=f"B{el.B}-H{el.H}-D128", dtype="bfloat16",
                        density=0.125, rows=rows), f, indent=1)
     print("\nattend alone, ms (share of cuDNN's throughput on the computed blocks)")
     print("L      input   " + " ".join(f"{k:>17}" for k in rows[0]["ms"]))

@@ -88,18 +88,25 @@ def whole_rounds(q, k, v, variants: dict, est_ms: float, rounds: int = 3) -> dic
     return ts
 
 
+def toolchain(cudnn: bool = True) -> dict:
+    """The card and the toolchain versions every result file starts with."""
+    import triton
+
+    env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    if cudnn:
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
 def write_rows(name: str, rows: list) -> None:
     """``rows`` as ``$OUT/name`` (default ``.``), with the card and toolchain versions."""
     import json
     import os
 
-    import triton
-
     out = os.environ.get("OUT", ".")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, name), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       cudnn=torch.backends.cudnn.version(), rows=rows), f, indent=1)
+        json.dump(dict(toolchain(), rows=rows), f, indent=1)
 
 
 def cudnn_ms(L: int) -> float:
@@ -395,10 +402,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.ncu:
         return ncu_launches()
-    import triton
-
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               cudnn=torch.backends.cudnn.version(), shape=f"B{B}-H{H}-D{D}", dtype="bfloat16",
+    res = dict(toolchain(), shape=f"B{B}-H{H}-D{D}", dtype="bfloat16",
                default_group=DEFAULT_GROUP, default_pipeline=gattn.PIPELINE, default_codes_smem=gattn.CODES,
                attend=[], whole=[], dino=[], schedules=[], loop_variants=[])
     print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}, cuDNN {res['cudnn']}", flush=True)

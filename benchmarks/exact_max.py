@@ -114,10 +114,7 @@ def main() -> None:
     ap.add_argument("--whole", type=int, nargs="*", default=[4096, 8192, 32768])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "exact_max.json"))
     args = ap.parse_args()
-    import triton
-
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               shape="B2-H16-D128", dtype="bfloat16", density=0.125, attend=[], whole=[])
+    res = dict(el.toolchain(cudnn=False), shape="B2-H16-D128", dtype="bfloat16", density=0.125, attend=[], whole=[])
     for L in args.attend:
         res["attend"] += attend_rows(L)
     for L in args.whole:

@@ -101,10 +101,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="*", default=[2, 4, 8])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "stream_overlap.json"))
     a = ap.parse_args()
-    import triton
-
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               cudnn=torch.backends.cudnn.version(), shape="B2-H16-D128", dtype="bfloat16", density=0.125, rows=[])
+    res = dict(el.toolchain(), shape="B2-H16-D128", dtype="bfloat16", density=0.125, rows=[])
     for L in a.lengths:
         res["rows"] += bench(L, a.chunks)
     with open(a.out, "w") as f:

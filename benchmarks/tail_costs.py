@@ -59,12 +59,9 @@ def main(argv=None):
             med = {key: sorted(v)[len(v) // 2] for key, v in ts.items()}
             rows.append(dict(L=L, source=source, cudnn_ms=t_cudnn, ms=med, rounds_ms=ts))
             print(f"{L} {source}: " + " ".join(f"{key} {t * 1e3:.1f}" for key, t in med.items()) + " (us)", flush=True)
-    import triton
-
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       cudnn=torch.backends.cudnn.version(), shape="B2-H16-D128", dtype="bfloat16", density=0.125,
+        json.dump(dict(el.toolchain(), shape="B2-H16-D128", dtype="bfloat16", density=0.125,
                        timing="attend kernel alone, eager call, triton.testing.do_bench median", rows=rows), f,
                   indent=1)
 
