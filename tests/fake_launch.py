@@ -24,13 +24,26 @@ class _Run:
         self.name, self.log = name, log
 
     def launch(self, g0, g1, g2, stream, function, *rest):
-        self.log.append((self.name, g0, g1, g2, rest))  # cheap: the host path is what is timed
+        # rest[8:]: after the fixed arguments (cooperative grid ... exit hook)
+        self.log.append((self.name, g0, g1, g2, rest[8:]))  # cheap: the host path is what is timed
+
+
+class _GenericRun(_Run):
+    """The same as later Triton releases have it: one generic C entry point that takes the
+    kernel's arguments as a tuple after fixed arguments ending in annotations and signature."""
+
+    arg_annotations = ("annotations",)
+    kernel_signature = b"signature"
+
+    def launch(self, g0, g1, g2, stream, function, *rest):
+        assert len(rest) == 11 and rest[8:10] == (self.arg_annotations, self.kernel_signature), rest
+        assert isinstance(rest[10], tuple)
+        self.log.append((self.name, g0, g1, g2, rest[10]))
 
 
 def entries(log: list) -> list:
     """The log as (kernel, grid, arguments), tensors and pointers as ("ptr", address)."""
-    # rest[8:]: after the fixed arguments (cooperative grid ... exit hook)
-    return [(n, (g0, g1, g2), tuple(_norm(a) for a in rest[8:])) for n, g0, g1, g2, rest in log]
+    return [(n, (g0, g1, g2), tuple(_norm(a) for a in args)) for n, g0, g1, g2, args in log]
 
 
 def _norm(a):
@@ -42,8 +55,8 @@ def _norm(a):
 
 
 class _Kernel:
-    def __init__(self, name: str, log: list):
-        self.run = _Run(name, log)
+    def __init__(self, name: str, log: list, run_cls=_Run):
+        self.run = run_cls(name, log)
         self.function = None
         self.packed_metadata = None
 
@@ -54,9 +67,15 @@ class _Kernel:
         pass
 
 
+STYLES = ("per-signature", "generic")
+
+
 @contextlib.contextmanager
-def fake_kernels():
-    """Within: launches log into the yielded list instead of running (see the module docstring)."""
+def fake_kernels(style: str = "per-signature"):
+    """Within: launches log into the yielded list instead of running (see the module docstring);
+    ``style``: the launcher layout of Triton 3.6 (``per-signature``) or of later releases."""
+    run_cls = {"per-signature": _Run, "generic": _GenericRun}[style]
+    from pisa_attn.attention import clear_plans
     from pisa_attn.ops import launch
     from pisa_attn.ops.triton import attention as tattn
 
@@ -67,12 +86,13 @@ def fake_kernels():
             self.fn = fn
 
         def __getitem__(self, grid):
-            return lambda *a, **k: _Kernel(getattr(self.fn, "__name__", "kernel"), log)
+            return lambda *a, **k: _Kernel(getattr(self.fn, "__name__", "kernel"), log, run_cls)
 
     saved = (launch.interpreting, tattn.interpreting, launch._DIRECT, os.environ.get("PISA_ATTN_AUTOTUNE"))
     launchers = [x for m in _launcher_modules() for x in vars(m).values() if isinstance(x, launch.Launcher)]
     fns = {id(x): x.fn for x in launchers}
     caches = {id(x): x._cache for x in launchers}
+    clear_plans()  # a cached plan's replays hold the launchers they were recorded with
     try:
         launch.interpreting = tattn.interpreting = lambda: False
         launch._DIRECT = True
@@ -88,6 +108,7 @@ def fake_kernels():
             os.environ["PISA_ATTN_AUTOTUNE"] = saved[3]
         for x in launchers:
             x.fn, x._cache = fns[id(x)], caches[id(x)]
+        clear_plans()
 
 
 def _launcher_modules():

@@ -9,7 +9,7 @@ import torch
 
 import pisa_attn.attention as attention
 from pisa_attn import PisaSettings, pisa_attention, plan, run
-from fake_launch import entries, fake_kernels
+from fake_launch import STYLES, entries, fake_kernels
 
 
 def _qkv(layout="bhsd", seed=0, lq=256, lk=320):
@@ -35,7 +35,8 @@ def _programs(p):
 @pytest.mark.parametrize("cov", [False, True], ids=["topk", "cov"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("call", ["plain", "out", "lse", "alpha", "pisa_attention"])
-def test_replay_issues_the_launches_of_a_checked_run_B1_H2_L256_D64(cov, layout, call, monkeypatch):
+@pytest.mark.parametrize("style", STYLES)
+def test_replay_issues_the_launches_of_a_checked_run_B1_H2_L256_D64(cov, layout, call, style, monkeypatch):
     s = PisaSettings(covariance_aware=cov, layout=layout, backend="triton", density=0.25)
     qa, ka, va = _qkv(layout, 0)
     qb, kb, vb = _qkv(layout, 1)
@@ -48,7 +49,7 @@ def test_replay_issues_the_launches_of_a_checked_run_B1_H2_L256_D64(cov, layout,
         res = run(p, q, k, v, return_lse=call == "lse", **kw)
         return res if call == "lse" else (res, None)
 
-    with fake_kernels() as log:
+    with fake_kernels(style) as log:
         p = plan(qa, ka, s) if call != "pisa_attention" else None
         for _ in range(3):  # compile, record, replay
             call_(qa, ka, va)
@@ -331,3 +332,23 @@ def test_host_descriptors_carry_every_field_tritons_descriptor_has():
     assert needed <= set(Desc._fields), needed - set(Desc._fields)
     assert all(hasattr(p, n) for n in needed), [n for n in needed if not hasattr(p, n)]
     assert not d.round_f32_to_tf32 and d.padding == "zero"
+
+
+def test_descriptor_route_finds_the_raw_entry_point_under_tritons_wrapper():
+    # A bound replay encodes the TMA descriptors of workspace tensors once and calls the C entry
+    # point under Triton's descriptor-expanding wrapper itself; it finds that entry point, the
+    # descriptors' metadata and the encoder in the wrapper's closure, for this Triton's layout.
+    from triton.backends.nvidia import driver
+
+    from pisa_attn.ops.bound import _tensordesc_route
+    from pisa_attn.ops.launch import Entry
+
+    def raw(*a):
+        raise AssertionError("not launched here")
+
+    meta = [dict(swizzle=128, elem_size=2, elem_type=10, block_size=[64, 128], fp4_padded=False)]
+    wrapped = driver.wrap_handle_tensordesc(raw, {0: "tensordesc<bf16[64,128]>", 1: "i32"}, meta)
+    assert wrapped is not raw
+    route = _tensordesc_route(Entry(wrapped, None, (0,), (), None))
+    assert route is not None and route[0] is raw and route[1] == meta
+    assert _tensordesc_route(Entry(wrapped, None, (), (), None)) is None  # the public path: no route

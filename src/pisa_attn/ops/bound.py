@@ -120,10 +120,9 @@ def _tensordesc_route(entry):
     """(raw launcher, per-descriptor metadata, encoder) when the entry's launcher wraps a C entry
     point with Triton's descriptor expansion and every descriptor has TMA metadata; else None
     (descriptors then go through the wrapper, encoded per call)."""
-    run, function, prefix, _tail, kernel = entry
-    if not prefix:
+    if not entry.prefix:
         return None
-    fn = run
+    fn = entry.run
     code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
     if code is None or not cells:
         return None
@@ -209,8 +208,7 @@ def bind(launches: list[Launch], slot_tensors: tuple, workspace: list[Tensor]):
     lines = []
     used = set()
     for li, (entry, grid, args) in enumerate(launches):
-        run, function, prefix, tail, _ = entry
-        direct = bool(prefix)
+        direct = bool(entry.prefix)
         route = _tensordesc_route(entry) if any(isinstance(a, _launch.Desc) for a in args) else None
         n_desc = 0
         exprs = []
@@ -260,11 +258,14 @@ def bind(launches: list[Launch], slot_tensors: tuple, workspace: list[Tensor]):
             return None
         exprs = _pack(exprs, ns, f"k{li}_")
         g = tuple(grid) + (1,) * (3 - len(grid))
-        ns[f"run{li}"] = route[0] if route is not None else run
-        ns[f"fn{li}"] = function
-        ns[f"pre{li}"] = tuple(prefix)
-        ns[f"tail{li}"] = tuple(tail)
-        lines.append(f"    run{li}({g[0]}, {g[1]}, {g[2]}, stream, fn{li}, *pre{li}, {', '.join(exprs)}, *tail{li})")
+        ns[f"run{li}"] = route[0] if route is not None else entry.run
+        ns[f"fn{li}"] = entry.function
+        ns[f"pre{li}"] = tuple(entry.prefix)
+        ns[f"tail{li}"] = tuple(entry.tail)
+        call_args = f"{', '.join(exprs)}, *tail{li}"
+        if entry.packed:  # the generic entry point takes the kernel's arguments as one tuple
+            call_args = f"({call_args})"
+        lines.append(f"    run{li}({g[0]}, {g[1]}, {g[2]}, stream, fn{li}, *pre{li}, {call_args})")
     head = [f"    p{s} = s{s}.data_ptr()" for s in sorted(used)]
     src = "def replay(stream, s0, s1, s2, s3, s4, s5, s6):\n" + "\n".join(head + lines or ["    pass"]) + "\n"
     exec(compile(src, "<pisa_attn bound run>", "exec"), ns)  # noqa: S102 - generated from recorded launches

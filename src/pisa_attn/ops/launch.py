@@ -8,6 +8,13 @@ alignment class) -- keeps the compiled kernel, and afterwards launches it direct
 Tensor descriptors are passed as :class:`Desc` (base tensor, shape, strides): the launcher encodes
 the TMA descriptor from those on every call, so only the first call needs a full
 ``TensorDescriptor`` (to specialise on its block shape and layout).
+
+Where the installed Triton's launcher layout is known (:data:`_DIRECT`) a cached launch calls its C
+entry point itself, skipping the compiled kernel's Python wrapper (launch hooks, scratch
+allocation, the runner closure). Two layouts exist: Triton 3.6 compiles one C launcher per
+signature that takes the kernel's arguments inline; later releases have one generic C launcher
+that takes them as a tuple, with the argument annotations and packed signature the compiled
+kernel's launcher object holds (:class:`Entry` ``packed``).
 """
 
 from __future__ import annotations
@@ -21,9 +28,28 @@ import triton
 
 from .triton._common import interpreting
 
-# Triton 3.6's launcher object is called directly (its C entry point, when the kernel needs no
-# scratch memory); other releases go through the compiled kernel's public ``kernel[grid](...)``.
-_DIRECT = triton.__version__.startswith("3.6.")
+# Releases whose C launch entry point's arguments are known here: a cached launch calls it directly
+# (when the kernel needs no scratch memory); other releases go through the compiled kernel's public
+# ``kernel[grid](...)``.
+_DIRECT = triton.__version__.startswith(("3.6.", "3.9."))
+
+
+class Entry(NamedTuple):
+    """A cached compiled kernel: ``run(g0, g1, g2, stream, function, *prefix, *args, *tail)``, or
+    with ``packed`` ``run(g0, g1, g2, stream, function, *prefix, (*args, *tail))``."""
+
+    run: object
+    function: object
+    prefix: tuple
+    tail: tuple
+    kernel: object
+    packed: bool = False
+
+    def launch(self, g0, g1, g2, stream, args):
+        if self.packed:
+            self.run(g0, g1, g2, stream, self.function, *self.prefix, (*args, *self.tail))
+        else:
+            self.run(g0, g1, g2, stream, self.function, *self.prefix, *args, *self.tail)
 
 
 class Desc(NamedTuple):
@@ -69,20 +95,19 @@ class Launcher:
             if not interpreting() and hasattr(kernel, "__getitem__"):
                 self._cache[key] = self._entry(kernel, constexprs, len(args))
             return
-        run, function, prefix, tail, _ = hit
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         dev = args[0].base.device if isinstance(args[0], Desc) else args[0].device
         stream = torch._C._cuda_getCurrentRawStream(dev.index) if dev.type == "cuda" else 0
         try:
-            run(grid[0], g1, g2, stream, function, *prefix, *args, *tail)
+            hit.launch(grid[0], g1, g2, stream, args)
         except TypeError:
-            if not prefix:
+            if not hit.prefix:
                 raise
             # The C entry point parses its arguments before launching: a layout this Triton does
             # not have launches nothing, and the public path serves this kernel from now on.
-            self._cache[key] = hit = self._entry(hit[4], None, 0, direct=False, tail=tail)
-            hit[0](grid[0], g1, g2, stream, None, *args, *tail)
+            self._cache[key] = hit = self._entry(hit.kernel, None, 0, direct=False, tail=hit.tail)
+            hit.launch(grid[0], g1, g2, stream, args)
         if _RECORDER is not None:
             _RECORDER.add(hit, grid, args)
 
@@ -94,18 +119,26 @@ class Launcher:
         kernel._init_handles()
         launcher = kernel.run
         if (direct and getattr(launcher, "global_scratch_size", 1) == 0
-                and getattr(launcher, "profile_scratch_size", 1) == 0 and hasattr(launcher, "launch")):
-            # The C entry point's fixed arguments after (grid, stream, function): cooperative grid,
-            # programmatic dependent launch, global and profile scratch, kernel metadata, launch
-            # metadata, enter and exit hooks.
-            prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, kernel.packed_metadata,
-                      None, None, None)
-            return launcher.launch, kernel.function, prefix, tail, kernel
+                and getattr(launcher, "profile_scratch_size", 1) == 0
+                and not getattr(launcher, "gsan_enabled", False) and hasattr(launcher, "launch")):
+            coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+            if hasattr(launcher, "arg_annotations") and hasattr(launcher, "kernel_signature"):
+                # The generic entry point's fixed arguments after (grid, stream, function):
+                # cooperative grid, programmatic dependent launch, kernel metadata, launch metadata,
+                # enter and exit hooks, global and profile scratch, argument annotations, signature.
+                prefix = (coop, pdl, kernel.packed_metadata, None, None, None, None, None,
+                          launcher.arg_annotations, launcher.kernel_signature)
+                return Entry(launcher.launch, kernel.function, prefix, tail, kernel, packed=True)
+            # Triton 3.6's per-signature entry point: cooperative grid, programmatic dependent
+            # launch, global and profile scratch, kernel metadata, launch metadata, enter and exit
+            # hooks, then the arguments.
+            prefix = (coop, pdl, None, None, kernel.packed_metadata, None, None, None)
+            return Entry(launcher.launch, kernel.function, prefix, tail, kernel)
 
         def run(g0, g1, g2, stream, function, *args):
             kernel[(g0, g1, g2)](*args, stream=stream)
 
-        return run, None, (), tail, kernel
+        return Entry(run, None, (), tail, kernel)
 
 
 def _full_key(key, args: tuple) -> tuple:
