@@ -2,7 +2,9 @@
 attend kernel alone on one top-k selection in keep-or-drop, zeroth (the tail without the first-order
 term) and hybrid mode, the tail's maximum fixed where allowed (``auto``) or online, three or two
 query blocks per CTA; medians of 3 interleaved rounds, cuDNN SDPA in the same run. B2-H16-D128 bf16,
-density 12.5 %, Gaussian and DiT-like inputs.
+density 12.5 %, Gaussian and DiT-like inputs. ``--cases hybrid-`` keeps the cases whose name holds
+one of the given strings; ``--whole`` also times the whole default call (plan/run) with the tail's
+maximum ``auto`` and ``online`` (the library's ``TAIL_MAX``), interleaved.
 
     PYTHONPATH=src python3 benchmarks/tail_costs.py --out benchmarks/results/h100_tail_costs.json
 """
@@ -18,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import exact_loop as el  # noqa: E402
 
+from pisa_attn import PisaSettings  # noqa: E402
 from pisa_attn.ops.hopper import attention as gattn  # noqa: E402
 
 
@@ -40,6 +43,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", nargs="+", default=None, help="keep cases whose name holds one of these")
+    ap.add_argument("--whole", action="store_true", help="also the whole default call, tail maximum auto/online")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tail_costs.json"))
     a = ap.parse_args(argv)
     rows = []
@@ -49,6 +54,8 @@ def main(argv=None):
             q, k, v = el.qkv(source, L)
             stats, sel, n_sel = el.selection(q, k, v, 0.125)
             fns = cases(q, k, v, stats, sel, n_sel)
+            if a.cases:
+                fns = {key: f for key, f in fns.items() if any(c in key for c in a.cases)}
             for f in fns.values():
                 f()
             torch.cuda.synchronize()
@@ -56,6 +63,13 @@ def main(argv=None):
             for _ in range(a.rounds):  # interleaved: a slow spell of the card hits every case
                 for key, f in fns.items():
                     ts[key].append(el.ms(f, est_ms=t_cudnn / 6))
+            if a.whole:
+                variants = {f"whole-{m}": (lambda m=m: setattr(gattn, "TAIL_MAX", m), PisaSettings(backend="hopper"))
+                            for m in ("auto", "online")}
+                try:
+                    ts.update(el.whole_rounds(q, k, v, variants, t_cudnn / 5, a.rounds))
+                finally:
+                    gattn.TAIL_MAX = "auto"
             med = {key: sorted(v)[len(v) // 2] for key, v in ts.items()}
             rows.append(dict(L=L, source=source, cudnn_ms=t_cudnn, ms=med, rounds_ms=ts))
             print(f"{L} {source}: " + " ".join(f"{key} {t * 1e3:.1f}" for key, t in med.items()) + " (us)", flush=True)

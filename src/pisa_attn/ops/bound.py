@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 from typing import NamedTuple
 
-import torch
 from torch import Tensor
 
 from . import launch as _launch
