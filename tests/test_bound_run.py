@@ -352,3 +352,32 @@ def test_descriptor_route_finds_the_raw_entry_point_under_tritons_wrapper():
     route = _tensordesc_route(Entry(wrapped, None, (0,), (), None))
     assert route is not None and route[0] is raw and route[1] == meta
     assert _tensordesc_route(Entry(wrapped, None, (), (), None)) is None  # the public path: no route
+
+
+def test_direct_launch_layout_is_the_installed_tritons():
+    # The cached launchers call the C entry point with fixed arguments laid out as Triton's own
+    # launcher object lays them out (``ops.launch.Entry``). On a release where that is assumed
+    # (``_DIRECT``), the launcher's call must pass exactly these, in this order.
+    import ast
+    import inspect
+    import textwrap
+
+    import triton
+    from triton.backends.nvidia import driver
+
+    from pisa_attn.ops import launch
+
+    if not launch._DIRECT:
+        pytest.skip(f"Triton {triton.__version__}: cached launches take the public path")
+    cls = driver.CudaLauncher
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "self.launch"]
+    assert len(calls) == 1
+    passed = [ast.unparse(a) for a in calls[0].args]
+    head = ["gridX", "gridY", "gridZ", "stream", "function", "self.launch_cooperative_grid", "self.launch_pdl"]
+    if "arg_annotations" in inspect.getsource(cls.__init__):  # one generic entry point (Entry.packed)
+        assert passed == head + ["kernel_metadata", "launch_metadata", "launch_enter_hook", "launch_exit_hook",
+                                 "global_scratch", "profile_scratch", "self.arg_annotations",
+                                 "self.kernel_signature", "kernel_args"], passed
+    else:  # one entry point per signature; ``args`` starts with the kernel metadata, launch metadata, hooks
+        assert passed == head + ["global_scratch", "profile_scratch", "*args"], passed
