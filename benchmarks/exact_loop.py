@@ -70,6 +70,29 @@ def ms(fn, est_ms: float = 1.0) -> float:
     return triton.testing.do_bench(fn, warmup=max(25, 3 * est_ms), rep=max(100, 12 * est_ms), return_mode="median")
 
 
+def attend_rounds(fns: dict, est_ms: float, rounds: int = 3) -> dict:
+    """Each of ``fns`` (key -> callable) run once, then timed in ``rounds`` interleaved rounds (a
+    slow spell of the card hits every case): key -> ms list."""
+    for f in fns.values():
+        f()
+    torch.cuda.synchronize()
+    ts = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, f in fns.items():
+            ts[key].append(ms(f, est_ms=est_ms))
+    return ts
+
+
+def selected_inputs(lengths, density: float = 0.125, sources=("random", "dit")):
+    """Per length (cuDNN timed first) and input source: ``(L, cudnn ms, source, q, k, v, stats,
+    selection, n_select)`` on the library's top-k selection."""
+    for L in lengths:
+        t_cudnn = cudnn_ms(L)
+        for source in sources:
+            q, k, v = qkv(source, L)
+            yield (L, t_cudnn, source, q, k, v, *selection(q, k, v, density))
+
+
 def whole_rounds(q, k, v, variants: dict, est_ms: float, rounds: int = 3) -> dict:
     """The whole call (plan/run) of each variant, timed in ``rounds`` interleaved rounds: ``variants``
     maps a key to ``(apply, settings)``, ``apply()`` setting the variant's module state before its

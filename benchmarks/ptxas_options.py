@@ -9,6 +9,7 @@ loops (run with that Triton first on ``PYTHONPATH``):
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -37,50 +38,36 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536])
     a = ap.parse_args(argv)
     base = A._launch
-    OPTS = ("", a.options)
     rows = []
-    for L in a.lengths:
-        t_cudnn = el.cudnn_ms(L)
-        for source in ("random", "dit"):
-            q, k, v = el.qkv(source, L)
-            stats, sel, n_sel = el.selection(q, k, v, 0.125)
-            out = torch.empty_like(q)
-            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-            fns = {}
-            for opt in OPTS:
-                for mode in ("drop", "zeroth", "hybrid"):
-                    def f(mode=mode, opt=opt):
-                        A._launch = Opt(base, opt)
-                        try:
-                            A.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=q.shape[-1] ** -0.5, block_size=64,
-                                        n_select=n_sel, out=out, lse=lse, query_group=3, kbound=stats.kbound, kmax=stats.kmax)
-                        finally:
-                            A._launch = base
-                    fns[f"{mode}-g3{'-opt' if opt else ''}"] = f
-            ref = {}
-            for key, f in fns.items():
-                f()
-                torch.cuda.synchronize()
-                ref[key] = out.clone()
+    for L, t_cudnn, source, q, k, v, stats, sel, n_sel in el.selected_inputs(a.lengths):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        fns, outs = {}, {}
+        for opt in ("", a.options):
             for mode in ("drop", "zeroth", "hybrid"):
-                x, y = ref[f"{mode}-g3"], ref[f"{mode}-g3-opt"]
-                print(L, source, mode, "same" if torch.equal(x, y) else f"differ max {(x.float() - y.float()).abs().max().item():.3g}")
-            ts = {key: [] for key in fns}
-            for _ in range(3):
-                for key, f in fns.items():
-                    ts[key].append(el.ms(f, est_ms=t_cudnn / 6))
-            med = {key: sorted(x)[1] for key, x in ts.items()}
-            rows.append(dict(L=L, source=source, cudnn_ms=t_cudnn, ms=med, rounds_ms=ts))
-            print(f"{L} {source}: " + " ".join(f"{key} {t:.3f}" for key, t in med.items()) + " (ms)", flush=True)
-    spills = []
-    for key, e in base._cache.items():
-        kern = e.kernel
-        spills.append(dict(nc=key[0][12] if len(key[0]) > 12 else None, mode=key[0][4], opt=key[0][-1] if isinstance(key[0][-1], str) else "",
-                           n_spills=getattr(kern, "n_spills", None), n_regs=getattr(kern, "n_regs", None),
-                           ptx_options=getattr(kern.metadata, "ptx_options", None)))
-    print(spills)
+                def f(mode=mode, opt=opt):
+                    A._launch = Opt(base, opt)
+                    try:
+                        A.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=q.shape[-1] ** -0.5, block_size=64,
+                                    n_select=n_sel, out=out, lse=lse, query_group=3, kbound=stats.kbound, kmax=stats.kmax)
+                    finally:
+                        A._launch = base
+                key = f"{mode}-g3{'-opt' if opt else ''}"
+                fns[key] = f
+                f()
+                outs[key] = out.clone()
+        for mode in ("drop", "zeroth", "hybrid"):
+            x, y = outs[f"{mode}-g3"], outs[f"{mode}-g3-opt"]
+            print(L, source, mode, "same" if torch.equal(x, y) else f"differ max {(x.float() - y.float()).abs().max().item():.3g}")
+        ts = el.attend_rounds(fns, t_cudnn / 6)
+        med = {key: statistics.median(x) for key, x in ts.items()}
+        rows.append(dict(L=L, source=source, cudnn_ms=t_cudnn, ms=med, rounds_ms=ts))
+        print(f"{L} {source}: " + " ".join(f"{key} {t:.3f}" for key, t in med.items()) + " (ms)", flush=True)
+    kernels = [dict(mode=key[0][4], options=key[0][-1], n_spills=getattr(e.kernel, "n_spills", None),
+                    n_regs=getattr(e.kernel, "n_regs", None)) for key, e in base._cache.items()]
+    print(kernels)
     with open(os.path.join(os.environ.get("OUT", "."), "ptxas_options.json"), "w") as fh:
-        json.dump(dict(el.toolchain(), options=a.options, rows=rows, kernels=spills), fh, indent=1)
+        json.dump(dict(el.toolchain(), options=a.options, rows=rows, kernels=kernels), fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -48,31 +48,21 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tail_costs.json"))
     a = ap.parse_args(argv)
     rows = []
-    for L in a.lengths:
-        t_cudnn = el.cudnn_ms(L)
-        for source in ("random", "dit"):
-            q, k, v = el.qkv(source, L)
-            stats, sel, n_sel = el.selection(q, k, v, 0.125)
-            fns = cases(q, k, v, stats, sel, n_sel)
-            if a.cases:
-                fns = {key: f for key, f in fns.items() if any(c in key for c in a.cases)}
-            for f in fns.values():
-                f()
-            torch.cuda.synchronize()
-            ts = {key: [] for key in fns}
-            for _ in range(a.rounds):  # interleaved: a slow spell of the card hits every case
-                for key, f in fns.items():
-                    ts[key].append(el.ms(f, est_ms=t_cudnn / 6))
-            if a.whole:
-                variants = {f"whole-{m}": (lambda m=m: setattr(gattn, "TAIL_MAX", m), PisaSettings(backend="hopper"))
-                            for m in ("auto", "online")}
-                try:
-                    ts.update(el.whole_rounds(q, k, v, variants, t_cudnn / 5, a.rounds))
-                finally:
-                    gattn.TAIL_MAX = "auto"
-            med = {key: sorted(v)[len(v) // 2] for key, v in ts.items()}
-            rows.append(dict(L=L, source=source, cudnn_ms=t_cudnn, ms=med, rounds_ms=ts))
-            print(f"{L} {source}: " + " ".join(f"{key} {t * 1e3:.1f}" for key, t in med.items()) + " (us)", flush=True)
+    for L, t_cudnn, source, q, k, v, stats, sel, n_sel in el.selected_inputs(a.lengths):
+        fns = cases(q, k, v, stats, sel, n_sel)
+        if a.cases:
+            fns = {key: f for key, f in fns.items() if any(c in key for c in a.cases)}
+        ts = el.attend_rounds(fns, t_cudnn / 6, a.rounds)
+        if a.whole:
+            variants = {f"whole-{m}": (lambda m=m: setattr(gattn, "TAIL_MAX", m), PisaSettings(backend="hopper"))
+                        for m in ("auto", "online")}
+            try:
+                ts.update(el.whole_rounds(q, k, v, variants, t_cudnn / 5, a.rounds))
+            finally:
+                gattn.TAIL_MAX = "auto"
+        med = {key: sorted(v)[len(v) // 2] for key, v in ts.items()}
+        rows.append(dict(L=L, source=source, cudnn_ms=t_cudnn, ms=med, rounds_ms=ts))
+        print(f"{L} {source}: " + " ".join(f"{key} {t * 1e3:.1f}" for key, t in med.items()) + " (us)", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(dict(el.toolchain(), shape="B2-H16-D128", dtype="bfloat16", density=0.125,
