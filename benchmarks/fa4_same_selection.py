@@ -134,9 +134,9 @@ def main() -> int:
     add_site(a.site)
     from importlib.metadata import version
 
-    import triton
+    from exact_loop import toolchain  # the card and toolchain header of every result file
 
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    res = dict(toolchain(cudnn=False),
                cudnn=torch.backends.cudnn.version(), flash_attn=version("flash-attn-4"),
                cutlass_dsl=version("nvidia-cutlass-dsl"),
                B=B, H=H, D=D, rows=[])

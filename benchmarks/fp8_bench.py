@@ -383,9 +383,9 @@ def main(argv=None):
             run(p, q, k, v)
         torch.cuda.synchronize()
         return
-    import triton
+    from exact_loop import toolchain  # the card and toolchain header of every result file
 
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    res = dict(toolchain(cudnn=False),
                shape="B2-H16-D128", dtype="bfloat16", density=a.density, precisions=a.precisions,
                schedule=a.schedule)
     print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}", flush=True)

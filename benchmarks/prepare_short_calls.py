@@ -72,9 +72,9 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prepare_short_calls.json"))
     a = ap.parse_args()
-    import triton
+    from exact_loop import toolchain  # the card and toolchain header of every result file
 
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    res = dict(toolchain(cudnn=False),
                shape="B2-H16-D128", dtype="bfloat16", rows=[])
     for L in a.lengths:
         res["rows"] += bench(L)

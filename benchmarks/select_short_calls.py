@@ -67,9 +67,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "select_short_calls.json"))
     a = ap.parse_args()
-    import triton
+    from exact_loop import toolchain  # the card and toolchain header of every result file
 
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=[])
+    res = dict(toolchain(cudnn=False), rows=[])
     for shape in SHAPES:
         res["rows"] += bench(*shape)
     with open(a.out, "w") as f:
