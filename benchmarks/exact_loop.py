@@ -116,6 +116,9 @@ def toolchain(cudnn: bool = True) -> dict:
     import triton
 
     env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    env["ptxas"] = get_ptxas(90).version  # Triton 3.9 builds sm_90 with CUDA 13's, 3.6 with 12's
     if cudnn:
         env["cudnn"] = torch.backends.cudnn.version()
     return env

@@ -592,6 +592,34 @@ def test_hopper_three_query_blocks_per_cta(source, mode):
 
 
 @HOPPER_ONLY
+@pytest.mark.parametrize("source", ["gauss-B1-H4-Hk2-L8229-D128-bf16-gqa-ragged", "gauss-B2-H2-Lq4096-Lk6000-D64-fp16",
+                                    "dit-T4-30x52-H4-D128-bf16"])
+@pytest.mark.parametrize("mode", ["hybrid", "drop"])
+def test_hopper_query_tile_from_shared_memory_is_bit_identical(source, mode):
+    """The query tile read from shared memory in every Q·Kᵀ (``q_reg=False``) instead of held in
+    registers: the same products in the same order, so bit for bit the same output and LSE, for
+    pairs and three query blocks, the exact loop's maximum online and under its bound."""
+    from pisa_attn.ops.hopper import attention as gattn
+
+    q, k, v, plan, stats, sel, o_ref, lse_ref = _stream_case(source, mode, seed=43)
+    for group in (2, 3):
+        for exact_max in ("online", "bound"):
+            outs = {}
+            for q_reg in (True, False):
+                out = torch.full_like(q, float("nan"))
+                lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+                gattn.attention(q, k, v, *stats.tail(), *sel, mode=mode, scale=plan.scale, block_size=64,
+                                n_select=plan.n_select, out=out, lse=lse, query_group=group, kbound=stats.kbound,
+                                kmax=stats.kmax, exact_max=exact_max, q_reg=q_reg)
+                torch.cuda.synchronize()
+                outs[q_reg] = (out, lse)
+            (out_r, lse_r), (out_s, lse_s) = outs[True], outs[False]
+            assert torch.isfinite(out_s).all() and torch.isfinite(lse_s).all()
+            assert torch.equal(out_s, out_r) and torch.equal(lse_s, lse_r), (group, exact_max, rel_l1(out_s, out_r))
+            assert rel_l1(out_s, o_ref) < BF16_TOL, (group, exact_max)
+
+
+@HOPPER_ONLY
 def test_hopper_three_query_blocks_refuse_pair_options():
     """Options that only pairs have are refused with three query blocks per CTA, naming them."""
     from pisa_attn.ops.hopper import attention as gattn

@@ -30,7 +30,9 @@ fixed and in the first-order term, which accumulates into the normalised output.
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import triton
 
@@ -940,6 +942,31 @@ EXACT_SLACK = {torch.bfloat16: 90.0, torch.float16: -1.0}
 # "bound": wherever it is tight enough, "online": never.
 EXACT_MAX = "auto"
 EXACT_MIN_KEYS = 16384
+# The query tile as the A operand of Q·Kᵀ: held in registers (loaded once per CTA) or read from
+# shared memory in every product; None: :func:`query_tile_in_registers`.
+Q_REG = None
+# What moves Triton to another ptxas for sm_90 (its knobs read them).
+_PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
+
+
+@functools.lru_cache(maxsize=8)
+def _ptxas_major(env: tuple) -> int:
+    del env  # the cache key: the tool Triton resolves from it
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return int(get_ptxas(90).version.split(".")[0])
+
+
+def query_tile_in_registers(query_group: int) -> bool:
+    """Whether the consumers hold the query tile in registers (:data:`Q_REG`, None: by the ptxas
+    that builds the kernel). Three consumers get 160 registers each: CUDA 12's ptxas fits the loops
+    there with the tile in registers; CUDA 13's (Triton 3.9 uses 13.4 for sm_90) spills 59 values
+    in the hybrid loops and 102 in keep-or-drop, and with the tile read from shared memory
+    keep-or-drop spills none and the default hybrid attend ran 2-8 % faster (H100, 32K-64K; under
+    Triton 3.6 within noise either way: notes/kernel-notes.md). Pairs (240 registers) keep it."""
+    if Q_REG is not None:
+        return bool(Q_REG)
+    return query_group == 2 or _ptxas_major(tuple(os.environ.get(n) for n in _PTXAS_ENV)) < 13
 
 
 def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
@@ -980,7 +1007,7 @@ def attention(
     kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor,
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, n_select: int,
-    out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool = True,
+    out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool | None = None,
     alpha: Tensor | None = None, pairs: tuple[Tensor, Tensor, Tensor] | None = None,
     pair_group: int | None = None, pair_order: str | None = None, pipeline: bool | None = None,
     codes: bool | None = None, query_group: int | None = None, kbound: Tensor | None = None,
@@ -1008,7 +1035,9 @@ def attention(
     from ``kmax`` (``[B, Hk, D]`` float32 per-channel maxima of ``|k|``; None: computed here) where
     it is tight enough (:data:`EXACT_SLACK`), ``"auto"`` does from :data:`EXACT_MIN_KEYS` keys on,
     ``"online"`` never does (None: :data:`EXACT_MAX`); the same function up to the rounding of P
-    (the pipelined loop of pairs keeps the online maximum)."""
+    (the pipelined loop of pairs keeps the online maximum). ``q_reg``: hold the query tile in
+    registers through the loops, or read it from shared memory in every product (None:
+    :func:`query_tile_in_registers`); bit for bit the same function."""
     del cnt, n_select
     slack = tail_slack(tail_max, kbound, q, k.shape[1])
     pair_only = (pair_group or 2) > 2 or bool(pipeline) or pair_order not in (None, "ascending")
@@ -1021,6 +1050,7 @@ def attention(
     if nc == 3 and pair_only:
         raise ValueError("query_group=3 serves adjacent blocks in ascending stream order with the sequential "
                          f"loop: pair_group={pair_group!r}, pair_order={pair_order!r}, pipeline={pipeline!r}")
+    q_reg = query_tile_in_registers(nc) if q_reg is None else bool(q_reg)
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     bs = block_size
@@ -1134,7 +1164,7 @@ def tail_bound(kbar: Tensor, kscale: Tensor) -> Tensor:
 
 
 def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = True,
-                     dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool = True,
+                     dtype: torch.dtype = torch.bfloat16, stages: int | None = None, q_reg: bool | None = None,
                      has_qpair: bool = True, pipeline: bool | None = None, codes: bool | None = None,
                      union_entries: int = 128, query_group: int = 2, tail_max: str = "auto",
                      exact_max: str | None = None):
@@ -1156,7 +1186,8 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     use_codes, cw, nch = code_chunks(union_entries, CODES if codes is None else bool(codes))
     descs["cd_desc"] = _desc(torch.empty(1, union_entries, dtype=torch.int32), [1, cw])
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=stages or (STAGES if query_group == 2 else STAGES3)[d], MODE=MODE_IDS[mode], EVEN_K=even_k,
-                      LOG2_BS=math.log2(bs), Q_REG=q_reg, HAS_QPAIR=has_qpair,
+                      LOG2_BS=math.log2(bs), Q_REG=query_tile_in_registers(query_group) if q_reg is None else q_reg,
+                      HAS_QPAIR=has_qpair,
                       PIPELINE=PIPELINE if pipeline is None else bool(pipeline), CODES=use_codes, NCH=nch, CW=cw,
                       NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0,
                       HB_RING=hbar_in_ring(mode, query_group, d, bs),
