@@ -2,7 +2,8 @@
 default, on one selection: keep-or-drop, zeroth and hybrid, outputs compared bit for bit, 3
 interleaved rounds, cuDNN SDPA in the same run; B2-H16-D128 bf16, 12.5 %, Gaussian and DiT-like.
 Written for Triton 3.9's CUDA 13.4 ptxas, whose register allocation spills in the three-consumer
-loops (run with that Triton first on ``PYTHONPATH``):
+loops (run with that Triton first on ``PYTHONPATH``). The default is the build with no extra option
+(the library's :func:`ptxas_options` is replaced in both):
 
     PYTHONPATH=src python3 benchmarks/ptxas_options.py --options=--register-usage-level=0
 """
@@ -20,13 +21,15 @@ import exact_loop as el  # noqa: E402
 from pisa_attn.ops.hopper import attention as A  # noqa: E402
 
 class Opt:
-    """The kernel's launcher with ``ptx_options`` added to the compile options (and to its key)."""
+    """The kernel's launcher with ``ptx_options`` as the compile options' (and in its key); ``""``:
+    none, whatever the library sets."""
 
     def __init__(self, inner, opt):
         self.inner, self.opt = inner, opt
     def cached(self, key, args):
         return self.inner.cached(key + (self.opt,), args)
     def __call__(self, key, grid, args, constexprs, full_args=None, **o):
+        o.pop("ptx_options", None)  # the library's own choice (ptxas_options) is what is compared
         if self.opt:
             o["ptx_options"] = self.opt
         return self.inner(key + (self.opt,), grid, args, constexprs, full_args=full_args, **o)

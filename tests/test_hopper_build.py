@@ -141,9 +141,10 @@ def test_tail_options_are_checked():
         gattn.attention(x, x, x, kbar, *none, kbound=torch.zeros(1, 2, 32), **kw)
 
 
-def test_query_tile_follows_the_ptxas(monkeypatch):
+def test_query_tile_and_options_follow_the_ptxas(monkeypatch):
     """Three consumers read the query tile from shared memory where CUDA 13's ptxas builds them,
-    pairs keep it in registers; ``Q_REG`` overrides both; the ptxas Triton uses is asked once."""
+    and keep-or-drop takes its extra options there; pairs keep the tile in registers and take no
+    option; ``Q_REG`` overrides the tile's place."""
     from pisa_attn.ops.hopper import attention as gattn
 
     assert gattn._ptxas_major((None, None)) >= 12
@@ -151,6 +152,11 @@ def test_query_tile_follows_the_ptxas(monkeypatch):
         monkeypatch.setattr(gattn, "_ptxas_major", lambda env, major=major: major)
         assert gattn.query_tile_in_registers(3) is three
         assert gattn.query_tile_in_registers(2) is True
+        for mode in ("drop", "zeroth", "hybrid"):
+            assert gattn.ptxas_options(mode, 2) is None
+            expect = gattn.PTXAS13_OPTIONS.get(mode) if major >= 13 else None
+            assert gattn.ptxas_options(mode, 3) == expect
+    assert gattn.PTXAS13_OPTIONS == {"drop": "--register-usage-level=0"}
     for forced in (True, False):
         monkeypatch.setattr(gattn, "Q_REG", forced)
         assert gattn.query_tile_in_registers(2) is forced and gattn.query_tile_in_registers(3) is forced

@@ -969,6 +969,21 @@ def query_tile_in_registers(query_group: int) -> bool:
     return query_group == 2 or _ptxas_major(tuple(os.environ.get(n) for n in _PTXAS_ENV)) < 13
 
 
+# Extra ptxas options per mode for three consumers under CUDA 13's ptxas (Triton 3.9 passes
+# ``--regAllocOptLevel=2`` to it, a kernel's options come after). Keep-or-drop with
+# ``--register-usage-level=0``: 11-14 % faster at 32K in two sessions, 8K and 64K within -1 to +4 %;
+# hybrid 2-6 % slower at 32K with it, so none there (H100, notes/kernel-notes.md).
+PTXAS13_OPTIONS = {"drop": "--register-usage-level=0"}
+
+
+def ptxas_options(mode: str, query_group: int) -> str | None:
+    """The extra ptxas options the kernel for ``mode`` and ``query_group`` is built with (None:
+    none; only three consumers under CUDA 13's ptxas take :data:`PTXAS13_OPTIONS`)."""
+    if query_group != 3 or mode not in PTXAS13_OPTIONS:
+        return None
+    return PTXAS13_OPTIONS[mode] if _ptxas_major(tuple(os.environ.get(n) for n in _PTXAS_ENV)) >= 13 else None
+
+
 def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
     if x.dtype == torch.int32:  # the stream codes: unswizzled, read one code at a time
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -1095,12 +1110,14 @@ def attention(
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
                       HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, NC=nc,
                       TAIL_SLACK=slack, HB_RING=hb_ring, EXACT_SLACK=exact_slack)
+    popt = ptxas_options(mode, nc)
     key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc, slack, exact_slack,
-           tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
+           popt, tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
-            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS[nc])
+            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS[nc],
+            **({} if popt is None else dict(ptx_options=popt)))
     return out, lse
 
 
@@ -1202,4 +1219,6 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
         sig[name] = ("constexpr" if name in constexprs else mangle_type(descs[name]) if name in descs
                      else types.get(name, "i32"))
     src = GluonASTSource(fn=_pair_attn_kernel, signature=sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=MAX_REGS[query_group]))
+    popt = ptxas_options(mode, query_group)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(
+        num_warps=4, maxnreg=MAX_REGS[query_group], **({} if popt is None else dict(ptx_options=popt))))
