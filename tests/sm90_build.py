@@ -58,6 +58,7 @@ for name, args in json.loads(sys.argv[1]).items():
                      ld_global=len(re.findall(r"\\bld\\.global\\b", ptx)),
                      wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
                      setmaxnreg=len(re.findall(r"setmaxnreg", ptx)),
+                     grid_wait=len(re.findall(r"griddepcontrol\\.wait", ptx)),
                      local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)), cubin=len(k.asm["cubin"]),
                      **dict(zip(("spills", "loop_spills", "loop_serialized"), sass_spills(k.asm["cubin"]))))
 print(json.dumps(res))
@@ -75,7 +76,7 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
 def build(imports: str, call: str, variants: dict) -> dict:
     """Compile every variant (``call``: an expression of ``args``, the variant's tuple) and count
     in its PTX: wgmma (all, FP8, INT8), TMA copies (all, 2D), ``cp.async`` copies, ``wait_group 1``,
-    setmaxnreg, global and local loads/stores; ``spills``: local stores and loads in the SASS, ``loop_spills``: those inside
+    setmaxnreg, ``griddepcontrol.wait`` (``grid_wait``), global and local loads/stores; ``spills``: local stores and loads in the SASS, ``loop_spills``: those inside
     the innermost loops that issue tensor-core products, ``loop_serialized``: those loops that wait
     after every product instruction."""
     p = run_script(_SCRIPT.format(imports=imports, call=call), json.dumps(variants))

@@ -39,3 +39,4 @@ def test_prepare_kernel_builds_without_spills(built, name):
     assert r["wgmma"] > 0  # the block sums and H_j are tensor-core products
     assert r["cp_async"] > 0  # the block loop's loads go through pipeline stages
     assert r["spills"] == 0
+    assert r["grid_wait"] == 1  # launched as a programmatic dependent: it waits for the kernel before

@@ -31,3 +31,4 @@ def test_selection_kernel_builds_without_spills(built, name):
     assert r["cubin"] > 0
     assert r["local"] == 0  # no local memory in the PTX
     assert r["spills"] == 0  # nor from ptxas's register allocation (SASS)
+    assert r["grid_wait"] == 1  # launched as a programmatic dependent: it waits for the kernel before

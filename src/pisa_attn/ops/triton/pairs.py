@@ -44,6 +44,7 @@ from torch import Tensor
 
 from ..launch import Launcher
 from ._common import next_pow2
+from .grid import await_prior_grid, grid_dependency
 
 ORDERS = {"ascending": 0, "owners": 1}  # ``ORDER`` of the union kernel
 
@@ -239,7 +240,8 @@ def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *, qpair: Tensor | No
 
 @triton.jit(do_not_specialize=["NQ", "NQ3", "NK", "NW", "W3", "N_GROUPS"])
 def _triple_union_kernel(bits_ptr, uidx_ptr, ucnt_ptr, NQ, NQ3, NK, NW, W3, N_GROUPS,
-                         R: tl.constexpr, NKP: tl.constexpr):
+                         R: tl.constexpr, NKP: tl.constexpr, PDL: tl.constexpr = 0):
+    await_prior_grid(PDL)
     g = tl.program_id(0) * R + tl.arange(0, R)
     gvalid = g < N_GROUPS
     bh = (g // NQ3).to(tl.int64)
@@ -280,6 +282,8 @@ def triple_union(bits: Tensor, n_kv_blocks: int, width: int, *,
     uidx, ucnt = _stream_buffers(bits, nq3, w3, out)
     nkp, warps, r = _union_config(n_kv_blocks)
     n_groups = b * h * nq3
-    _launch_triple((nkp, r, warps, bits.data_ptr() % 16 == 0), (triton.cdiv(n_groups, r),),
-                   (bits, uidx, ucnt, nq, nq3, n_kv_blocks, nw, w3, n_groups), dict(R=r, NKP=nkp), num_warps=warps)
+    pdl = grid_dependency(bits.device)
+    _launch_triple((nkp, r, warps, bits.data_ptr() % 16 == 0, pdl), (triton.cdiv(n_groups, r),),
+                   (bits, uidx, ucnt, nq, nq3, n_kv_blocks, nw, w3, n_groups), dict(R=r, NKP=nkp, PDL=pdl),
+                   num_warps=warps, launch_pdl=pdl > 0)
     return uidx, ucnt

@@ -53,6 +53,8 @@ from ..launch import Launcher, spec_class
 from ..stages import slice_blocks
 from . import quantize as _quantize
 from ._common import compile_sm90, interpreting, sm_count
+from . import grid as _grid
+from .grid import await_prior_grid, grid_dependency
 
 # Tunables, measured by benchmarks/stats_select_bench.py (H100): programs of one launch fill this
 # many waves of the GPU (one below ``short_blocks_per_sm`` key-block equivalents per SM: 1 wave was
@@ -147,8 +149,9 @@ def _stats_kernel(
     ex_sb, ex_sh,
     H, HK, LQ, LK, NQS, NQT, NK, KV_PER, KV_CHUNKS, Q_PER, Q_CHUNKS, N_KV,
     BS: tl.constexpr, QB: tl.constexpr, QT: tl.constexpr, D: tl.constexpr, F32: tl.constexpr,
-    CLAMP: tl.constexpr, HAS_EXCL: tl.constexpr, VMAX: tl.constexpr, KMAX: tl.constexpr,
+    CLAMP: tl.constexpr, HAS_EXCL: tl.constexpr, VMAX: tl.constexpr, KMAX: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    await_prior_grid(PDL)
     pid = tl.program_id(0)
     dt = tl.float32 if F32 else k_ptr.dtype.element_ty
     eye, ones, ones_n, centre = _consts(dt, BS, 16)
@@ -218,9 +221,11 @@ def _finish_kernel(
     kbound_ptr, vmax_ptr,
     NK, KV_CHUNKS, F_PER,
     D: tl.constexpr, RB: tl.constexpr, TJ: tl.constexpr, VMAX: tl.constexpr, KMAX: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     # Program (head, g): rows g·RB .. of H̄ from the partials, and key blocks g·F_PER .. of the
     # float16 centroids (D // RB programs per head share the work).
+    await_prior_grid(PDL)
     pid = tl.program_id(0)
     g = pid % (D // RB)
     bh = (pid // (D // RB)).to(tl.int64)
@@ -271,11 +276,12 @@ def _hdev_kernel(
     skb, skh, skl, skd,
     svb, svh, svl, svd,
     HK, LK, NK, PER, TOTAL,
-    BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr,
+    BS: tl.constexpr, D: tl.constexpr, F32: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """``||H_j − H̄||_F`` of the key blocks ``[pid·PER, (pid + 1)·PER)`` of the launch, numbered
     head after head (``bh·NK + j``; ``PER ≤ NK``). A run may go on into the next head: the runs
     split the launch evenly whatever the number of heads, so one wave leaves no SM idle."""
+    await_prior_grid(PDL)
     pid = tl.program_id(0)
     f0 = pid * PER
     f1 = tl.minimum(TOTAL, f0 + PER)
@@ -495,6 +501,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
         ex, ex_sb, ex_sh = part_s, 0, 0  # never read (HAS_EXCL=False)
     kmean_t = ws.kmean.transpose(2, 3)
     f32 = interpreting()
+    pdl = grid_dependency(q.device)
     clamp = k.dtype == torch.float16
     n_kv = b * hk * kv_chunks
     grid = n_kv + b * h * q_chunks
@@ -504,17 +511,18 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
         args = (q, k, v, ex, ws.qmean, kmean_t, ws.vbar, part_h, part_s, part_r, part_v, *strides, ex_sb, ex_sh,
                 h, hk, lq, lk, nqs, -(-lq // qt), nk, kv_per, kv_chunks, q_per, q_chunks, n_kv)
         stages = STATS_TUNING["stages"]
-        _launch_stats((k.dtype, block_size, qb, qt, d, hbar_exclude is not None, vmax, with_kmax, stages,
+        _launch_stats((k.dtype, block_size, qb, qt, d, hbar_exclude is not None, vmax, with_kmax, stages, pdl,
                        spec_class(q, k, v, ex, *strides)), (grid,), args,
                       dict(BS=block_size, QB=qb, QT=qt, D=d, F32=f32, CLAMP=clamp, HAS_EXCL=hbar_exclude is not None,
-                           VMAX=vmax, KMAX=with_kmax),
-                      num_warps=_stats_warps(d), num_stages=stages)
+                           VMAX=vmax, KMAX=with_kmax, PDL=pdl),
+                      num_warps=_stats_warps(d), num_stages=stages, launch_pdl=pdl > 0)
     if kv_chunks == 0:  # no key block (an empty K/V shard): H̄ = 0, scale 1, bounds 0
         ws.work[: n_part * _part_elems(d)].zero_()
-    _launch_finish((d, vmax, with_kmax, spec_class(part_h, ws.hbar_lp)), (b * hk * f_groups,),
+    _launch_finish((d, vmax, with_kmax, pdl, spec_class(part_h, ws.hbar_lp)), (b * hk * f_groups,),
                    (part_h, part_s, part_r, part_v, kmean_t, ws.hbar, ws.hbar_lp, ws.kbar, ws.kscale, ws.kbound,
                     qz.vmax if vmax else ws.kmax if with_kmax else part_s, nk, max(kv_chunks, 1), f_per),
-                   dict(D=d, RB=_FINISH_ROWS, TJ=32, VMAX=vmax, KMAX=with_kmax), num_warps=4)
+                   dict(D=d, RB=_FINISH_ROWS, TJ=32, VMAX=vmax, KMAX=with_kmax, PDL=pdl), num_warps=4,
+                   launch_pdl=pdl > 0)
     if with_hdev:
         _run_hdev(k, v, ws.hbar, ws.hdev, block_size)
     if qz is not None and b * hk:  # its own launch: inside the hdev pass's loop it spilled (notes/fp8.md)
@@ -545,10 +553,11 @@ def _run_hdev(k: Tensor, v: Tensor, hbar: Tensor, hdev: Tensor, block_size: int)
     per = min(nk, -(-total // min(total, STATS_TUNING["hdev_waves"] * sm_count(k.device))))
     strides = (*k.stride(), *v.stride())
     stages = STATS_TUNING["stages"]
-    _launch_hdev((k.dtype, block_size, d, stages, spec_class(k, v, hbar, *strides)), (-(-total // per),),
+    pdl = grid_dependency(k.device)
+    _launch_hdev((k.dtype, block_size, d, stages, pdl, spec_class(k, v, hbar, *strides)), (-(-total // per),),
                  (k, v, hbar, hdev, *strides, hk, lk, nk, per, total),
-                 dict(BS=block_size, D=d, F32=interpreting(), CLAMP=k.dtype == torch.float16),
-                 num_warps=_stats_warps(d), num_stages=stages)
+                 dict(BS=block_size, D=d, F32=interpreting(), CLAMP=k.dtype == torch.float16, PDL=pdl),
+                 num_warps=_stats_warps(d), num_stages=stages, launch_pdl=pdl > 0)
 
 
 def deviation(k: Tensor, v: Tensor, stats: Stats, hbar: Tensor, block_size: int) -> Tensor:
@@ -567,18 +576,19 @@ def compile_for_sm90(kernel: str = "stats", head_dim: int = 128, dtype: torch.dt
     """Compile the ``"stats"`` or ``"hdev"`` kernel of :func:`prepare` for sm_90 without a GPU (what
     the CPU build tests read registers and spills from), specialised as a launch on contiguous
     ``[B, H, L, D]`` tensors is (unit channel strides, the others multiples of 16): only then do
-    the loads of the block loop go through ``cp.async`` stages. Returns Triton's compiled kernel."""
+    the loads of the block loop go through ``cp.async`` stages, and as a launch on sm_90 waits for
+    the grid before it (:data:`grid.GRID_DEPENDENCY`). Returns Triton's compiled kernel."""
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     d, bs = head_dim, block_size
     if kernel == "stats":
         fn = _stats_kernel
         cons = dict(BS=bs, QB=bs, QT=_q_tile(bs, d), D=d, F32=False, CLAMP=dtype == torch.float16, HAS_EXCL=exclude,
-                    VMAX=vmax, KMAX=kmax, sqd=1, skd=1, svd=1)
+                    VMAX=vmax, KMAX=kmax, PDL=_grid.level(), sqd=1, skd=1, svd=1)
         ptr = dict(q_ptr=ty, k_ptr=ty, v_ptr=ty, excl_ptr="u8", vbar_ptr=ty)
         divisible = ("sqb", "sqh", "sql", "skb", "skh", "skl", "svb", "svh", "svl")
     elif kernel == "hdev":
         fn = _hdev_kernel
-        cons = dict(BS=bs, D=d, F32=False, CLAMP=dtype == torch.float16, skd=1, svd=1)
+        cons = dict(BS=bs, D=d, F32=False, CLAMP=dtype == torch.float16, PDL=_grid.level(), skd=1, svd=1)
         ptr = dict(k_ptr=ty, v_ptr=ty)
         divisible = ("skb", "skh", "skl", "svb", "svh", "svl")
     else:

@@ -37,6 +37,8 @@ from .. import reference as _ref
 from ..launch import Launcher, spec_class
 from ..selection import Selection
 from ._common import compile_sm90, interpreting, next_pow2, sm_count
+from . import grid as _grid
+from .grid import await_prior_grid, grid_dependency
 from .pairs import union_width
 
 MAX_FUSED_BLOCKS = 4096
@@ -158,9 +160,10 @@ def _select_kernel(
     qmean_ptr, kmean_ptr, hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
     H, HK, NQS, NQ, NK, n_sel, W, NW, scale, keep_sb, keep_sh,
     R: tl.constexpr, NKP: tl.constexpr, D: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr,
-    REP: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr,
+    REP: tl.constexpr, PREC: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     # Rows qi of one head: their scores against every key block of the head's kv head, in registers.
+    await_prior_grid(PDL)
     bh1 = tl.program_id(1)
     qi = tl.program_id(0) * R + tl.arange(0, R)
     rvalid = qi < NQS
@@ -182,9 +185,10 @@ def _select_kernel(
 @triton.jit(do_not_specialize=["H", "HK", "NQS", "NK", "C0", "CQ"])
 def _scores_kernel(
     qmean_ptr, kmean_ptr, out_ptr, H, HK, NQS, NK, C0, CQ,
-    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     # out[bh, r, j] = q̄[bh, C0 + r] · k̄[bhk, j] for the CQ score rows of one chunk.
+    await_prior_grid(PDL)
     bh = tl.program_id(2)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -206,10 +210,11 @@ def _topk_kernel(
     H, HK, NQ, NK, n_sel, W, NW, scale, C0, CQ, N_ROWS,
     keep_sb, keep_sh,
     R: tl.constexpr, NKP: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr, REP: tl.constexpr = 1,
-    BITS: tl.constexpr = 1,
+    BITS: tl.constexpr = 1, PDL: tl.constexpr = 0,
 ):
     # NQ counts output rows: score row qi is written to rows qi·REP .. qi·REP + REP - 1 (< NQ).
     # Rows of this chunk's score buffer [B, H, CQ, NK] are (b·H + h, query block C0 + r % CQ).
+    await_prior_grid(PDL)
     r = tl.program_id(0) * R + tl.arange(0, R)
     rvalid = r < N_ROWS
     bh = r // CQ
@@ -268,12 +273,12 @@ def compile_for_sm90(nk: int, cov: bool = True, keep: bool = False, head_dim: in
     if _fused(nk):
         fn, warps = _select_kernel, FUSED["warps"]
         cons = dict(R=rows or FUSED["rows"], NKP=nkp, D=head_dim, COV=cov, HAS_KEEP=keep, REP=1,
-                    PREC=SCORES_PRECISION, BITS=_topk_config(nkp)[2])
+                    PREC=SCORES_PRECISION, BITS=_topk_config(nkp)[2], PDL=_grid.level())
         ptr.update(qmean_ptr="*fp32", kmean_ptr="*fp32")
     else:
         fn = _topk_kernel
         r, warps, bits_ = _topk_config(nkp)
-        cons = dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=keep, REP=1, BITS=bits_)
+        cons = dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=keep, REP=1, BITS=bits_, PDL=_grid.level())
         ptr.update(scores_ptr="*fp32")
     return compile_sm90(fn, ptr, cons, aligned=True, num_warps=warps)
 
@@ -359,25 +364,28 @@ def select(
     nkp = max(32, next_pow2(nk))
     prec = "ieee" if interpreting() else SCORES_PRECISION
     r, warps, bits_ = _topk_config(nkp)
+    pdl = grid_dependency(qmean.device)
     if _fused(nk):  # its own rows and warps; the top-k's threshold bits
         r = _fused_rows(b * h, nqs, qmean.device)
         args = (qmean, kmean_t, hd, keep_u8, idx, cnt, bits, h, hk, nqs, nq, nk, n_sel, width, nw, scale, ksb, ksh)
-        _launch_select((r, nkp, d, cov, has_keep, repeat, FUSED["warps"], bits_, spec_class(*args[:7])),
+        _launch_select((r, nkp, d, cov, has_keep, repeat, FUSED["warps"], bits_, pdl, spec_class(*args[:7])),
                        (triton.cdiv(nqs, r), b * h), args,
-                       dict(R=r, NKP=nkp, D=d, COV=cov, HAS_KEEP=has_keep, REP=repeat, PREC=prec, BITS=bits_),
-                       num_warps=FUSED["warps"])
+                       dict(R=r, NKP=nkp, D=d, COV=cov, HAS_KEEP=has_keep, REP=repeat, PREC=prec, BITS=bits_,
+                            PDL=pdl),
+                       num_warps=FUSED["warps"], launch_pdl=pdl > 0)
         return ws.sel
     cq = ws.scratch.numel() // max(1, b * h * nk)
     bm, bn, sw = SCORES_TILE["bm"], SCORES_TILE["bn"], SCORES_TILE["warps"]
     for c0 in range(0, nqs, cq):
         c = min(cq, nqs - c0)
-        _launch_scores((d, prec, bm, bn, sw, spec_class(qmean, kmean_t, ws.scratch)),
+        _launch_scores((d, prec, bm, bn, sw, pdl, spec_class(qmean, kmean_t, ws.scratch)),
                        (triton.cdiv(c, bm), triton.cdiv(nk, bn), b * h),
-                       (qmean, kmean_t, ws.scratch, h, hk, nqs, nk, c0, c), dict(BM=bm, BN=bn, D=d, PREC=prec),
-                       num_warps=sw)
+                       (qmean, kmean_t, ws.scratch, h, hk, nqs, nk, c0, c),
+                       dict(BM=bm, BN=bn, D=d, PREC=prec, PDL=pdl), num_warps=sw, launch_pdl=pdl > 0)
         args = (ws.scratch, hd, keep_u8, idx, cnt, bits, h, hk, nq, nk, n_sel, width, nw, scale, c0, c, b * h * c,
                 ksb, ksh)
-        _launch_topk((r, nkp, warps, cov, has_keep, repeat, bits_, spec_class(*args[:6])),
+        _launch_topk((r, nkp, warps, cov, has_keep, repeat, bits_, pdl, spec_class(*args[:6])),
                      (triton.cdiv(b * h * c, r),), args,
-                     dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=has_keep, REP=repeat, BITS=bits_), num_warps=warps)
+                     dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=has_keep, REP=repeat, BITS=bits_, PDL=pdl), num_warps=warps,
+                     launch_pdl=pdl > 0)
     return ws.sel
