@@ -945,8 +945,6 @@ EXACT_MIN_KEYS = 16384
 # The query tile as the A operand of Q·Kᵀ: held in registers (loaded once per CTA) or read from
 # shared memory in every product; None: :func:`query_tile_in_registers`.
 Q_REG = None
-# What moves Triton to another ptxas for sm_90 (its knobs read them).
-_PTXAS_ENV = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH")
 
 
 @functools.lru_cache(maxsize=8)
@@ -955,6 +953,13 @@ def _ptxas_major(env: tuple) -> int:
     from triton.backends.nvidia.compiler import get_ptxas
 
     return int(get_ptxas(90).version.split(".")[0])
+
+
+def _ptxas13() -> bool:
+    """Whether Triton builds sm_90 with CUDA 13's ptxas or later (asked once per setting of the
+    variables that move Triton to another ptxas)."""
+    env = os.environ
+    return _ptxas_major((env.get("TRITON_PTXAS_PATH"), env.get("TRITON_PTXAS_BLACKWELL_PATH"))) >= 13
 
 
 def query_tile_in_registers(query_group: int) -> bool:
@@ -966,7 +971,7 @@ def query_tile_in_registers(query_group: int) -> bool:
     Triton 3.6 within noise either way: notes/kernel-notes.md). Pairs (240 registers) keep it."""
     if Q_REG is not None:
         return bool(Q_REG)
-    return query_group == 2 or _ptxas_major(tuple(os.environ.get(n) for n in _PTXAS_ENV)) < 13
+    return query_group == 2 or not _ptxas13()
 
 
 # Extra ptxas options per mode for three consumers under CUDA 13's ptxas (Triton 3.9 passes
@@ -981,7 +986,7 @@ def ptxas_options(mode: str, query_group: int) -> str | None:
     none; only three consumers under CUDA 13's ptxas take :data:`PTXAS13_OPTIONS`)."""
     if query_group != 3 or mode not in PTXAS13_OPTIONS:
         return None
-    return PTXAS13_OPTIONS[mode] if _ptxas_major(tuple(os.environ.get(n) for n in _PTXAS_ENV)) >= 13 else None
+    return PTXAS13_OPTIONS[mode] if _ptxas13() else None
 
 
 def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
