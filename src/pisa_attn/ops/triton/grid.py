@@ -12,9 +12,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._common import interpreting
+
+try:  # NVIDIA's grid control, where this Triton has it; elsewhere the chain launches plainly
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 # "off": every kernel of the chain launches after the one before it has finished, as any launch
 # does; "wait": launched as dependents, each waits first; "trigger": and lets the next one launch.
@@ -41,7 +45,7 @@ def level() -> int:
 def grid_dependency(device: torch.device) -> int:
     """The ``PDL`` level the chain's kernels on ``device`` are built and launched with (0: plain
     launches; sm_90 on, never under the interpreter)."""
-    if interpreting() or device.type != "cuda":
+    if interpreting() or device.type != "cuda" or gdc_wait is None:
         return 0
     if _major(device.index if device.index is not None else torch.cuda.current_device()) < 9:
         return 0
