@@ -53,8 +53,8 @@ from ..launch import Launcher, spec_class
 from ..stages import slice_blocks
 from . import quantize as _quantize
 from ._common import compile_sm90, interpreting, sm_count
-from . import grid as _grid
 from .grid import await_prior_grid, grid_dependency
+from .grid import level as grid_level
 
 # Tunables, measured by benchmarks/stats_select_bench.py (H100): programs of one launch fill this
 # many waves of the GPU (one below ``short_blocks_per_sm`` key-block equivalents per SM: 1 wave was
@@ -577,18 +577,18 @@ def compile_for_sm90(kernel: str = "stats", head_dim: int = 128, dtype: torch.dt
     the CPU build tests read registers and spills from), specialised as a launch on contiguous
     ``[B, H, L, D]`` tensors is (unit channel strides, the others multiples of 16): only then do
     the loads of the block loop go through ``cp.async`` stages, and as a launch on sm_90 waits for
-    the grid before it (:data:`grid.GRID_DEPENDENCY`). Returns Triton's compiled kernel."""
+    the grid before it (:data:`pisa_attn.ops.triton.grid.GRID_DEPENDENCY`). Returns Triton's compiled kernel."""
     ty = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     d, bs = head_dim, block_size
     if kernel == "stats":
         fn = _stats_kernel
         cons = dict(BS=bs, QB=bs, QT=_q_tile(bs, d), D=d, F32=False, CLAMP=dtype == torch.float16, HAS_EXCL=exclude,
-                    VMAX=vmax, KMAX=kmax, PDL=_grid.level(), sqd=1, skd=1, svd=1)
+                    VMAX=vmax, KMAX=kmax, PDL=grid_level(), sqd=1, skd=1, svd=1)
         ptr = dict(q_ptr=ty, k_ptr=ty, v_ptr=ty, excl_ptr="u8", vbar_ptr=ty)
         divisible = ("sqb", "sqh", "sql", "skb", "skh", "skl", "svb", "svh", "svl")
     elif kernel == "hdev":
         fn = _hdev_kernel
-        cons = dict(BS=bs, D=d, F32=False, CLAMP=dtype == torch.float16, PDL=_grid.level(), skd=1, svd=1)
+        cons = dict(BS=bs, D=d, F32=False, CLAMP=dtype == torch.float16, PDL=grid_level(), skd=1, svd=1)
         ptr = dict(k_ptr=ty, v_ptr=ty)
         divisible = ("skb", "skh", "skl", "svb", "svh", "svl")
     else:

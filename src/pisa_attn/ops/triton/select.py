@@ -37,8 +37,8 @@ from .. import reference as _ref
 from ..launch import Launcher, spec_class
 from ..selection import Selection
 from ._common import compile_sm90, interpreting, next_pow2, sm_count
-from . import grid as _grid
 from .grid import await_prior_grid, grid_dependency
+from .grid import level as grid_level
 from .pairs import union_width
 
 MAX_FUSED_BLOCKS = 4096
@@ -273,12 +273,12 @@ def compile_for_sm90(nk: int, cov: bool = True, keep: bool = False, head_dim: in
     if _fused(nk):
         fn, warps = _select_kernel, FUSED["warps"]
         cons = dict(R=rows or FUSED["rows"], NKP=nkp, D=head_dim, COV=cov, HAS_KEEP=keep, REP=1,
-                    PREC=SCORES_PRECISION, BITS=_topk_config(nkp)[2], PDL=_grid.level())
+                    PREC=SCORES_PRECISION, BITS=_topk_config(nkp)[2], PDL=grid_level())
         ptr.update(qmean_ptr="*fp32", kmean_ptr="*fp32")
     else:
         fn = _topk_kernel
         r, warps, bits_ = _topk_config(nkp)
-        cons = dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=keep, REP=1, BITS=bits_, PDL=_grid.level())
+        cons = dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=keep, REP=1, BITS=bits_, PDL=grid_level())
         ptr.update(scores_ptr="*fp32")
     return compile_sm90(fn, ptr, cons, aligned=True, num_warps=warps)
 
