@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -23,6 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from pisa_attn import PisaSettings, pisa_attention, plan, run
 from pisa_attn.bench.kernels import capture_graph
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import exact_loop as el  # noqa: E402
 
 # Kernel name substrings -> phase (first match wins; anything else is "other": memsets, copies).
 # The union of a CTA's exact blocks (``_pair_union`` / ``_triple_union``) and any copy are "other".
@@ -97,11 +101,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "phase_table.json"))
     a = ap.parse_args(argv)
-    import triton
-
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "shape": "B2-H16-D128", "dtype": "bfloat16", "density": a.density, "rows": []}
-    print(f"{res['device']}, torch {torch.__version__}, triton {triton.__version__}, B2-H16-D128 bf16, "
+    res = dict(el.toolchain(cudnn=False), shape="B2-H16-D128", dtype="bfloat16", density=a.density, rows=[])
+    print(f"{res['device']}, torch {res['torch']}, triton {res['triton']} (ptxas {res['ptxas']}), B2-H16-D128 bf16, "
           f"density {a.density}")
     print(f"{'L':>6} {'case':16} {'GPU ms':>8} {'attend':>8} {'stats':>8} {'select':>8} {'other':>8} "
           f"{'host us':>8} {'eager ms':>9} {'graph ms':>9} {'x cuDNN':>8}")
