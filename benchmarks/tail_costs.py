@@ -50,7 +50,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", nargs="+", default=None, help="keep cases whose name holds one of these")
     ap.add_argument("--whole", action="store_true", help="also the whole default call, tail maximum auto/online")
-    ap.add_argument("--q-smem", action="store_true", help="also every case with the query tile in shared memory")
+    ap.add_argument("--q-smem", action="store_true",
+                    help="each case with the query tile in registers (-qr) and in shared memory (-qs)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tail_costs.json"))
     a = ap.parse_args(argv)
     rows = []
