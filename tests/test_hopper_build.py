@@ -66,6 +66,7 @@ def test_pair_kernel_builds_for_sm90a(built, name):
     assert r["tma"] >= 3 + VARIANTS[name][8]  # q (one per query block), k, v in, o out
     assert r["setmaxnreg"] > 0
     assert r["local"] == 0  # in the PTX
+    assert r["grid_wait"] == 1  # launched as a programmatic dependent: it waits for the kernel before
     device_ptxas = r["triton"].split(".")[:2] == ["3", "6"]
     even_or_d64 = VARIANTS[name][2] or VARIANTS[name][0] == 64
     # The exact loop under the bound of its scores (bfloat16, sequential loop, unless "online"):

@@ -53,6 +53,8 @@ from .. import kernel_constants
 from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
+from ..triton.grid import grid_dependency
+from ..triton.grid import level as grid_level
 from ..triton.pairs import pair_match, pair_union, triple_union, triple_width, union_width
 
 LN2 = gl.constexpr(kernel_constants.LN2)
@@ -772,6 +774,15 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha
             efix, EXACT_SLACK >= 0)
 
 
+@gluon.jit
+def await_prior_grid(PDL: gl.constexpr):
+    """The kernel's first statement (before its partitions start, so every one of them is behind
+    it): with ``PDL`` ≥ 1 (launched as a programmatic dependent of the chain's last kernel) wait
+    until that kernel has finished and its writes are visible. Gluon has no builtin for it."""
+    if PDL >= 1:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
 def _pair_attn_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc, cd_desc,
@@ -781,9 +792,10 @@ def _pair_attn_kernel(
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, Q_REG: gl.constexpr, HAS_QPAIR: gl.constexpr,
     PIPELINE: gl.constexpr, CODES: gl.constexpr, NCH: gl.constexpr, CW: gl.constexpr, NC: gl.constexpr,
-    TAIL_SLACK: gl.constexpr, HB_RING: gl.constexpr, EXACT_SLACK: gl.constexpr,
+    TAIL_SLACK: gl.constexpr, HB_RING: gl.constexpr, EXACT_SLACK: gl.constexpr, PDL: gl.constexpr = 0,
 ):
     # One CTA per group of NC query blocks (a pair, or three adjacent blocks: NC consumers).
+    await_prior_grid(PDL)
     pair = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
@@ -1106,6 +1118,7 @@ def attention(
     w2 = uidx.shape[-1]
     use_codes, cw, nch = code_chunks(w2, CODES if codes is None else bool(codes))
     hb_ring = hbar_in_ring(mode, nc, d, bs)
+    pdl = grid_dependency(q.device)
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
                uidx.view(-1, w2))
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, bs if hb_ring else d, d], [1, cw])
@@ -1114,15 +1127,15 @@ def attention(
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale, first_order_shift(bs, scale))
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
                       HAS_QPAIR=has_qpair, PIPELINE=pipe, CODES=use_codes, NCH=nch, CW=cw, NC=nc,
-                      TAIL_SLACK=slack, HB_RING=hb_ring, EXACT_SLACK=exact_slack)
+                      TAIL_SLACK=slack, HB_RING=hb_ring, EXACT_SLACK=exact_slack, PDL=pdl)
     popt = ptxas_options(mode, nc)
     key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc, slack, exact_slack,
-           popt, tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
+           popt, pdl, tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
             full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS[nc],
-            **({} if popt is None else dict(ptx_options=popt)))
+            launch_pdl=pdl > 0, **({} if popt is None else dict(ptx_options=popt)))
     return out, lse
 
 
@@ -1215,7 +1228,8 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                       HB_RING=hbar_in_ring(mode, query_group, d, bs),
                       EXACT_SLACK=exact_max_slack("bound" if exact_max is None else exact_max, None, x, 1,
                                                   query_group == 2 and (
-                                                      PIPELINE if pipeline is None else bool(pipeline)), 0))
+                                                      PIPELINE if pipeline is None else bool(pipeline)), 0),
+                      PDL=grid_level())
     types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", kmax_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32", pw="fp32")

@@ -57,9 +57,11 @@ from ...spec import PRODUCT_FORMATS
 from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
+from ..triton.grid import grid_dependency
+from ..triton.grid import level as grid_level
 from ..triton.pairs import pair_union, triple_union, triple_width, union_width
-from .attention import (MAX_REGS, TAIL_SLACK, _box, _finish, _reinterpret, _thread_barrier, _tma_load, first_order_shift,
-                        hbar_in_ring, tail_bound, tail_slack)
+from .attention import (MAX_REGS, TAIL_SLACK, _box, _finish, _reinterpret, _thread_barrier, _tma_load, await_prior_grid,
+                        first_order_shift, hbar_in_ring, tail_bound, tail_slack)
 
 # The probabilities' factor: 256 for e4m3 and the input dtype, 255 for the unsigned INT8 codes.
 P_SCALE = gl.constexpr(256.0)
@@ -556,9 +558,10 @@ def _fp8_pair_kernel(
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
     QK_INT8: gl.constexpr, PV8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
     LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
-    SLOT_META: gl.constexpr, TAIL_ALIAS: gl.constexpr, HB_RING: gl.constexpr,
+    SLOT_META: gl.constexpr, TAIL_ALIAS: gl.constexpr, HB_RING: gl.constexpr, PDL: gl.constexpr = 0,
 ):
     # One CTA per group of NC adjacent query blocks (a pair or three: NC consumer warpgroups).
+    await_prior_grid(PDL)
     pair = gl.program_id(0)
     bh = gl.program_id(1)
     b = bh // H
@@ -919,16 +922,18 @@ def attention(
     if la not in (1, 2):
         raise ValueError(f"lookahead: 1 or 2 union entries, got {lookahead!r}")
     meta = slot_meta_for(precision_of(quant, v), nc, mode, lk % bs == 0, pipe, slot_meta)
+    pdl = grid_dependency(q.device)
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
                       PIPELINE=pipe, QK_INT8=qk_int8, PV8=pv8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la,
                       PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack, SLOT_META=meta, TAIL_ALIAS=alias,
-                      HB_RING=hb_ring)
+                      HB_RING=hb_ring, PDL=pdl)
     key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8, nc, slack, meta, alias,
-           tuple(x.data_ptr() % 16 == 0 for x in scalars[:11]))
+           pdl, tuple(x.data_ptr() % 16 == 0 for x in scalars[:11]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
-            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS[nc])
+            full_args=None if full is None else full + scalars, num_warps=4, maxnreg=MAX_REGS[nc],
+            launch_pdl=pdl > 0)
     return out, lse
 
 
@@ -970,7 +975,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                       LOOKAHEAD=LOOKAHEAD[pv8] if lookahead is None else int(lookahead), PV_INT8=pv_int8,
                       NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0,
                       SLOT_META=slot_meta_for(precision, query_group, mode, even_k, pipe, slot_meta),
-                      TAIL_ALIAS=alias, HB_RING=hb_ring)
+                      TAIL_ALIAS=alias, HB_RING=hb_ring, PDL=grid_level())
     types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", vcs_ptr="*i32",
                  qk_scale="fp32", scale="fp32", pw="fp32")

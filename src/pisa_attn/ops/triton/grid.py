@@ -1,5 +1,5 @@
 """Programmatic dependent launch for the kernels of one call's chain (statistics, selection, the
-query-block stream): each is launched so that the GPU may start it while the kernel before it in the
+query-block stream, the Hopper attention kernel): each is launched so that the GPU may start it while the kernel before it in the
 stream drains, and its first act is to wait for that kernel (``griddepcontrol.wait``: its writes
 are then visible), so the order of effects is the stream's. What it saves is the gap between
 kernels: the next one's launch, and with ``"trigger"`` its programs' start under the last wave of
