@@ -309,6 +309,11 @@ def test_quantize_kernel_int8_interpreted(monkeypatch, precision):
     assert qz.k8.dtype == torch.int8
     assert torch.equal(qz.sigma, sig) and torch.equal(qz.k8, k8)
     if precision == "int8":
+        # the exact loop's bound: max |k − μ| per channel (rows past Lk are not keys)
+        assert torch.equal(qz.kcmax.view(torch.float32), quant.smoothed_key_maxima(k, mu))
+    else:
+        assert qz.kcmax.numel() == 0
+    if precision == "int8":
         assert qz.v8t.numel() == 0 and qz.tau.numel() == 0 and qz.vcs.numel() == 0
     elif precision == "int8-int8":
         v8t, tau = quant.quantize_v(v, 64, "int8")
@@ -324,7 +329,7 @@ def test_quantize_kernel_int8_interpreted(monkeypatch, precision):
         quantize(k, v, kbar, kscale, 64, ws=qz, precision="fp8")
 
 
-@pytest.mark.parametrize(("precision", "with_hdev"), [("fp8", True), ("int8-int8", False)])
+@pytest.mark.parametrize(("precision", "with_hdev"), [("fp8", True), ("int8-int8", False), ("int8", True)])
 def test_prepare_writes_the_quantised_copies_interpreted(monkeypatch, precision, with_hdev):
     """``prepare(quant=)`` writes the standalone pass's copies (the ``|v|`` maximum from its own
     read of V; bit for bit here: both paths round through the interpreter's casts), keeps the
@@ -340,7 +345,7 @@ def test_prepare_writes_the_quantised_copies_interpreted(monkeypatch, precision,
     st = prepare(q, k, v, 64, with_hdev=with_hdev, quant=precision)
     plain = prepare(q, k, v, 64, with_hdev=with_hdev)
     qz = quantize(k, v, plain.kbar, plain.kscale, 64, precision=precision)
-    for f in ("mu", "k8", "sigma", "v8t", "tau", "vcs"):
+    for f in ("mu", "k8", "sigma", "v8t", "tau", "vcs", "kcmax"):
         a, b = getattr(st.quant, f), getattr(qz, f)
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == quant.E4M3 else a,
                                                   b.view(torch.uint8) if b.dtype == quant.E4M3 else b), f
@@ -456,3 +461,35 @@ def test_lowp_kernel_tail_alias_option_is_checked():
     assert not gfp8.tail_alias_for("int8", 3, "hybrid", False)
     assert gfp8.hbar_in_tail_ring(True, "hybrid", 3, 128, 64)
     assert not gfp8.hbar_in_tail_ring(True, "zeroth", 3, 128, 64) and not gfp8.hbar_in_tail_ring(True, "hybrid", 3, 64, 64)
+
+
+def test_lowp_exact_max_rule():
+    """The exact loop's maximum in the low-precision kernel: fixed at the bound of its scores only
+    with P·V in the input dtype (``int8``) in the sequential loop, from 16K keys by default
+    (``"auto"``); ``"bound"`` elsewhere is refused by name, as an unknown value is."""
+    pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
+    from types import SimpleNamespace
+
+    from pisa_attn.ops.hopper import attention as gattn
+    from pisa_attn.ops.hopper import fp8 as gfp8
+
+    q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
+    int8 = SimpleNamespace(kcmax=torch.zeros(1, 2, 64, dtype=torch.int32))
+    e4m3 = SimpleNamespace(kcmax=torch.zeros(0, 2, 64, dtype=torch.int32))
+    long, short = gattn.EXACT_MIN_KEYS, gattn.EXACT_MIN_KEYS - 1
+    bf16 = gattn.EXACT_SLACK[torch.bfloat16]
+    assert gfp8.exact_max_slack(None, int8, q, long, False, False, True) == bf16
+    assert gfp8.exact_max_slack(None, int8, q, short, False, False, True) == -1.0
+    assert gfp8.exact_max_slack("bound", int8, q, short, False, False, True) == bf16
+    assert gfp8.exact_max_slack("online", int8, q, long, False, False, True) == -1.0
+    assert gfp8.exact_max_slack(None, int8, q.half(), long, False, False, True) == -1.0  # float16 P: online
+    assert gfp8.exact_max_slack(None, e4m3, q, long, True, False, False) == -1.0  # e4m3 P: online
+    for args, what in (((e4m3, q, long, True, False, False), "8-bit values"),
+                       ((int8, q, long, False, True, True), "pipelined"),
+                       ((int8, q, long, False, False, False), "pv_accumulate")):
+        with pytest.raises(ValueError, match=f"exact_max='bound'.*{what}"):
+            gfp8.exact_max_slack("bound", *args)
+    with pytest.raises(ValueError, match="exact_max must be"):
+        gfp8.exact_max_slack("fixed", int8, q, long, False, False, True)
+    with pytest.raises(ValueError, match="no per-channel maxima"):
+        gfp8.exact_max_slack("bound", SimpleNamespace(kcmax=torch.zeros(0)), q, long, False, False, True)

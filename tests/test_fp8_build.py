@@ -25,7 +25,11 @@ SHAPES = {
 }
 PRECISIONS = ("fp8", "int8-fp8", "int8-int8", "int8")
 # INT8 P·V runs in the sequential loop only
-VARIANTS = {f"{p}-{n}": (*v, p) for p in PRECISIONS for n, v in SHAPES.items() if not (p == "int8-int8" and v[4])}
+VARIANTS = {f"{p}-{n}": (*v, p, "online") for p in PRECISIONS for n, v in SHAPES.items()
+            if not (p == "int8-int8" and v[4])}
+# P·V in the input dtype: the exact loop under the bound of its scores (three consumers without a
+# tail, pairs with one and a ragged Lk)
+VARIANTS.update({f"int8-{n}-bound": (*SHAPES[n], "int8", "bound") for n in ("D128-drop-bf16", "D128-hybrid-ragged-bf16")})
 
 
 def _query_group(name: str) -> int:
@@ -40,7 +44,7 @@ def built():
     variants = {n: (*v, _query_group(n)) for n, v in VARIANTS.items()}
     return build("from pisa_attn.ops.hopper.fp8 import compile_for_sm90",
                  "compile_for_sm90(args[0], args[1], args[2], getattr(torch, args[3]), pipeline=args[4], "
-                 "precision=args[5], query_group=args[6])", variants)
+                 "precision=args[5], exact_max=args[6], query_group=args[7])", variants)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -197,6 +197,67 @@ def test_lowp_large_magnitude_is_finite(mag, precision):
     assert rel_l1(out, oq) < 5 * QREF_TOL
 
 
+EXACT_FX_CASES = ("B1-H4-L2048-D128-hybrid", "B1-H4-L2048-D128-drop", "B1-H4-L1000-D128-hybrid-ragged",
+                  "B1-H8-Hk2-L2048-D128-hybrid-gqa", "B2-H4-L1536-D128-zeroth")
+
+
+@pytest.mark.parametrize("data", ["dit", "gaussian", "gauss30"])
+@pytest.mark.parametrize("name", EXACT_FX_CASES)
+def test_int8_exact_fixed_maximum(name, data):
+    """``int8`` (P·V in the input dtype): the exact loop under the bound of its scores
+    (``exact_max="bound"``, from the quantisation pass's ``max |k − μ|``) and the online loop, on
+    one selection: both within the bounds of the quantised reference and of float64 PISA. On
+    unit-scale heads the bound is used (the sums then round differently, so equal bits would mean
+    the fixed path never ran); at 30x magnitude it is too loose and the loop keeps the online
+    maximum, bit for bit the online result. The default (``"auto"``) is the online loop below
+    16K keys."""
+    from pisa_attn.ops.hopper import fp8 as _fp8
+
+    b, h, hk, lq, lk, d, mode = CASES[name]
+    mag = 30.0 if data == "gauss30" else 1.0
+    q, k, v = (dit if data == "dit" else qkv)(b, h, hk, lq, lk, d, seed=len(name), mag=mag)
+    p, _, sel = fp8_run(q, k, v, mode, precision="int8")
+    st = get_backend("hopper_int8").prepare(q, k, v, 64)
+    oq, o64 = references(q, k, v, p, sel, "int8")
+    outs = {}
+    for exact_max in ("bound", "online", None):
+        out, lse = _fp8.attention(q, st.quant, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk, v=v,
+                                  kbound=st.kbound, alpha=p.alpha, exact_max=exact_max)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), exact_max
+        if data == "gauss30":  # a peaked softmax: the quantised reference's bound (as for large magnitudes)
+            assert rel_l1(out, oq) < 5 * QREF_TOL, exact_max
+        else:
+            assert rel_l1(out, oq) < (QREF_TOL if data == "dit" else QREF_TOL_GAUSSIAN), (exact_max, rel_l1(out, oq))
+            assert rel_l1(out, o64) < F64_TOL, (exact_max, rel_l1(out, o64))
+        outs[exact_max] = (out, lse)
+    (fo, fl), (oo, ol), (ao, al) = outs["bound"], outs["online"], outs[None]
+    assert torch.equal(ao, oo) and torch.equal(al, ol)  # "auto" below 16K keys: online
+    if data == "gauss30":
+        assert torch.equal(fo, oo) and torch.equal(fl, ol)
+    else:
+        assert not torch.equal(fo, oo)
+        assert rel_l1(fo, oo) < 5e-3
+    print(f"\n[int8 {name} {data}] exact fixed vs online rel-L1 {rel_l1(fo, oo):.1e}, "
+          f"max |dLSE| {(fl - ol).abs().max().item():.1e}")
+
+
+def test_int8_exact_fixed_maximum_refused_where_it_cannot_run():
+    """``exact_max="bound"`` for e4m3 P: a ValueError naming it (the probabilities need a scale
+    near the row's own maximum); ``"auto"`` keeps their online loop."""
+    from pisa_attn.ops.hopper import fp8 as _fp8
+
+    q, k, v = qkv(1, 2, 2, 1024, 1024, 128, seed=3)
+    p, _, sel = fp8_run(q, k, v, precision="fp8")
+    st = get_backend("hopper_fp8").prepare(q, k, v, 64)
+    with pytest.raises(ValueError, match="exact_max"):
+        _fp8.attention(q, st.quant, *st.tail(), *sel, mode="hybrid", scale=p.scale, block_size=64, lk=1024,
+                       kbound=st.kbound, exact_max="bound")
+    with pytest.raises(ValueError, match="exact_max must be"):
+        _fp8.attention(q, st.quant, *st.tail(), *sel, mode="hybrid", scale=p.scale, block_size=64, lk=1024,
+                       kbound=st.kbound, exact_max="fixed")
+
+
 @pytest.mark.parametrize("precision", LOWP)
 def test_lowp_tail_maximum_is_finite(precision):
     """A row whose largest score is a centroid of a tail block (the exact blocks far below it)."""

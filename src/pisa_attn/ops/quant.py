@@ -140,6 +140,12 @@ def quantize_k(k: Tensor, mu: Tensor, block_size: int, fmt: str = "e4m3") -> tup
     return k8, sigma[..., ::block_size, 0]
 
 
+def smoothed_key_maxima(k: Tensor, mu: Tensor) -> Tensor:
+    """``max_n |k_nd − μ_d|`` per channel ``[B, Hk, D]`` float32 over the head's ``[B, Hk, Lk, D]``
+    keys: with P·V in the input dtype the exact loop bounds its scores by ``s·Σ_d |q_d|·this``."""
+    return (k.float() - mu.float()[:, :, None, :]).abs().amax(2)
+
+
 def quantize_kv(k: Tensor, v: Tensor, mu: Tensor, block_size: int):
     """``(k8 [B, Hk, Lk', D], sigma [B, Hk, Nk], v8t [B, Hk, D, Lk'], tau [B, Hk, D])`` from
     ``[B, Hk, Lk, D]`` keys and values, all in e4m3 (see the module docstring); ``Lk'`` =

@@ -24,7 +24,8 @@ constexprs pick the formats (:data:`pisa_attn.spec.PRODUCT_FORMATS`):
   sums) back, exactly, before the block's scales and its factor ``exp2(b − m)`` multiply it.
   Without ``PV8``, ``256·p`` in the input dtype against ``v`` itself (the input kernel's
   operands; the 256 is exact). Either way one product per block is added to a float32
-  accumulator.
+  accumulator. With P in the input dtype the loop's maximum may be fixed at the per-row bound of
+  its scores (:data:`EXACT_MAX`, as the input kernel's exact loop: no row maximum, no rescale).
 
 The centroid tail, the first-order term and the output store are the input-precision kernel's
 (:func:`.attention._finish`: float16 centroid scores, bf16/fp16 ``P·V̂``, the tail's maximum fixed
@@ -60,8 +61,8 @@ from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.grid import grid_dependency
 from ..triton.grid import level as grid_level
 from ..triton.pairs import pair_union, triple_union, triple_width, union_width
-from .attention import (MAX_REGS, TAIL_SLACK, _box, _finish, _reinterpret, _thread_barrier, _tma_load, await_prior_grid,
-                        first_order_shift, hbar_in_ring, tail_bound, tail_slack)
+from .attention import (EXACT_SLACK, MAX_REGS, TAIL_SLACK, _box, _finish, _reinterpret, _thread_barrier, _tma_load,
+                        await_prior_grid, exact_mode, first_order_shift, hbar_in_ring, tail_bound, tail_slack)
 
 # The probabilities' factor: 256 for e4m3 and the input dtype, 255 for the unsigned INT8 codes.
 P_SCALE = gl.constexpr(256.0)
@@ -197,6 +198,43 @@ def _exact_softmax(raw, a, m_i, l_i, j, LK, cols8, BS: gl.constexpr, EVEN_K: gl.
 
 
 @gluon.jit
+def _exact_fx(raw, a, m_i, l_i, acc, fx, v_slot, j, LK, cols8, dtype: gl.constexpr, p8_layout: gl.constexpr,
+              o8_layout: gl.constexpr, row8: gl.constexpr, BS: gl.constexpr, EVEN_K: gl.constexpr,
+              P_LOG2: gl.constexpr, SLACK: gl.constexpr):
+    """One exact block with P in the input dtype under a maximum fixed at the per-row bound of the
+    scores (``fx`` 1: no row maximum, no rescale; P·V into ``acc`` in the wgmma), as the
+    input-precision kernel's :func:`.attention._exact_step_fx`: until the first owned block
+    (``fx`` 0) ``m_i`` holds the bound, and that block's maximum decides whether it stays (bound at
+    most ``SLACK`` above it in every row) or the online maximum takes over (``fx`` 2) from this
+    block on, computed as the online loop computes it (the same bits). Scores ``raw·a`` as
+    :func:`_exact_softmax` (the row's s·q·μ left out)."""
+    if fx == 0:
+        if EVEN_K:
+            m_blk = gl.max(raw, axis=1) * a
+        else:
+            m_blk = gl.max(gl.where((j * BS + cols8 < LK)[None, :], raw * a[:, None], float("-inf")), axis=1)
+        gap = gl.where(m_blk == float("-inf"), float("inf"), m_i - m_blk)
+        if gl.max(gap, axis=0) <= SLACK:
+            fx = fx * 0 + 1
+        else:
+            fx = fx * 0 + 2
+            m_i = gl.full([BS], float("-inf"), gl.float32, layout=row8)
+    if fx == 1:
+        if EVEN_K:
+            p = gl.exp2(raw * a[:, None] + (P_LOG2 - m_i)[:, None])
+        else:
+            x = gl.where((j * BS + cols8 < LK)[None, :], raw * a[:, None], float("-inf"))
+            p = gl.exp2(x + (P_LOG2 - m_i)[:, None])
+        l_i = l_i + gl.sum(p, axis=1)
+    else:
+        m_i, l_i, rescale, p, f = _exact_softmax(raw, a, m_i, l_i, j, LK, cols8, BS, EVEN_K, P_LOG2, False)
+        acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+    acc = _pv_issue(_pv_operand(p, dtype, p8_layout, False), v_slot, acc, False, BS, True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return m_i, l_i, acc, fx
+
+
+@gluon.jit
 def _row_dot(q_s, vec_ptr, qk_scale, BS: gl.constexpr, D: gl.constexpr, row_s: gl.constexpr):
     """``s·q·v`` per row of the query tile ``q_s`` (``v``: ``D`` floats at ``vec_ptr``), read as
     :func:`.attention._tail_bound` reads the tile (64 columns at a time)."""
@@ -328,14 +366,15 @@ def _tail_slot_wait(t, n_union, empty, tempty, STAGES: gl.constexpr, TSTAGES: gl
 
 @gluon.jit
 def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
-              q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
+              kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
               turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
               qk_scale, scale, pw,
               CID: gl.constexpr, BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr,
               STAGES: gl.constexpr, TSTAGES: gl.constexpr, MODE: gl.constexpr, EVEN_K: gl.constexpr,
               LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr, QK_INT8: gl.constexpr, PV8: gl.constexpr,
               PV_ACC: gl.constexpr, PINGPONG: gl.constexpr, LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr,
-              NC: gl.constexpr, TAIL_SLACK: gl.constexpr, SLOT_META: gl.constexpr, HB_RING: gl.constexpr):
+              NC: gl.constexpr, TAIL_SLACK: gl.constexpr, SLOT_META: gl.constexpr, HB_RING: gl.constexpr,
+              EXACT_SLACK: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -393,6 +432,13 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
 
     row8: gl.constexpr = gl.SliceLayout(1, s8_layout)
     m_i = gl.full([BS], float("-inf"), gl.float32, layout=row8)
+    if EXACT_SLACK >= 0:
+        # P in the input dtype: the exact loop's maximum may be fixed at a per-row bound of its
+        # scores, s·Σ_d |q_d|·max_n |k_nd − μ_d| (the smoothed keys' per-channel maxima, from the
+        # quantisation pass), in the loop's frame (without s·q·μ). Until the first owned block m_i
+        # holds it (``fx`` 0); that block decides (:func:`.attention._exact_step_fx`).
+        kc = gl.load(kcmax_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, qrow_layout)))
+        m_i = gl.convert_layout(gl.sum(gl.abs(qf) * kc[None, :], axis=1) * qk_scale, row8)
     l_i = gl.zeros([BS], gl.float32, layout=row8)
     acc = gl.zeros([BS, D], gl.float32, layout=o8_layout)
     if PV_HALVES:
@@ -409,6 +455,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
     q_rs = gl.convert_layout(q_rs, row8)
 
     n_union = gl.load(ucnt_ptr + pair_row)
+    fx = n_union * 0  # the fixed maximum's state (EXACT_SLACK)
     ubase = uidx_ptr + pair_row * W2
     sig_base = sig_ptr + bhk * NK
     if not SLOT_META:
@@ -498,9 +545,16 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
                 sc = _qk_issue(q8, k_bufs.index(s), s8_zero, QK_INT8, D)
                 _turn_pass(turn, CID, PINGPONG)
                 raw = _qk_raw(sc, 0, QK_INT8)
-                m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, m_i, l_i, code >> NC, LK, cols8, BS,
-                                                      EVEN_K, P_LOG2, PV_INT8)
-                if PV_HALVES:
+                if EXACT_SLACK >= 0:
+                    m_i, l_i, acc, fx = _exact_fx(raw, q_rs * sig, m_i, l_i, acc, fx, v_bufs.index(s), code >> NC,
+                                                  LK, cols8, q_s.dtype, p8_layout, o8_layout, row8, BS, EVEN_K,
+                                                  P_LOG2, EXACT_SLACK)
+                else:
+                    m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, m_i, l_i, code >> NC, LK, cols8, BS,
+                                                          EVEN_K, P_LOG2, PV_INT8)
+                if EXACT_SLACK >= 0:
+                    pass  # the block's P·V is in ``acc``
+                elif PV_HALVES:
                     acc_lo, acc_hi = _pv_halves(_pv_operand(p, q_s.dtype, ph_layout, PV8), v_bufs.index(s), acc_lo,
                                                 acc_hi, gl.convert_layout(rescale, gl.SliceLayout(1, oh_layout)),
                                                 BS, D)
@@ -545,20 +599,22 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
     # The input-precision kernel's tail (on the tail ring), first-order term and output.
     _finish(q_s, kb_bufs, vb_bufs, tready, tempty, 0, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
-            BS, D, C, TSTAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout, HB_RING)
+            BS, D, C, TSTAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout, HB_RING,
+            (fx == 1).to(gl.int32), EXACT_SLACK >= 0)
 
 
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "LKP", "NQ", "NK", "W2", "NW"])
 def _fp8_pair_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc,
     kscale_ptr, kbound_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
-    H, HK, LQ, LK, LKP, NQ, NK, W2, NW,
+    kcmax_ptr, H, HK, LQ, LK, LKP, NQ, NK, W2, NW,
     qk_scale, scale, pw,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
     MODE: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, PIPELINE: gl.constexpr,
     QK_INT8: gl.constexpr, PV8: gl.constexpr, PV_ACC: gl.constexpr, PINGPONG: gl.constexpr,
     LOOKAHEAD: gl.constexpr, PV_INT8: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
-    SLOT_META: gl.constexpr, TAIL_ALIAS: gl.constexpr, HB_RING: gl.constexpr, PDL: gl.constexpr = 0,
+    SLOT_META: gl.constexpr, TAIL_ALIAS: gl.constexpr, HB_RING: gl.constexpr, EXACT_SLACK: gl.constexpr = -1.0,
+    PDL: gl.constexpr = 0,
 ):
     # One CTA per group of NC adjacent query blocks (a pair or three: NC consumer warpgroups).
     await_prior_grid(PDL)
@@ -637,15 +693,17 @@ def _fp8_pair_kernel(
                        code_ring, sig_ring, uidx_ptr, ucnt_ptr, sig_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
                        BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC, SLOT_META, TAIL_ALIAS, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
-                         q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                         kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING,
+                         EXACT_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
-                         q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                         kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING,
+                         EXACT_SLACK)),
         ], [4, 4], [240, 240])
     else:
         gl.warp_specialize([
@@ -654,20 +712,23 @@ def _fp8_pair_kernel(
                        code_ring, sig_ring, uidx_ptr, ucnt_ptr, sig_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
                        BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC, SLOT_META, TAIL_ALIAS, HB_RING)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
-                         q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                         kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING,
+                         EXACT_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
-                         q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                         kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING,
+                         EXACT_SLACK)),
             (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
-                         q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
+                         kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 2, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
-                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING)),
+                         QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING,
+                         EXACT_SLACK)),
         ], [4, 4, 4], [160, 160, 160])
 
 
@@ -833,6 +894,33 @@ def _desc(x: Tensor, block: list[int]) -> TensorDescriptor:
 
 _launch = Launcher(_fp8_pair_kernel)
 
+# The exact loop's maximum, for P·V in the input dtype (``"int8"``): fixed at the per-row bound of
+# its scores where tight enough (as the input-precision kernel's, :data:`.attention.EXACT_MAX`;
+# "auto": from :data:`.attention.EXACT_MIN_KEYS` keys on), or online. The e4m3 P formats keep the
+# online maximum: their probabilities need a scale near the row's own maximum. H100, attend alone,
+# bound against online (benchmarks/results/h100_int8_exact_max.json): keep-or-drop 12-17 % faster
+# at 32K, 8-10 % at 64K; hybrid 5-12 %.
+EXACT_MAX = "auto"
+
+
+def exact_max_slack(exact_max: str | None, quant, q: Tensor, lk: int, pv8: bool, pipeline: bool,
+                    pv_accumulate: bool) -> float:
+    """The kernel's ``EXACT_SLACK`` for ``exact_max`` (None: :data:`EXACT_MAX`; -1: the online
+    maximum). ``"bound"`` where the loop cannot take it is a ValueError naming ``exact_max``."""
+    mode = exact_mode(EXACT_MAX if exact_max is None else exact_max, lk)
+    if mode == "online":
+        return -1.0
+    if pv8 or pipeline or not pv_accumulate:
+        if exact_max == "bound":
+            raise ValueError("exact_max='bound' needs P·V in the input dtype (precision 'int8') accumulated in the "
+                             "sequential loop; this call has "
+                             + ("8-bit values" if pv8 else "the pipelined loop" if pipeline else "pv_accumulate=False"))
+        return -1.0
+    if quant.kcmax.numel() == 0:
+        raise ValueError("exact_max: the quantised keys hold no per-channel maxima of |k − μ| (a quant_workspace "
+                         "of a precision with 8-bit values)")
+    return EXACT_SLACK.get(q.dtype, -1.0)
+
 
 def attention(
     q: Tensor, quant, kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor,
@@ -843,7 +931,7 @@ def attention(
     pipeline: bool | None = None, v: Tensor | None = None, pv_accumulate: bool | None = None,
     pingpong: bool | None = None, lookahead: int | None = None, query_group: int | None = None,
     kbound: Tensor | None = None, tail_max: str | None = None, slot_meta: bool | None = None,
-    tail_alias: bool | None = None,
+    tail_alias: bool | None = None, exact_max: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The low-precision kernel for a given selection: ``q`` a ``[B, H, Lq, D]`` view,
     ``quant`` the :class:`pisa_attn.ops.triton.quantize.Quantized` keys (int8 or e4m3: the format
@@ -862,7 +950,9 @@ def attention(
     over the exact ring's (None: :func:`tail_alias_for`). ``query_group``:
     adjacent query blocks per CTA, 2 or 3 (None: :func:`query_group_for`, or 2 with ``pipeline`` or
     ``pingpong``; 3 runs neither the pipelined loop nor ping-pong). ``kbound``, ``tail_max``: the tail's maximum, as
-    :func:`.attention.attention` takes them."""
+    :func:`.attention.attention` takes them. ``exact_max``: the exact loop's maximum (None:
+    :data:`EXACT_MAX`; :func:`exact_max_slack`), fixed at the bound from ``quant.kcmax`` only for
+    P·V in the input dtype."""
     del cnt
     b, h, lq, d = q.shape
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
@@ -886,6 +976,13 @@ def attention(
     st, tst = stages or ring_depths(d, mode != "drop", pv8, nc, alias)
     if alias and st != 2 * tst:
         raise ValueError(f"stages: a tail laid over the exact ring has half as many slots, got {stages!r}")
+    pv_int8 = pv8 and quant.v8t.dtype == torch.int8
+    pipe = nc == 2 and (PIPELINE if pipeline is None else bool(pipeline))
+    pv_acc = PV_ACCUMULATE[pv8] if pv_accumulate is None else bool(pv_accumulate)
+    if pv_int8 and (pipe or pv_acc):
+        raise ValueError("pipeline / pv_accumulate: INT8 P·V runs in the sequential loop, each block's product "
+                         "from zero")
+    exact_slack = exact_max_slack(exact_max, quant, q, lk, pv8, pipe, pv_acc)
     if out is None:
         out = _alloc_like_layout(q)
     if lse is None:
@@ -902,21 +999,16 @@ def attention(
     alpha = alpha_arg(alpha, h, q.device)
     m = MODE_IDS[mode]
     qk_int8 = quant.k8.dtype == torch.int8
-    pv_int8 = pv8 and quant.v8t.dtype == torch.int8
     tensors = (q, quant.k8, quant.v8t if pv8 else v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d),
                hbar.view(b * hk, d, d))
     blocks = ([1, 1, bs, d], [1, 1, bs, d], [1, 1, d, bs] if pv8 else [1, 1, bs, d], [1, 1, bs, d], [1, bs, d],
               [1, bs, d], [1, bs if hb_ring else d, d])
     tau = quant.tau if pv8 else quant.sigma  # unread without 8-bit values
     vcs = quant.vcs if pv_int8 else quant.sigma  # unread without int8 values
-    scalars = (kscale, kbound, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu, vcs,
+    kcmax = quant.kcmax.view(torch.float32) if exact_slack >= 0 else quant.sigma  # unread online
+    scalars = (kscale, kbound, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu, vcs, kcmax,
                h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale,
                first_order_shift(bs, scale))
-    pipe = nc == 2 and (PIPELINE if pipeline is None else bool(pipeline))
-    pv_acc = PV_ACCUMULATE[pv8] if pv_accumulate is None else bool(pv_accumulate)
-    if pv_int8 and (pipe or pv_acc):
-        raise ValueError("pipeline / pv_accumulate: INT8 P·V runs in the sequential loop, each block's product "
-                         "from zero")
     pp = nc == 2 and (PINGPONG if pingpong is None else bool(pingpong))
     la = LOOKAHEAD[pv8] if lookahead is None else lookahead
     if la not in (1, 2):
@@ -926,9 +1018,9 @@ def attention(
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, TSTAGES=tst, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs),
                       PIPELINE=pipe, QK_INT8=qk_int8, PV8=pv8, PV_ACC=pv_acc, PINGPONG=pp, LOOKAHEAD=la,
                       PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack, SLOT_META=meta, TAIL_ALIAS=alias,
-                      HB_RING=hb_ring, PDL=pdl)
+                      HB_RING=hb_ring, EXACT_SLACK=exact_slack, PDL=pdl)
     key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8, nc, slack, meta, alias,
-           pdl, tuple(x.data_ptr() % 16 == 0 for x in scalars[:11]))
+           exact_slack, pdl, tuple(x.data_ptr() % 16 == 0 for x in scalars[:12]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
@@ -942,9 +1034,10 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                      pipeline: bool | None = None, precision: str = "fp8", pingpong: bool | None = None,
                      lookahead: int | None = None, query_group: int = 2, tail_max: str = "auto",
                      pv_accumulate: bool | None = None, slot_meta: bool | None = None,
-                     tail_alias: bool | None = None):
+                     tail_alias: bool | None = None, exact_max: str = "online"):
     """Compile the low-precision pair kernel for sm_90a without a GPU (as
-    :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``."""
+    :func:`.attention.compile_for_sm90`), the products in the formats of ``precision``;
+    ``exact_max="bound"``: the exact loop under the bound of its scores (P·V in the input dtype)."""
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
     pv8 = pv_fmt != "input"
     pv_int8 = pv_fmt == "int8"
@@ -975,9 +1068,12 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                       LOOKAHEAD=LOOKAHEAD[pv8] if lookahead is None else int(lookahead), PV_INT8=pv_int8,
                       NC=query_group, TAIL_SLACK=TAIL_SLACK[dtype] if tail_max == "auto" else -1.0,
                       SLOT_META=slot_meta_for(precision, query_group, mode, even_k, pipe, slot_meta),
-                      TAIL_ALIAS=alias, HB_RING=hb_ring, PDL=grid_level())
+                      TAIL_ALIAS=alias, HB_RING=hb_ring, PDL=grid_level(),
+                      EXACT_SLACK=EXACT_SLACK[dtype] if exact_max == "bound" else -1.0)
+    if exact_max == "bound" and (pv8 or pipe):
+        raise ValueError("exact_max='bound' needs P·V in the input dtype in the sequential loop")
     types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
-                 alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", vcs_ptr="*i32",
+                 alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", vcs_ptr="*i32", kcmax_ptr="*fp32",
                  qk_scale="fp32", scale="fp32", pw="fp32")
     sig = {}
     for name in _fp8_pair_kernel.arg_names:

@@ -14,7 +14,9 @@ the ``|v|`` maximum from its own read of V):
   per-block scale ``σ`` ``[B, Hk, Nk]``, and of ``v8`` transposed ``[B, Hk, D, Lk']``: e4m3 with
   the per-channel scales ``τ`` ``[B, Hk, D]`` of the ``|v|`` pass, or int8 with one scale per
   block and channel ``τ`` ``[B, Hk, Nk, D]`` from the block's own rows, and the block's code sums
-  per channel ``[B, Hk, Nk, D]`` (int32; the kernel's offset P codes need them). ``Lk'`` is
+  per channel ``[B, Hk, Nk, D]`` (int32; the kernel's offset P codes need them); with values in the
+  input dtype also ``max |k − μ|`` per channel over the head (atomic max of the bits, as ``|v|``
+  above: the bound of the exact loop's scores). ``Lk'`` is
   ``Lk`` rounded up to whole blocks: the rows past ``Lk`` are written as zeros, so the attention
   kernel's TMA boxes never leave a tensor.
 
@@ -57,12 +59,14 @@ def _int8_scale(amax):
 
 
 @triton.jit(do_not_specialize=["NK"])
-def _mu_kernel(kbar_ptr, kscale_ptr, mu_ptr, vmax_ptr, NK, D: tl.constexpr, TJ: tl.constexpr,
-               ZERO_VMAX: tl.constexpr):
+def _mu_kernel(kbar_ptr, kscale_ptr, mu_ptr, vmax_ptr, kcmax_ptr, NK, D: tl.constexpr, TJ: tl.constexpr,
+               ZERO_VMAX: tl.constexpr, ZERO_KCMAX: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     if ZERO_VMAX:
         tl.store(vmax_ptr + bh * D + offs_d, tl.zeros([D], dtype=tl.int32))
+    if ZERO_KCMAX:
+        tl.store(kcmax_ptr + bh * D + offs_d, tl.zeros([D], dtype=tl.int32))
     rows = tl.arange(0, TJ)
     acc = tl.zeros([D], dtype=tl.float32)
     for j0 in range(0, NK, TJ):
@@ -99,10 +103,11 @@ def _to_int8(x, inv):
 
 @triton.jit(do_not_specialize=["HK", "LK", "LKP", "NK"])
 def _quant_kernel(
-    k_ptr, v_ptr, mu_ptr, vmax_ptr, k8_ptr, sig_ptr, v8_ptr, tau_ptr, vcs_ptr,
+    k_ptr, v_ptr, mu_ptr, vmax_ptr, k8_ptr, sig_ptr, v8_ptr, tau_ptr, vcs_ptr, kcmax_ptr,
     skb, skh, skl, skd, svb, svh, svl, svd,
     HK, LK, LKP, NK,
     BS: tl.constexpr, D: tl.constexpr, K_INT8: tl.constexpr, WITH_V: tl.constexpr, V_INT8: tl.constexpr,
+    KCMAX: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     j = pid % NK
@@ -116,7 +121,10 @@ def _quant_kernel(
     k = tl.load(k_ptr + b * skb + h * skh + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
     mu = tl.load(mu_ptr + bh * D + offs_d)
     kc = tl.where(valid, k.to(tl.float32) - mu[None, :], 0.0)
-    kmax = tl.max(tl.max(tl.abs(kc), axis=1), axis=0)
+    kabs = tl.max(tl.abs(kc), axis=0)
+    kmax = tl.max(kabs, axis=0)
+    if KCMAX:  # max |k − μ| per channel over the head: non-negative floats order as their bits
+        tl.atomic_max(kcmax_ptr + bh * D + offs_d, kabs.to(tl.int32, bitcast=True))
     if K_INT8:
         sig, sig_inv = _int8_scale(kmax)
         k8 = _to_int8(kc, sig_inv)
@@ -154,6 +162,9 @@ class Quantized:
     tau: Tensor  # float32 [B, Hk, D] (e4m3 values) or [B, Hk, Nk, D] (int8 values)
     vmax: Tensor  # [B, Hk, D] int32: the bits of max |v| per channel (scratch)
     vcs: Tensor  # [B, Hk, Nk, D] int32: per block and channel, the sum of the int8 value codes
+    # [B, Hk, D] int32: the bits of max |k − μ| per channel over the head (P·V in the input dtype
+    # only: the bound of the exact loop's scores)
+    kcmax: Tensor
 
 
 _K_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
@@ -168,10 +179,12 @@ def _buffers(b: int, hk: int, lk: int, d: int, block_size: int, precision: str) 
     nv = 0 if pv_fmt == "input" else b  # value copies
     ne = b if pv_fmt == "e4m3" else 0  # the |v| pass's scratch
     ni = b if pv_fmt == "int8" else 0  # int8 values' per-block scales and code sums
+    nb = b if needs_kcmax(precision) else 0
     f32, i32 = torch.float32, torch.int32
     return dict(mu=((b, hk, d), f32), k8=((b, hk, lkp, d), _K_DTYPES[qk_fmt]), sigma=((b, hk, nk), f32),
                 v8t=((nv, hk, d, lkp), torch.int8 if ni else torch.float8_e4m3fn),
-                tau=((ni, hk, nk, d) if ni else (nv, hk, d), f32), vmax=((ne, hk, d), i32), vcs=((ni, hk, nk, d), i32))
+                tau=((ni, hk, nk, d) if ni else (nv, hk, d), f32), vmax=((ne, hk, d), i32), vcs=((ni, hk, nk, d), i32),
+                kcmax=((nb, hk, d), i32))
 
 
 def quant_workspace(b: int, hk: int, lk: int, d: int, block_size: int, device, precision: str = "fp8") -> Quantized:
@@ -199,6 +212,12 @@ def needs_vmax(precision: str) -> bool:
     return PRODUCT_FORMATS[precision][1] == "e4m3"
 
 
+def needs_kcmax(precision: str) -> bool:
+    """Whether the pass takes the keys' per-channel ``max |k − μ|`` (P·V in the input dtype, whose
+    exact loop may fix its maximum at the bound of its scores)."""
+    return PRODUCT_FORMATS[precision][1] == "input"
+
+
 def checked(ws: Quantized, k: Tensor, block_size: int, precision: str, name: str = "ws") -> Quantized:
     """``ws`` if its buffers are those of ``[B, Hk, Lk, D]`` keys ``k`` in ``precision``, else a
     ValueError naming ``name``."""
@@ -214,8 +233,10 @@ def launch_mu(kbar: Tensor, kscale: Tensor, ws: Quantized, precision: str, *, ze
     :func:`quantize`'s own ``|v|`` pass)."""
     b, hk, nk, d = kbar.shape
     zero = zero_vmax and needs_vmax(precision)
-    _launch_mu((d,), (b * hk,), (kbar, kscale, ws.mu, ws.vmax if zero else ws.sigma, nk),
-               dict(D=d, TJ=32, ZERO_VMAX=zero), num_warps=4)
+    kc = needs_kcmax(precision)
+    _launch_mu((d,), (b * hk,), (kbar, kscale, ws.mu, ws.vmax if zero else ws.sigma, ws.kcmax if kc else ws.sigma,
+                                 nk),
+               dict(D=d, TJ=32, ZERO_VMAX=zero, ZERO_KCMAX=kc), num_warps=4)
 
 
 def launch_quant(k: Tensor, v: Tensor, ws: Quantized, precision: str, block_size: int) -> None:
@@ -228,10 +249,12 @@ def launch_quant(k: Tensor, v: Tensor, ws: Quantized, precision: str, block_size
     vmax = ws.vmax if needs_vmax(precision) else ws.sigma
     v8t, tau = (ws.v8t, ws.tau) if fm["WITH_V"] else (ws.k8, ws.sigma)
     vcs = ws.vcs if fm["V_INT8"] else ws.sigma
+    kc = needs_kcmax(precision)
     strides = (*k.stride(), *v.stride())
     _launch_quant((k.dtype, v.dtype, block_size, d, precision, spec_class(k, v, *strides)), (b * hk * nk,),
-                  (k, v, ws.mu, vmax, ws.k8, ws.sigma, v8t, tau, vcs, *strides, hk, lk, nk * block_size, nk),
-                  dict(BS=block_size, D=d, **fm), num_warps=QUANT_WARPS,
+                  (k, v, ws.mu, vmax, ws.k8, ws.sigma, v8t, tau, vcs, ws.kcmax if kc else ws.sigma, *strides, hk, lk,
+                   nk * block_size, nk),
+                  dict(BS=block_size, D=d, KCMAX=kc, **fm), num_warps=QUANT_WARPS,
                   enable_fp_fusion=False)  # each rounding where the reference has it (no a·b + 0.5 in one FMA)
 
 
