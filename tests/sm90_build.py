@@ -44,6 +44,14 @@ def loop_stats(sass):
     serial = sum(sum("DEPBAR" in t for t in b) >= sum(bool(re.search(r"\\b[HQI]GMMA\\b", t)) for t in b)
                  for _, _, b in inner)
     return spills, serial
+def grid_wait_first(ptx):
+    # the grid wait before the kernel's first load, barrier set-up or bulk copy (None: no wait)
+    body = ptx[ptx.index("{{", ptx.index(".entry")):]
+    at = body.find("griddepcontrol.wait")
+    if at < 0:
+        return None
+    firsts = [body.find(s) for s in ("ld.global", "mbarrier.init", "cp.async") if s in body]
+    return not firsts or at < min(firsts)
 res = {{}}
 for name, args in json.loads(sys.argv[1]).items():
     k = {call}
@@ -59,6 +67,7 @@ for name, args in json.loads(sys.argv[1]).items():
                      wait1=len(re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+1;", ptx)),
                      setmaxnreg=len(re.findall(r"setmaxnreg", ptx)),
                      grid_wait=len(re.findall(r"griddepcontrol\\.wait", ptx)),
+                     grid_wait_first=grid_wait_first(ptx),
                      local=len(re.findall(r"\\b(?:ld|st)\\.local\\b", ptx)), cubin=len(k.asm["cubin"]),
                      **dict(zip(("spills", "loop_spills", "loop_serialized"), sass_spills(k.asm["cubin"]))))
 print(json.dumps(res))
@@ -76,7 +85,9 @@ def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
 def build(imports: str, call: str, variants: dict) -> dict:
     """Compile every variant (``call``: an expression of ``args``, the variant's tuple) and count
     in its PTX: wgmma (all, FP8, INT8), TMA copies (all, 2D), ``cp.async`` copies, ``wait_group 1``,
-    setmaxnreg, ``griddepcontrol.wait`` (``grid_wait``), global and local loads/stores; ``spills``: local stores and loads in the SASS, ``loop_spills``: those inside
+    setmaxnreg, ``griddepcontrol.wait`` (``grid_wait``; ``grid_wait_first``: it comes before the
+    first load, barrier set-up or copy), global and local loads/stores; ``spills``: local stores
+    and loads in the SASS, ``loop_spills``: those inside
     the innermost loops that issue tensor-core products, ``loop_serialized``: those loops that wait
     after every product instruction."""
     p = run_script(_SCRIPT.format(imports=imports, call=call), json.dumps(variants))

@@ -71,6 +71,7 @@ def test_lowp_kernel_builds_for_sm90a(built, name):
     assert r["setmaxnreg"] > 0
     assert r["local"] == 0
     assert r["grid_wait"] == 1  # launched as a programmatic dependent: it waits for the kernel before
+    assert r["grid_wait_first"]  # before its barriers are set up and before any load
     # ptxas's SASS: the sequential loop spills nothing and waits for its products in groups (a
     # ragged build keeps one 64-bit value in local memory from the prologue to the epilogue; three
     # consumers with a tail spill a few values outside the hot loops, as the input-precision

@@ -57,27 +57,3 @@ print(json.dumps(out))
     for lvl in ("1", "2"):
         assert 0 <= r[lvl]["first"] < r[lvl]["load"]  # before the kernel reads anything
 
-
-def test_the_attention_kernel_waits_first_only_with_pdl():
-    """The Hopper attention kernel (Gluon, the chain's last launch): no grid control at level 0, at
-    level 1 one wait, before its barriers are set up and before any load."""
-    script = """
-import json, re
-from pisa_attn.ops.hopper import attention
-from pisa_attn.ops.triton import grid
-out = {}
-for name in ("off", "wait"):
-    grid.GRID_DEPENDENCY = name
-    ptx = attention.compile_for_sm90(head_dim=64, mode="drop", query_group=2).asm["ptx"]
-    body = ptx[ptx.index("{", ptx.index(".entry")):]
-    first = [body.find(s) for s in ("mbarrier.init", "ld.global", "cp.async.bulk") if s in body]
-    out[name] = dict(wait=len(re.findall(r"griddepcontrol\\.wait", ptx)), at=body.find("griddepcontrol.wait"),
-                     first=min(first))
-print(json.dumps(out))
-"""
-    import json
-
-    pytest.importorskip("triton.experimental.gluon")
-    r = json.loads(run_script(script).stdout.strip().splitlines()[-1])
-    assert r["off"]["wait"] == 0
-    assert r["wait"]["wait"] == 1 and 0 <= r["wait"]["at"] < r["wait"]["first"]

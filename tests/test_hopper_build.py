@@ -67,6 +67,7 @@ def test_pair_kernel_builds_for_sm90a(built, name):
     assert r["setmaxnreg"] > 0
     assert r["local"] == 0  # in the PTX
     assert r["grid_wait"] == 1  # launched as a programmatic dependent: it waits for the kernel before
+    assert r["grid_wait_first"]  # before its barriers are set up and before any load
     device_ptxas = r["triton"].split(".")[:2] == ["3", "6"]
     even_or_d64 = VARIANTS[name][2] or VARIANTS[name][0] == 64
     # The exact loop under the bound of its scores (bfloat16, sequential loop, unless "online"):
