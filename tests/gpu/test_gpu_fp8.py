@@ -242,6 +242,27 @@ def test_int8_exact_fixed_maximum(name, data):
           f"max |dLSE| {(fl - ol).abs().max().item():.1e}")
 
 
+@pytest.mark.parametrize("mode", ["hybrid", "drop"])
+def test_int8_planned_call_from_16k_keys_takes_the_bound(mode, monkeypatch):
+    """A planned ``int8`` call from 16K keys runs its exact loop under the bound (``"auto"``), with
+    the bound's channel maxima from the plan's prepare: within the bounds of the quantised
+    reference and float64 PISA, and rounding away from the same call with the online loop."""
+    from pisa_attn.ops.hopper import fp8 as _fp8
+
+    q, k, v = dit(1, 2, 2, 16384, 16384, 128, seed=23)
+    p, out, sel = fp8_run(q, k, v, mode, precision="int8")
+    assert p.backend == "hopper_int8"
+    oq, o64 = references(q, k, v, p, sel, "int8")
+    assert torch.isfinite(out).all()
+    assert rel_l1(out, oq) < QREF_TOL and rel_l1(out, o64) < F64_TOL, (rel_l1(out, oq), rel_l1(out, o64))
+    monkeypatch.setattr(_fp8, "EXACT_MAX", "online")
+    online = run(plan(q, k, PisaSettings(density=0.125, mode=mode, precision="int8", backend="hopper")), q, k, v,
+                 selection=sel)
+    assert not torch.equal(out, online) and rel_l1(out, online) < 5e-3
+    print(f"\n[int8 planned 16K {mode}] vs quantised reference {rel_l1(out, oq):.1e}, float64 {rel_l1(out, o64):.1e}, "
+          f"bound vs online {rel_l1(out, online):.1e}")
+
+
 def test_int8_exact_fixed_maximum_refused_where_it_cannot_run():
     """``exact_max="bound"`` for e4m3 P: a ValueError naming it (the probabilities need a scale
     near the row's own maximum); ``"auto"`` keeps their online loop."""
