@@ -552,33 +552,31 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
                 else:
                     m_i, l_i, rescale, p, f = _exact_softmax(raw, q_rs * sig, m_i, l_i, code >> NC, LK, cols8, BS,
                                                           EVEN_K, P_LOG2, PV_INT8)
-                if EXACT_SLACK >= 0:
-                    pass  # the block's P·V is in ``acc``
-                elif PV_HALVES:
-                    acc_lo, acc_hi = _pv_halves(_pv_operand(p, q_s.dtype, ph_layout, PV8), v_bufs.index(s), acc_lo,
-                                                acc_hi, gl.convert_layout(rescale, gl.SliceLayout(1, oh_layout)),
-                                                BS, D)
-                elif PV_ACC:  # the input kernel's way: rescale, then accumulate in the wgmma
-                    p8 = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
-                    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
-                    acc = _pv_issue(p8, v_bufs.index(s), acc, PV8, BS, True)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                else:
-                    # Each block's P·V starts from zero and is added in float32, so the
-                    # accumulator's rescale runs while the tensor cores compute the product (and
-                    # no FP8 sum spans more than one block).
-                    p8 = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
-                    pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV8, BS, False, PV_INT8)
-                    acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
-                    if PV_INT8:
-                        # Σ (c − 128)·v8 + 128·Σ v8 (|·| <= 64·255·127 < 2^22: exact through the
-                        # bit pattern), times the block's value scales and its factor f
-                        corr = vcs * INT8_P_OFFSET + MAGIC_BITS
-                        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
-                        pvf = ((pv + corr[None, :]).to(gl.float32, bitcast=True) - MAGIC) * tau_j[None, :]
-                        acc = acc + pvf * gl.convert_layout(f, gl.SliceLayout(1, o8_layout))[:, None]
+                    if PV_HALVES:
+                        acc_lo, acc_hi = _pv_halves(_pv_operand(p, q_s.dtype, ph_layout, PV8), v_bufs.index(s), acc_lo,
+                                                    acc_hi, gl.convert_layout(rescale, gl.SliceLayout(1, oh_layout)),
+                                                    BS, D)
+                    elif PV_ACC:  # the input kernel's way: rescale, then accumulate in the wgmma
+                        p8 = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
+                        acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                        acc = _pv_issue(p8, v_bufs.index(s), acc, PV8, BS, True)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                     else:
-                        acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                        # Each block's P·V starts from zero and is added in float32, so the
+                        # accumulator's rescale runs while the tensor cores compute the product (and
+                        # no FP8 sum spans more than one block).
+                        p8 = _pv_operand(p, q_s.dtype, p8_layout, PV8, PV_INT8)
+                        pv = _pv_issue(p8, v_bufs.index(s), o8_zero, PV8, BS, False, PV_INT8)
+                        acc = acc * gl.convert_layout(rescale, gl.SliceLayout(1, o8_layout))[:, None]
+                        if PV_INT8:
+                            # Σ (c − 128)·v8 + 128·Σ v8 (|·| <= 64·255·127 < 2^22: exact through the
+                            # bit pattern), times the block's value scales and its factor f
+                            corr = vcs * INT8_P_OFFSET + MAGIC_BITS
+                            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
+                            pvf = ((pv + corr[None, :]).to(gl.float32, bitcast=True) - MAGIC) * tau_j[None, :]
+                            acc = acc + pvf * gl.convert_layout(f, gl.SliceLayout(1, o8_layout))[:, None]
+                        else:
+                            acc = acc + warpgroup_mma_wait(num_outstanding=0, deps=(pv,))
             else:
                 _turn_pass(turn, CID, PINGPONG)
             mbarrier.arrive(empty.index(s), count=1)
