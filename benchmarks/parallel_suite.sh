@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for context parallelism on N GPUs: GPU checks of the ring's per-step pieces, then
-# bench_parallel.py under torchrun (1-GPU PISA baseline first, then every kind), logs under $OUT.
+# One device call for context parallelism on N GPUs: GPU checks of the ring's per-step pieces and
+# parallel_equivalence.py, then bench_parallel.py under torchrun (1-GPU PISA baseline first, then every kind), logs under $OUT.
 #   NPROC=2 OUT=/tmp/out bash benchmarks/parallel_suite.sh           # Wan-1.3B 480p
 #   NPROC=4 OUT=/tmp/out bash benchmarks/parallel_suite.sh           # Wan-14B 720p
 #   BENCH_ARGS="--layers 20 --dense" ...                               # extra bench_parallel.py flags
@@ -21,5 +21,8 @@ env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISAB
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader 2>&1 | log
 
 timeout "${T_CHECKS:-90}" python3 -m pytest tests/gpu/test_gpu_parallel.py -q -s -p no:cacheprovider 2>&1 | log
+# ring and Ulysses against one process on the kernels, at every grid-dependency level (no diffusers)
+timeout "${T_EQUIV:-180}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+  benchmarks/parallel_equivalence.py 2>&1 | tail -n 40 | log
 timeout "${T_BENCH:-560}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
   benchmarks/bench_parallel.py --out "$OUT" --total-limit "${T_BUDGET:-500}" ${BENCH_ARGS:-} 2>&1 | log
