@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 
 timeout "${T_CHECKS:-90}" python3 -m pytest tests/gpu/test_gpu_parallel.py -q -s -p no:cacheprovider 2>&1 | log
 # ring and Ulysses against one process on the kernels, at every grid-dependency level (no diffusers)
-timeout "${T_EQUIV:-180}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+OUT="$OUT" timeout "${T_EQUIV:-180}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
   benchmarks/parallel_equivalence.py 2>&1 | tail -n 40 | log
 timeout "${T_BENCH:-560}" python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
   benchmarks/bench_parallel.py --out "$OUT" --total-limit "${T_BUDGET:-500}" ${BENCH_ARGS:-} 2>&1 | log
