@@ -214,9 +214,6 @@ def accuracy(density: float, qkv_file: str | None, precisions=LOWP) -> list[dict
 # the P·V accumulation other than the format's default): ``--variants`` picks among them.
 VARIANTS = {
     "default": {},
-    # the exact loop's maximum (P·V in the input dtype only: ``int8``)
-    "exact_online": dict(exact_max="online"),
-    "exact_bound": dict(exact_max="bound"),
     "pingpong": dict(pingpong=True),
     "pipelined": dict(pipeline=True),
     "pipelined_pingpong": dict(pipeline=True, pingpong=True),

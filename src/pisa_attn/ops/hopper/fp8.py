@@ -208,11 +208,13 @@ def _exact_fx(raw, a, m_i, l_i, acc, fx, v_slot, j, LK, cols8, dtype: gl.constex
     most ``SLACK`` above it in every row) or the online maximum takes over (``fx`` 2) from this
     block on, computed as the online loop computes it (the same bits). Scores ``raw·a`` as
     :func:`_exact_softmax` (the row's s·q·μ left out)."""
+    if not EVEN_K:  # the columns past LK at -inf (after the scaling, as :func:`_exact_softmax`)
+        x = gl.where((j * BS + cols8 < LK)[None, :], raw * a[:, None], float("-inf"))
     if fx == 0:
         if EVEN_K:
             m_blk = gl.max(raw, axis=1) * a
         else:
-            m_blk = gl.max(gl.where((j * BS + cols8 < LK)[None, :], raw * a[:, None], float("-inf")), axis=1)
+            m_blk = gl.max(x, axis=1)
         gap = gl.where(m_blk == float("-inf"), float("inf"), m_i - m_blk)
         if gl.max(gap, axis=0) <= SLACK:
             fx = fx * 0 + 1
@@ -220,10 +222,9 @@ def _exact_fx(raw, a, m_i, l_i, acc, fx, v_slot, j, LK, cols8, dtype: gl.constex
             fx = fx * 0 + 2
             m_i = gl.full([BS], float("-inf"), gl.float32, layout=row8)
     if fx == 1:
-        if EVEN_K:
+        if EVEN_K:  # one product per score, fused into the exponent's add
             p = gl.exp2(raw * a[:, None] + (P_LOG2 - m_i)[:, None])
         else:
-            x = gl.where((j * BS + cols8 < LK)[None, :], raw * a[:, None], float("-inf"))
             p = gl.exp2(x + (P_LOG2 - m_i)[:, None])
         l_i = l_i + gl.sum(p, axis=1)
     else:
