@@ -234,7 +234,8 @@ VARIANTS = {
     "pairs_global_codes": dict(query_group=2, slot_meta=False),
     "triples_global_codes": dict(query_group=3, slot_meta=False),
     "triples_online": dict(query_group=3, tail_max="online", modes=("hybrid",)),
-    # the tail's slots laid over the exact ring's (8-bit values only), at the default or other depths
+    # the tail's slots laid over the exact ring's (8-bit values, or int8's 16-bit value slots), at the
+    # default or other depths
     "pairs_alias": dict(query_group=2, tail_alias=True, modes=("hybrid",)),
     "triples_alias": dict(query_group=3, tail_alias=True, modes=("hybrid",)),
     "triples_alias_6_3": dict(query_group=3, tail_alias=True, stages=(6, 3), modes=("hybrid",)),

@@ -430,9 +430,10 @@ def test_lowp_kernel_query_group_and_tail_options_are_checked():
 
 
 def test_lowp_kernel_tail_alias_option_is_checked():
-    """The tail's slots over the exact ring: only for 8-bit values and a mode with a tail (refused by
-    name before anything runs), at half as many slots as the exact ring; by default where it
-    measured faster (three query blocks), with H̄ through that ring in hybrid mode at D = 128."""
+    """The tail's slots over the exact ring: only for a mode with a tail (refused by name before
+    anything runs), at half as many slots as the exact ring (8-bit values or 16-bit value slots);
+    by default where it measured faster (three query blocks), with H̄ through that ring in hybrid
+    mode at D = 128."""
     pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
     from types import SimpleNamespace
 
@@ -444,7 +445,9 @@ def test_lowp_kernel_tail_alias_option_is_checked():
     kw = dict(scale=0.125, block_size=64, lk=128, tail_alias=True)
     v16 = SimpleNamespace(k8=torch.zeros(1, 2, 128, 64, dtype=torch.int8), v8t=torch.zeros(0, dtype=torch.int8))
     with pytest.raises(ValueError, match="tail_alias"):
-        gfp8.attention(q, v16, kbar, *none, mode="hybrid", v=q, **kw)
+        gfp8.attention(q, v16, kbar, *none, mode="drop", v=q, **kw)
+    with pytest.raises(ValueError, match="stages"):
+        gfp8.attention(q, v16, kbar, *none, mode="hybrid", v=q, stages=(3, 2), **kw)
     v8 = SimpleNamespace(k8=torch.zeros(1, 2, 128, 64, dtype=torch.float8_e4m3fn),
                          v8t=torch.zeros(1, 2, 64, 128, dtype=torch.float8_e4m3fn))
     with pytest.raises(ValueError, match="tail_alias"):
@@ -453,12 +456,14 @@ def test_lowp_kernel_tail_alias_option_is_checked():
         gfp8.attention(q, v8, kbar, *none, mode="hybrid", stages=(5, 2), **kw)
     for d in gfp8.HEAD_DIMS:
         for nc in (2, 3):
-            st, tst = gfp8.ring_depths(d, True, True, nc, alias=True)
-            assert st == 2 * tst
-    for prec in ("fp8", "int8-fp8"):
-        assert gfp8.tail_alias_for(prec, 3, "hybrid", True) and not gfp8.tail_alias_for(prec, 2, "hybrid", True)
-        assert not gfp8.tail_alias_for(prec, 3, "drop", True)
-    assert not gfp8.tail_alias_for("int8", 3, "hybrid", False)
+            for pv8 in (True, False):
+                st, tst = gfp8.ring_depths(d, True, pv8, nc, alias=True)
+                assert st == 2 * tst
+    for prec in ("fp8", "int8-fp8", "int8"):
+        assert gfp8.tail_alias_for(prec, 3, "hybrid") == ((prec, 3) in gfp8.TAIL_ALIAS)
+        assert not gfp8.tail_alias_for(prec, 2, "hybrid")
+        assert not gfp8.tail_alias_for(prec, 3, "drop")
+    assert gfp8.tail_alias_for("fp8", 3, "hybrid")
     assert gfp8.hbar_in_tail_ring(True, "hybrid", 3, 128, 64)
     assert not gfp8.hbar_in_tail_ring(True, "zeroth", 3, 128, 64) and not gfp8.hbar_in_tail_ring(True, "hybrid", 3, 64, 64)
 

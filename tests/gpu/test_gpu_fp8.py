@@ -548,7 +548,8 @@ def _kernel_both_ways(precision, case, nc, seed, option):
     p, _, sel = fp8_run(q, k, v, mode, precision=precision)
     st = get_backend("hopper").prepare(q, k, v, 64)
     qz = quantize(k, v, st.kbar, st.kscale, 64, precision=precision)
-    res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk,
+    vv = v if quant.PRODUCT_FORMATS[precision][1] == "input" else None
+    res = [gfp8.attention(q, qz, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=lk, v=vv,
                           alpha=p.alpha, query_group=nc, kbound=st.kbound, **{option: on}) for on in (False, True)]
     torch.cuda.synchronize()
     return res, lambda: references(q, k, v, p, sel, precision)
@@ -559,11 +560,12 @@ def _kernel_both_ways(precision, case, nc, seed, option):
                                      ("B1-H4-Lq960-Lk1379-D64-hybrid", 2), ("B1-H4-Lq960-Lk1379-D64-hybrid", 3),
                                      ("B1-H8-Hk2-L2048-D128-hybrid-gqa", 3), ("B1-H2-L20480-D128-hybrid", 2),
                                      ("B1-H2-L20480-D128-hybrid", 3)])
-@pytest.mark.parametrize("precision", ["fp8", "int8-fp8"])
+@pytest.mark.parametrize("precision", ["fp8", "int8-fp8", "int8"])
 def test_lowp_tail_alias_is_bitwise(precision, name, nc):
     """The tail's slots laid over the exact ring's (H̄ through that ring with three query blocks in
-    hybrid mode at D = 128) or in their own: the same products in the same order, so outputs and
-    LSE are equal bit for bit. L = 20480 has five centroid groups, so the tail ring wraps around."""
+    hybrid mode at D = 128; ``int8``: over 16-bit value slots) or in their own: the same products
+    in the same order, so outputs and LSE are equal bit for bit. L = 20480 has five centroid
+    groups, so the tail ring wraps around (and ``int8`` runs its exact loop under the bound)."""
     case = {**CASES, "B1-H2-L20480-D128-hybrid": (1, 2, 2, 20480, 20480, 128, "hybrid")}[name]
     res, refs = _kernel_both_ways(precision, case, nc, 23, "tail_alias")
     assert torch.isfinite(res[1][0]).all()

@@ -31,9 +31,10 @@ The centroid tail, the first-order term and the output store are the input-preci
 (:func:`.attention._finish`: float16 centroid scores, bf16/fp16 ``P·V̂``, the tail's maximum fixed
 from the per-channel bound where it is tight enough), on a ring of 16-bit slots (twice the size
 of an 8-bit tile): its own, which the loader fills while the consumers still work on the exact
-blocks, or (``TAIL_ALIAS``, three query blocks) laid over pairs of 8-bit slots once the exact
-blocks are done with them, so that the exact ring gets all the room (H̄ then comes last through
-that ring, as in the input-precision kernel).
+blocks, or (``TAIL_ALIAS``, three query blocks) laid over the exact ring once the exact blocks
+are done with it (a centroid tile over two 8-bit key slots; a value tile over two 8-bit value
+slots, or over one 16-bit value slot for P·V in the input dtype), so that the exact ring gets all
+the room (H̄ then comes last through that ring, as in the input-precision kernel).
 What is rounded where: :mod:`pisa_attn.ops.quant`.
 """
 
@@ -334,7 +335,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
         c_bytes: gl.constexpr = kb_desc.block_type.nbytes + vb_desc.block_type.nbytes
         t = 0
         for g0 in range(0, NK, C):
-            s = _tail_slot_wait(t, n_union, empty, tempty, STAGES, TSTAGES, TAIL_ALIAS)
+            s = _tail_slot_wait(t, n_union, empty, tempty, STAGES, TSTAGES, TAIL_ALIAS, PV8)
             mbarrier.expect(tready.index(s), c_bytes)
             _tma_load(kb_desc, [bhk, g0, 0], tready.index(s), _box(kb_bufs.index(s), kb_desc))
             _tma_load(vb_desc, [bhk, g0, 0], tready.index(s), _box(vb_bufs.index(s), vb_desc))
@@ -342,7 +343,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
         if HB_RING:
             # H̄'s two 64-row halves as the tail ring's last entry (as the input-precision kernel's
             # ring): no [D, D] tile held through the loops.
-            s = _tail_slot_wait(t, n_union, empty, tempty, STAGES, TSTAGES, TAIL_ALIAS)
+            s = _tail_slot_wait(t, n_union, empty, tempty, STAGES, TSTAGES, TAIL_ALIAS, PV8)
             mbarrier.expect(tready.index(s), 2 * hb_desc.block_type.nbytes)
             _tma_load(hb_desc, [bhk, 0, 0], tready.index(s), _box(kb_bufs.index(s), hb_desc))
             _tma_load(hb_desc, [bhk, BS, 0], tready.index(s), _box(vb_bufs.index(s), hb_desc))
@@ -350,19 +351,29 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
 
 @gluon.jit
 def _tail_slot_wait(t, n_union, empty, tempty, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
-                    TAIL_ALIAS: gl.constexpr):
-    """The loader's wait before it fills tail entry ``t``; its slot out. A tail slot laid over exact
-    slots 2s and 2s + 1 (TAIL_ALIAS) is first filled once every consumer released the last exact
-    entries those held: the wait on each is the one the entry after them would make there."""
+                    TAIL_ALIAS: gl.constexpr, PV8: gl.constexpr):
+    """The loader's wait before it fills tail entry ``t``; its slot out. A tail slot s laid over
+    the exact ring (TAIL_ALIAS: its centroid tile over 8-bit K slots 2s and 2s + 1, its value tile
+    over 8-bit V slots 2s and 2s + 1, or over 16-bit V slot s) is first filled once every consumer
+    released the last exact entries those held: the wait on each is the one the entry after them
+    would make there."""
     s = t % TSTAGES
     if TAIL_ALIAS:
         if t < TSTAGES:
             for e in gl.static_range(2):
-                se = 2 * s + e
-                un = n_union + (se + STAGES - n_union % STAGES) % STAGES
-                mbarrier.wait(empty.index(se), ((un // STAGES) & 1) ^ 1)
+                _exact_slot_drained(2 * s + e, n_union, empty, STAGES)
+            if not PV8:
+                _exact_slot_drained(s, n_union, empty, STAGES)
     mbarrier.wait(tempty.index(s), ((t // TSTAGES) & 1) ^ 1)
     return s
+
+
+@gluon.jit
+def _exact_slot_drained(se, n_union, empty, STAGES: gl.constexpr):
+    """Wait until every consumer released the last exact entry slot ``se`` held (the exact ring
+    is never refilled after the stream, so the release stays complete)."""
+    un = n_union + (se + STAGES - n_union % STAGES) % STAGES
+    mbarrier.wait(empty.index(se), ((un // STAGES) & 1) ^ 1)
 
 
 @gluon.jit
@@ -634,7 +645,7 @@ def _fp8_pair_kernel(
 
     q_smem = gl.allocate_shared_memory(dtype, [NC, BS, D], tile_layout)
     k_bufs = gl.allocate_shared_memory(k8_dtype, [STAGES, BS, D], k8_layout)
-    if TAIL_ALIAS:
+    if TAIL_ALIAS and PV8:
         # The tail's 16-bit slots laid over pairs of 8-bit slots (no room of their own). The V ring
         # is allocated in the K ring's 128-byte swizzle, so that the tail's tiles over it have the
         # alignment their swizzle needs, and seen as the transposed 8-bit value tiles.
@@ -643,7 +654,7 @@ def _fp8_pair_kernel(
         q8_smem = gl.allocate_shared_memory(k8_dtype, [NC, BS, D], k8_layout)
     else:
         q8_smem = gl.allocate_shared_memory(k8_dtype, [1, 16, 32], gl.NVMMASharedLayout.get_default_for([16, 32], k8_dtype))
-    if TAIL_ALIAS:
+    if TAIL_ALIAS and PV8:
         v_bufs = _reinterpret(v_ring, v8_dtype, [STAGES, D, BS], v8_layout)
     elif PV8:
         v_bufs = gl.allocate_shared_memory(v8_dtype, [STAGES, D, BS], v8_layout)
@@ -651,7 +662,10 @@ def _fp8_pair_kernel(
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BS, D], tile_layout)
     if TAIL_ALIAS:
         kb_bufs = _reinterpret(k_bufs, dtype, [TSTAGES, BS, D], tile_layout)
-        vb_bufs = _reinterpret(v_ring, dtype, [TSTAGES, BS, D], tile_layout)
+        if PV8:
+            vb_bufs = _reinterpret(v_ring, dtype, [TSTAGES, BS, D], tile_layout)
+        else:  # 16-bit value slots: the tail's value tile s is value slot s
+            vb_bufs = _reinterpret(v_bufs, dtype, [TSTAGES, BS, D], tile_layout)
     elif MODE > 0:
         kb_bufs = gl.allocate_shared_memory(dtype, [TSTAGES, BS, D], tile_layout)
         vb_bufs = gl.allocate_shared_memory(dtype, [TSTAGES, BS, D], tile_layout)
@@ -758,13 +772,16 @@ STAGES3_V16 = {**STAGES_V16, (128, True): (2, 2)}
 # beside three query tiles and their 8-bit copies (72 KB), H̄ coming through the tail ring
 # (:func:`hbar_in_tail_ring`).
 STAGES_ALIAS = {(64, 2): (8, 4), (64, 3): (8, 4), (128, 2): (8, 4), (128, 3): (8, 4)}
+# P·V in the input dtype: 16-bit value slots (24 KB a slot with the 8-bit keys at D = 128), so 6
+# beside three query tiles and their 8-bit copies (72 KB), or beside two and H̄ (64 KB).
+STAGES_ALIAS_V16 = {(64, 2): (8, 4), (64, 3): (8, 4), (128, 2): (6, 3), (128, 3): (6, 3)}
 
 
 def ring_depths(head_dim: int, tail: bool, pv8: bool, query_group: int, alias: bool = False) -> tuple[int, int]:
     """(exact slots, tail slots) for a head dim, a mode with or without a tail, 8-bit values or
     not, the query blocks per CTA and whether the tail ring lies over the exact one."""
     if alias:
-        return STAGES_ALIAS[head_dim, query_group]
+        return (STAGES_ALIAS if pv8 else STAGES_ALIAS_V16)[head_dim, query_group]
     table = (STAGES if pv8 else STAGES_V16) if query_group == 2 else (STAGES3 if pv8 else STAGES3_V16)
     return table[head_dim, tail]
 
@@ -778,14 +795,13 @@ def ring_depths(head_dim: int, tail: bool, pv8: bool, query_group: int, alias: b
 TAIL_ALIAS = {("fp8", 3), ("int8-fp8", 3)}
 
 
-def tail_alias_for(precision: str, query_group: int, mode: str, pv8: bool, tail_alias: bool | None = None) -> bool:
-    """Whether the tail's 16-bit slots lie over pairs of 8-bit exact slots (``tail_alias``, None:
-    :data:`TAIL_ALIAS`): the exact ring then gets the tail ring's room too. Needs 8-bit values
-    (their K and V slots are the same size) and a mode with a tail."""
-    if mode == "drop" or not pv8:
+def tail_alias_for(precision: str, query_group: int, mode: str, tail_alias: bool | None = None) -> bool:
+    """Whether the tail's 16-bit slots lie over the exact ring (``tail_alias``, None:
+    :data:`TAIL_ALIAS`): the exact ring then gets the tail ring's room too (8-bit or 16-bit value
+    slots: :func:`_tail_slot_wait`). Needs a mode with a tail."""
+    if mode == "drop":
         if tail_alias:
-            raise ValueError(f"tail_alias: needs 8-bit values and a mode with a tail, got mode={mode!r}, "
-                             f"values {'8-bit' if pv8 else 'in the input dtype'}")
+            raise ValueError(f"tail_alias: needs a mode with a tail, got mode={mode!r}")
         return False
     if tail_alias is None:
         return (precision, query_group) in TAIL_ALIAS
@@ -970,7 +986,7 @@ def attention(
     pv8 = v is None
     if pv8 == (quant.v8t.numel() == 0 and b * hk * d > 0):
         raise ValueError("v: pass the values exactly when quant holds no 8-bit copy of them (P·V in the input dtype)")
-    alias = tail_alias_for(precision_of(quant, v), nc, mode, pv8, tail_alias)
+    alias = tail_alias_for(precision_of(quant, v), nc, mode, tail_alias)
     hb_ring = hbar_in_tail_ring(alias, mode, nc, d, bs)
     st, tst = stages or ring_depths(d, mode != "drop", pv8, nc, alias)
     if alias and st != 2 * tst:
@@ -1045,7 +1061,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
     from triton.runtime.jit import mangle_type
 
     d, bs = head_dim, 64
-    alias = tail_alias_for(precision, query_group, mode, pv8, tail_alias)
+    alias = tail_alias_for(precision, query_group, mode, tail_alias)
     hb_ring = hbar_in_tail_ring(alias, mode, query_group, d, bs)
     x = torch.empty(1, 1, bs, d, dtype=dtype)
     k8 = torch.empty(1, 1, bs, d, dtype=torch.int8 if qk_fmt == "int8" else torch.float8_e4m3fn)
