@@ -786,12 +786,14 @@ def ring_depths(head_dim: int, tail: bool, pv8: bool, query_group: int, alias: b
     return table[head_dim, tail]
 
 
-# Where the tail ring lies over the exact ring (8-bit values, a mode with a tail): per (precision,
+# Where the tail ring lies over the exact ring by default (a mode with a tail): per (precision,
 # query blocks per CTA). Three query blocks with a tail had 3 exact slots and 2 tail slots of their
 # own at D = 128; over one ring they get 8 and 4. H200, 32K Gaussian hybrid attend, medians of 3
 # rounds (results/h200_fp8_tail_alias.json): ``fp8`` three 4.67 -> 4.39 ms (6 + 3 slots 4.34;
 # pairs 4.43), ``int8-fp8`` 4.88 -> 4.59 (4.63; pairs 4.78); pairs over one ring (8 + 4 for
-# 5 + 2) were slower (4.54, 4.87), so they keep their own tail slots.
+# 5 + 2) were slower (4.54, 4.87), so they keep their own tail slots. ``int8`` (16-bit value
+# slots, 6 + 3 over one ring): three over the ring against its default pairs within the rounds'
+# spread at 32K-64K on the H100 (results/h100_int8_tail_ring.json), so pairs stay.
 TAIL_ALIAS = {("fp8", 3), ("int8-fp8", 3)}
 
 
