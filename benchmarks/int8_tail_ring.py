@@ -26,6 +26,7 @@ import torch
 import exact_loop as el
 
 from pisa_attn import PisaSettings
+from pisa_attn.metrics import rel_l1
 from pisa_attn.ops.hopper import attention as gattn
 from pisa_attn.ops.hopper import fp8 as lowk
 from pisa_attn.ops.triton.quantize import quantize
@@ -37,10 +38,6 @@ LAYOUTS = {  # keyword arguments of fp8.attention
     "three-alias-4": dict(query_group=3, tail_alias=True, stages=(4, 2)),
     "pairs-alias": dict(query_group=2, tail_alias=True),
 }
-
-
-def rel_l1(a, b) -> float:
-    return ((a.float() - b.float()).abs().mean() / b.float().abs().mean()).item()
 
 
 def attend_rows(L: int, rounds: int) -> list:
@@ -95,11 +92,14 @@ def whole_rows(L: int, rounds: int) -> list:
     t_cudnn = el.cudnn_ms(L)
     qg, ta = dict(lowk.QUERY_GROUP), set(lowk.TAIL_ALIAS)
 
+    def restore():
+        lowk.QUERY_GROUP.update(qg)
+        lowk.TAIL_ALIAS.clear()
+        lowk.TAIL_ALIAS.update(ta)
+
     def layout(three: bool):
         def apply():
-            lowk.QUERY_GROUP.update(qg)
-            lowk.TAIL_ALIAS.clear()
-            lowk.TAIL_ALIAS.update(ta)
+            restore()
             lowk.QUERY_GROUP["int8", True] = 3 if three else 2
             (lowk.TAIL_ALIAS.add if three else lowk.TAIL_ALIAS.discard)(("int8", 3))
         return apply
@@ -112,9 +112,7 @@ def whole_rows(L: int, rounds: int) -> list:
         try:
             ts = el.whole_rounds(q, k, v, variants, est_ms=t_cudnn * 0.15, rounds=rounds)
         finally:
-            lowk.QUERY_GROUP.update(qg)
-            lowk.TAIL_ALIAS.clear()
-            lowk.TAIL_ALIAS.update(ta)
+            restore()
         r = dict(L=L, source=source, mode="hybrid", cudnn_ms=t_cudnn, rounds=ts,
                  **{f"{n}_ms": statistics.median(t) for n, t in ts.items()})
         r.update({f"x_cudnn_{n}": t_cudnn / r[f"{n}_ms"] for n in ts})
