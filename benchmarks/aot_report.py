@@ -97,12 +97,14 @@ def main():
         for cov, keep in ((True, False), (True, True), (False, True)):  # the default fused kernel's variants
             _report(f"select NKP=64 R=64 cov={cov} keep={keep}", S._select_kernel, types,
                     dict(R=64, NKP=64, D=128, COV=cov, HAS_KEEP=keep, REP=1, PREC="tf32x3", BITS=2), 4, 1)
-        _report("scores D=128 64x64", S._scores_kernel, types, dict(BM=64, BN=64, D=128, PREC="tf32x3"), 4, 1)
+        for cov in (False, True):
+            _report(f"scores D=128 64x64 cov={cov}", S._scores_kernel, types,
+                    dict(BM=64, BN=64, D=128, PREC="tf32x3", COV=cov), 4, 1)
         for nkp in (512, 1024, 4096):
             for warps in (1, 2):
                 r = max(1, min(64, 1024 * warps // nkp))
                 _report(f"topk NKP={nkp} R={r}", S._topk_kernel, types,
-                        dict(R=r, NKP=nkp, COV=False, HAS_KEEP=False, REP=1, BITS=2), warps, 1)
+                        dict(R=r, NKP=nkp, HAS_KEEP=False, REP=1, BITS=2), warps, 1)
 
 
 if __name__ == "__main__":

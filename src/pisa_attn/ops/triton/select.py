@@ -6,7 +6,8 @@ Scores ``q̄_i·k̄_j`` run on the tensor cores in 3xTF32 (each float32 operand 
 parts, three products: close to float32, not bit-equal to it; a near-tie can resolve differently
 from the float32 reference). Where a program's rows fit its registers (up to ``FUSED["max_nkp"]``
 key blocks) one kernel computes a tile of rows' scores and selects from them in registers; beyond,
-a tensor-core GEMM writes the scores of a chunk of query blocks into a scratch buffer bounded by
+a tensor-core GEMM writes the final scores (scaled, the covariance term added) of a chunk of query
+blocks into a scratch buffer bounded by
 the caller (the whole ``[B, H, Nq, Nk]`` matrix would break the memory budget at long lengths) and
 the top-k kernel streams them.
 
@@ -184,10 +185,15 @@ def _select_kernel(
 
 @triton.jit(do_not_specialize=["H", "HK", "NQS", "NK", "C0", "CQ"])
 def _scores_kernel(
-    qmean_ptr, kmean_ptr, out_ptr, H, HK, NQS, NK, C0, CQ,
-    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = 0,
+    qmean_ptr, kmean_ptr, hdev_ptr, out_ptr, H, HK, NQS, NK, C0, CQ, scale,
+    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, COV: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
-    # out[bh, r, j] = q̄[bh, C0 + r] · k̄[bhk, j] for the CQ score rows of one chunk.
+    # out[bh, r, j] = s·q̄[bh, C0 + r]·k̄[bhk, j] (+ log(||H_j − H̄|| + ε)) for the CQ score rows of one
+    # chunk: the covariance term is one load and one log per column of the tile here, where the
+    # top-k would load and take it for every row (the same float32 operations in the same order).
+    # One output tile a program: looping over column tiles with the query tile kept (4-8x fewer
+    # operand reads) ran 3-5x slower at 16K-64K (notes/kernel-notes.md).
     await_prior_grid(PDL)
     bh = tl.program_id(2)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -200,20 +206,24 @@ def _scores_kernel(
                  other=0.0)
     km = tl.load(kmean_ptr + bhk.to(tl.int64) * D * NK + offs_d[:, None] * NK + cols[None, :], mask=cv[None, :],
                  other=0.0)
-    s = tl.dot(qm, km, input_precision=PREC)
+    s = tl.dot(qm, km, input_precision=PREC) * scale
+    if COV:
+        hd = tl.load(hdev_ptr + bhk.to(tl.int64) * NK + cols, mask=cv, other=1.0)
+        s += tl.log(hd + _COV_EPS)[None, :]
     tl.store(out_ptr + (bh.to(tl.int64) * CQ + rows)[:, None] * NK + cols[None, :], s, mask=rv[:, None] & cv[None, :])
 
 
 @triton.jit(do_not_specialize=["H", "HK", "NQ", "NK", "n_sel", "W", "NW", "C0", "CQ", "N_ROWS", "keep_sb", "keep_sh"])
 def _topk_kernel(
-    scores_ptr, hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
-    H, HK, NQ, NK, n_sel, W, NW, scale, C0, CQ, N_ROWS,
+    scores_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
+    H, HK, NQ, NK, n_sel, W, NW, C0, CQ, N_ROWS,
     keep_sb, keep_sh,
-    R: tl.constexpr, NKP: tl.constexpr, COV: tl.constexpr, HAS_KEEP: tl.constexpr, REP: tl.constexpr = 1,
+    R: tl.constexpr, NKP: tl.constexpr, HAS_KEEP: tl.constexpr, REP: tl.constexpr = 1,
     BITS: tl.constexpr = 1, PDL: tl.constexpr = 0,
 ):
     # NQ counts output rows: score row qi is written to rows qi·REP .. qi·REP + REP - 1 (< NQ).
-    # Rows of this chunk's score buffer [B, H, CQ, NK] are (b·H + h, query block C0 + r % CQ).
+    # Rows of this chunk's score buffer [B, H, CQ, NK] (final scores: scaled, covariance term added)
+    # are (b·H + h, query block C0 + r % CQ).
     await_prior_grid(PDL)
     r = tl.program_id(0) * R + tl.arange(0, R)
     rvalid = r < N_ROWS
@@ -224,9 +234,9 @@ def _topk_kernel(
     bhk = b * HK + h // (H // HK)
     cols = tl.arange(0, NKP)
     m2 = rvalid[:, None] & (cols < NK)[None, :]
-    scores = tl.load(scores_ptr + r.to(tl.int64)[:, None] * NK + cols[None, :], mask=m2, other=0.0) * scale
-    _select_rows(scores, rvalid, bh, qi, b, h, bhk, hdev_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
-                 NQ, NK, n_sel, W, NW, keep_sb, keep_sh, R, NKP, COV, HAS_KEEP, REP, BITS)
+    scores = tl.load(scores_ptr + r.to(tl.int64)[:, None] * NK + cols[None, :], mask=m2, other=0.0)
+    _select_rows(scores, rvalid, bh, qi, b, h, bhk, cnt_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
+                 NQ, NK, n_sel, W, NW, keep_sb, keep_sh, R, NKP, False, HAS_KEEP, REP, BITS)
 
 
 _launch_topk = Launcher(_topk_kernel)
@@ -266,8 +276,9 @@ def _topk_config(nkp: int) -> tuple[int, int, int]:
 def compile_for_sm90(nk: int, cov: bool = True, keep: bool = False, head_dim: int = 128, rows: int | None = None):
     """Compile the selection kernel :func:`select` launches for ``nk`` key blocks (the fused one up
     to ``FUSED["max_nkp"]`` padded blocks, with ``rows`` rows a program, default ``FUSED["rows"]``;
-    else the top-k kernel) for sm_90 without a GPU: what the CPU build tests read registers and
-    spills from. Returns Triton's compiled kernel."""
+    else the top-k kernel, which reads final scores: ``cov`` is the score GEMM's then) for sm_90
+    without a GPU: what the CPU build tests read registers and spills from. Returns Triton's
+    compiled kernel."""
     nkp = max(32, next_pow2(nk))
     ptr = dict(hdev_ptr="*fp32", keep_ptr="*u8", idx_ptr="*i32", cnt_ptr="*i32", bits_ptr="*i32", scale="fp32")
     if _fused(nk):
@@ -275,12 +286,21 @@ def compile_for_sm90(nk: int, cov: bool = True, keep: bool = False, head_dim: in
         cons = dict(R=rows or FUSED["rows"], NKP=nkp, D=head_dim, COV=cov, HAS_KEEP=keep, REP=1,
                     PREC=SCORES_PRECISION, BITS=_topk_config(nkp)[2], PDL=grid_level())
         ptr.update(qmean_ptr="*fp32", kmean_ptr="*fp32")
-    else:
+    else:  # the covariance term is the score kernel's then (:func:`compile_scores_for_sm90`)
         fn = _topk_kernel
         r, warps, bits_ = _topk_config(nkp)
-        cons = dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=keep, REP=1, BITS=bits_, PDL=grid_level())
+        cons = dict(R=r, NKP=nkp, HAS_KEEP=keep, REP=1, BITS=bits_, PDL=grid_level())
         ptr.update(scores_ptr="*fp32")
+        del ptr["hdev_ptr"], ptr["scale"]
     return compile_sm90(fn, ptr, cons, aligned=True, num_warps=warps)
+
+
+def compile_scores_for_sm90(cov: bool = True, head_dim: int = 128):
+    """Compile the two-kernel path's score GEMM for sm_90 without a GPU (the CPU build tests)."""
+    ptr = dict(qmean_ptr="*fp32", kmean_ptr="*fp32", hdev_ptr="*fp32", out_ptr="*fp32", scale="fp32")
+    cons = dict(BM=SCORES_TILE["bm"], BN=SCORES_TILE["bn"], D=head_dim, PREC=SCORES_PRECISION, COV=cov,
+                PDL=grid_level())
+    return compile_sm90(_scores_kernel, ptr, cons, aligned=True, num_warps=SCORES_TILE["warps"])
 
 
 def _chunk_rows(b: int, h: int, nqs: int, nk: int, scratch_elems: int | None) -> int:
@@ -378,14 +398,13 @@ def select(
     bm, bn, sw = SCORES_TILE["bm"], SCORES_TILE["bn"], SCORES_TILE["warps"]
     for c0 in range(0, nqs, cq):
         c = min(cq, nqs - c0)
-        _launch_scores((d, prec, bm, bn, sw, pdl, spec_class(qmean, kmean_t, ws.scratch)),
+        _launch_scores((d, prec, bm, bn, sw, cov, pdl, spec_class(qmean, kmean_t, hd, ws.scratch)),
                        (triton.cdiv(c, bm), triton.cdiv(nk, bn), b * h),
-                       (qmean, kmean_t, ws.scratch, h, hk, nqs, nk, c0, c),
-                       dict(BM=bm, BN=bn, D=d, PREC=prec, PDL=pdl), num_warps=sw, launch_pdl=pdl > 0)
-        args = (ws.scratch, hd, keep_u8, idx, cnt, bits, h, hk, nq, nk, n_sel, width, nw, scale, c0, c, b * h * c,
-                ksb, ksh)
-        _launch_topk((r, nkp, warps, cov, has_keep, repeat, bits_, pdl, spec_class(*args[:6])),
+                       (qmean, kmean_t, hd, ws.scratch, h, hk, nqs, nk, c0, c, scale),
+                       dict(BM=bm, BN=bn, D=d, PREC=prec, COV=cov, PDL=pdl), num_warps=sw, launch_pdl=pdl > 0)
+        args = (ws.scratch, keep_u8, idx, cnt, bits, h, hk, nq, nk, n_sel, width, nw, c0, c, b * h * c, ksb, ksh)
+        _launch_topk((r, nkp, warps, has_keep, repeat, bits_, pdl, spec_class(*args[:5])),
                      (triton.cdiv(b * h * c, r),), args,
-                     dict(R=r, NKP=nkp, COV=cov, HAS_KEEP=has_keep, REP=repeat, BITS=bits_, PDL=pdl), num_warps=warps,
+                     dict(R=r, NKP=nkp, HAS_KEEP=has_keep, REP=repeat, BITS=bits_, PDL=pdl), num_warps=warps,
                      launch_pdl=pdl > 0)
     return ws.sel
