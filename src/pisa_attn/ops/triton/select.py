@@ -7,9 +7,8 @@ parts, three products: close to float32, not bit-equal to it; a near-tie can res
 from the float32 reference). Where a program's rows fit its registers (up to ``FUSED["max_nkp"]``
 key blocks) one kernel computes a tile of rows' scores and selects from them in registers; beyond,
 a tensor-core GEMM writes the final scores (scaled, the covariance term added) of a chunk of query
-blocks into a scratch buffer bounded by
-the caller (the whole ``[B, H, Nq, Nk]`` matrix would break the memory budget at long lengths) and
-the top-k kernel streams them.
+blocks into a scratch buffer bounded by the caller (the whole ``[B, H, Nq, Nk]`` matrix would break
+the memory budget at long lengths) and the top-k kernel streams them.
 
 Top-k: each row's ``n_select``-th largest score by a bitwise search over an order-preserving
 integer image of the floats (exact: the k-th order statistic, not an estimate; at most 32 steps,
