@@ -20,13 +20,15 @@ import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from pisa_attn import spec
 from pisa_attn.ops.triton import prepare as P
 from pisa_attn.ops.triton import select as S
 from pisa_attn.ops.triton.op import score_scratch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp8_bench import kernel_times  # noqa: E402
 
 B, H, D, BS, DENSITY = 2, 16, 128, 64, 0.125
 
@@ -37,17 +39,6 @@ def load(path: str):
     sys.modules[sp.name] = m
     sp.loader.exec_module(m)
     return m
-
-
-def kernel_ms(fn, n: int = 5) -> dict:
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key[:40]: round(e.device_time_total / n / 1e3, 4) for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total}
 
 
 def run_length(L: int, old, rounds: int) -> dict:
@@ -66,7 +57,7 @@ def run_length(L: int, old, rounds: int) -> dict:
         for n, f in fns.items():
             times[n].append(do_bench(f, warmup=10, rep=60, return_mode="median"))
     return {"L": L, "n_kv_blocks": nk, "ms": {n: statistics.median(t) for n, t in times.items()}, "rounds": times,
-            "same_selection": same, "kernels": {n: kernel_ms(f) for n, f in fns.items()}}
+            "same_selection": same, "kernels": {n: kernel_times(f, 5) for n, f in fns.items()}}
 
 
 def main():
