@@ -516,14 +516,16 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
             BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
             EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, HB_RING: gl.constexpr = False,
-            efix=0, EXACT_FX: gl.constexpr = False):
+            efix=0, EXACT_FX: gl.constexpr = False, PW_BF16: gl.constexpr = True):
     """A consumer's work after its exact blocks, shared by the input-precision and low-precision
     kernels: the centroid tail (ring entries ``t``, ``t + 1``, .. of ``k_bufs``/``v_bufs``), the
     first-order term, the LSE and the output tile (staged in the dead query tile ``q_s``, then one
     TMA store). ``m_i``, ``l_i`` (rows of ``s_layout``) and ``acc`` (``o_layout``): the state after
     the exact blocks, in the input-precision kernel's units. H̄ is ``hb_smem`` (its barrier
     ``hb_bar``), or with HB_RING (three query blocks, D = 2·BS) the ring entry after the tail: rows
-    0..BS-1 in its K slot, BS..D-1 in its V slot."""
+    0..BS-1 in its K slot, BS..D-1 in its V slot. ``PW_BF16``: the first-order product's power of
+    two for bfloat16 too (the low-precision kernel keeps it: without, ptxas spilled in its
+    ``int8-fp8`` exact loop)."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
@@ -586,16 +588,24 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
         out = acc / gl.convert_layout(l_i, row_o)[:, None]
         if MODE == 2:
             # + (l_tail / l)·α·(s / BS)·q H̄, accumulated into the output (no [BS, D] temporary):
-            # q·(α l_tail / l)·(s / BS)·2^e as the A operand (at most α|q|), the output scaled by
-            # the power of two ``pw`` = 2^e ≈ BS / s around the product (exact: α = 0 is zeroth mode bit for bit).
-            w = gl.convert_layout(l_tail / l_i * (gl.load(alpha_ptr + h) * (scale / BS) * pw),
-                                  gl.SliceLayout(1, p_layout))
+            # q·(α l_tail / l)·(s / BS) as the A operand. In float16 that operand is taken 2^e
+            # larger (at most α|q|), above float16's subnormals, and the output scaled by the power
+            # of two ``pw`` = 2^e ≈ BS / s around the product; bfloat16's exponent range needs no
+            # such scaling, which saves two passes over the tile. Either way α = 0 is zeroth mode
+            # bit for bit.
+            PW: gl.constexpr = PW_BF16 or q_s.dtype == gl.float16
+            if PW:
+                w = gl.convert_layout(l_tail / l_i * (gl.load(alpha_ptr + h) * (scale / BS) * pw),
+                                      gl.SliceLayout(1, p_layout))
+            else:
+                w = gl.convert_layout(l_tail / l_i * (gl.load(alpha_ptr + h) * (scale / BS)),
+                                      gl.SliceLayout(1, p_layout))
             if HB_RING:
                 # q back from its float16 copy, as below, in two halves of D against H̄'s row halves
                 # (the same products in the same order as one K = D product)
                 q_h = _as_fp16(q_s)
                 qw = q_h.slice(0, BS, dim=1).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
-                out = warpgroup_mma(qw.to(q_s.dtype), k_bufs.index(s_hb), out * pw, is_async=True)
+                out = warpgroup_mma(qw.to(q_s.dtype), k_bufs.index(s_hb), out * pw if PW else out, is_async=True)
                 qw = q_h.slice(BS, BS, dim=1).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
                 out = warpgroup_mma(qw.to(q_s.dtype), v_bufs.index(s_hb), out, is_async=True)
             else:
@@ -606,8 +616,10 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
                     qw = _as_fp16(q_s).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
                 else:
                     qw = q_s.load(p_layout).to(gl.float32) * w[:, None]
-                out = warpgroup_mma(qw.to(q_s.dtype), hb_smem, out * pw, is_async=True)
-            out = warpgroup_mma_wait(num_outstanding=0, deps=(out,)) * (1.0 / pw)
+                out = warpgroup_mma(qw.to(q_s.dtype), hb_smem, out * pw if PW else out, is_async=True)
+            out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
+            if PW:
+                out = out * (1.0 / pw)
         lse = (m_i + gl.log2(l_i)) * LN2
         rows = qi * BS + gl.arange(0, BS, layout=row_s)
         gl.store(lse_ptr + bh * LQ + rows, lse, mask=rows < LQ)
@@ -771,7 +783,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha
     _finish(q_s, k_bufs, v_bufs, ready, empty, n_union, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
             BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout, HB_RING,
-            efix, EXACT_SLACK >= 0)
+            efix, EXACT_SLACK >= 0, False)
 
 
 @gluon.jit
