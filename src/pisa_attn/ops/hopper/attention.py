@@ -524,8 +524,8 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
     the exact blocks, in the input-precision kernel's units. H̄ is ``hb_smem`` (its barrier
     ``hb_bar``), or with HB_RING (three query blocks, D = 2·BS) the ring entry after the tail: rows
     0..BS-1 in its K slot, BS..D-1 in its V slot. ``PW_BF16``: the first-order product's power of
-    two for bfloat16 too (the low-precision kernel keeps it: without, ptxas spilled in its
-    ``int8-fp8`` exact loop)."""
+    two for bfloat16 too (the low-precision kernel's ``int8-fp8`` keeps it: without, ptxas
+    spilled in its exact loop)."""
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     q16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)

@@ -606,11 +606,13 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
     # row's constant out: it needs no register there).
     m_i = gl.convert_layout(m_i, row_s) + _row_dot(q_s, mu_ptr + bhk * D, qk_scale, BS, D, row_s)
     l_i = gl.convert_layout(l_i * (1.0 / P_MUL), row_s)
-    # The input-precision kernel's tail (on the tail ring), first-order term and output.
+    # The input-precision kernel's tail (on the tail ring), first-order term and output; int8-fp8
+    # keeps the first-order product's power of two in bfloat16 (without, ptxas spilled in its
+    # hybrid exact loop at D = 128).
     _finish(q_s, kb_bufs, vb_bufs, tready, tempty, 0, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
             BS, D, C, TSTAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout, HB_RING,
-            (fx == 1).to(gl.int32), EXACT_SLACK >= 0)
+            (fx == 1).to(gl.int32), EXACT_SLACK >= 0, QK_INT8 and PV8 and not PV_INT8)
 
 
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "LKP", "NQ", "NK", "W2", "NW"])
