@@ -12,7 +12,6 @@ rounds, GPU time per kernel (torch.profiler, 5 calls), and whether both select t
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -29,16 +28,9 @@ from pisa_attn.ops.triton.op import score_scratch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fp8_bench import kernel_times  # noqa: E402
+from stats_select_bench import load_baseline  # noqa: E402
 
 B, H, D, BS, DENSITY = 2, 16, 128, 64, 0.125
-
-
-def load(path: str):
-    sp = importlib.util.spec_from_file_location("pisa_attn.ops.triton._base_select", os.path.join(path, "select.py"))
-    m = importlib.util.module_from_spec(sp)
-    sys.modules[sp.name] = m
-    sp.loader.exec_module(m)
-    return m
 
 
 def run_length(L: int, old, rounds: int) -> dict:
@@ -66,7 +58,7 @@ def main():
     ap.add_argument("--lengths", default="8192,16384,32768,65536")
     ap.add_argument("--rounds", type=int, default=7)
     a = ap.parse_args()
-    old = load(a.baseline)
+    (old,) = load_baseline(a.baseline, ("select",))
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "shape": f"B{B}-H{H}-D{D} bf16, density {DENSITY}", "rows": []}
     x = torch.randn(8192, 8192, device="cuda")

@@ -73,16 +73,17 @@ def rel(a, b) -> float:
     return ((a.double() - b.double()).abs().sum() / b.double().abs().sum().clamp_min(1e-300)).item()
 
 
-def load_baseline(path: str):
+def load_baseline(path: str, names=("prepare", "select")):
+    """The earlier modules ``names`` in ``path``, loaded as modules of ``pisa_attn.ops.triton``."""
     mods = {}
-    for name in ("prepare", "select"):
+    for name in names:
         spec_ = importlib.util.spec_from_file_location(f"pisa_attn.ops.triton._base_{name}",
                                                        os.path.join(path, f"{name}.py"))
         m = importlib.util.module_from_spec(spec_)
         sys.modules[spec_.name] = m
         spec_.loader.exec_module(m)
         mods[name] = m
-    return mods["prepare"], mods["select"]
+    return tuple(mods[n] for n in names)
 
 
 def checks(q, k, v, nk, n_sel, width, scale, res):

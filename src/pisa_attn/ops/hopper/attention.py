@@ -594,6 +594,8 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
             # such scaling, which saves two passes over the tile. Either way α = 0 is zeroth mode
             # bit for bit.
             PW: gl.constexpr = PW_BF16 or q_s.dtype == gl.float16
+            # two spelled-out branches: the PW one is the code the GPU suite and the low-precision
+            # builds checked (a shared factor changed every variant's PTX)
             if PW:
                 w = gl.convert_layout(l_tail / l_i * (gl.load(alpha_ptr + h) * (scale / BS) * pw),
                                       gl.SliceLayout(1, p_layout))

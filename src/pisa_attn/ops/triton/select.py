@@ -234,6 +234,7 @@ def _topk_kernel(
     cols = tl.arange(0, NKP)
     m2 = rvalid[:, None] & (cols < NK)[None, :]
     scores = tl.load(scores_ptr + r.to(tl.int64)[:, None] * NK + cols[None, :], mask=m2, other=0.0)
+    # COV=False: the scores hold the term already (cnt_ptr stands in for the hdev pointer, never read)
     _select_rows(scores, rvalid, bh, qi, b, h, bhk, cnt_ptr, keep_ptr, idx_ptr, cnt_ptr, bits_ptr,
                  NQ, NK, n_sel, W, NW, keep_sb, keep_sh, R, NKP, False, HAS_KEEP, REP, BITS)
 
