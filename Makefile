@@ -41,13 +41,15 @@ test: $(EXTRAS)
 test-slow: $(EXTRAS)
 	$(PYTEST) -m slow || [ $$? -eq 5 ]
 
-# The sm_90a build tests (Hopper kernels and selection: spills, serialised tensor-core loops) with the GPU
-# machines' toolchain, Triton 3.6 (its ptxas 12.8 allocates registers unlike newer ones), installed
-# beside the venv's Triton and put first on the path.
+# The sm_90a build tests (Hopper kernels, selection, statistics and the fit: spills, serialised
+# tensor-core loops), every variant (`make test` builds a subset of each), with the GPU machines'
+# toolchain, Triton 3.6 (its ptxas 12.8 allocates registers unlike newer ones), installed beside the
+# venv's Triton and put first on the path.
 DEVICE_TRITON ?= triton==3.6.0
 build-device: $(EXTRAS)
 	$(PY) -m pip install -q --no-deps --target $(VENV)/device-triton "$(DEVICE_TRITON)"
-	PYTHONPATH=$(VENV)/device-triton $(PYTEST) tests/test_hopper_build.py tests/test_fp8_build.py tests/test_select_build.py tests/test_prepare_build.py
+	PYTHONPATH=$(VENV)/device-triton $(PYTEST) tests/test_hopper_build.py tests/test_fp8_build.py tests/test_select_build.py tests/test_prepare_build.py \
+		tests/test_calibration.py::test_fit_kernels_build_for_sm90
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

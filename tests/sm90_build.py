@@ -11,6 +11,30 @@ import sys
 
 SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return ""
+    return triton.__version__
+
+
+# The GPU machines' Triton (3.6) and its ptxas, whose register allocation the spill counts assert.
+DEVICE_TOOLCHAIN = _triton_version().startswith("3.6.")
+# Every variant of every build test: with the device toolchain (`make build-device`) or when asked.
+# Otherwise (CPU CI, 2 cores) each test builds a subset that still covers each option once: the
+# whole set costs about 8 minutes of ptxas there.
+FULL = DEVICE_TOOLCHAIN or os.environ.get("PISA_ATTN_FULL_BUILD") == "1"
+
+
+def ci_subset(variants: dict, names) -> dict:
+    """``variants`` under :data:`FULL`, else only ``names`` of them (each must be one)."""
+    missing = set(names) - set(variants)
+    if missing:
+        raise KeyError(f"not variants: {sorted(missing)}")
+    return dict(variants) if FULL else {n: v for n, v in variants.items() if n in names}
+
 _SCRIPT = """
 import json, os, re, subprocess, sys, tempfile, torch, triton
 {imports}

@@ -4,15 +4,10 @@ subprocess for the same reason."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from sm90_build import SMEM_LIMIT, build
+from sm90_build import DEVICE_TOOLCHAIN, SMEM_LIMIT, build, ci_subset
 
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
-import triton  # noqa: E402
-
-DEVICE_TOOLCHAIN = triton.__version__.startswith("3.6.")  # the GPU machines' Triton and ptxas
 
 # (head dim, mode, even Lk, dtype, exact-loop schedule: False sequential (the default), True
 # pipelined, precision, query blocks per CTA: None the precision's default for the mode)
@@ -26,16 +21,9 @@ SHAPES = {
     "D64-hybrid-fp16": (64, "hybrid", True, "float16", False),
 }
 PRECISIONS = ("fp8", "int8-fp8", "int8-int8", "int8")
-# With another toolchain (CI's) each precision builds in these shapes: every mode, both head dims
-# and dtypes, even and ragged, both loops, in about half the CPU time of the whole set (which the
-# device toolchain builds, `make build-device`, where the spill counts below are asserted; or set
-# PISA_ATTN_FULL_BUILD=1).
-CI_SHAPES = ("D128-hybrid-bf16", "D128-drop-ragged-bf16", "D64-zeroth-ragged-fp16",
-             "D128-hybrid-ragged-bf16-pipelined")
-FULL = DEVICE_TOOLCHAIN or os.environ.get("PISA_ATTN_FULL_BUILD") == "1"
 # INT8 P·V runs in the sequential loop only
 VARIANTS = {f"{p}-{n}": (*v, p, "online") for p in PRECISIONS for n, v in SHAPES.items()
-            if not (p == "int8-int8" and v[4]) and (FULL or n in CI_SHAPES)}
+            if not (p == "int8-int8" and v[4])}
 # P·V in the input dtype: the exact loop under the bound of its scores, where registers are
 # tightest (three consumers at 160; pairs with a tail, at 240, built without spills too)
 VARIANTS["int8-D128-drop-bf16-bound"] = (*SHAPES["D128-drop-bf16"], "int8", "bound")
@@ -43,6 +31,11 @@ VARIANTS["int8-D128-drop-bf16-bound"] = (*SHAPES["D128-drop-bf16"], "int8", "bou
 # value slots under the tail's value tiles)
 ALIAS = {"int8-D128-hybrid-bf16-three-alias": (*SHAPES["D128-hybrid-bf16"], "int8", "bound")}
 VARIANTS.update(ALIAS)
+# CI's subset: each precision in another shape, so that every mode, both head dims and dtypes, even
+# and ragged, both loops and the bound build once.
+VARIANTS = ci_subset(VARIANTS, ("fp8-D128-hybrid-bf16", "int8-fp8-D128-hybrid-ragged-bf16-pipelined",
+                                "int8-int8-D64-zeroth-ragged-fp16", "int8-D128-drop-ragged-bf16",
+                                "int8-D128-drop-bf16-bound"))
 
 
 def _query_group(name: str) -> int:
@@ -132,6 +125,7 @@ for name, (prec, mode, pipe) in json.loads(sys.argv[1]).items():
 print(json.dumps(res))
 """
 PINGPONG = {"fp8-hybrid-sequential": ("fp8", "hybrid", False), "int8-drop-pipelined": ("int8", "drop", True)}
+PINGPONG = ci_subset(PINGPONG, ("fp8-hybrid-sequential",))
 
 
 def test_lowp_pingpong_builds_for_sm90a():

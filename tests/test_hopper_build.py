@@ -7,7 +7,7 @@ which ``triton.language`` functions cannot be compiled.
 from __future__ import annotations
 
 import pytest
-from sm90_build import SMEM_LIMIT, build, run_script
+from sm90_build import SMEM_LIMIT, build, ci_subset, run_script
 
 pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon")
 
@@ -39,6 +39,12 @@ VARIANTS = {
                                             "online"),
     "D128-hybrid-bf16-online-exact": (128, "hybrid", True, "bfloat16", True, False, True, 128, 2, "auto", "online"),
 }
+# CI's subset: every mode, head dim, dtype, even and ragged, both loops, pairs and three consumers,
+# adjacent pairs, staged and global codes, and each maximum's online scan, once
+VARIANTS = ci_subset(VARIANTS, ("D128-hybrid-bf16", "D128-hybrid-bf16-global-codes", "D128-drop-ragged-bf16-adjacent",
+                                "D64-drop-ragged-fp16-pipelined", "D64-zeroth-ragged-fp16-three",
+                                "D128-hybrid-ragged-bf16-three", "D128-hybrid-bf16-three-online-tail",
+                                "D128-drop-bf16-three-online-exact"))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ Compiled in a subprocess: the test session runs Triton's interpreter (TRITON_INT
 from __future__ import annotations
 
 import pytest
-from sm90_build import build
+from sm90_build import build, ci_subset
 
 # (key blocks, covariance-aware, kept blocks): 50 and 64 blocks take the fused kernel (scores and
 # top-k in one), 100 to 1024 the top-k kernel after the score GEMM (2 threshold bits per step up
@@ -19,6 +19,8 @@ VARIANTS.update({f"NK{nk}-topk{'-keep' if keep else ''}": (nk, False, keep, None
 # the fused kernel with 16 rows a program (a short call's launch, one wave)
 VARIANTS.update({f"NK{nk}-{'cov' if cov else 'topk'}-keep-R16": (nk, cov, True, 16)
                  for nk in (50, 64) for cov in (False, True)})
+# CI's subset: both row counts, with and without the covariance term and kept blocks, each kernel shape
+VARIANTS = ci_subset(VARIANTS, ("NK50-cov", "NK64-topk-keep", "NK64-cov-keep-R16", "NK256-topk", "NK1024-topk-keep"))
 
 
 @pytest.fixture(scope="module")
