@@ -561,7 +561,7 @@ def test_hopper_three_query_blocks_per_cta(source, mode):
     what pairs compute in the ascending order: bit for bit in keep-or-drop mode and, with the
     tail's online maximum, the LSE in the modes with a tail (the output within 1e-6: the
     first-order term takes q from its float16 copy); with the tail's fixed maximum (three
-    consumers sum it in 32-column tiles) within 1e-5; with 3 and 4 ring slots, and within the bf16
+    consumers sum it from q's float16 copy in shared memory) within 1e-5; with 3 and 4 ring slots, and within the bf16
     bound of the float64 reference."""
     from pisa_attn.ops.hopper import attention as gattn
 

@@ -304,33 +304,23 @@ def _tail_tile_fixed(q16, kb, vb, lo, hi, j0, ct, m_t, c_t, l_i, acc, l_tail, ze
 @gluon.jit
 def _tail_group_fixed(q16, kb, vb, lo, hi, g0, m_i, l_i, acc, l_tail, sc_scale, LK, NK,
                       BS: gl.constexpr, C: gl.constexpr, EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr,
-                      s_layout: gl.constexpr, o_layout: gl.constexpr, SPLIT: gl.constexpr):
+                      s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One group of ``C`` centroids as :func:`_tail_group`, under a maximum ``m_i`` fixed for the
-    whole tail, in ``SPLIT`` tiles of ``C // SPLIT`` columns (two tiles of 32: half the score
-    registers of one 64-column tile)."""
-    CT: gl.constexpr = C // SPLIT
+    whole tail."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, CT, 16])
+                                                       instr_shape=[16, C, 16])
     pt_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_t: gl.constexpr = gl.SliceLayout(1, st_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    ct = gl.arange(0, CT, layout=gl.SliceLayout(0, st_layout))
-    zero = gl.zeros([BS, CT], gl.float32, layout=st_layout)
+    ct = gl.arange(0, C, layout=gl.SliceLayout(0, st_layout))
+    zero = gl.zeros([BS, C], gl.float32, layout=st_layout)
     m_t = gl.convert_layout(m_i, row_t)
     c_t = LOG2_BS - m_t
     # Past NK the words' bits count as exact: a scalar per word, not a compare per column.
     lo = _pad_bits(lo, NK - g0)
     hi = _pad_bits(hi, NK - g0 - 32)
-    if SPLIT == 1:
-        l_i, acc, l_tail = _tail_tile_fixed(q16, kb, vb, lo, hi, g0, ct, m_t, c_t, l_i, acc, l_tail, zero, sc_scale,
-                                            LK, NK, BS, EVEN_K, row_s, pt_layout)
-    else:
-        l_i, acc, l_tail = _tail_tile_fixed(q16, kb.slice(0, CT, dim=0), vb.slice(0, CT, dim=0), lo, lo, g0, ct,
-                                            m_t, c_t, l_i, acc, l_tail, zero, sc_scale, LK, NK, BS, EVEN_K, row_s,
-                                            pt_layout)
-        l_i, acc, l_tail = _tail_tile_fixed(q16, kb.slice(CT, CT, dim=0), vb.slice(CT, CT, dim=0), hi, hi, g0 + CT,
-                                            ct, m_t, c_t, l_i, acc, l_tail, zero, sc_scale, LK, NK, BS, EVEN_K,
-                                            row_s, pt_layout)
+    l_i, acc, l_tail = _tail_tile_fixed(q16, kb, vb, lo, hi, g0, ct, m_t, c_t, l_i, acc, l_tail, zero, sc_scale,
+                                        LK, NK, BS, EVEN_K, row_s, pt_layout)
     return m_i, l_i, acc, l_tail
 
 
@@ -338,7 +328,7 @@ def _tail_group_fixed(q16, kb, vb, lo, hi, g0, m_i, l_i, acc, l_tail, sc_scale, 
 def _tail_step(q16, k_bufs, v_bufs, ready, empty, t, g0, brow, NW, active, lo_next, hi_next, m_i, l_i, acc, l_tail,
                s_zero, cols, sc_scale, LK, NK, BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr,
                EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-               p_layout: gl.constexpr, FIXED: gl.constexpr, SPLIT: gl.constexpr):
+               p_layout: gl.constexpr, FIXED: gl.constexpr):
     """The centroid group from ``g0`` (ring entry ``t + g0 / C``; its bitmask words ``lo_next``,
     ``hi_next``) into the running state; the next group's words are read here, one group ahead."""
     lo = lo_next
@@ -354,7 +344,7 @@ def _tail_step(q16, k_bufs, v_bufs, ready, empty, t, g0, brow, NW, active, lo_ne
         if FIXED:
             m_i, l_i, acc, l_tail = _tail_group_fixed(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0,
                                                       m_i, l_i, acc, l_tail, sc_scale, LK, NK, BS, C, EVEN_K,
-                                                      LOG2_BS, s_layout, o_layout, SPLIT)
+                                                      LOG2_BS, s_layout, o_layout)
         else:
             m_i, l_i, acc, l_tail = _tail_group(q16, _as_fp16(k_bufs.index(s)), v_bufs.index(s), lo, hi, g0,
                                                 cols, m_i, l_i, acc, l_tail, s_zero, sc_scale, LK, NK, BS, C,
@@ -367,7 +357,7 @@ def _tail_step(q16, k_bufs, v_bufs, ready, empty, t, g0, brow, NW, active, lo_ne
 def _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i, l_i, acc, l_tail, s_zero, sc_scale,
                LK, NK, BS: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
                LOG2_BS: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-               FIXED: gl.constexpr, SPLIT: gl.constexpr, PEEL: gl.constexpr):
+               FIXED: gl.constexpr, PEEL: gl.constexpr):
     """Every centroid group of the ring (entries ``t``, ``t + 1``, ..; ``ready``/``empty`` its
     barriers) into the running state, under the fixed maximum ``m_i`` (FIXED) or the online one;
     a consumer whose query block is past the end (not ``active``) only releases the slots. With a
@@ -388,11 +378,11 @@ def _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i, l_i,
         lo_next, hi_next, m_i, l_i, acc, l_tail = _tail_step(
             q16, k_bufs, v_bufs, ready, empty, t, g0, brow, NW, active, lo_next, hi_next, m_i, l_i, acc, l_tail,
             s_zero, cols, sc_scale, LK, NK, BS, C, STAGES, EVEN_K or PEEL, LOG2_BS, s_layout, o_layout, p_layout,
-            FIXED, SPLIT)
+            FIXED)
     if PEEL and not EVEN_K:
         lo_next, hi_next, m_i, l_i, acc, l_tail = _tail_step(
             q16, k_bufs, v_bufs, ready, empty, t, n_even, brow, NW, active, lo_next, hi_next, m_i, l_i, acc, l_tail,
-            s_zero, cols, sc_scale, LK, NK, BS, C, STAGES, False, LOG2_BS, s_layout, o_layout, p_layout, FIXED, SPLIT)
+            s_zero, cols, sc_scale, LK, NK, BS, C, STAGES, False, LOG2_BS, s_layout, o_layout, p_layout, FIXED)
     return m_i, l_i, acc, l_tail
 
 
@@ -543,15 +533,13 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
         q_sc = gl.where(qmax > 0, gl.exp2(gl.ceil(gl.log2(qmax)) - 14.0), 1.0)
         q16 = (qa.to(gl.float32) * (1.0 / q_sc)).to(gl.float16)
         if NC == 3:
-            # The first-order term takes q back from this float16 copy in the (dead) query tile; with
-            # the online maximum (160 registers a consumer: no room for q16 beside a 64-column tile)
-            # the tail reads it from there too.
+            # At 160 registers a consumer, the tail's products read this float16 copy from the
+            # (dead) query tile, and so does the first-order term: no q16 beside a 64-column score
+            # tile in registers (it fit beside 32-column tiles, which ran 1-2 % slower at 4K).
             q_s16 = _as_fp16(q_s)
             q_s16.store(q16)
             fence_async_shared()
-            # the A operand of the tail's 32-column score tiles (:func:`_tail_group_fixed`, SPLIT = 2)
-            q16 = gl.convert_layout(q16, gl.DotOperandLayout(operand_index=0, parent=gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS // 2, 16]), k_width=2))
+            q16 = q_s16
         sc_scale = qk_scale * q_sc * gl.load(kscale_ptr + bhk)  # all scales: powers of 2
         brow = bits_ptr + row * NW
         # With a maximum fixed before the scan the tail needs no row maximum and no rescale per
@@ -570,15 +558,11 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
             l_i = l_i * rescale
             m_i, l_i, acc, l_tail = _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_fix, l_i,
                                                acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES, EVEN_K, LOG2_BS,
-                                               s_layout, o_layout, p_layout, True, 2 if NC == 3 else 1, NC == 3)
+                                               s_layout, o_layout, p_layout, True, NC == 3)
         else:
-            if NC == 3:
-                q_online = q_s16
-            else:
-                q_online = q16
-            m_i, l_i, acc, l_tail = _tail_loop(q_online, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i, l_i,
+            m_i, l_i, acc, l_tail = _tail_loop(q16, k_bufs, v_bufs, ready, empty, t, brow, NW, active, m_i, l_i,
                                                acc, l_tail, s_zero, sc_scale, LK, NK, BS, C, STAGES, EVEN_K, LOG2_BS,
-                                               s_layout, o_layout, p_layout, False, 1, NC == 3)
+                                               s_layout, o_layout, p_layout, False, NC == 3)
 
     if HB_RING:
         u_hb = t + (NK + C - 1) // C  # the entry after the centroid groups
@@ -898,7 +882,7 @@ MAX_REGS = {2: 168, 3: 128}
 # Query blocks a CTA serves, per mode: 2 (a pair; its partner adjacent or matched) or 3 (adjacent
 # blocks, three consumer warpgroups at 160 registers, the union stream in ascending order). Three
 # overlap more of the exact loop's latency: keep-or-drop up to 7 % faster at 8K-64K, hybrid 3-9 %
-# faster at 32K-64K (the tail under its fixed maximum, in 32-column tiles; H200,
+# faster at 32K-64K (the tail under its fixed maximum; H200,
 # benchmarks/results/h200_query_group.json, h200_tail_fixed.json). A ragged Lk too, since only the
 # tail group holding its last block weighs columns by log2 n_j, after the tail loop (no spills in
 # the loops): hybrid attend 2-10 % and the whole call 3-8 % faster than pairs at 32K-75K
