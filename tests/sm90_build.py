@@ -9,19 +9,12 @@ import os
 import subprocess
 import sys
 
+import triton
+
 SMEM_LIMIT = 227 * 1024  # Hopper's shared memory per block
 
-
-def _triton_version() -> str:
-    try:
-        import triton
-    except ImportError:
-        return ""
-    return triton.__version__
-
-
 # The GPU machines' Triton (3.6) and its ptxas, whose register allocation the spill counts assert.
-DEVICE_TOOLCHAIN = _triton_version().startswith("3.6.")
+DEVICE_TOOLCHAIN = triton.__version__.startswith("3.6.")
 # Every variant of every build test: with the device toolchain (`make build-device`) or when asked.
 # Otherwise (CPU CI, 2 cores) each test builds a subset that still covers each option once: the
 # whole set costs about 8 minutes of ptxas there.
