@@ -70,3 +70,53 @@ def test_a_planned_run_allocates_only_its_output(backend):
     run(p, q, k, v, out=out)
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+@pytest.mark.parametrize("text", ["before", "after"])
+def test_joint_call_text_queries_on_a_side_stream_B2_H8_T333_D128(text, monkeypatch):
+    # The integration's joint call: text queries' exact attention on a side stream while PISA runs
+    # on the caller's. 333 text tokens put the image's first query mid-block ("before": the in-place
+    # PISA call also writes text rows, which must end up exact); a key-padding mask of the last 20
+    # text keys on one row ("after") gives two row groups. Same bits as both on one stream, text
+    # rows equal to exact attention, and the same from a CUDA graph.
+    from pisa_attn.diffusers import calls
+    from pisa_attn.diffusers.tiling import build_layouts
+
+    seq = build_layouts((48, 48), 333, text, (8, 8), 64).joint
+    n = seq.length
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, n, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    s = PisaSettings(density=0.15, layout="bshd")
+    lens_cases = [None] if text == "before" else [None, [n, n - 20]]
+    for lens in lens_cases:
+        for plans in (None, {}):
+            monkeypatch.setattr(calls, "TEXT_SIDE_STREAM", False)
+            want = calls.sparse_attention(q, k, v, seq, lens, s, plans=plans)
+            monkeypatch.setattr(calls, "TEXT_SIDE_STREAM", True)
+            got = calls.sparse_attention(q, k, v, seq, lens, s, plans=plans)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), (lens, plans is None)
+            for row in range(2):
+                nk = n if lens is None else lens[row]
+                for a, b in seq.text_ranges():
+                    ref32 = calls.dense_attention(*(x[row:row + 1].float() for x in (q[:, a:b], k[:, :nk], v[:, :nk])),
+                                                  None, None, False)
+                    # every text row exact, those the PISA call also writes included (a few rows
+                    # of PISA's output would read ~1e-1 there)
+                    start = seq.image_lo // 64 * 64
+                    for r0, r1 in ((a, b), (max(a, start), min(b, seq.image_hi))):
+                        if r1 > r0:
+                            assert rel_l1(got[row:row + 1, r0:r1], ref32[:, r0 - a:r1 - a]) < 5e-3, (lens, r0, r1)
+    plans = {}
+    out = calls.sparse_attention(q, k, v, seq, None, s, plans=plans)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture
+        calls.sparse_attention(q, k, v, seq, None, s, plans=plans)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls.sparse_attention(q, k, v, seq, None, s, plans=plans)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 
@@ -68,12 +69,31 @@ def planned(plans: dict, q: Tensor, k: Tensor, settings: PisaSettings, keep: Ten
     return p
 
 
+# On CUDA the text queries' exact attention runs on a side stream, concurrently with PISA's
+# statistics and selection, which are latency-bound launches that leave SMs idle (the text
+# queries' few hundred rows fill less than a wave). False: both on the caller's stream, in turn.
+TEXT_SIDE_STREAM = True
+_SIDE: dict = {}  # device -> (side stream, fork event, join event), made once
+
+
+def _text_stream(q: Tensor):
+    """(side stream, fork event, join event) of ``q``'s device for the text queries, or None (the
+    caller's stream). The events are reused: a call's wait is enqueued before its next record."""
+    if not (TEXT_SIDE_STREAM and q.is_cuda) or torch.compiler.is_compiling():
+        return None
+    got = _SIDE.get(q.device)
+    if got is None:
+        got = _SIDE[q.device] = (torch.cuda.Stream(q.device), torch.cuda.Event(), torch.cuda.Event())
+    return got
+
+
 def sparse_attention(q, k, v, seq: Sequence | None, lens, settings: PisaSettings, alpha=None,
                      plans: dict | None = None) -> Tensor:
     """PISA on the image queries (text key blocks kept exact), dense attention for text queries.
 
     The image queries run from the block boundary at or before the first of them, so their query
-    blocks are the tiles the key blocks are (the text rows computed on the way are dropped).
+    blocks are the tiles the key blocks are (the text rows computed on the way are dropped). On
+    CUDA the text queries run on a side stream joined before the return (:data:`TEXT_SIDE_STREAM`).
 
     ``lens``: valid (unmasked, leading) keys per batch row, or None. ``settings``: a
     ``"bshd"`` :class:`PisaSettings`. ``alpha``: the first-order weight of this layer (``run``'s).
@@ -98,17 +118,43 @@ def sparse_attention(q, k, v, seq: Sequence | None, lens, settings: PisaSettings
         return attention(q, k[:, :n], v[:, :n], None if seq is None else seq.keep_for(n, bs))
     out = _empty_bshd(q, v)
     start = block_floor(lo, bs)  # query blocks on the key blocks' grid (see layout.block_floor)
-    for rows, n in groups:
-        kk, vv = k[rows, :n], v[rows, :n]
-        keep = None if seq is None else seq.keep_for(n, bs)
-        if plans is not None and isinstance(rows, slice):
-            # written in place: the rows [start, lo) it computes on the way are text rows, which
-            # the dense text attention below overwrites
-            attention(q[:, start:hi], kk, vv, keep, out=out[:, start:hi])
-        else:
-            out[rows, lo:hi] = attention(q[rows, start:hi], kk, vv, keep)[:, lo - start :]
+    # Written in place (on a plan, one row group): PISA's rows [start, lo) are text rows computed on
+    # the way, which the text queries' exact rows overwrite after it.
+    in_place = plans is not None and len(groups) == 1
+    side = _text_stream(q)
+    kvs = [(rows, n, k[rows, :n], v[rows, :n]) for rows, n in groups]
+    if side is not None:
+        side, fork, join = side
+        main = torch.cuda.current_stream(q.device)
+        fork.record(main)  # after the row gathers above, which run on the caller's stream
+        side.wait_event(fork)
+    late = []  # (rows, a, b, text rows' output) written after the PISA call
+    for rows, n, kk, vv in kvs:
         for a, b in texts:
-            out[rows, a:b] = dense_attention(q[rows, a:b], kk, vv, None, settings.scale, q.shape[2] != k.shape[2])
+            after = in_place and a < hi and start < b
+            # made on the caller's stream, which reads it after the join
+            buf = out.new_empty(q.shape[0], b - a, q.shape[2], v.shape[-1]) if after and side is not None else None
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                t = dense_attention(q[rows, a:b], kk, vv, None, settings.scale, q.shape[2] != k.shape[2])
+                if not after:
+                    out[rows, a:b] = t
+                elif buf is not None:
+                    t = buf.copy_(t)
+            if after:
+                late.append((rows, a, b, t))
+    try:
+        for rows, n, kk, vv in kvs:
+            keep = None if seq is None else seq.keep_for(n, bs)
+            if in_place:
+                attention(q[:, start:hi], kk, vv, keep, out=out[:, start:hi])
+            else:
+                out[rows, lo:hi] = attention(q[rows, start:hi], kk, vv, keep)[:, lo - start :]
+    finally:  # joined on every path: the side stream writes into memory the caller's stream owns
+        if side is not None:
+            join.record(side)
+            main.wait_event(join)
+    for rows, a, b, t in late:
+        out[rows, a:b] = t
     return out
 
 
@@ -123,7 +169,6 @@ def attend(state: PisaState, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: 
         return dense_attention(q, k, v, mask, scale, q.shape[2] != k.shape[2])
     if mask is not None:  # written for the model's token order; the tokens are in tiled order
         mask = run.tiled_mask(mask, seq, q.shape[0])
-    cfg = state.config
     reason = run.dense_reason(layer, k.shape[1])
     observed = bool(hooks.observers(state.transformer))
     # Sparse calls need the valid keys per row; so do observers of dense calls (telemetry must not
