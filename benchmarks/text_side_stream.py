@@ -1,16 +1,21 @@
 """The integration's joint image call with the text queries' exact attention on the caller's stream
 after PISA (``calls.TEXT_SIDE_STREAM = False``) and on a side stream beside it (the default), at
-FLUX.1-dev / SD3.5-Large 1024^2, FLUX 2048^2 and FLUX heads over image sizes; cuDNN SDPA on the
-whole sequence in the same rounds. Eager wall ms per call (30 back-to-back calls between CUDA
-events, 7 interleaved rounds, median), covariance-aware and top-k selection.
+FLUX.1-dev / SD3.5-Large 1024^2, FLUX 2048^2, FLUX heads over image sizes and HunyuanVideo 720p;
+cuDNN SDPA on the whole sequence in the same rounds. Eager wall ms per call (30 back-to-back calls
+between CUDA events, 7 interleaved rounds, median; 3 calls and 5 rounds from 50K tokens),
+covariance-aware and top-k selection.
 
-    PYTHONPATH=src OUT=DIR python3 benchmarks/text_side_stream.py   # DIR/text_side_stream.json
+    PYTHONPATH=src OUT=DIR python3 benchmarks/text_side_stream.py [CASE ...]   # DIR/text_side_stream.json
+    CASE: a dit_cases key (flux-1024, sd35-1024, flux-2048, hunyuan-720p, ...) or flux-imgN (N image
+    tokens, a square, FLUX heads); default: the image cases and the FLUX sweep
 """
 import json
+import math
 import os
+import sys
 import time
-
 from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from pisa_attn.bench import dit_cases as dc
@@ -34,9 +39,10 @@ while time.time() - t0 < 1.5:
     x @ x
 res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 import triton; res["triton"] = triton.__version__
-cases = [(k, dc.CASES[k]) for k in ("flux-1024", "sd35-1024", "flux-2048")]
+names = sys.argv[1:] or ["flux-1024", "sd35-1024", "flux-2048"] + [f"flux-img{s * s}" for s in (32, 48, 80, 96)]
 base = dc.CASES["flux-1024"]
-cases += [(f"flux-img{s*s}", replace(base, latent=(s, s))) for s in (32, 48, 80, 96)]
+cases = [(n, replace(base, latent=(math.isqrt(int(n[8:])),) * 2) if n.startswith("flux-img") else dc.CASES[n])
+         for n in names]
 for key, case in cases:
     seq = sequence(case, 64).joint
     g = torch.Generator().manual_seed(2)
@@ -54,10 +60,11 @@ for key, case in cases:
         fns[f"cov{int(cov)}_one"] = mk(False)
         fns[f"cov{int(cov)}_side"] = mk(True)
     t = {n: [] for n in fns}
-    for r in range(7):
+    big = seq.length >= 50_000
+    for r in range(5 if big else 7):
         for n, f in fns.items():
-            t[n].append(timed(f, 30))
-    med = {n: sorted(v_)[3] for n, v_ in t.items()}
+            t[n].append(timed(f, 3 if big else 30))
+    med = {n: sorted(v_)[len(v_) // 2] for n, v_ in t.items()}
     res[key] = {"tokens": seq.length, "heads": case.heads, "text": seq.text_len, "rounds": t, "median": med}
     print(f"{key:12s} L={seq.length:6d} " + " ".join(f"{n} {m:.4f}" for n, m in med.items())
           + "  r: " + " ".join(f"{n} {med['dense']/m:.2f}" for n, m in med.items() if n != "dense"), flush=True)
