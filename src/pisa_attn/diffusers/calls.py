@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections import defaultdict
 
 import torch
@@ -73,17 +74,19 @@ def planned(plans: dict, q: Tensor, k: Tensor, settings: PisaSettings, keep: Ten
 # statistics and selection, which are latency-bound launches that leave SMs idle (the text
 # queries' few hundred rows fill less than a wave). False: both on the caller's stream, in turn.
 TEXT_SIDE_STREAM = True
-_SIDE: dict = {}  # device -> (side stream, fork event, join event), made once
+_SIDE = threading.local()  # per thread: device -> (side stream, fork event, join event), made once
 
 
 def _text_stream(q: Tensor):
     """(side stream, fork event, join event) of ``q``'s device for the text queries, or None (the
-    caller's stream). The events are reused: a call's wait is enqueued before its next record."""
+    caller's stream). The events are reused, one set per thread: a call's wait is enqueued before
+    its next record."""
     if not (TEXT_SIDE_STREAM and q.is_cuda) or torch.compiler.is_compiling():
         return None
-    got = _SIDE.get(q.device)
+    per_device = _SIDE.__dict__.setdefault("streams", {})
+    got = per_device.get(q.device)
     if got is None:
-        got = _SIDE[q.device] = (torch.cuda.Stream(q.device), torch.cuda.Event(), torch.cuda.Event())
+        got = per_device[q.device] = (torch.cuda.Stream(q.device), torch.cuda.Event(), torch.cuda.Event())
     return got
 
 
@@ -129,20 +132,20 @@ def sparse_attention(q, k, v, seq: Sequence | None, lens, settings: PisaSettings
         fork.record(main)  # after the row gathers above, which run on the caller's stream
         side.wait_event(fork)
     late = []  # (rows, a, b, text rows' output) written after the PISA call
-    for rows, n, kk, vv in kvs:
-        for a, b in texts:
-            after = in_place and a < hi and start < b
-            # made on the caller's stream, which reads it after the join
-            buf = out.new_empty(q.shape[0], b - a, q.shape[2], v.shape[-1]) if after and side is not None else None
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                t = dense_attention(q[rows, a:b], kk, vv, None, settings.scale, q.shape[2] != k.shape[2])
-                if not after:
-                    out[rows, a:b] = t
-                elif buf is not None:
-                    t = buf.copy_(t)
-            if after:
-                late.append((rows, a, b, t))
     try:
+        for rows, n, kk, vv in kvs:
+            for a, b in texts:
+                after = in_place and a < hi and start < b
+                # made on the caller's stream, which reads it after the join
+                buf = out.new_empty(q.shape[0], b - a, q.shape[2], v.shape[-1]) if after and side is not None else None
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    t = dense_attention(q[rows, a:b], kk, vv, None, settings.scale, q.shape[2] != k.shape[2])
+                    if not after:
+                        out[rows, a:b] = t
+                    elif buf is not None:
+                        t = buf.copy_(t)
+                if after:
+                    late.append((rows, a, b, t))
         for rows, n, kk, vv in kvs:
             keep = None if seq is None else seq.keep_for(n, bs)
             if in_place:
