@@ -2,7 +2,8 @@
 after PISA (``calls.TEXT_SIDE_STREAM = False``) and on a side stream beside it (the default), at
 FLUX.1-dev / SD3.5-Large 1024^2, FLUX 2048^2, FLUX heads over image sizes and HunyuanVideo 720p;
 cuDNN SDPA on the whole sequence in the same rounds. Eager wall ms per call (30 back-to-back calls
-between CUDA events, 7 interleaved rounds, median; 3 calls and 5 rounds from 50K tokens),
+until the GPU is done, ``phase_table.eager_times``; 7 interleaved rounds, median; 3 calls and 5
+rounds from 50K tokens),
 covariance-aware and top-k selection.
 
     PYTHONPATH=src OUT=DIR python3 benchmarks/text_side_stream.py [CASE ...]   # DIR/text_side_stream.json
@@ -13,30 +14,20 @@ import json
 import math
 import os
 import sys
-import time
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from phase_table import eager_times  # noqa: E402
 from pisa_attn.bench import dit_cases as dc
+from pisa_attn.bench.kernels import warm_gpu
 from pisa_attn.bench.e2e.backends import sequence
 from pisa_attn.diffusers import calls
 from pisa_attn.settings import PisaSettings
 
 dev = "cuda"
-def timed(fn, n):
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn(); torch.cuda.synchronize()
-    st.record()
-    for _ in range(n):
-        fn()
-    en.record(); torch.cuda.synchronize()
-    return st.elapsed_time(en) / n
-
-x = torch.randn(8192, 8192, device=dev)
-t0 = time.time()
-while time.time() - t0 < 1.5:
-    x @ x
+warm_gpu(1.5)
 res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 import triton; res["triton"] = triton.__version__
 names = sys.argv[1:] or ["flux-1024", "sd35-1024", "flux-2048"] + [f"flux-img{s * s}" for s in (32, 48, 80, 96)]
@@ -63,7 +54,7 @@ for key, case in cases:
     big = seq.length >= 50_000
     for r in range(5 if big else 7):
         for n, f in fns.items():
-            t[n].append(timed(f, 3 if big else 30))
+            t[n].append(eager_times(f, 3 if big else 30)[1])
     med = {n: sorted(v_)[len(v_) // 2] for n, v_ in t.items()}
     res[key] = {"tokens": seq.length, "heads": case.heads, "text": seq.text_len, "rounds": t, "median": med}
     print(f"{key:12s} L={seq.length:6d} " + " ".join(f"{n} {m:.4f}" for n, m in med.items())

@@ -124,10 +124,9 @@ def sparse_attention(q, k, v, seq: Sequence | None, lens, settings: PisaSettings
     # Written in place (on a plan, one row group): PISA's rows [start, lo) are text rows computed on
     # the way, which the text queries' exact rows overwrite after it.
     in_place = plans is not None and len(groups) == 1
-    side = _text_stream(q)
+    side, fork, join = _text_stream(q) or (None, None, None)
     kvs = [(rows, n, k[rows, :n], v[rows, :n]) for rows, n in groups]
     if side is not None:
-        side, fork, join = side
         main = torch.cuda.current_stream(q.device)
         fork.record(main)  # after the row gathers above, which run on the caller's stream
         side.wait_event(fork)
