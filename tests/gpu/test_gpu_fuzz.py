@@ -1,0 +1,163 @@
+"""Seeded random configurations of the public plan/run API against the float64 reference under the
+same selection (skipped without CUDA).
+
+The feature tests each vary one thing; these draw many at once (batch, GQA ratio, Lq != Lk, ragged
+and sub-block lengths, head dim, dtype, layout, padded strides, mode, density, covariance-aware
+selection, pooled query blocks, always-exact blocks, per-head alpha, scale, input magnitude,
+``int8`` exact blocks) so that their interplay is exercised. Each case: the kernel backend's
+``run`` with its selection returned and NaN-poisoned ``out`` / ``lse``; the ``reference`` backend in
+float64 under that selection; rel-L1 of the output and max |ΔLSE| within the dtype's tolerance,
+every element finite.
+
+    PYTHONPATH=src:tests python -m pytest tests/gpu/test_gpu_fuzz.py -q -s
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from pisa_attn import PisaSettings, plan, run  # noqa: E402
+from pisa_attn.attention import get_backend  # noqa: E402
+from test_gpu_fp8 import references  # noqa: E402
+from test_gpu_kernels import KERNELS, rel_l1  # noqa: E402
+
+N_CASES = 64
+LENGTHS = (37, 64, 200, 1000, 2061, 4096, 5000, 8229, 12295)
+# bf16 and fp16 outputs against float64 (the feature tests' bounds).
+TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3}
+# int8 Q·Kᵀ: the kernel against the quantised math tightly; that math against float64 as far as the
+# rounding of the scores goes, which grows with the logits' spread (Gaussian q/k at 4x magnitude:
+# 2.2-2.6e-2 rel-L1, the |LSE| ~14-43 off by up to 0.53; notes/fp8.md).
+TOL_INT8_QUANT, TOL_INT8 = 5e-3, 3e-2
+LSE_TOL, LSE_TOL_INT8 = 2e-2, 5e-2  # int8: relative to |LSE|
+
+
+def _draw(i: int) -> dict:
+    r = random.Random(1000 + i)
+    hk = r.choice((1, 2, 3))
+    lk = r.choice(LENGTHS)
+    c = {
+        "seed": i,
+        "b": r.choice((1, 1, 2, 3)),
+        "hk": hk,
+        "h": hk * r.choice((1, 1, 2, 3)),
+        "lk": lk,
+        "lq": lk if r.random() < 0.5 else r.choice(LENGTHS),
+        "d": r.choice((32, 64, 128, 128, 128)),
+        "dtype": r.choice((torch.bfloat16, torch.bfloat16, torch.float16)),
+        "layout": r.choice(("bhsd", "bshd")),
+        "padded": r.random() < 0.25,  # row stride past D (a slice of a wider tensor)
+        "mode": r.choice(("hybrid", "hybrid", "hybrid", "zeroth", "drop", "first")),
+        "density": r.choice((0.02, 0.05, 0.125, 0.125, 0.3, 0.6, 1.0)),
+        "cov": r.random() < 0.6,
+        "query_block": r.choice((None, None, None, 128)),
+        "keep": r.random() < 0.25,
+        "alpha": r.choice((None, None, 0.0, 1.0, "per-head")),
+        "scale": r.choice((None, None, 0.05)),
+        "mag": r.choice((1.0, 1.0, 4.0)),
+        "int8": r.random() < 0.2,
+    }
+    if c["mode"] not in ("hybrid", "first"):
+        c["alpha"] = None
+    if c["mode"] == "first" or c["d"] not in (64, 128):  # what the int8 kernel runs
+        c["int8"] = False
+    return c
+
+
+def _id(c: dict) -> str:
+    parts = [f"B{c['b']}-H{c['h']}-Hk{c['hk']}-Lq{c['lq']}-Lk{c['lk']}-D{c['d']}",
+             "bf16" if c["dtype"] == torch.bfloat16 else "fp16", c["layout"], c["mode"], f"d{c['density']}"]
+    parts += [name for name, on in (("padded", c["padded"]), ("cov", c["cov"]), ("qb128", c["query_block"]),
+                                    ("keep", c["keep"]), ("int8", c["int8"])) if on]
+    if c["alpha"] is not None:
+        parts.append(f"a{c['alpha']}")
+    if c["scale"] is not None:
+        parts.append(f"s{c['scale']}")
+    if c["mag"] != 1.0:
+        parts.append(f"x{c['mag']:g}")
+    return "-".join(parts)
+
+
+CASES = [_draw(i) for i in range(N_CASES)]
+
+
+def _tensor(c: dict, heads: int, length: int, g: torch.Generator, mag: float) -> torch.Tensor:
+    d = c["d"]
+    width = 2 * d if c["padded"] else d
+    shape = (c["b"], length, heads, width) if c["layout"] == "bshd" else (c["b"], heads, length, width)
+    x = (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * mag).to(c["dtype"])
+    return x[..., :d]
+
+
+def _inputs(c: dict, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = _tensor(c, c["h"], c["lq"], g, c["mag"])
+    k = _tensor(c, c["hk"], c["lk"], g, c["mag"])
+    v = _tensor(c, c["hk"], c["lk"], g, 1.0)
+    return q, k, v
+
+
+def _settings(c: dict, backend: str) -> PisaSettings:
+    alpha = c["alpha"]
+    if alpha == "per-head":
+        alpha = tuple(round(0.25 + 0.5 * j / max(1, c["h"] - 1), 3) for j in range(c["h"]))
+    return PisaSettings(density=c["density"], mode=c["mode"], alpha=alpha, covariance_aware=c["cov"],
+                        query_block=c["query_block"], scale=c["scale"], backend=backend, layout=c["layout"],
+                        precision="int8" if (c["int8"] and backend == "hopper") else "input")
+
+
+def _keep(c: dict):
+    """Always-exact blocks: the first key block (a text prefix) and every seventh, on the CPU."""
+    nk = -(-c["lk"] // 64)
+    keep = torch.zeros(nk, dtype=torch.bool)
+    keep[0] = True
+    keep[::7] = True
+    return keep, int(keep.sum())
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_random_configuration_matches_fp64_reference(case, backend):
+    c = case
+    q, k, v = _inputs(c, seed=c["seed"])
+    qh = q if c["layout"] == "bhsd" else q.transpose(1, 2)
+    s = _settings(c, backend)
+    reason = get_backend(backend).unsupported_reason(qh, c["mode"], s.block_size)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    keep, n_keep = _keep(c) if c["keep"] else (None, 0)
+    p = plan(q, k, s, max_keep=n_keep)
+    assert p.backend == (backend if s.precision == "input" else "hopper_int8"), p.backend
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((c["b"], c["h"], c["lq"]), float("nan"), device="cuda", dtype=torch.float32)
+    got, sel = run(p, q, k, v, out=out, lse=lse, keep_blocks=keep, return_selection=True)
+    assert got.data_ptr() == out.data_ptr()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()  # poisoned: every element written
+
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    p64 = plan(q64, k64, s.replace(backend="reference", precision="input"), max_keep=n_keep)
+    want, want_lse = run(p64, q64, k64, v64, selection=sel, return_lse=True)
+    err = rel_l1(out, want)
+    int8 = s.precision == "int8"
+    dl = (lse.double() - want_lse).abs()
+    lse_err = (dl / want_lse.abs().clamp_min(1.0) if int8 else dl).max().item()
+    tol = TOL_INT8 if int8 else TOL[c["dtype"]]
+    print(f"\n[{backend} {_id(c)}] rel-L1 {err:.2e}  max|dLSE| {lse_err:.2e}")
+    if int8:
+        qh, kh, vh = (x if c["layout"] == "bhsd" else x.transpose(1, 2) for x in (q, k, v))
+        oq, _ = references(qh, kh, vh, p, sel, precision="int8")
+        got_h = out if c["layout"] == "bhsd" else out.transpose(1, 2)
+        err_q = rel_l1(got_h, oq)
+        print(f"[{backend} {_id(c)}] rel-L1 to the quantised math {err_q:.2e}")
+        assert err_q < TOL_INT8_QUANT
+    assert err < tol
+    assert lse_err < (LSE_TOL_INT8 if int8 else LSE_TOL)
+    if keep is not None:  # the kept blocks are in every row's selection
+        rows = sel.to_mask(p.n_kv_blocks)
+        assert rows[..., keep.to(rows.device)].all()
