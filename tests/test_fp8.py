@@ -113,6 +113,20 @@ def test_lowp_reference_large_magnitude_is_finite(mag, precision):
         assert rel_l1(o8, out) < rel_l1(_lowp("fp8", q, k, v, st, mask)[0], out) / 2
 
 
+@pytest.mark.parametrize("precision", LOWP)
+def test_lowp_reference_takes_strided_views(precision):
+    """[B, L, H, D] tensors seen as [B, H, L, D] (a length that is a whole number of blocks, so no
+    padding copies them): the same result as on contiguous copies."""
+    q, k, v = _case(lk=1024)
+    qs, ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not ks.is_contiguous()
+    st = ref.block_stats(k.float(), v.float(), 64)
+    mask = torch.rand(1, 4, 16, 16, generator=torch.Generator().manual_seed(0)) < 0.3
+    want = _lowp(precision, q, k, v, st, mask)
+    got = _lowp(precision, qs, ks, vs, st, mask)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_lowp_reference_refuses_the_input_precision():
     q, k, v = _case(lk=128)
     st = ref.block_stats(k.float(), v.float(), 64)

@@ -135,7 +135,7 @@ def quantize_k(k: Tensor, mu: Tensor, block_size: int, fmt: str = "e4m3") -> tup
     nk = num_blocks(lk, block_size)
     kc = k.float() - mu.float()[:, :, None, :]
     kc = torch.nn.functional.pad(kc, (0, 0, 0, nk * block_size - lk))
-    amax = kc.view(b, hk, nk, block_size * d).abs().amax(-1)
+    amax = kc.reshape(b, hk, nk, block_size * d).abs().amax(-1)  # reshape: k may be a strided view
     k8, sigma = quantize_block_rows(kc, amax.repeat_interleave(block_size, 2)[..., None], fmt)
     return k8, sigma[..., ::block_size, 0]
 
@@ -163,7 +163,7 @@ def quantize_v(v: Tensor, block_size: int, fmt: str = "e4m3") -> tuple[Tensor, T
     nk = num_blocks(lk, block_size)
     vf = torch.nn.functional.pad(v.float(), (0, 0, 0, nk * block_size - lk))
     if fmt == "int8":
-        vb = vf.view(b, hk, nk, block_size, d)
+        vb = vf.reshape(b, hk, nk, block_size, d)
         v8, tau = quantize_block_rows(vb, vb.abs().amax(3, keepdim=True), fmt)
         return v8.view(b, hk, nk * block_size, d).transpose(2, 3).contiguous(), tau[:, :, :, 0, :]
     v8, tau = quantize_block_rows(vf, vf.abs().amax(2, keepdim=True), fmt)
