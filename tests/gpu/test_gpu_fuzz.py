@@ -163,3 +163,64 @@ def test_random_configuration_matches_fp64_reference(case, backend):
     if keep is not None:  # the kept blocks are in every row's selection
         rows = sel.to_mask(p.n_kv_blocks)
         assert rows[..., keep.to(rows.device)].all()
+
+
+def _joint_draw(i: int) -> dict:
+    r = random.Random(2000 + i)
+    hk = r.choice((2, 4))
+    return {"seed": i, "grid": (r.randint(6, 40), r.randint(6, 40)), "text_len": r.choice((1, 77, 226, 333, 512, 601)),
+            "text": r.choice(("before", "after")), "tile": r.choice(((8, 8), (4, 8))), "b": r.choice((1, 2, 3)),
+            "hk": hk, "h": hk * r.choice((1, 2)), "d": r.choice((64, 128)), "masked": r.random() < 0.5,
+            "planned": r.random() < 0.5}
+
+
+JOINT = [_joint_draw(i) for i in range(8)]
+
+
+def _joint_id(c: dict) -> str:
+    return (f"B{c['b']}-H{c['h']}-Hk{c['hk']}-G{c['grid'][0]}x{c['grid'][1]}-T{c['text_len']}-{c['text']}"
+            f"-tile{c['tile'][0]}x{c['tile'][1]}-D{c['d']}" + "-masked" * c["masked"] + "-planned" * c["planned"])
+
+
+@pytest.mark.parametrize("density", [1.0, 0.15])
+@pytest.mark.parametrize("case", JOINT, ids=[_joint_id(c) for c in JOINT])
+def test_random_joint_call_layouts(case, density):
+    """The diffusers integration's joint text + image call on random grids, text lengths and sides,
+    tiles, GQA and key-padding rows: every text row exact; at density 1 every image row is dense
+    attention (an independent check of the rows, offsets and kept text blocks); below it the image
+    rows are the float64 reference under the selection of a call on the same slice."""
+    from pisa_attn.diffusers import calls
+    from pisa_attn.diffusers.tiling import build_layouts
+
+    c = case
+    seq = build_layouts(c["grid"], c["text_len"], c["text"], c["tile"], 64).joint
+    n = seq.length
+    g = torch.Generator(device="cuda").manual_seed(c["seed"])
+    q = torch.randn(c["b"], n, c["h"], c["d"], generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(c["b"], n, c["hk"], c["d"], generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = None
+    if c["masked"]:  # padded text keys at the end of the sequence, some rows full
+        lens = [n - (random.Random(c["seed"] + row).randint(1, 60) if row % 2 else 0) for row in range(c["b"])]
+    s = PisaSettings(density=density, layout="bshd")
+    out = calls.sparse_attention(q, k, v, seq, lens, s, plans={} if c["planned"] else None)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    start = seq.image_lo // 64 * 64
+    for row in range(c["b"]):
+        nk = n if lens is None else lens[row]
+        qr, kr, vr = q[row:row + 1], k[row:row + 1, :nk], v[row:row + 1, :nk]
+        dense = calls.dense_attention(qr.float(), kr.float(), vr.float(), None, None, c["h"] != c["hk"])
+        for a, b in seq.text_ranges():
+            assert rel_l1(out[row:row + 1, a:b], dense[:, a:b]) < 5e-3, (row, a, b)
+        lo, hi = seq.image_lo, seq.image_hi
+        if density == 1.0:
+            assert rel_l1(out[row:row + 1, lo:hi], dense[:, lo:hi]) < 1e-2, row
+            continue
+        qi = qr[:, start:hi]
+        p = plan(qi, kr, s, max_keep=64)
+        keep = seq.keep_for(nk, 64)
+        _, sel = run(p, qi, kr, vr, keep_blocks=keep, return_selection=True)
+        q64, k64, v64 = (x.double() for x in (qi, kr, vr))
+        p64 = plan(q64, k64, s.replace(backend="reference"), max_keep=64)
+        want = run(p64, q64, k64, v64, selection=sel)
+        assert rel_l1(out[row:row + 1, lo:hi], want[:, lo - start:]) < 1e-2, row
