@@ -8,7 +8,7 @@ pytest.importorskip("diffusers")
 import pisa_attn.diffusers as pd  # noqa: E402
 from diffusers.models import attention_dispatch as ad  # noqa: E402
 from pisa_attn.diffusers import telemetry as tm  # noqa: E402
-from diffusers_tiny import TILE_BLOCK, forward_inputs, tiny_pipeline, tiny_transformer  # noqa: E402
+from diffusers_tiny import TILE_BLOCK, forward_inputs, prompt_kwargs, tiny_pipeline, tiny_transformer  # noqa: E402
 
 SPARSE = dict(density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
 
@@ -36,6 +36,7 @@ def snapshot(obj) -> dict:
         )
     if not isinstance(obj, torch.nn.Module):
         out["pipe"] = dict(obj.__dict__)
+        out["scheduler"] = dict(obj.scheduler.__dict__)  # apply_pisa wraps its set_timesteps
     return out
 
 
@@ -45,7 +46,7 @@ def assert_same(before: dict, after: dict) -> None:
         if key == "active_backend":
             assert before[key] is after[key]
             continue
-        if key == "pipe":
+        if key in ("pipe", "scheduler"):
             assert before[key].keys() == after[key].keys()
             assert all(before[key][k] is after[key][k] for k in before[key]), key
             continue
@@ -191,11 +192,11 @@ def test_failure_while_installing_rolls_back(monkeypatch, managed):
     if not managed:
         assert_same(before, after)
     else:  # re-installed: same state, hooks and routing in place again, telemetry active
-        assert {k: len(v[0][0]) + len(v[0][2]) for k, v in before.items() if k not in ("pipe", "active_backend")} == {
-            k: len(v[0][0]) + len(v[0][2]) for k, v in after.items() if k not in ("pipe", "active_backend")
+        assert {k: len(v[0][0]) + len(v[0][2]) for k, v in before.items() if k not in ("pipe", "scheduler", "active_backend")} == {
+            k: len(v[0][0]) + len(v[0][2]) for k, v in after.items() if k not in ("pipe", "scheduler", "active_backend")
         }
-        assert [v[4] for k, v in before.items() if k not in ("pipe", "active_backend")] == [
-            v[4] for k, v in after.items() if k not in ("pipe", "active_backend")
+        assert [v[4] for k, v in before.items() if k not in ("pipe", "scheduler", "active_backend")] == [
+            v[4] for k, v in after.items() if k not in ("pipe", "scheduler", "active_backend")
         ]
         assert tm.get(tr).active and len(pd.hooks.observers(tr)) == 1
         assert before["pipe"].keys() == after["pipe"].keys()
@@ -236,3 +237,58 @@ def _quiet_console():
     from rich.console import Console
 
     return Console(file=io.StringIO())
+
+
+def test_a_managed_model_refuses_deepcopy():
+    # A copy would share the original's processors (by state handle) and undo steps: removing PISA
+    # from the copy would turn it off on the original. Refused, and the original untouched.
+    import copy
+    import pickle
+
+    tr, inputs = tiny_transformer("wan"), forward_inputs("wan")
+    pd.apply_pisa(tr, **SPARSE)
+    with torch.no_grad():
+        want = tr(**inputs).sample
+    before = snapshot(tr)
+    with pytest.raises(TypeError, match="remove_pisa on it first"):
+        copy.deepcopy(tr)
+    with pytest.raises((TypeError, AttributeError)):  # its hooks are closures: never picklable
+        pickle.dumps(tr)
+    assert_same(before, snapshot(tr))
+    with torch.no_grad():
+        assert torch.equal(tr(**inputs).sample, want)
+    pd.remove_pisa(tr)
+    copy.deepcopy(tr)  # a model PISA no longer manages copies as before
+
+
+def test_processors_replaced_after_apply_warn_once():
+    # fuse_qkv_projections swaps SD3's processors for fused ones: those layers run native attention.
+    tr, inputs = tiny_transformer("sd3", dual_attention_layers=()), forward_inputs("sd3")
+    pd.apply_pisa(tr, **SPARSE)
+    tr.fuse_qkv_projections()
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="PISA runs on 0 of the 2 attention layers"):
+        tr(**inputs)
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tr(**inputs)  # the same count: said once
+    pd.remove_pisa(tr)
+
+
+def test_each_pipeline_call_starts_a_generation():
+    # A generation starting below the last timestep of the one before (img2img, lower strength) is
+    # a new one: its warm-up step runs dense and its stats start from zero. remove_pisa unhooks.
+    pipe = tiny_pipeline("flux")
+    pd.apply_pisa(pipe, **{**SPARSE, "dense_steps": 1})
+    with torch.no_grad():
+        pipe(**prompt_kwargs("flux"), num_inference_steps=4)
+        first = dict(pd.stats(pipe.transformer))
+        pipe(**prompt_kwargs("flux"), sigmas=[0.2, 0.1], num_inference_steps=2)
+        second = dict(pd.stats(pipe.transformer))
+    per_step = first["dense"]  # dense calls of one step (the warm-up step)
+    assert first["sparse"] == 3 * per_step
+    assert second == {"dense": per_step, "warmup_step": per_step, "sparse": per_step}
+    assert "set_timesteps" in pipe.scheduler.__dict__
+    pd.remove_pisa(pipe)
+    assert "set_timesteps" not in pipe.scheduler.__dict__

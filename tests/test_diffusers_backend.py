@@ -75,6 +75,16 @@ def test_key_lengths():
         key_lengths(torch.ones(1, 1, 10, 10, dtype=torch.bool), 1, 10)
     with pytest.raises(ValueError, match="no valid key"):
         key_lengths(torch.zeros(1, 10, dtype=torch.bool), 1, 10)
+    # masked entries as diffusers writes them (-10000, the dtype's minimum) count as masked; a soft
+    # bias is no key count: a clear error, not keys silently dropped
+    assert key_lengths(torch.zeros(1, 10).masked_fill(~mask[:1], -10000.0), 1, 10) == [7]
+    assert key_lengths(torch.zeros(1, 10, dtype=torch.bfloat16).masked_fill(~mask[:1], -3.0e38), 1, 10) == [7]
+    soft = torch.zeros(1, 10)
+    soft[0, 1:] = -0.5
+    with pytest.raises(ValueError, match="attention_mask holds additive biases"):
+        key_lengths(soft, 1, 10)
+    with pytest.raises(ValueError, match="attention_mask holds additive biases"):
+        key_lengths(torch.full((1, 10), -0.5), 1, 10)
 
 
 def test_diffusers_backend_changes_while_managed_reach_the_original_processors():

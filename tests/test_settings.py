@@ -69,6 +69,7 @@ BAD = [
     ("alpha-in-drop", dict(mode="drop", alpha=1.0), ValueError, "alpha"),
     ("alpha-in-zeroth", dict(mode="zeroth", alpha=0.5), ValueError, "alpha"),
     ("alpha-nan", dict(alpha=float("nan")), ValueError, "alpha"),
+    ("alpha-huge", dict(alpha=(0.5, 1e30)), ValueError, "alpha.*within"),
     ("alpha-str", dict(alpha="1"), TypeError, "alpha"),
     ("alpha-empty", dict(alpha=()), ValueError, "alpha"),
     ("alpha-int-tensor", dict(alpha=torch.ones(2, dtype=torch.int64)), TypeError, "alpha"),

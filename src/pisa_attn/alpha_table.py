@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import calibration as cal
+from . import spec
 
 FORMAT = "pisa-attn-alpha"
 VERSION = 1
@@ -116,8 +117,9 @@ def from_json(d) -> AlphaTable:
             values = entry.get("alpha") if isinstance(entry, dict) else None
             if (not isinstance(values, list) or not values
                     or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
-                           for x in values)):
-                raise _bad(f"layer {key} of {name!r} needs 'alpha': a non-empty list of finite numbers, got {values!r}")
+                           or abs(x) > spec.ALPHA_LIMIT for x in values)):
+                raise _bad(f"layer {key} of {name!r} needs 'alpha': a non-empty list of finite numbers within "
+                           f"±{spec.ALPHA_LIMIT:g}, got {values!r}")
             cov = entry.get("covariance_aware")
             if cov is not None and not isinstance(cov, bool):
                 raise _bad(f"layer {key} of {name!r}: 'covariance_aware' must be true or false, got {cov!r}")

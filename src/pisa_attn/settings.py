@@ -12,7 +12,6 @@ numpy scalars are accepted wherever their Python equivalents are (``np.int64`` b
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from dataclasses import dataclass
 
@@ -83,8 +82,7 @@ def normalize_alpha(alpha, mode: str):
     else:
         value = as_float("alpha", alpha, "None, a float or one float per query head")
     values = value if isinstance(value, tuple) else (value,)
-    if not all(math.isfinite(x) for x in values):
-        raise ValueError(f"alpha must be finite, got {alpha!r}")
+    spec.check_alpha_values(values, alpha)
     return value
 
 

@@ -43,6 +43,20 @@ attention (pretrained DINOv2, 9 inputs x 12 layers) the full Taylor step oversho
 on every input at 5%, 12.5% and 25% density, and on DiT-like synthetic heads it stays within 0.2%
 of 1.0."""
 
+ALPHA_LIMIT = 1e3
+"""The largest first-order weight a call takes (either sign). A weight is a fraction of the Taylor
+term: calibration clamps to ``[0, 1]``, unclamped per-head fits on real attention stayed below 12;
+a weight like 1e30 gives a finite but meaningless output that overflows the next layer."""
+
+
+def check_alpha_values(values, alpha) -> None:
+    """ValueError naming ``alpha`` unless every one of ``values`` is finite and within
+    :data:`ALPHA_LIMIT`."""
+    if not all(math.isfinite(x) and abs(x) <= ALPHA_LIMIT for x in values):
+        raise ValueError(f"alpha must be finite and within ±{ALPHA_LIMIT:g} (a weight of the first-order "
+                         f"term; calibrated weights lie in [0, 1]), got {alpha!r}")
+
+
 HBAR_SCOPES = ("global", "row")
 """Which blocks the hybrid term's mean ``H̄`` describes: ``global`` one ``H̄`` per head for every row
 (the paper's eq. 7, the kernels'), ``row`` the mean over each row's own tail (reference only)."""

@@ -14,7 +14,6 @@ that requires grad (with autograd enabled) is used itself, so the weight is diff
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import Tensor
@@ -44,8 +43,7 @@ def host_values(alpha, heads: int) -> tuple[float, ...] | None:
         values = values * heads if len(values) == 1 else values
     else:
         values = (float(alpha),) * heads
-    if not all(math.isfinite(x) for x in values):
-        raise ValueError(f"alpha must be finite, got {alpha!r}")
+    spec.check_alpha_values(values, alpha)
     return values
 
 
@@ -99,8 +97,9 @@ def resolve(alpha, *, mode: str, heads: int, device, dtype: torch.dtype = torch.
     if values is None:  # a tensor on a device
         if alpha.device != device:
             raise ValueError(f"alpha must be on the CPU or on q's device ({device}), got {alpha.device}")
-        if not _capturing(device) and not bool(torch.isfinite(alpha).all()):
-            raise ValueError("alpha must be finite, got a tensor with non-finite values")
+        if not _capturing(device) and not bool((alpha.abs() <= spec.ALPHA_LIMIT).all()):  # NaN fails too
+            raise ValueError(f"alpha must be finite and within ±{spec.ALPHA_LIMIT:g}, got a tensor with values "
+                             "outside")
         return alpha.to(dtype).reshape(-1).expand(heads).contiguous()
     return weights(values, device, dtype)
 

@@ -10,6 +10,7 @@ modules). Nothing in diffusers (classes, enums, pipeline methods) is changed, an
 from __future__ import annotations
 
 import fnmatch
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -208,10 +209,13 @@ def _check_table_settings(table: at.AlphaTable, config: PisaConfig) -> None:
 def _route_attention(state: PisaState, modules) -> None:
     """Give each managed module a PISA processor that knows its layer (undone by ``state.restore``)."""
     cls = PROCESSORS[state.adapter.name]
+    pairs = []
     for layer, (_, module) in enumerate(modules):
         proc = cls(module.processor, state.handle, layer)
         module.set_processor(proc)
         state.restore.append(lambda m=module, p=proc: _restore_processor(m, p))
+        pairs.append((module, proc))
+    state.processors = tuple(pairs)
 
 
 def _restore_processor(module, proc) -> None:
@@ -325,7 +329,7 @@ def apply_pisa(
     the pipeline and its transformers are left exactly as they were (an earlier apply_pisa included).
     """
     check_diffusers()
-    found, _ = transformers_of(pipe_or_transformer)
+    found, pipe = transformers_of(pipe_or_transformer)
     transformers = [t for _, t in found]
     tel = None if telemetry is None else tm.as_config(telemetry)
     calibration = calibration_config(calibrate)
@@ -359,10 +363,40 @@ def apply_pisa(
             _install(state)
             if tel is not None:
                 tm.attach(tr, tel)
+        if pipe is not None and new:
+            _hook_set_timesteps(new[0], getattr(pipe, "scheduler", None), tracker)
     except BaseException as error:
         _roll_back(new, saved, previous, active, error)
         raise
     return pipe_or_transformer
+
+
+def _hook_set_timesteps(state: PisaState, scheduler, tracker: StepTracker) -> None:
+    """Start a new generation where the pipeline sets its scheduler's timesteps (every diffusers
+    pipeline does, once per call), so that one starting at or below the last timestep of the
+    previous (img2img, a lower strength, an interrupted run) gets its warm-up too. The wrapper is an
+    attribute of the scheduler instance, removed with ``state`` (a scheduler set later, or a
+    transformer called by hand, falls back to the timestep rule of :class:`StepTracker`)."""
+    original = getattr(scheduler, "set_timesteps", None)
+    if not callable(original):
+        return
+    before = scheduler.__dict__.get("set_timesteps", _MISSING)
+
+    @functools.wraps(original)  # pipelines read its signature (retrieve_timesteps: sigmas, timesteps)
+    def set_timesteps(*args, **kwargs):
+        tracker.reset()
+        return original(*args, **kwargs)
+
+    scheduler.__dict__["set_timesteps"] = set_timesteps
+
+    def restore() -> None:
+        if scheduler.__dict__.get("set_timesteps") is set_timesteps:
+            if before is _MISSING:
+                del scheduler.__dict__["set_timesteps"]
+            else:
+                scheduler.__dict__["set_timesteps"] = before
+
+    state.restore.append(restore)
 
 
 def _roll_back(new: list[PisaState], saved: list[_Saved], previous, active, error: BaseException) -> None:

@@ -119,7 +119,6 @@ def parallel_attention(state, layer: int, q: Tensor, k: Tensor, v: Tensor, mask,
     if seq is None:  # self-attention that PISA does not manage: exact attention
         return _dense(q, k, v, scale, enable_gqa, groups, list(lens))
     total = seq.length
-    cfg = state.config
     if hooks.observers(state.transformer):
         raise ValueError("attention observers (capture, telemetry, calibrate=True) are not supported under context "
                          "parallelism: calibrate offline (pisa-attn calibrate) and pass alpha_table=")

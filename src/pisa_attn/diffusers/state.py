@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import itertools
+import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -162,10 +163,31 @@ class PisaState:
     generation: int = -1  # the tracker's generation this state's stats and fits belong to
     plans: dict = field(default_factory=dict)  # the attention plan of each call shape (layers share them)
     variants: dict = field(default_factory=dict)  # (covariance_aware, scale) -> settings (see settings_for)
+    processors: tuple = ()  # (module, its PISA processor) of each managed layer, in layer order
+    replaced: int = 0  # how many of them had another processor when that was last warned about
 
     def __post_init__(self) -> None:
         self.handle = next(_HANDLES)
         _STATES[self.handle] = self
+
+    def __deepcopy__(self, memo):
+        # The processors find their state by handle and the undo steps close over this
+        # transformer's modules: a copy would run, and remove_pisa would undo, on the original.
+        raise TypeError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NO_COPY)
+
+    def check_processors(self) -> None:
+        """Warn (once per count) when processors of managed layers were replaced since apply_pisa
+        (``fuse_qkv_projections``, ``set_attn_processor``): those layers no longer run PISA."""
+        lost = sum(module.processor is not proc for module, proc in self.processors)
+        if lost and lost != self.replaced:
+            warnings.warn(f"PISA runs on {len(self.processors) - lost} of the {len(self.processors)} attention layers "
+                          f"it manages in {type(self.transformer).__name__}: the processors of {lost} were replaced "
+                          "after apply_pisa (fuse_qkv_projections, set_attn_processor). Call remove_pisa before "
+                          "such a change and apply_pisa after it", RuntimeWarning, stacklevel=2)
+        self.replaced = lost
 
     def new_generation(self) -> None:
         """Forget the stats and the fits of the last generation."""
@@ -229,6 +251,9 @@ class PisaState:
         return (float(a),) * heads
 
 
+_NO_COPY = ("a transformer managed by PISA cannot be deep-copied or pickled (its attention processors and "
+            "hooks belong to this instance): call pisa_attn.diffusers.remove_pisa on it first, copy or save it, "
+            "then apply_pisa to each model")
 _HANDLES = itertools.count(1)
 _STATES: weakref.WeakValueDictionary[int, PisaState] = weakref.WeakValueDictionary()
 
@@ -265,6 +290,10 @@ def close_run(state: PisaState) -> None:
         exit_run(state.runs.pop()[0])
 
 
+MASKED_BIAS = -1e4
+"""An additive mask entry at or below this masks its key (exp(-1e4) is 0 in every float dtype)."""
+
+
 def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
     """Valid keys per batch row of a key-padding mask (valid keys first), or None if all are valid.
 
@@ -285,7 +314,16 @@ def key_lengths(mask: Tensor, batch: int, kv_len: int) -> list[int] | None:
     valid = m if m.dtype == torch.bool else m == 0
     lens = valid.sum(-1)
     prefix = torch.arange(kv_len, device=m.device)[None, :] < lens[:, None]
-    lens_list, ok = lens.tolist(), bool((prefix == valid).all())
+    # An additive mask's masked entries must mask: -inf or at most MASKED_BIAS (diffusers' -10000 or
+    # dtype minimum); a soft bias in between has no key count that expresses it.
+    soft = torch.zeros((), dtype=torch.bool, device=m.device) if m.dtype == torch.bool else (
+        (m != 0) & (m > MASKED_BIAS)).any()
+    *lens_list, ok, is_soft = torch.cat([lens, (prefix == valid).all()[None], soft[None]]).tolist()  # one read
+    if is_soft:
+        raise ValueError(
+            "attention_mask holds additive biases other than 0 (attend) and -inf or <= -1e4 (masked): PISA's "
+            "sparse calls honour key-padding masks only (the kernel reads a key count per row, not a bias)"
+        )
     if not ok:
         raise ValueError(
             "PISA's attention supports attention masks whose valid keys form a prefix of each row in the order "

@@ -75,6 +75,7 @@ def begin_forward(state: PisaState, timestep: Tensor, shape: list[int], grid_ids
         layouts = build_layouts(grid, text_len, state.adapter.text, state.config.tile, state.config.block_size)
         state.layouts[(grid, text_len)] = layouts
     check_token_split(state.transformer, layouts.joint)  # context parallelism: before diffusers shards tokens
+    state.check_processors()
     t = timestep_value(timestep)
     close_run(state)  # left open by a compiled forward that raised (an eager one closes it on exit)
     step = state.tracker.observe(t)
