@@ -249,6 +249,18 @@ def test_bad_arguments(models, kwargs, exc, match):
     assert pd.pisa_state(models["flux"]) is None
 
 
+def test_numpy_numbers_are_taken_as_by_pisa_settings(models):
+    np = pytest.importorskip("numpy")
+    pd.apply_pisa(models["flux"], density=np.float64(0.2), dense_layers=np.int64(1), dense_steps=np.int32(2),
+                  min_kv_len=np.int64(0), covariance_aware=np.bool_(False))
+    cfg = pd.pisa_state(models["flux"]).config
+    assert type(cfg.schedule.dense_steps) is int and cfg.schedule.dense_steps == 2
+    assert cfg.schedule.dense_layers == 1 and cfg.schedule.min_kv_len == 0 and cfg.covariance_aware is False
+    pd.remove_pisa(models["flux"])
+    with pytest.raises(TypeError, match="dense_steps"):
+        pd.apply_pisa(models["flux"], dense_steps=np.bool_(True))
+
+
 def test_unsupported_object():
     with pytest.raises(TypeError, match="no adapter"):
         pd.apply_pisa(torch.nn.Linear(2, 2))

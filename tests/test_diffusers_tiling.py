@@ -81,3 +81,13 @@ def test_masked_text_keys_keep_prefix_blocks():
     assert seq.keep_for(seq.length, 16).nonzero().flatten().tolist() == [16, 17, 18]
     assert seq.keep_for(256 + 10, 16).nonzero().flatten().tolist() == [16]  # only 10 valid text keys
     assert seq.keep_for(256, 16) is None
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: default_tile(2, 0), "block_size"), (lambda: default_tile(2, 48), "block_size"),
+    (lambda: default_tile(0, 64), "ndim"), (lambda: build_layouts((4, 4), 3, "middle", (4, 4), 16), "text"),
+    (lambda: build_layouts((4, 4), -1, "before", (4, 4), 16), "text_len"),
+], ids=["block-0", "block-48", "ndim-0", "text-middle", "text-len-negative"])
+def test_layout_helpers_name_their_bad_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

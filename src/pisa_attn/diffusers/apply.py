@@ -19,7 +19,7 @@ import torch
 
 from .. import alpha_table as at
 from .. import spec
-from ..settings import PisaSettings
+from ..settings import PisaSettings, as_bool
 from ..attention import MAX_HEAD_DIM, MIN_HEAD_DIM
 from . import hooks
 from . import telemetry as tm
@@ -96,8 +96,8 @@ def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
 def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_steps, tile, mode, cov, block_size,
             min_kv_len, alpha=None, query_block=None, backend="auto", precision="input"):
     d = adapter.defaults(transformer.config)
-    if cov is not None and not isinstance(cov, bool):
-        raise TypeError(f"covariance_aware must be a bool or None, got {type(cov).__name__}")
+    if cov is not None:
+        cov = as_bool("covariance_aware", cov)  # numpy's bool too, as PisaSettings takes
     settings = PisaSettings(
         density=density, mode=mode, alpha=alpha, block_size=block_size, query_block=query_block,
         covariance_aware=d["covariance_aware"] if cov is None else cov, backend=backend, layout="bshd",

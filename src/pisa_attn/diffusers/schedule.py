@@ -7,7 +7,13 @@ The backend only asks :meth:`Schedule.dense_reason`; the transformer-level hook 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
+
+try:  # numpy is optional: its bool is no number either
+    from numpy import bool_ as np_bool
+except ImportError:  # pragma: no cover
+    np_bool = bool
 
 # Below this many keys a sparse call costs more than dense attention: one FLUX.1 attention call
 # (24 heads, 512 text tokens) on an H100 with the Hopper kernel ran at 0.12x / 0.39x / 1.07x /
@@ -17,8 +23,10 @@ DEFAULT_MIN_KV_LEN = 9216
 
 
 def _check_count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an int >= 0 (numpy integers too; not a bool); TypeError/ValueError naming ``name``."""
+    if isinstance(value, (bool, np_bool)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= 0, got {type(value).__name__}")
+    value = int(value)
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value
@@ -40,9 +48,8 @@ class Schedule:
     min_kv_len: int = DEFAULT_MIN_KV_LEN
 
     def __post_init__(self):
-        _check_count("dense_layers", self.dense_layers)
-        _check_count("dense_steps", self.dense_steps)
-        _check_count("min_kv_len", self.min_kv_len)
+        for name in ("dense_layers", "dense_steps", "min_kv_len"):
+            object.__setattr__(self, name, _check_count(name, getattr(self, name)))
 
     def dense_reason(self, layer: int, step: int, kv_len: int) -> str | None:
         """Why the call in transformer block ``layer`` at ``step`` with ``kv_len`` keys runs dense,

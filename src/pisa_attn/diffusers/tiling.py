@@ -33,7 +33,11 @@ from .state import Layouts, PisaState, Run, Sequence, close_run, open_run, state
 def default_tile(ndim: int, block_size: int) -> tuple[int, ...]:
     """A tile of ``block_size`` tokens (powers of two spread over the axes, width first):
     64 -> 8x8 / 4x4x4, 16 -> 4x4 / 2x2x4."""
-    bits = int(math.log2(block_size))
+    if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 1:
+        raise ValueError(f"ndim must be an int >= 1 (axes of the token grid), got {ndim!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size!r}")
+    bits = block_size.bit_length() - 1
     exp = [0] * ndim
     for i in range(bits):
         exp[ndim - 1 - i % ndim] += 1
@@ -51,6 +55,11 @@ def build_layouts(grid: tuple[int, ...], text_len: int, text: str, tile: tuple[i
     boundaries of the joint sequence. The image stream's layout is the same order offset by the
     text before it, so its permutation is exactly the image part of the joint one; the image-only
     sequence (SD3.5's attn2, text after: offset 0) counts blocks from its own first token."""
+    if text not in ("before", "after", "none"):
+        raise ValueError(f"text must be 'before', 'after' or 'none' (where the model puts its text tokens), "
+                         f"got {text!r}")
+    if isinstance(text_len, bool) or not isinstance(text_len, int) or text_len < 0:
+        raise ValueError(f"text_len must be an int >= 0, got {text_len!r}")
     before = text_len if text == "before" else 0
     after = text_len if text == "after" else 0
     image = make_layout(grid, tile=tile, order="compact_inplace", offset=before)
