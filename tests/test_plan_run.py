@@ -113,6 +113,11 @@ BAD_RUNS = [
     ("out-shape", lambda p, q, k, v, s: dict(out=q[:, :, :32]), ValueError, r"\bout\b must be"),
     ("out-dtype", lambda p, q, k, v, s: dict(out=q.double()), ValueError, r"\bout\b must be"),
     ("lse-shape", lambda p, q, k, v, s: dict(lse=torch.empty(1, 2, 63)), ValueError, r"\blse\b must be"),
+    # an aliased output is a wrong answer (the stages read k and v after writing), not an in-place one
+    ("out-is-q", lambda p, q, k, v, s: dict(out=q), ValueError, r"\bout\b shares memory with q"),
+    ("out-is-k", lambda p, q, k, v, s: dict(out=k), ValueError, r"\bout\b shares memory with k"),
+    ("lse-in-v", lambda p, q, k, v, s: dict(lse=v.reshape(-1)[:128].view(1, 2, 64)), ValueError,
+     r"\blse\b shares memory with v"),
     ("keep-beyond-plan", lambda p, q, k, v, s: dict(keep_blocks=torch.ones(4, dtype=torch.bool)), ValueError,
      "max_keep"),
     ("selection-rows", lambda p, q, k, v, s: dict(selection=Selection(*(x[:, :1] for x in s))), ValueError,
@@ -283,3 +288,14 @@ def test_settings_alpha_is_data_one_plan_per_shape():
     assert torch.equal(outs[2], pisa_attention(q, k, v, density=0.25, block_size=16, alpha=1.0))
     with pytest.raises(ValueError, match="alpha"):
         pisa_attention(q, k, v, settings=PisaSettings(density=0.25, block_size=16, alpha=(0.1, 0.2, 0.3)))
+
+
+def test_an_aliased_output_is_refused_after_a_recorded_run():
+    # The replayed (bound) path keys its programs by shapes and strides, not pointers: a call that
+    # aliases where the recorded one did not still reaches the check.
+    p, q, k, v, _ = _bad_runs()
+    out = torch.empty_like(q)
+    for _ in range(3):
+        run(p, q, k, v, out=out)
+    with pytest.raises(ValueError, match="shares memory with k"):
+        run(p, q, k, v, out=k)

@@ -523,6 +523,11 @@ def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool, keep: Te
                         | (0 if keep is None else keep.data_ptr())) & 15)
     except (AttributeError, TypeError):
         return None  # not tensors: the checks say so
+    if out is not None or lse is not None:  # the program's key holds no pointers: aliasing is per call
+        try:
+            _check_no_overlap(q, k, v, out, lse)
+        except ValueError:
+            return None  # the checked path raises
     prog = p.programs.get(key)
     if prog is None or prog is False or not aligned or (
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
@@ -621,6 +626,22 @@ def _check_run(p: PisaPlan, q, k, v, out, lse) -> None:
         _check_out("out", out, p.q_shape, p.dtype, p.device)
     if lse is not None:
         _check_out("lse", lse, (p.batch, p.heads, p.q_len), torch.float32, p.device)
+    _check_no_overlap(q, k, v, out, lse)
+
+
+def _check_no_overlap(q, k, v, out, lse) -> None:
+    """ValueError when ``out`` or ``lse`` shares memory with q, k, v or each other: the stages read
+    q, k and v again after outputs are written (a key block's statistics, the next query block's
+    keys), so an aliased output is a wrong answer, not an in-place one. Interleaved views of one
+    buffer count as overlapping (``torch._C._overlaps`` cannot tell them apart cheaply)."""
+    if torch.compiler.is_compiling():
+        return  # no storage to compare while tracing; the eager call checks it
+    for name, x in (("out", out), ("lse", lse)):
+        if x is None:
+            continue
+        for other, y in (("q", q), ("k", k), ("v", v)) + ((("out", out),) if name == "lse" and out is not None else ()):
+            if torch._C._overlaps(x, y):
+                raise ValueError(f"{name} shares memory with {other}: pass an output buffer of its own")
 
 
 def _weights(p: PisaPlan, alpha) -> Tensor | None:
