@@ -7,13 +7,9 @@ The backend only asks :meth:`Schedule.dense_reason`; the transformer-level hook 
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
-try:  # numpy is optional: its bool is no number either
-    from numpy import bool_ as np_bool
-except ImportError:  # pragma: no cover
-    np_bool = bool
+from ..settings import as_int
 
 # Below this many keys a sparse call costs more than dense attention: one FLUX.1 attention call
 # (24 heads, 512 text tokens) on an H100 with the Hopper kernel ran at 0.12x / 0.39x / 1.07x /
@@ -24,9 +20,7 @@ DEFAULT_MIN_KV_LEN = 9216
 
 def _check_count(name: str, value) -> int:
     """``value`` as an int >= 0 (numpy integers too; not a bool); TypeError/ValueError naming ``name``."""
-    if isinstance(value, (bool, np_bool)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= 0, got {type(value).__name__}")
-    value = int(value)
+    value = as_int(name, value, "an int >= 0")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value
