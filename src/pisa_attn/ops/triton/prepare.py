@@ -260,7 +260,12 @@ def _finish_kernel(
         count += tl.load(part_s_ptr + part * 2 + 1)
     hbar = hsum / tl.maximum(count, 1.0)  # nothing counted: the sum is 0, and so is H̄
     tl.store(hbar_ptr + bh * D * D + tile, hbar)
-    tl.store(hbar_lp_ptr + bh * D * D + tile, hbar.to(hbar_lp_ptr.dtype.element_ty))
+    hbar_lp = hbar
+    if hbar_lp_ptr.dtype.element_ty == tl.float16:
+        # saturated, not inf: a keys-values channel product past 65504 would make the q·H̄ term
+        # inf, and 0·inf NaN where a row has no tail (notes/kernel-notes.md, Open)
+        hbar_lp = tl.minimum(tl.maximum(hbar_lp, -65504.0), 65504.0)
+    tl.store(hbar_lp_ptr + bh * D * D + tile, hbar_lp.to(hbar_lp_ptr.dtype.element_ty))
     cols = tl.arange(0, TJ)
     j0 = g * F_PER
     for t in range(j0, tl.minimum(NK, j0 + F_PER), TJ):
@@ -326,6 +331,14 @@ def _hdev_block(k_base, v_base, hdev_ptr, hb, j, bh, LK, NK, skl, skd, svl, svd,
     tl.store(hdev_ptr + bh.to(tl.int64) * NK + j, tl.sqrt(tl.sum(tl.sum(diff * diff, axis=1), axis=0)))
 
 
+def lowp_hbar(hbar: Tensor, dtype: torch.dtype) -> Tensor:
+    """H̄ as the attention kernels read it, in ``dtype``: float16 saturated at its largest finite
+    value (as the finish kernel stores it), so that q·H̄ stays finite."""
+    if dtype == torch.float16:
+        hbar = hbar.clamp(-65504.0, 65504.0)
+    return hbar.to(dtype)
+
+
 @dataclass
 class Stats:
     """Outputs of the prepare stage (``[B, H|Hk, N, D]`` contiguous unless noted)."""
@@ -360,7 +373,7 @@ class Stats:
         return dataclasses.replace(slice_blocks(self, lo, hi), quant=None)
 
     def with_hbar(self, hbar: Tensor) -> "Stats":
-        return dataclasses.replace(self, hbar=hbar, hbar_lp=hbar.to(self.hbar_lp.dtype))
+        return dataclasses.replace(self, hbar=hbar, hbar_lp=lowp_hbar(hbar, self.hbar_lp.dtype))
 
     def for_attend(self) -> "Stats":
         self.qmean = self.kmean = self.hbar = self.hdev = None  # in place: no allocation per call
