@@ -125,6 +125,19 @@ BAD_RUNS = [
     ("selection-dtype", lambda p, q, k, v, s: dict(selection=Selection(s.idx.long(), s.cnt, s.bits)), ValueError,
      r"selection\.idx"),
     ("selection-tuple", lambda p, q, k, v, s: dict(selection=(1, 2, 3)), TypeError, "selection"),
+    ("return-lse-truthy-str", lambda p, q, k, v, s: dict(return_lse="no"), TypeError, "return_lse"),
+    ("return-selection-int", lambda p, q, k, v, s: dict(return_selection=1), TypeError, "return_selection"),
+    ("out-expanded", lambda p, q, k, v, s: dict(out=torch.empty(1, 1, 64, 32).expand(1, 2, 64, 32)), ValueError,
+     r"\bout\b has elements sharing memory"),
+    ("out-requires-grad", lambda p, q, k, v, s: dict(out=torch.empty_like(q, requires_grad=True)), ValueError,
+     r"\bout\b must not require grad"),
+    # contents: the kernels index K/V with idx (the interpreter segfaulted on cnt past the width)
+    ("selection-cnt-past-width", lambda p, q, k, v, s: dict(selection=Selection(s.idx, s.cnt.clone().fill_(50), s.bits)),
+     ValueError, "one set of key blocks"),
+    ("selection-idx-out-of-range", lambda p, q, k, v, s: dict(selection=Selection(s.idx.clone().fill_(10**6), s.cnt,
+                                                                                   s.bits)), ValueError, "one set"),
+    ("selection-bits-disagree", lambda p, q, k, v, s: dict(selection=Selection(s.idx, s.cnt, torch.zeros_like(s.bits))),
+     ValueError, "one set"),
     ("alpha-shape", lambda p, q, k, v, s: dict(alpha=torch.ones(3)), ValueError, "alpha"),
 ]
 
@@ -299,3 +312,31 @@ def test_an_aliased_output_is_refused_after_a_recorded_run():
         run(p, q, k, v, out=out)
     with pytest.raises(ValueError, match="shares memory with k"):
         run(p, q, k, v, out=k)
+
+
+def test_a_selection_with_a_repeated_block_is_refused():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, torch.float32)
+    p = plan(q, k, PisaSettings(density=0.5, block_size=16, backend="reference"))
+    _, s = run(p, q, k, v, return_selection=True)
+    assert s.idx.shape[-1] >= 2 and (s.cnt == 2).all()
+    idx = s.idx.clone()
+    idx[..., 1] = idx[..., 0]
+    with pytest.raises(ValueError, match="one set of key blocks"):
+        run(p, q, k, v, selection=Selection(idx, s.cnt, s.bits))
+    assert torch.equal(run(p, q, k, v, selection=s), run(p, q, k, v))  # its own selection passes
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(q=(2, 4, -100, 32), k=(2, 2, 150, 32)), ValueError, "non-negative"),
+    (dict(q=(2, 4, 100, 32), k=(2, 2, 150, 32), workspace="no"), TypeError, "workspace"),
+], ids=["negative-length", "workspace-str"])
+def test_plan_from_shapes_names_its_bad_argument(kw, exc, match):
+    q, k = kw.pop("q"), kw.pop("k")
+    with pytest.raises(exc, match=match):
+        plan(q, k, PisaSettings(backend="reference"), dtype=torch.float32, device="cpu", **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 7, reason="a machine with cuda:7")
+def test_plan_for_a_device_that_is_not_there():
+    with pytest.raises(ValueError, match="not available"):
+        plan((1, 2, 64, 32), (1, 2, 64, 32), PisaSettings(backend="reference"), dtype=torch.float32, device="cuda:7")

@@ -30,7 +30,7 @@ from . import spec, tail_weight
 from .ops import fused as _fused
 from .ops.selection import Selection
 from .ops.stages import Backend, run_planned
-from .settings import BACKENDS, LAYOUTS, PisaSettings, as_int, check_not_both
+from .settings import BACKENDS, LAYOUTS, PisaSettings, as_bool, as_int, check_not_both
 
 log = logging.getLogger("pisa_attn")
 
@@ -276,6 +276,8 @@ def _shape_of(name: str, x) -> tuple[int, ...]:
         shape = tuple(int(n) for n in x)
         if len(shape) != 4:
             raise ValueError(f"{name} must have rank 4 ([B, H, L, D] or [B, L, H, D]), got shape {shape}")
+        if min(shape) < 0:
+            raise ValueError(f"{name} must be a shape of non-negative sizes, got {shape}")
         return shape
     raise TypeError(f"{name} must be a torch.Tensor or a shape (4 ints), got {type(x).__name__}")
 
@@ -322,12 +324,16 @@ def plan(q, k, settings: PisaSettings | None = None, *, dtype: torch.dtype | Non
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device must name a torch device, got {device!r} ({e})") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (
+            device.index is not None and device.index >= torch.cuda.device_count())):
+        raise ValueError(f"device {device} is not available here ({torch.cuda.device_count()} CUDA devices)")
     if isinstance(q, Tensor) and (q.dtype != dtype or q.device != device):
         raise ValueError(f"q is {q.dtype} on {q.device}, but the plan was asked for {dtype} on {device}")
     for name, x in (("k", k),):
         if isinstance(x, Tensor) and (x.dtype != dtype or x.device != device):
             raise ValueError(f"{name} is {x.dtype} on {x.device}, but q is {dtype} on {device}")
     max_keep = _max_keep(max_keep)
+    workspace = as_bool("workspace", workspace)
     lay = settings.layout
     qh, kh = (_stand_in(to_bhsd_shape(s, lay), dtype, device) for s in (q_shape, kv_shape))
     _validate_shapes(qh, kh, kh)
@@ -413,6 +419,10 @@ def run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor | None = No
     """
     if not isinstance(p, PisaPlan):
         raise TypeError(f"plan must be a PisaPlan (from pisa_attn.plan), got {type(p).__name__}")
+    if not (return_lse is False or return_lse is True):  # the flags pick the return type: no truthy values
+        return_lse = as_bool("return_lse", return_lse)
+    if not (return_selection is False or return_selection is True):
+        return_selection = as_bool("return_selection", return_selection)
     if selection is None and p.workspace is not None:
         weights = _weights_or_none(p, alpha) if alpha is not None else p.alpha
         keep = None if keep_blocks is None else _planned_keep(p, keep_blocks)
@@ -663,6 +673,10 @@ def _check_out(name: str, x, shape, dtype, device) -> None:
     if tuple(x.shape) != tuple(shape) or x.dtype != dtype or x.device != device:
         raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} on {device}, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
+    if x.requires_grad:
+        raise ValueError(f"{name} must not require grad (it is written in place; the kernels are inference-only)")
+    if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(x) == 1:  # 1: an expanded view
+        raise ValueError(f"{name} has elements sharing memory (an expanded view?): pass a buffer of its own")
 
 
 def _check_selection(sel, p: PisaPlan) -> None:
@@ -676,6 +690,21 @@ def _check_selection(sel, p: PisaPlan) -> None:
             got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"selection.{name} does not fit the plan (rows [B, H, Nq] = {list(rows)}, "
                              f"{nw} bitmask words, int32 on {p.device}): got {got}")
+    if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # no host read inside a graph capture: the eager calls before it were checked
+    # Contents, one host read: the kernels index K/V tiles with idx (out of range: reads past the
+    # tensors), count with cnt, and the reference reads bits; all three must describe one set.
+    nk, w = p.n_kv_blocks, sel.idx.shape[-1]
+    cnt = sel.cnt.long()
+    valid = torch.arange(w, device=p.device) < cnt[..., None]
+    idx = torch.where(valid, sel.idx.long(), 0)
+    in_range = ((idx >= 0) & (idx < nk)).all() & ((cnt >= 0) & (cnt <= min(w, nk))).all()
+    mask = torch.zeros(*rows, nk, dtype=torch.bool, device=p.device).scatter_(-1, idx.clamp(0, nk - 1), valid)
+    ok = in_range & (mask.sum(-1) == cnt).all() & (mask == sel.to_mask(nk)).all()
+    if not bool(ok):
+        raise ValueError(f"selection does not describe one set of key blocks per row: every cnt must be in "
+                         f"[0, {min(w, nk)}], the first cnt entries of idx distinct blocks in [0, {nk}), and bits "
+                         "exactly those blocks (a Selection returned by run(..., return_selection=True) is)")
 
 
 def _run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, out, lse, keep, weights, selection, want_lse: bool):
