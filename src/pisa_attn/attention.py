@@ -692,19 +692,21 @@ def _check_selection(sel, p: PisaPlan) -> None:
                              f"{nw} bitmask words, int32 on {p.device}): got {got}")
     if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return  # no host read inside a graph capture: the eager calls before it were checked
-    # Contents, one host read: the kernels index K/V tiles with idx (out of range: reads past the
-    # tensors), count with cnt, and the reference reads bits; all three must describe one set.
+    # Contents, one host read: the kernels index K/V tiles with the first cnt entries of idx (out
+    # of range: reads past the tensors), the reference reads bits; all must describe one set.
     nk, w = p.n_kv_blocks, sel.idx.shape[-1]
     cnt = sel.cnt.long()
     valid = torch.arange(w, device=p.device) < cnt[..., None]
-    idx = torch.where(valid, sel.idx.long(), 0)
-    in_range = ((idx >= 0) & (idx < nk)).all() & ((cnt >= 0) & (cnt <= min(w, nk))).all()
-    mask = torch.zeros(*rows, nk, dtype=torch.bool, device=p.device).scatter_(-1, idx.clamp(0, nk - 1), valid)
-    ok = in_range & (mask.sum(-1) == cnt).all() & (mask == sel.to_mask(nk)).all()
+    idx = sel.idx.long()
+    in_range = ((idx >= 0) & (idx < nk) | ~valid).all() & ((cnt >= 0) & (cnt <= w)).all()
+    # entries past cnt go to a spare column, so they set nothing
+    listed = torch.zeros(*rows, nk + 1, dtype=torch.bool, device=p.device).scatter_(
+        -1, torch.where(valid, idx.clamp(0, nk - 1), nk), True)[..., :nk]
+    ok = in_range & (listed.sum(-1) == cnt).all() & (listed == sel.to_mask(nk)).all()
     if not bool(ok):
-        raise ValueError(f"selection does not describe one set of key blocks per row: every cnt must be in "
-                         f"[0, {min(w, nk)}], the first cnt entries of idx distinct blocks in [0, {nk}), and bits "
-                         "exactly those blocks (a Selection returned by run(..., return_selection=True) is)")
+        raise ValueError(f"selection does not describe one set of key blocks per row: every cnt must be in [0, {w}], "
+                         f"the first cnt entries of idx distinct blocks in [0, {nk}), and bits exactly those blocks "
+                         "(as a Selection returned by run(..., return_selection=True) is)")
 
 
 def _run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, out, lse, keep, weights, selection, want_lse: bool):
