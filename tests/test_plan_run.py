@@ -357,3 +357,12 @@ def test_returned_selections_pass_the_check_with_keep_blocks_and_spare_width(bac
     keep[0] = True
     want, s = run(p, q, k, v, keep_blocks=keep, return_selection=True)
     assert torch.equal(run(p, q, k, v, selection=s), want)
+
+
+def test_a_one_value_alpha_is_the_same_in_every_entry_point():
+    q, k, v = make_qkv(1, 4, 4, 100, 100, 32, torch.float32)
+    s = PisaSettings(alpha=[0.5], backend="reference")
+    want = pisa_attention(q, k, v, alpha=0.5, backend="reference")
+    assert torch.equal(pisa_attention(q, k, v, settings=s), want)
+    assert torch.equal(run(plan(q, k, s), q, k, v), want)
+    assert torch.equal(pisa_attention(q, k, v, alpha=torch.tensor([0.5]), backend="reference"), want)

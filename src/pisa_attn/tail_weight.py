@@ -50,7 +50,8 @@ def host_values(alpha, heads: int) -> tuple[float, ...] | None:
 def check_tensor_shape(alpha: Tensor, heads: int) -> None:
     if not alpha.is_floating_point():
         raise TypeError(f"alpha must be a floating tensor, got dtype {alpha.dtype}")
-    if not (alpha.dim() == 0 or (alpha.dim() == 1 and alpha.numel() == heads)):
+    # [1] broadcasts as a float does (PisaSettings keeps a one-value tensor that way)
+    if not (alpha.dim() == 0 or (alpha.dim() == 1 and alpha.numel() in (1, heads))):
         raise ValueError(f"alpha must be a float or have shape [{heads}] (one value per query head), got shape "
                          f"{tuple(alpha.shape)}")
 
