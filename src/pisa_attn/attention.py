@@ -419,10 +419,8 @@ def run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor | None = No
     """
     if not isinstance(p, PisaPlan):
         raise TypeError(f"plan must be a PisaPlan (from pisa_attn.plan), got {type(p).__name__}")
-    if not (return_lse is False or return_lse is True):  # the flags pick the return type: no truthy values
-        return_lse = as_bool("return_lse", return_lse)
-    if not (return_selection is False or return_selection is True):
-        return_selection = as_bool("return_selection", return_selection)
+    # the flags pick the return type: no truthy values
+    return_lse, return_selection = as_bool("return_lse", return_lse), as_bool("return_selection", return_selection)
     if selection is None and p.workspace is not None:
         weights = _weights_or_none(p, alpha) if alpha is not None else p.alpha
         keep = None if keep_blocks is None else _planned_keep(p, keep_blocks)
