@@ -1,6 +1,6 @@
 """float16 inputs whose H̄ passes float16's range (a key and value channel sharing one component of
-std `mag`): no non-finite output, density 1 equal to dense attention, and how far the saturated
-first-order operand moves hybrid from float64 PISA under the same selection.
+std `mag`): no non-finite output, density 1 equal to dense attention, and hybrid against float64
+PISA under the same selection (the kernels read H̄ divided by a power of two per head).
 
     PYTHONPATH=src python benchmarks/fp16_hbar_range.py   # CUDA, Triton and Hopper backends
 """

@@ -18,7 +18,7 @@ import torch
 
 from pisa_attn.ops.triton import prepare as P
 
-STATS = ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hdev", "kbound")
+STATS = ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hscale", "hdev", "kbound")
 COPIES = ("mu", "k8", "sigma", "v8t", "tau", "vcs")
 
 

@@ -97,7 +97,7 @@ def checks(q, k, v, nk, n_sel, width, scale, res):
     rx = ref.prepare(qd, kd, vd, BS, with_hdev=True, hbar_exclude=excl)
     c = {"qmean": rel(st.qmean, rs.qmean), "kmean": rel(st.kmean, rs.kmean),
          "vbar": rel(st.vbar.double() * rs.counts[:, None], rs.vsum), "hbar": rel(st.hbar, rs.hbar),
-         "hbar_lp": rel(st.hbar_lp, rs.hbar), "hdev": rel(st.hdev, rs.hdev),
+         "hbar_lp": rel(st.hbar_lp.double() * st.hscale.double()[..., None, None], rs.hbar), "hdev": rel(st.hdev, rs.hdev),
          "kbar": rel(st.kbar.double() * st.kscale.double()[..., None, None], rs.kmean),
          "hbar_excl": rel(st_x.hbar, rx.hbar), "hdev_excl": rel(st_x.hdev, rx.hdev)}
     ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=BS, with_hdev=True)

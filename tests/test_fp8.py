@@ -424,7 +424,7 @@ def test_lowp_kernel_query_group_and_tail_options_are_checked():
     qz = SimpleNamespace(k8=torch.zeros(1, 2, 128, 64, dtype=torch.int8), v8t=torch.zeros(0, dtype=torch.int8))
     kbar = torch.zeros(1, 2, 2, 64, dtype=torch.float16)
     kw = dict(mode="hybrid", scale=0.125, block_size=64, lk=128, v=q)
-    none = (None,) * 6
+    none = (None,) * 7  # kscale, vbar, hbar, hscale, idx, cnt, bits
     with pytest.raises(ValueError, match="query_group"):
         gfp8.attention(q, qz, kbar, *none, query_group=4, **kw)
     for opt in (dict(pipeline=True), dict(pingpong=True)):
@@ -455,7 +455,7 @@ def test_lowp_kernel_tail_alias_option_is_checked():
 
     q = torch.zeros(1, 2, 128, 64, dtype=torch.bfloat16)
     kbar = torch.zeros(1, 2, 2, 64, dtype=torch.float16)
-    none = (None,) * 6
+    none = (None,) * 7  # kscale, vbar, hbar, hscale, idx, cnt, bits
     kw = dict(scale=0.125, block_size=64, lk=128, tail_alias=True)
     v16 = SimpleNamespace(k8=torch.zeros(1, 2, 128, 64, dtype=torch.int8), v8t=torch.zeros(0, dtype=torch.int8))
     with pytest.raises(ValueError, match="tail_alias"):

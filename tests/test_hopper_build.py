@@ -142,7 +142,7 @@ def test_tail_options_are_checked():
     x = torch.zeros(1, 2, 128, 64)
     kbar = torch.zeros(1, 2, 2, 64, dtype=torch.float16)
     kw = dict(mode="hybrid", scale=0.125, block_size=64, n_select=1)
-    none = (None,) * 6
+    none = (None,) * 7  # kscale, vbar, hbar, hscale, idx, cnt, bits
     with pytest.raises(ValueError, match="tail_max"):
         gattn.attention(x, x, x, kbar, *none, tail_max="fast", **kw)
     with pytest.raises(ValueError, match="kbound"):

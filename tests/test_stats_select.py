@@ -70,7 +70,12 @@ def test_prepare_matches_reference(case, exclude):
         # 2^-9 relative, 4e-3 here at these few blocks); the interpreter keeps them in float32.
         tol = 6e-3 if DEV == "cuda" and dtype == torch.bfloat16 else 3e-3
         assert rel_l1(st.hbar, rs.hbar) < tol
-        assert rel_l1(st.hbar_lp, rs.hbar) < 1e-2
+        hs = st.hscale.double()
+        assert torch.equal(torch.exp2(torch.log2(hs).round()), hs)  # one power of two per head
+        # largest entry at most 2^14 (float16's range), and not far below (the scale comes from a bound)
+        amax = st.hbar_lp.double().abs().amax(dim=(-2, -1))
+        assert (amax <= 2**14).all() and (amax >= 2**8).all(), amax
+        assert rel_l1(st.hbar_lp.double() * hs[..., None, None], rs.hbar) < 1e-2
     assert rel_l1(st.hdev, rs.hdev) < 3e-3
     assert torch.isfinite(st.hbar).all() and torch.isfinite(st.hdev).all()
 
@@ -111,7 +116,7 @@ def test_prepare_kmax_is_the_keys_channel_maxima(case):
     base = P.prepare(q, k, v, bs, with_hdev=True, query_block=qb)
     assert base.kmax is None and st.kmax.dtype == torch.float32
     assert torch.equal(st.kmax, k.float().abs().amax(2))
-    for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hdev", "kbound"):
+    for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hscale", "hdev", "kbound"):
         assert torch.equal(getattr(st, f), getattr(base, f)), f
     ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=bs, query_block=qb, with_kmax=True)
     assert P.prepare(q, k, v, bs, query_block=qb, with_kmax=True, ws=ws).kmax.data_ptr() == ws.kmax.data_ptr()
@@ -158,7 +163,7 @@ def test_workspace_is_written_and_nothing_else():
     ws = P.stats_workspace(q.shape, k.shape, q.dtype, q.device, block_size=32, with_hdev=True)
     st = P.prepare(q, k, v, 32, with_hdev=True, ws=ws)
     fresh = P.prepare(q, k, v, 32, with_hdev=True)
-    for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hdev", "kbound"):
+    for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hscale", "hdev", "kbound"):
         assert getattr(st, f).data_ptr() == getattr(ws, f).data_ptr(), f
         assert torch.equal(getattr(st, f), getattr(fresh, f)), f
     lean = P.prepare(q, k, v, 32, with_hdev=True, ws=ws, lean=True)

@@ -356,7 +356,7 @@ def test_statistics_match_fp64_reference(case):
         assert errs["qmean"] < 1e-6 and errs["kmean"] < 1e-6 and errs["kbar"] < 1e-3
         assert errs["vbar"] < 5e-3 and errs["hbar"] < 5e-3 and errs["hdev"] < 5e-3
         got = P.prepare(q, k, v, 64, with_hdev=True, query_block=qb, hbar_exclude=excl, ws=ws)
-        for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hdev"):
+        for f in ("qmean", "kmean", "kbar", "kscale", "vbar", "hbar", "hbar_lp", "hscale", "hdev"):
             assert torch.equal(getattr(got, f), getattr(st, f)), f  # deterministic: no atomics
 
 

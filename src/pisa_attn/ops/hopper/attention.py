@@ -15,7 +15,8 @@ adjacent blocks (:func:`pisa_attn.ops.triton.pairs.triple_union`; the default, s
   computes only the exact blocks its own selection holds (the union code's owner bits), then
   every centroid group under its own tail bitmask, all in one softmax (base 2), then the
   first-order term ``ℓ_tail · α_h s (q H̄)`` (``α_h`` from ``alpha_ptr``, one float per query
-  head). The tail's maximum is fixed before the scan where a per-row bound of the centroid scores
+  head; ``H̄`` read divided by its head's power of two ``hscale``, folded back in the output's
+  scaling). The tail's maximum is fixed before the scan where a per-row bound of the centroid scores
   (from ``kbound``, the per-channel centroid maxima) is close enough to the exact blocks' maximum
   (:data:`TAIL_SLACK`): no row maximum and no rescale per group; else it stays online. A slot is
   released when every consumer arrived. The exact blocks run one after the other (Q·Kᵀ, softmax,
@@ -501,7 +502,7 @@ def _exact_pipelined(qa, k_bufs, v_bufs, ready, empty, codes, ubase, n_union, m_
 
 
 @gluon.jit
-def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
+def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
             BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
             EVEN_K: gl.constexpr, LOG2_BS: gl.constexpr, NC: gl.constexpr, TAIL_SLACK: gl.constexpr,
@@ -580,18 +581,22 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
             PW: gl.constexpr = PW_BF16 or q_s.dtype == gl.float16
             # two spelled-out branches: the PW one is the code the GPU suite and the low-precision
             # builds checked (a shared factor changed every variant's PTX)
+            # H̄ was stored divided by the head's power of two ``hs``: with PW it joins the output's
+            # shift (pw / hs, a power of two), so the A operand keeps its magnitude
+            hs = gl.load(hscale_ptr + bhk)
             if PW:
                 w = gl.convert_layout(l_tail / l_i * (gl.load(alpha_ptr + h) * (scale / BS) * pw),
                                       gl.SliceLayout(1, p_layout))
+                pwh = pw / hs
             else:
-                w = gl.convert_layout(l_tail / l_i * (gl.load(alpha_ptr + h) * (scale / BS)),
+                w = gl.convert_layout(l_tail / l_i * (gl.load(alpha_ptr + h) * (scale / BS) * hs),
                                       gl.SliceLayout(1, p_layout))
             if HB_RING:
                 # q back from its float16 copy, as below, in two halves of D against H̄'s row halves
                 # (the same products in the same order as one K = D product)
                 q_h = _as_fp16(q_s)
                 qw = q_h.slice(0, BS, dim=1).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
-                out = warpgroup_mma(qw.to(q_s.dtype), k_bufs.index(s_hb), out * pw if PW else out, is_async=True)
+                out = warpgroup_mma(qw.to(q_s.dtype), k_bufs.index(s_hb), out * pwh if PW else out, is_async=True)
                 qw = q_h.slice(BS, BS, dim=1).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
                 out = warpgroup_mma(qw.to(q_s.dtype), v_bufs.index(s_hb), out, is_async=True)
             else:
@@ -602,10 +607,10 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
                     qw = _as_fp16(q_s).load(p_layout).to(gl.float32) * (w * q_sc)[:, None]
                 else:
                     qw = q_s.load(p_layout).to(gl.float32) * w[:, None]
-                out = warpgroup_mma(qw.to(q_s.dtype), hb_smem, out * pw if PW else out, is_async=True)
+                out = warpgroup_mma(qw.to(q_s.dtype), hb_smem, out * pwh if PW else out, is_async=True)
             out = warpgroup_mma_wait(num_outstanding=0, deps=(out,))
             if PW:
-                out = out * (1.0 / pw)
+                out = out * (1.0 / pwh)
         lse = (m_i + gl.log2(l_i)) * LN2
         rows = qi * BS + gl.arange(0, BS, layout=row_s)
         gl.store(lse_ptr + bh * LQ + rows, lse, mask=rows < LQ)
@@ -685,7 +690,7 @@ def _exact_step_fx(qa, k_bufs, v_bufs, ready, empty, code, u, m_i, l_i, acc, fx,
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
+def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
               q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
               uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
               qk_scale, scale, pw,
@@ -766,7 +771,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha
         efix = (fx == 1).to(gl.int32)
     else:
         efix = 0
-    _finish(q_s, k_bufs, v_bufs, ready, empty, n_union, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
+    _finish(q_s, k_bufs, v_bufs, ready, empty, n_union, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr,
             kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
             BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout, HB_RING,
             efix, EXACT_SLACK >= 0, False)
@@ -784,7 +789,7 @@ def await_prior_grid(PDL: gl.constexpr):
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W2", "NW"])
 def _pair_attn_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc, cd_desc,
-    kscale_ptr, kbound_ptr, kmax_ptr, uidx_ptr, ucnt_ptr, qpair_ptr, bits_ptr, lse_ptr, alpha_ptr,
+    kscale_ptr, hscale_ptr, kbound_ptr, kmax_ptr, uidx_ptr, ucnt_ptr, qpair_ptr, bits_ptr, lse_ptr, alpha_ptr,
     H, HK, LQ, LK, NQ, NK, W2, NW,
     qk_scale, scale, pw,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
@@ -833,12 +838,12 @@ def _pair_attn_kernel(
                        q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                        uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
                        BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC, HB_RING)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
                          PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING, EXACT_SLACK)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
@@ -850,17 +855,17 @@ def _pair_attn_kernel(
                        q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                        uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, b, h, hk, bhk, NK,
                        BS, C, STAGES, MODE, HAS_QPAIR, CODES, NCH, CW, NC, HB_RING)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
                          PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING, EXACT_SLACK)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
                          PIPELINE, CODES, NCH, CW, NC, TAIL_SLACK, HB_RING, EXACT_SLACK)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, kmax_ptr, alpha_ptr,
                          q_smem, k_bufs, v_bufs, hb_smem, codes_smem, q_bar, hb_bar, code_bar, ready, empty,
                          uidx_ptr, ucnt_ptr, qpair_ptr, pair, pair_row, W2, NW, b, h, bhk, bh, LQ, LK, NQ, NK,
                          qk_scale, scale, pw, 2, BS, D, C, STAGES, MODE, EVEN_K, LOG2_BS, Q_REG, HAS_QPAIR,
@@ -1034,7 +1039,7 @@ def tma_unsupported_reason(*tensors: Tensor) -> str | None:
 
 def attention(
     q: Tensor, k: Tensor, v: Tensor,
-    kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor,
+    kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor, hscale: Tensor,
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, n_select: int,
     out: Tensor | None = None, lse: Tensor | None = None, stages: int | None = None, q_reg: bool | None = None,
@@ -1120,7 +1125,7 @@ def attention(
     tensors = (q, k, v, out, kbar.view(b * hk, nk, d), vbar.view(b * hk, nk, d), hbar.view(b * hk, d, d),
                uidx.view(-1, w2))
     blocks = ([1, 1, bs, d],) * 4 + ([1, bs, d], [1, bs, d], [1, bs if hb_ring else d, d], [1, cw])
-    scalars = (kscale, kbound, kbound if kmax is None else kmax, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse,
+    scalars = (kscale, hscale, kbound, kbound if kmax is None else kmax, uidx, ucnt, qpair if has_qpair else ucnt, bits, lse,
                alpha, h, hk, lq, lk, nq, nk,
                uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale, first_order_shift(bs, scale))
     constexprs = dict(BS=bs, D=d, C=bs, STAGES=st, MODE=m, EVEN_K=lk % bs == 0, LOG2_BS=math.log2(bs), Q_REG=q_reg,
@@ -1128,7 +1133,7 @@ def attention(
                       TAIL_SLACK=slack, HB_RING=hb_ring, EXACT_SLACK=exact_slack, PDL=pdl)
     popt = ptxas_options(mode, nc)
     key = (q.dtype, d, bs, st, m, lk % bs == 0, q_reg, has_qpair, pipe, use_codes, nch, cw, nc, slack, exact_slack,
-           popt, pdl, tuple(x.data_ptr() % 16 == 0 for x in scalars[:9]))
+           popt, pdl, tuple(x.data_ptr() % 16 == 0 for x in scalars[:10]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
@@ -1228,7 +1233,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                                                   query_group == 2 and (
                                                       PIPELINE if pipeline is None else bool(pipeline)), 0),
                       PDL=grid_level())
-    types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", kmax_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
+    types = dict(kscale_ptr="*fp32", hscale_ptr="*fp32", kbound_ptr="*fp32", kmax_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", qpair_ptr="*i32", bits_ptr="*i32",
                  lse_ptr="*fp32",
                  alpha_ptr="*fp32", qk_scale="fp32", scale="fp32", pw="fp32")
     sig = {}

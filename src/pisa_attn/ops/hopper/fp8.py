@@ -377,7 +377,7 @@ def _exact_slot_drained(se, n_union, empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
               kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
               turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
               qk_scale, scale, pw,
@@ -610,7 +610,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
     # keeps the first-order product's power of two in bfloat16 (without, ptxas spilled in its
     # hybrid exact loop at D = 128).
     _finish(q_s, kb_bufs, vb_bufs, tready, tempty, 0, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr,
-            kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
+            hscale_ptr, kbound_ptr, alpha_ptr, m_i, l_i, acc, active, row, qi, NW, b, h, bhk, bh, LQ, LK, NK, qk_scale, scale, pw,
             BS, D, C, TSTAGES, MODE, EVEN_K, LOG2_BS, NC, TAIL_SLACK, s_layout, o_layout, p_layout, HB_RING,
             (fx == 1).to(gl.int32), EXACT_SLACK >= 0, QK_INT8 and PV8 and not PV_INT8)
 
@@ -618,7 +618,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_
 @gluon.jit(do_not_specialize=["H", "HK", "LQ", "LK", "LKP", "NQ", "NK", "W2", "NW"])
 def _fp8_pair_kernel(
     q_desc, k_desc, v_desc, o_desc, kb_desc, vb_desc, hb_desc,
-    kscale_ptr, kbound_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+    kscale_ptr, hscale_ptr, kbound_ptr, uidx_ptr, ucnt_ptr, bits_ptr, lse_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
     kcmax_ptr, H, HK, LQ, LK, LKP, NQ, NK, W2, NW,
     qk_scale, scale, pw,
     BS: gl.constexpr, D: gl.constexpr, C: gl.constexpr, STAGES: gl.constexpr, TSTAGES: gl.constexpr,
@@ -707,13 +707,13 @@ def _fp8_pair_kernel(
                        q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                        code_ring, sig_ring, uidx_ptr, ucnt_ptr, sig_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
                        BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC, SLOT_META, TAIL_ALIAS, HB_RING)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
                          QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING,
                          EXACT_SLACK)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
@@ -726,19 +726,19 @@ def _fp8_pair_kernel(
                        q_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty, tready, tempty,
                        code_ring, sig_ring, uidx_ptr, ucnt_ptr, sig_ptr, pair_row, W2, b, h, hk, bhk, q0, NK,
                        BS, C, STAGES, TSTAGES, MODE, PV8, LOOKAHEAD, NC, SLOT_META, TAIL_ALIAS, HB_RING)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 0, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
                          QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING,
                          EXACT_SLACK)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 1, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
                          QK_INT8, PV8, PV_ACC, PINGPONG, LOOKAHEAD, PV_INT8, NC, TAIL_SLACK, SLOT_META, HB_RING,
                          EXACT_SLACK)),
-            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
+            (_consumer, (o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, alpha_ptr, sig_ptr, tau_ptr, mu_ptr, vcs_ptr,
                          kcmax_ptr, q_smem, q8_smem, k_bufs, v_bufs, kb_bufs, vb_bufs, hb_smem, q_bar, hb_bar, ready, empty,
                          tready, tempty, turn, code_ring, sig_ring, uidx_ptr, ucnt_ptr, pair_row, W2, NW, b, h, bhk, q0, bh, LQ, LK, LKP, NQ, NK,
                          qk_scale, scale, pw, 2, BS, D, C, STAGES, TSTAGES, MODE, EVEN_K, LOG2_BS, PIPELINE,
@@ -942,7 +942,7 @@ def exact_max_slack(exact_max: str | None, quant, q: Tensor, lk: int, pv8: bool,
 
 
 def attention(
-    q: Tensor, quant, kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor,
+    q: Tensor, quant, kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor, hscale: Tensor,
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, lk: int,
     out: Tensor | None = None, lse: Tensor | None = None, alpha: Tensor | None = None,
@@ -1025,7 +1025,7 @@ def attention(
     tau = quant.tau if pv8 else quant.sigma  # unread without 8-bit values
     vcs = quant.vcs if pv_int8 else quant.sigma  # unread without int8 values
     kcmax = quant.kcmax.view(torch.float32) if exact_slack >= 0 else quant.sigma  # unread online
-    scalars = (kscale, kbound, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu, vcs, kcmax,
+    scalars = (kscale, hscale, kbound, uidx, ucnt, bits, lse, alpha, quant.sigma, tau, quant.mu, vcs, kcmax,
                h, hk, lq, lk, lkp, nq, nk, uidx.shape[-1], bits.shape[-1], scale * LOG2E, scale,
                first_order_shift(bs, scale))
     pp = nc == 2 and (PINGPONG if pingpong is None else bool(pingpong))
@@ -1039,7 +1039,7 @@ def attention(
                       PV_INT8=pv_int8, NC=nc, TAIL_SLACK=slack, SLOT_META=meta, TAIL_ALIAS=alias,
                       HB_RING=hb_ring, EXACT_SLACK=exact_slack, PDL=pdl)
     key = (q.dtype, d, bs, st, tst, m, lk % bs == 0, pipe, qk_int8, pv8, pv_acc, pp, la, pv_int8, nc, slack, meta, alias,
-           exact_slack, pdl, tuple(x.data_ptr() % 16 == 0 for x in scalars[:12]))
+           exact_slack, pdl, tuple(x.data_ptr() % 16 == 0 for x in scalars[:13]))
     descs = tuple(Desc(x, list(x.shape), list(x.stride())) for x in tensors)
     full = None if _launch.cached(key, descs + scalars) else tuple(_desc(x, blk) for x, blk in zip(tensors, blocks))
     _launch(key, (-(-nq // nc), b * h), descs + scalars, constexprs,
@@ -1091,7 +1091,7 @@ def compile_for_sm90(head_dim: int = 128, mode: str = "hybrid", even_k: bool = T
                       EXACT_SLACK=EXACT_SLACK[dtype] if exact_max == "bound" else -1.0)
     if exact_max == "bound" and (pv8 or pipe):
         raise ValueError("exact_max='bound' needs P·V in the input dtype in the sequential loop")
-    types = dict(kscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
+    types = dict(kscale_ptr="*fp32", hscale_ptr="*fp32", kbound_ptr="*fp32", uidx_ptr="*i32", ucnt_ptr="*i32", bits_ptr="*i32", lse_ptr="*fp32",
                  alpha_ptr="*fp32", sig_ptr="*fp32", tau_ptr="*fp32", mu_ptr="*fp32", vcs_ptr="*i32", kcmax_ptr="*fp32",
                  qk_scale="fp32", scale="fp32", pw="fp32")
     sig = {}

@@ -121,7 +121,7 @@ def _tail_phase(q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_p
 # Shape scalars are not specialised (no recompiles across lengths/densities); strides still are.
 @triton.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W", "NW", "L_BUCKET", "DENS_BUCKET"])
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, kbar_ptr, kscale_ptr, vbar_ptr, hbar_ptr, alpha_ptr,
+    q_ptr, k_ptr, v_ptr, kbar_ptr, kscale_ptr, vbar_ptr, hbar_ptr, hscale_ptr, alpha_ptr,
     idx_ptr, cnt_ptr, bits_ptr, o_ptr, lse_ptr,
     sqb, sqh, sql, sqd,
     skb, skh, skl, skd,
@@ -186,7 +186,8 @@ def _attn_kernel(
             hbv = hbv.to(tl.float32)
         qh = tl.dot(q, hbv)
         a_h = tl.load(alpha_ptr + h)  # the first-order weight of this query head
-        acc += (l_tail * (scale * a_h / BS))[:, None] * qh
+        hs = tl.load(hscale_ptr + b * HK + hk)  # H̄ was stored divided by it (a power of two)
+        acc += (l_tail * (scale * a_h * hs / BS))[:, None] * qh
 
     out = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * LN2_C
@@ -252,7 +253,7 @@ def autotune_key(lk: int, density: float) -> tuple[int, int]:
 
 def attention(
     q: Tensor, k: Tensor, v: Tensor,
-    kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor,
+    kbar: Tensor, kscale: Tensor, vbar: Tensor, hbar: Tensor, hscale: Tensor,
     idx: Tensor, cnt: Tensor, bits: Tensor,
     *, mode: str, scale: float, block_size: int, n_select: int,
     out: Tensor | None = None, lse: Tensor | None = None, config: dict | None = None, alpha: Tensor | None = None,
@@ -272,7 +273,7 @@ def attention(
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
     alpha = alpha_arg(alpha, h, q.device)
     args = (
-        q, k, v, kbar, kscale, vbar, hbar, alpha, idx, cnt, bits, out, lse,
+        q, k, v, kbar, kscale, vbar, hbar, hscale, alpha, idx, cnt, bits, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         h, hk, lq, lk, nq, nk, idx.shape[-1], bits.shape[-1],
         scale * LOG2E, scale,
@@ -288,12 +289,12 @@ def attention(
     elif config is not None or os.environ.get("PISA_ATTN_AUTOTUNE", "1") == "0":
         cfg = FIXED_CONFIG if config is None else {"C": 64, "num_warps": 4, "num_stages": 2, **config}
         key = ("fixed", tuple(sorted(cfg.items())), q.dtype, meta["MODE"], meta["EVEN_K"], block_size, d,
-               spec_class(*args[:29]))
+               spec_class(*args[:30]))
         _launch_attn(key, grid, args, {**meta, **cfg})
     else:
         # Tuned once per shape class by the autotuner; then launched through a Launcher with the
         # chosen config (the autotuner re-binds every argument on each call: tens of µs of host time).
-        key = (q.dtype, meta["MODE"], meta["EVEN_K"], block_size, d, args[-2:], spec_class(*args[:29]))
+        key = (q.dtype, meta["MODE"], meta["EVEN_K"], block_size, d, args[-2:], spec_class(*args[:30]))
         tuned = _TUNED.get(key)
         if tuned is None:
             unrecordable("the attention kernel is being autotuned")

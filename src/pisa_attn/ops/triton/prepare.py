@@ -21,7 +21,9 @@
    copy the attention kernels read).
 2. ``_finish_kernel`` (per kv head, one program per slice of rows): ``H̄`` from the partials (the
    mean over the blocks not in ``hbar_exclude``; ``0`` when every block is excluded), its
-   input-dtype copy, the tail scan's float16 centroids divided by one power of two per head
+   input-dtype copy divided by one power of two per head (``hscale``: its largest entry at most
+   ``2^14``, from a bound every program of the head computes alike, so float16 ``H̄`` cannot
+   overflow when the keys and values share a large component), the tail scan's float16 centroids divided by one power of two per head
    (its largest ``|k̄|`` lands in ``[2^13, 2^14)``: no overflow whatever the magnitude, 11 mantissa
    bits, one scalar for the attention kernels to fold back), and ``kbound``, the per-channel
    ``max_j |k̄_jd|`` (the Hopper kernel bounds every tail score with it before the scan).
@@ -186,8 +188,11 @@ def _stats_kernel(
                                                 KMAX)
         part = bh.to(tl.int64) * KV_CHUNKS + c
         tl.store(part_h_ptr + part * D * D + offs_d[:, None] * D + offs_d[None, :], hacc)
-        tl.store(part_s_ptr + part * 2, tl.max(kmax, axis=0))
-        tl.store(part_s_ptr + part * 2 + 1, count)
+        tl.store(part_s_ptr + part * 3, tl.max(kmax, axis=0))
+        tl.store(part_s_ptr + part * 3 + 1, count)
+        # max |Σ H_j| of the run: summed over runs and divided by the count, a bound of max |H̄|
+        # every finish program can read (H̄'s scale, below)
+        tl.store(part_s_ptr + part * 3 + 2, tl.max(tl.max(tl.abs(hacc), axis=1), axis=0))
         tl.store(part_r_ptr + part * D + offs_d, kmax)
         if VMAX:
             tl.store(part_v_ptr + part * D + offs_d, tl.max(vabs, axis=0))
@@ -217,8 +222,8 @@ def _stats_kernel(
 
 @triton.jit(do_not_specialize=["NK", "KV_CHUNKS", "F_PER"])
 def _finish_kernel(
-    part_h_ptr, part_s_ptr, part_r_ptr, part_v_ptr, kmean_ptr, hbar_ptr, hbar_lp_ptr, kbar_ptr, kscale_ptr,
-    kbound_ptr, vmax_ptr,
+    part_h_ptr, part_s_ptr, part_r_ptr, part_v_ptr, kmean_ptr, hbar_ptr, hbar_lp_ptr, hscale_ptr, kbar_ptr,
+    kscale_ptr, kbound_ptr, vmax_ptr,
     NK, KV_CHUNKS, F_PER,
     D: tl.constexpr, RB: tl.constexpr, TJ: tl.constexpr, VMAX: tl.constexpr, KMAX: tl.constexpr,
     PDL: tl.constexpr = 0,
@@ -231,11 +236,18 @@ def _finish_kernel(
     bh = (pid // (D // RB)).to(tl.int64)
     offs_d = tl.arange(0, D)
     kmax = 0.0
+    hmax = 0.0
+    count = 0.0
     for c in range(KV_CHUNKS):
-        kmax = tl.maximum(kmax, tl.load(part_s_ptr + (bh * KV_CHUNKS + c) * 2))
+        kmax = tl.maximum(kmax, tl.load(part_s_ptr + (bh * KV_CHUNKS + c) * 3))
+        count += tl.load(part_s_ptr + (bh * KV_CHUNKS + c) * 3 + 1)
+        hmax += tl.load(part_s_ptr + (bh * KV_CHUNKS + c) * 3 + 2)
     ks = tl.where(kmax > 0, tl.exp2(tl.ceil(tl.log2(kmax)) - 14.0), 1.0)
+    hmax = hmax / tl.maximum(count, 1.0)  # >= max |H̄|, the same in every program of the head
+    hs = tl.where((hmax > 0) & (hmax < 3e38), tl.exp2(tl.ceil(tl.log2(hmax)) - 14.0), 1.0)
     if g == 0:
         tl.store(kscale_ptr + bh, ks)
+        tl.store(hscale_ptr + bh, hs)
         kb = tl.zeros([D], dtype=tl.float32)
         for c in range(KV_CHUNKS):
             kb = tl.maximum(kb, tl.load(part_r_ptr + (bh * KV_CHUNKS + c) * D + offs_d))
@@ -253,17 +265,13 @@ def _finish_kernel(
     rows = g * RB + tl.arange(0, RB)
     tile = rows[:, None] * D + offs_d[None, :]
     hsum = tl.zeros([RB, D], dtype=tl.float32)
-    count = 0.0
     for c in range(KV_CHUNKS):
-        part = bh * KV_CHUNKS + c
-        hsum += tl.load(part_h_ptr + part * D * D + tile)
-        count += tl.load(part_s_ptr + part * 2 + 1)
+        hsum += tl.load(part_h_ptr + (bh * KV_CHUNKS + c) * D * D + tile)
     hbar = hsum / tl.maximum(count, 1.0)  # nothing counted: the sum is 0, and so is H̄
     tl.store(hbar_ptr + bh * D * D + tile, hbar)
-    hbar_lp = hbar
+    hbar_lp = hbar / hs  # |H̄ / hs| <= 2^14: in float16's range whatever the keys' and values' scale
     if hbar_lp_ptr.dtype.element_ty == tl.float16:
-        # saturated, not inf: a keys-values channel product past 65504 would make the q·H̄ term
-        # inf, and 0·inf NaN where a row has no tail (notes/kernel-notes.md, Open)
+        # saturated, not inf, should the bound itself have overflowed (float32 H̄ past 3e38)
         hbar_lp = tl.minimum(tl.maximum(hbar_lp, -65504.0), 65504.0)
     tl.store(hbar_lp_ptr + bh * D * D + tile, hbar_lp.to(hbar_lp_ptr.dtype.element_ty))
     cols = tl.arange(0, TJ)
@@ -331,12 +339,19 @@ def _hdev_block(k_base, v_base, hdev_ptr, hb, j, bh, LK, NK, skl, skd, svl, svd,
     tl.store(hdev_ptr + bh.to(tl.int64) * NK + j, tl.sqrt(tl.sum(tl.sum(diff * diff, axis=1), axis=0)))
 
 
-def lowp_hbar(hbar: Tensor, dtype: torch.dtype) -> Tensor:
-    """H̄ as the attention kernels read it, in ``dtype``: float16 saturated at its largest finite
-    value (as the finish kernel stores it), so that q·H̄ stays finite."""
+def lowp_hbar(hbar: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """H̄ ``[B, Hk, D, D]`` float32 as the attention kernels read it: ``(H̄ / hscale`` in ``dtype``,
+    ``hscale`` ``[B, Hk]`` float32``)``, one power of two per head that puts its largest entry in
+    ``[2^13, 2^14)``. The finish kernel takes its power from a bound of ``max |H̄|`` (the runs'
+    ``max |Σ H_j|`` summed), so it may be a few powers higher; the products are the same either
+    way in float16's normal range. float16 is saturated should H̄ itself pass float32's range."""
+    amax = hbar.abs().amax(dim=(-2, -1)).float()
+    ok = (amax > 0) & (amax < 3e38)
+    hs = torch.where(ok, torch.exp2(torch.ceil(torch.log2(torch.where(ok, amax, 1.0))) - 14.0), 1.0)
+    lp = hbar / hs[..., None, None]
     if dtype == torch.float16:
-        hbar = hbar.clamp(-65504.0, 65504.0)
-    return hbar.to(dtype)
+        lp = lp.clamp(-65504.0, 65504.0)
+    return lp.to(dtype), hs
 
 
 @dataclass
@@ -349,7 +364,8 @@ class Stats:
     kscale: Tensor  # [B, Hk] float32: the power of two each head's ``kbar`` was divided by
     vbar: Tensor  # [B, Hk, Nk, D] input dtype: value block means (V̂_j / n_j)
     hbar: Tensor | None  # [B, Hk, D, D] float32 (None after a lean prepare)
-    hbar_lp: Tensor  # [B, Hk, D, D] input dtype: the attention kernel's operand for q·H̄
+    hbar_lp: Tensor  # [B, Hk, D, D] input dtype: H̄ / hscale, the attention kernels' operand for q·H̄
+    hscale: Tensor  # [B, Hk] float32: the power of two each head's ``hbar_lp`` was divided by
     hdev: Tensor | None  # [B, Hk, Nk] float32, ||H_j − H̄||_F (covariance-aware only)
     work: Tensor | None = None  # float32 per-program partials of the prepare launch (scratch)
     # [B, Hk, D] float32: max_j |k̄_jd|, per channel (bounds every tail score before the scan)
@@ -362,18 +378,19 @@ class Stats:
 
     BLOCK_AXES: ClassVar[dict[str, int]] = {"kmean": 2, "kbar": 2, "vbar": 2, "hdev": 2}
     # kbar is only meaningful with the kscale it was divided by: a shard keeps its own.
-    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ("kscale", "kbound", "kmax")
+    SHARD_FIELDS: ClassVar[tuple[str, ...]] = ("kscale", "hscale", "kbound", "kmax")
 
-    def tail(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def tail(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """What the attention kernel reads besides q, k, v and the selection."""
-        return self.kbar, self.kscale, self.vbar, self.hbar_lp
+        return self.kbar, self.kscale, self.vbar, self.hbar_lp, self.hscale
 
     def blocks(self, lo: int, hi: int) -> "Stats":
         # the copies are quantised against the whole sequence's μ: a shard is quantised anew
         return dataclasses.replace(slice_blocks(self, lo, hi), quant=None)
 
     def with_hbar(self, hbar: Tensor) -> "Stats":
-        return dataclasses.replace(self, hbar=hbar, hbar_lp=lowp_hbar(hbar, self.hbar_lp.dtype))
+        hbar_lp, hscale = lowp_hbar(hbar, self.hbar_lp.dtype)
+        return dataclasses.replace(self, hbar=hbar, hbar_lp=hbar_lp, hscale=hscale)
 
     def for_attend(self) -> "Stats":
         self.qmean = self.kmean = self.hbar = self.hdev = None  # in place: no allocation per call
@@ -414,9 +431,9 @@ def _geometry(b: int, h: int, hk: int, lq: int, lk: int, bs: int, qb: int, d: in
 
 
 def _part_elems(d: int) -> int:
-    """float32 elements of one kv program's partials: ``Σ H_j``, (largest ``|k̄|``, count), the
-    per-channel largest ``|k̄|`` and largest ``|v|``."""
-    return d * d + 2 + 2 * d
+    """float32 elements of one kv program's partials: ``Σ H_j``, (largest ``|k̄|``, count, largest
+    ``|Σ H_j|``), the per-channel largest ``|k̄|`` and largest ``|v|``."""
+    return d * d + 3 + 2 * d
 
 
 def _work_elems(b: int, hk: int, d: int, kv_chunks: int) -> int:
@@ -446,6 +463,7 @@ def stats_workspace(q_shape, kv_shape, dtype: torch.dtype, device, *, block_size
         vbar=torch.empty(b, hk, nk, d, device=device, dtype=dtype),
         hbar=torch.empty(b, hk, d, d, **f32),
         hbar_lp=torch.empty(b, hk, d, d, device=device, dtype=dtype),
+        hscale=torch.empty(b, hk, **f32),
         hdev=torch.empty(b, hk, nk, **f32) if with_hdev else None,
         work=torch.empty(_work_elems(b, hk, d, geo[1]), **f32),
         kbound=torch.empty(b, hk, d, **f32),
@@ -503,9 +521,9 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     qz = None if quant is None else _quantize.checked(ws.quant, k, block_size, quant, "ws.quant")
     vmax = qz is not None and _quantize.needs_vmax(quant)
     part_h = ws.work[: n_part * d * d]
-    part_s = ws.work[n_part * d * d: n_part * (d * d + 2)]
-    part_r = ws.work[n_part * (d * d + 2): n_part * (d * d + d + 2)]
-    part_v = ws.work[n_part * (d * d + d + 2): n_part * _part_elems(d)]
+    part_s = ws.work[n_part * d * d: n_part * (d * d + 3)]
+    part_r = ws.work[n_part * (d * d + 3): n_part * (d * d + d + 3)]
+    part_v = ws.work[n_part * (d * d + d + 3): n_part * _part_elems(d)]
     if hbar_exclude is not None:
         ex = _check_exclude(hbar_exclude, b, hk, nk).view(torch.uint8)
         ex_sb = ex.stride(0) if ex.shape[0] > 1 else 0
@@ -532,7 +550,8 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
     if kv_chunks == 0:  # no key block (an empty K/V shard): H̄ = 0, scale 1, bounds 0
         ws.work[: n_part * _part_elems(d)].zero_()
     _launch_finish((d, vmax, with_kmax, pdl, spec_class(part_h, ws.hbar_lp)), (b * hk * f_groups,),
-                   (part_h, part_s, part_r, part_v, kmean_t, ws.hbar, ws.hbar_lp, ws.kbar, ws.kscale, ws.kbound,
+                   (part_h, part_s, part_r, part_v, kmean_t, ws.hbar, ws.hbar_lp, ws.hscale, ws.kbar, ws.kscale,
+                    ws.kbound,
                     qz.vmax if vmax else ws.kmax if with_kmax else part_s, nk, max(kv_chunks, 1), f_per),
                    dict(D=d, RB=_FINISH_ROWS, TJ=32, VMAX=vmax, KMAX=with_kmax, PDL=pdl), num_warps=4,
                    launch_pdl=pdl > 0)
@@ -543,7 +562,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
         if nk:
             _quantize.launch_quant(k, v, qz, quant, block_size)
     return Stats(qmean=ws.qmean, kmean=ws.kmean, kbar=ws.kbar, kscale=ws.kscale, vbar=ws.vbar,
-                 hbar=None if lean else ws.hbar, hbar_lp=ws.hbar_lp, hdev=ws.hdev if with_hdev else None,
+                 hbar=None if lean else ws.hbar, hbar_lp=ws.hbar_lp, hscale=ws.hscale, hdev=ws.hdev if with_hdev else None,
                  work=ws.work, kbound=ws.kbound, kmax=ws.kmax if with_kmax else None, quant=qz)
 
 
