@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,8 @@ BAD_INPUTS = [
     ("kv-shape-mismatch", _with(v=lambda kw: kw["v"][:, :, :32]), ValueError, r"\bk\b and \bv\b"),
     ("heads-not-divisible", _with(k=lambda kw: kw["k"].repeat(1, 2, 1, 1)[:, :3], v=lambda kw: kw["v"].repeat(1, 2, 1, 1)[:, :3]), ValueError, "heads"),
     ("empty-q", _with(q=lambda kw: kw["q"][:, :, :0]), ValueError, "empty"),
+    ("no-query-heads", _with(q=lambda kw: kw["q"][:, :0]), ValueError, "empty"),
+    ("no-heads", _with(**{n: (lambda kw, n=n: kw[n][:, :0]) for n in "qkv"}), ValueError, "empty"),
     ("dtype-mismatch", _with(k=lambda kw: kw["k"].double()), TypeError, "dtype"),
     ("device-mismatch", _with(v=lambda kw: kw["v"].to("meta")), ValueError, "device"),
     ("int-dtype", _with(**{n: (lambda kw, n=n: kw[n].to(torch.int32)) for n in "qkv"}), TypeError, r"\bq\b.*floating"),
@@ -88,7 +91,10 @@ BAD_INPUTS = [
     ("alpha-per-kv-head-matrix", _with(alpha=torch.ones(1, 4)), ValueError, "alpha"),
     ("alpha-str", _with(alpha="0.5"), TypeError, "alpha"),
     ("alpha-bool", _with(alpha=True), TypeError, "alpha"),
-    ("alpha-list", _with(alpha=[0.5] * 4), TypeError, "alpha"),
+    ("alpha-list-wrong-heads", _with(alpha=[0.5] * 3), ValueError, "alpha.*4 values"),
+    ("alpha-empty-list", _with(alpha=[]), ValueError, "alpha"),
+    ("alpha-list-of-str", _with(alpha=["0.5"] * 4), TypeError, "alpha"),
+    ("alpha-ndarray", _with(alpha=np.full(4, 0.5)), TypeError, "alpha"),
     ("alpha-int-tensor", _with(alpha=torch.ones(4, dtype=torch.int32)), TypeError, "alpha"),
     ("alpha-zeroth", _with(alpha=0.5, mode="zeroth"), ValueError, "alpha.*zeroth"),
     ("alpha-drop", _with(alpha=1.0, mode="drop"), ValueError, "alpha.*drop"),
@@ -303,6 +309,20 @@ def test_alpha_endpoints_are_zeroth_and_the_paper_bit_for_bit():
     want = zeroth[0].double() + spec.DEFAULT_ALPHA * (out.double() - zeroth[0].double())
     torch.testing.assert_close(default[0].double(), want, atol=1e-6, rtol=1e-6)
     assert spec.DEFAULT_ALPHA == 0.75
+
+
+def test_alpha_takes_what_settings_take():
+    """Per call, alpha takes the values PisaSettings takes: numpy numbers and sequences of one value
+    or one per query head, each the same call as the tensor of those values."""
+    from pisa_attn import PisaSettings
+
+    q, k, v = make_qkv(1, 2, 2, 96, 96, 32, seed=29)
+    kw = dict(density=0.25, block_size=16)
+    for alpha, want in ((np.float32(0.5), [0.5, 0.5]), ([0.25, 1.0], [0.25, 1.0]), ((0.5,), [0.5, 0.5]),
+                        ([np.float64(0.25), 1], [0.25, 1.0])):
+        PisaSettings(alpha=alpha)
+        got = pisa_attention(q, k, v, alpha=alpha, **kw)
+        assert torch.equal(got, pisa_attention(q, k, v, alpha=torch.tensor(want), **kw)), alpha
 
 
 def test_alpha_cpu_tensor_values_are_read_every_call():

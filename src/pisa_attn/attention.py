@@ -101,10 +101,10 @@ def _validate_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"head dim of k/v ({dk}) must equal that of q ({d})")
     if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
         raise ValueError(f"head dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
-    if hk < 1 or h % hk:
-        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk}) (GQA)")
-    if lq < 1 or lk < 1 or b < 1:
+    if min(b, h, hk, lq, lk) < 1:  # no batch, head or token
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if h % hk:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk}) (GQA)")
 
 
 def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int, device) -> tuple[Tensor | None, int]:
@@ -139,6 +139,10 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
 def get_backend(name: str) -> Backend:
     """The stage implementation called ``name`` (``"reference"``, ``"triton"`` or ``"hopper"``);
     ValueError when it cannot be loaded (Triton not installed, or without Gluon for ``"hopper"``)."""
+    if torch.compiler.is_compiling():
+        # traced: the module attribute, not the cache, whose contents a guard would watch (a first
+        # compiled call that loads the backend would otherwise compile its frame twice)
+        return _load_backend(name)
     be = _BACKENDS.get(name)
     if be is None:
         be = _BACKENDS[name] = _load_backend(name)
@@ -405,7 +409,8 @@ def run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor | None = No
         selection: a :class:`pisa_attn.ops.selection.Selection` (e.g. returned by an earlier run)
             to attend under instead of selecting: ``idx [B, H, Nq, W]``, ``cnt [B, H, Nq]``,
             ``bits [B, H, Nq, ceil(Nk / 32)]``, int32 on the plan's device.
-        alpha: per-call weight of the first-order term (float or ``[H]`` tensor), overriding the
+        alpha: per-call weight of the first-order term (a float, a sequence or an ``[H]``
+            tensor of one value per query head), overriding the
             settings' (default: the settings' alpha, itself :data:`pisa_attn.spec.DEFAULT_ALPHA`
             when unset).
         return_lse, return_selection: also return the lse / a copy of the selection used.
@@ -709,7 +714,7 @@ def _check_selection(sel, p: PisaPlan) -> None:
 
 def _run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, out, lse, keep, weights, selection, want_lse: bool):
     """The hot path on ``[B, H, L, D]`` views already checked against the plan."""
-    be = _BACKENDS.get(p.backend) or get_backend(p.backend)  # loaded when the plan was made
+    be = get_backend(p.backend)  # loaded when the plan was made
     if torch.compiler.is_compiling():  # one registered op (its fake matches), no workspace in a graph
         if selection is not None:
             raise ValueError("selection= is not supported under torch.compile: run the call eagerly")
@@ -827,7 +832,8 @@ def pisa_attention(
             block sparse).
         covariance_aware: add ``log(||H_j - H̄||_F + eps)`` to the selection scores (paper eq. 9).
         alpha: weight of the first-order tail term (modes ``"hybrid"`` and ``"first"``): a float,
-            or a tensor of one value per query head (``[H]``, on the CPU or on q's device). ``None``
+            or one value per query head (a sequence, or an ``[H]`` tensor on the CPU or on q's
+            device). ``None``
             means :data:`pisa_attn.spec.DEFAULT_ALPHA` (0.75, which beats the full term on real
             attention); ``1.0`` is the paper's method exactly, ``0.0`` equals ``mode="zeroth"``.
             Per-head values fitted against dense attention come from :mod:`pisa_attn.calibration`
@@ -863,6 +869,10 @@ def pisa_attention(
 
     The kernels (hopper, triton) are inference-only: a call that would run them on inputs requiring grad
     (with autograd enabled) raises ValueError; the reference backend is differentiable.
+
+    Finite inputs give a finite output. NaN or inf in ``q``, ``k`` or ``v`` is not looked for
+    (that would read the device every call): it propagates as in dense attention, where one
+    non-finite key or value reaches every row (here through the block statistics and ``H̄``).
     """
     if return_lse is not True and return_lse is not False:
         spec.check_flag("return_lse", return_lse)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import metrics, spec
+from . import metrics, spec, tail_weight
 from .ops import reference as ref
 
 CORRECTION_MODES = spec.FIRST_ORDER_MODES
@@ -67,8 +67,8 @@ class TailTerms:
 
 def _alpha_tensor(alpha, heads: int, like: Tensor) -> Tensor:
     """``alpha`` as a tensor broadcasting over ``[B, H, L, D]``; ValueError/TypeError naming it."""
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, Tensor)):
-        raise TypeError(f"alpha must be a float or a tensor of one value per head, got {type(alpha).__name__}")
+    if not isinstance(alpha, Tensor):  # a number or a sequence, checked as a call's alpha is
+        alpha = torch.tensor(tail_weight.host_values(alpha, heads), dtype=torch.float64)
     a = torch.as_tensor(alpha, dtype=like.dtype, device=like.device)
     if a.dim() == 0:
         a = a.reshape(1)

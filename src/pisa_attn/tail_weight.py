@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from . import spec
+from .settings import as_float
 
 _CACHE: dict[tuple, Tensor] = {}
 _CACHE_LIMIT = 1024
@@ -29,20 +30,22 @@ def _capturing(device: torch.device) -> bool:
 
 
 def host_values(alpha, heads: int) -> tuple[float, ...] | None:
-    """``alpha`` (a number or a CPU tensor of one value per head) as ``heads`` checked floats;
-    None for a tensor on another device (its values are not read here). ValueError/TypeError
-    naming ``alpha``."""
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, Tensor)):
-        raise TypeError(f"alpha must be None, a float or a tensor of one value per query head, got "
-                        f"{type(alpha).__name__}")
+    """``alpha`` (a number, numpy's included; a sequence or a CPU tensor of one value or one per
+    head) as ``heads`` checked floats; None for a tensor on another device (its values are not
+    read here). ValueError/TypeError naming ``alpha``."""
     if isinstance(alpha, Tensor):
         check_tensor_shape(alpha, heads)
         if alpha.device.type != "cpu":
             return None
         values = tuple(float(x) for x in alpha.reshape(-1).tolist())
-        values = values * heads if len(values) == 1 else values
+    elif isinstance(alpha, (list, tuple)):  # as PisaSettings takes it
+        values = tuple(as_float("alpha", x, "a float or a sequence of floats (one per query head)") for x in alpha)
+        if len(values) not in (1, heads):
+            raise ValueError(f"alpha must be a float or hold {heads} values (one per query head), got {len(values)}")
     else:
-        values = (float(alpha),) * heads
+        values = (as_float("alpha", alpha, "None, a float, a sequence of floats or a tensor of one value per "
+                           "query head"),)
+    values = values * heads if len(values) == 1 else values
     spec.check_alpha_values(values, alpha)
     return values
 
@@ -87,8 +90,7 @@ def resolve(alpha, *, mode: str, heads: int, device, dtype: torch.dtype = torch.
         if isinstance(alpha, Tensor):
             check_tensor_shape(alpha, heads)
             return alpha.to(device=device, dtype=dtype).reshape(-1).expand(heads).contiguous()
-        host_values(alpha, heads)
-        return torch.full((heads,), float(alpha), dtype=dtype, device=device)
+        return torch.tensor(host_values(alpha, heads), dtype=dtype, device=device)
     values = host_values(alpha, heads)
     if isinstance(alpha, Tensor) and alpha.requires_grad and torch.is_grad_enabled():
         # differentiated (the reference backend; the kernels refuse it): the tensor itself, not its values

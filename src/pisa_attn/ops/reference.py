@@ -325,7 +325,9 @@ def _terms(qc, kx, vx, kmean, vsum, hbar, counts, sel, tok_block, mode, scale, h
             qh = torch.einsum("bhrd,bhde->bhre", qc, hbar) * scale
             if hbar_in is not None:
                 qh = _row_tail_qh(qh, s, c, sel, hbar_in, tok_block, vx.to(dtype))
-            corr = a.sum(-1, keepdim=True) * qh
+            at = a.sum(-1, keepdim=True)
+            # rows without tail weight get no term, also where q·H̄ overflows (0·inf would be NaN)
+            corr = torch.where(at > 0, at * qh, torch.zeros((), dtype=dtype, device=qh.device))
         elif mode == "first":
             # Σ_j α_tj s q_t H_j = Σ_{j,n} α_t,j(n) · s (q_t·(k_n − k̄_j(n))) v_n, no D×D per block.
             kc = kx.to(dtype) - kmean.index_select(2, tok_block)
