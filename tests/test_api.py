@@ -346,10 +346,14 @@ def test_alpha_device_tensors_are_cached_by_value():
     assert tail_weight.resolve(None, mode="zeroth", heads=3, device="cpu") is None
 
 
-def test_alpha_under_torch_compile_is_an_input_not_a_constant():
-    """Under torch.compile (fullgraph) alpha is traced, and a new per-head tensor does not recompile."""
+def test_alpha_under_torch_compile_is_an_input_not_a_constant(monkeypatch):
+    """Under torch.compile (fullgraph) alpha is traced, and a new per-head tensor does not recompile;
+    nor does the second call when the first compiled one loaded the backend (an empty cache)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
+    import pisa_attn.attention as attention
+
+    monkeypatch.setattr(attention, "_BACKENDS", {})
     torch._dynamo.reset()
     q, k, v = make_qkv(1, 2, 2, 128, 128, 32, seed=24)
     counter = CompileCounterWithBackend("aot_eager")
