@@ -176,3 +176,27 @@ def test_a_non_finite_fit_is_an_error_not_a_table():
     inf = cal.RowFit(cal.AlphaStats(one, one, torch.tensor([float("inf")], dtype=torch.float64), one), one, 1)
     with pytest.raises(ValueError, match="not finite"):
         at.from_fits({"transformer": {0: inf}}, settings={})
+
+
+def test_table_settings_and_fit_are_checked_and_a_capture_is_no_table(tmp_path):
+    good = {"format": at.FORMAT, "version": at.VERSION, "transformers": {"transformer": {"0": {"alpha": [0.5]}}},
+            "settings": {"density": 0.15, "mode": "hybrid", "covariance_aware": False, "block_size": 64}, "fit": "layer"}
+    assert at.load(good).fit == "layer"
+    for change, match in (({"settings": {"density": "lots"}}, "density"), ({"settings": {"block_size": 24}}, "block_size"),
+                          ({"settings": {"covariance_aware": "false"}}, "covariance_aware"), ({"fit": "banana"}, "fit")):
+        with pytest.raises(ValueError, match=f"alpha_table.*{match}"):
+            at.load({**good, **change})
+    binary = tmp_path / "cap.safetensors"
+    binary.write_bytes(bytes([0xB0, 0x01, 0xFF, 0x00]) * 8)
+    with pytest.raises(ValueError, match="alpha_table.*not a readable JSON file"):
+        at.load(str(binary))
+
+
+def test_non_finite_statistics_are_no_weight():
+    """NaN fails the no-tail test as well: without a check it would come out as the default weight."""
+    nan = torch.tensor([float("nan"), 1.0], dtype=torch.float64)
+    one = torch.ones(2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="not finite"):
+        cal.AlphaStats(nan, nan, nan, one).alpha(default=0.75)
+    with pytest.raises(ValueError, match="not finite"):
+        cal.AlphaStats(nan, nan, nan, one).alpha(over="layer")

@@ -540,3 +540,30 @@ def test_side_stream_changes_nothing_on_the_cpu():
         assert torch.equal(sums[True][i], sums[False][i])
     with pytest.raises(TypeError, match="side_stream"):
         CalibrationConfig(side_stream=1)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(density=0.0), ValueError, "density"), (dict(density=1.5), ValueError, "density"),
+    (dict(density=True), TypeError, "density"), (dict(density=float("nan")), ValueError, "density"),
+    (dict(block_size=0), ValueError, "block_size"), (dict(scale=-1.0), ValueError, "scale"),
+])
+def test_fit_helpers_check_their_settings(kw, exc, match):
+    """The calibration helpers refuse what pisa_attention refuses, naming the argument."""
+    q, k, v = make_qkv(1, 2, 2, 128, 16, seed=5)
+    args = {**dict(density=0.25, block_size=32), **kw}
+    for fn in (cal.fit_rows, cal.tail_terms, metrics.select):
+        with pytest.raises(exc, match=match):
+            fn(q, k, v, **args)
+    with pytest.raises(ValueError, match="rank 4"):
+        cal.fit_rows(q[0], k, v, density=0.25, block_size=32)
+
+
+def test_rel_l1_needs_one_shape_and_a_zero_reference_reads_inf():
+    a = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="one shape"):
+        metrics.rel_l1(a[0], a)
+    with pytest.raises(ValueError, match="one shape"):
+        metrics.rel_l1_per_head(a[:, :, :1], a)
+    zero = torch.zeros_like(a)
+    assert metrics.rel_l1(a, zero) == float("inf") and metrics.rel_l1(zero, zero) == 0.0
+    assert metrics.rel_l1_per_head(zero, zero).tolist() == [0.0, 0.0]

@@ -487,7 +487,7 @@ def test_readme_context_parallel_example_runs_as_written(tmp_path):
         (["--cases", "2-16-128:4096"], ["--cases items look like"]),
         (["--cases", "2-16-128:abc:0.1"], ["--cases items look like", "abc"]),
         (["--query-block", "100"], ["--query-block", "invalid choice"]),
-        (["--rep-ms", "0"], ["--rep-ms must be > 0"]),
+        (["--rep-ms", "0"], ["--rep-ms must be a positive finite number"]),
         (["--out", "/nonexistent_dir_pisa/r.json"], ["--out", "does not exist"]),
     ],
     ids=lambda x: x[0].lstrip("-") if isinstance(x, list) else None,
@@ -533,3 +533,92 @@ def test_readme_plan_run_example_runs_as_written():
     exec(compile(code, "README.md", "exec"), scope)
     want = pisa_attention(qkv.q, qkv.k, qkv.v, density=0.125)
     torch.testing.assert_close(scope["out"], want, rtol=0, atol=0)
+
+
+def _capture_of(path, parts: dict, info: dict | None = None):
+    """A one-entry capture ``step0.layer0`` of the given q/k/v tensors (and entry info)."""
+    from pisa_attn.qkv_file import write_qkv_file
+
+    tensors = {f"step0.layer0.{p}": x for p, x in parts.items()}
+    write_qkv_file(str(path), tensors, {"step0.layer0": {"step": 0, "layer": 0, **(info or {})}}, model="test",
+                   dtype="float32")
+    return path
+
+
+def _qkv(h=2, length=256, d=32):
+    g = torch.Generator().manual_seed(0)
+    return {p: torch.randn(1, h, length, d, generator=g) for p in "qkv"}
+
+
+def _bad_captures():
+    nan = _qkv()
+    nan["q"][0, 0, 3, 1] = float("nan")
+    ints = _qkv()
+    ints["k"] = ints["k"].to(torch.int32)
+    return [
+        ("nan", nan, None, "NaN"),
+        ("int-keys", ints, None, "floating"),
+        ("rank3", {p: x[0] for p, x in _qkv().items()}, None, "rank 4"),
+        ("kv-lengths", {**_qkv(), "v": _qkv(length=128)["v"]}, None, "one shape"),
+        ("head-dim-8", _qkv(d=8), None, "head dim"),
+        ("short-layout", _qkv(), {"token_layout": {"segments": [{"grid": [4, 41]}], "tile": [2, 8]}}, "164 tokens"),
+        ("bad-layout", _qkv(), {"token_layout": {"segments": 5}}, "malformed token layout"),
+    ]
+
+
+@pytest.mark.parametrize("parts,info,word", [c[1:] for c in _bad_captures()], ids=[c[0] for c in _bad_captures()])
+def test_study_checks_every_captured_entry_before_work(parts, info, word, tmp_path, capsys, no_study):
+    cap = _capture_of(tmp_path / "cap.safetensors", parts, info)
+    rc, err = run_cli(["study", "--source", str(cap), "--out", str(tmp_path / "o")], capsys)
+    assert_clear_error(rc, err, "step0.layer0", word)
+
+
+def test_study_entries_of_other_head_counts_are_refused(tmp_path, capsys, no_study):
+    from pisa_attn.qkv_file import write_qkv_file
+
+    tensors = {}
+    for name, h in (("step0.layer0", 4), ("step1.layer0", 2)):
+        tensors.update({f"{name}.{p}": x for p, x in _qkv(h=h).items()})
+    info = {"step0.layer0": {"step": 0, "layer": 0}, "step1.layer0": {"step": 1, "layer": 0}}
+    write_qkv_file(str(tmp_path / "cap.safetensors"), tensors, info, model="test", dtype="float32")
+    rc, err = run_cli(["study", "--source", str(tmp_path / "cap.safetensors"), "--out", str(tmp_path / "o")], capsys)
+    assert_clear_error(rc, err, "one number of query heads", "[2, 4]")
+
+
+def test_calibrate_refuses_to_overwrite_its_capture(tmp_path, capsys):
+    cap = write_capture(tmp_path / "cap.safetensors")
+    size = cap.stat().st_size
+    rc, err = run_cli(["calibrate", str(cap), "--out", str(cap)], capsys)
+    assert_clear_error(rc, err, "--out", "capture being read")
+    assert cap.stat().st_size == size
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_plot_format_is_checked_first(command, tmp_path, capsys):
+    rc, err = run_cli([command, "--plot", str(tmp_path / "speed.xyz")], capsys)
+    assert rc == 2 and "'xyz'" in err and "png" in err and "Traceback" not in err
+
+
+def test_demo_plot_and_json_must_differ(tmp_path, capsys):
+    rc, err = run_cli(["demo", "--length", "64", "--plot", str(tmp_path / "a.png"), "--json", str(tmp_path / "a.png")],
+                      capsys)
+    assert_clear_error(rc, err, "--plot and --json are the same file")
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--data", "dit", "--lengths", "1000"], ["multiples of 1024"]),
+        (["--configs", "1-2-8"], ["head dim"]),
+        (["--rep-ms", "inf"], ["--rep-ms"]),
+        (["--precision", "fp8", "--backend", "triton"], ["fp8", "hopper"]),
+        (["--lengths", "4096", "--flex-lengths", "12345"], ["--flex-lengths", "12345"]),
+    ],
+)
+def test_bench_values_are_checked_before_the_gpu(args, words, capsys, monkeypatch):
+    from pisa_attn.bench import kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the GPU check, to the values
+    monkeypatch.setattr(kernels, "run_bench", lambda *a, **k: pytest.fail("the benchmark started"))
+    rc, err = run_cli(["bench", *args], capsys)
+    assert_clear_error(rc, err, *words)

@@ -2,6 +2,8 @@
 
 import argparse
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -40,21 +42,26 @@ def test_parser_defaults_and_values():
         (["--out", "x.png", "--steps", "0"], "--steps"),
         (["--out", "/nonexistent_dir_pisa/x.png"], "directory of --out"),
         (["--out", "x.png", "--dense-layers", "-1"], "--dense-layers"),
+        (["--out", "x.png", "--guidance", "nan"], "--guidance"),
+        (["--out", "x.png", "--model", "/nonexistent_dir_pisa/pipe"], "--model .* is a path but not a directory"),
     ],
 )
-def test_bad_arguments_fail_before_loading(extra, match):
+def test_bad_arguments_fail_before_loading(extra, match, capsys):
     args = _parse(["generate", "--model", "org/does-not-exist", "--prompt", "p", *extra])
-    with pytest.raises(SystemExit, match=match):
+    with pytest.raises(SystemExit) as e:
         generate.run(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.search(match, err) and err.count("\n") == 1, err  # one line, exit 2
 
 
-def test_missing_weights_clear_error(monkeypatch, tmp_path):
+def test_missing_weights_clear_error(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert generate._hub_offline()
     args = _parse(["generate", "--model", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "--prompt", "p", "--out", str(tmp_path / "v.mp4")])
     with pytest.raises(SystemExit) as e:
         generate.run(args)
-    msg = str(e.value.code)
+    msg = capsys.readouterr().err
+    assert e.value.code == 1
     assert "cannot load the pipeline 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers'" in msg and "offline" in msg
     assert "cannot be downloaded on this machine" in msg and "--model DIR" in msg
     with pytest.raises(generate.ModelUnavailableError, match="local directory"):
@@ -92,5 +99,6 @@ def test_generate_tiny_saved_pipeline(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "PSNR vs dense" in text and "SSIM vs dense" in text and "LPIPS vs dense" in text
     assert "4 sparse, 4 dense" in text  # 2 layers x (cond, uncond) per step: step 0 dense, step 1 sparse
-    with pytest.raises(SystemExit, match="makes videos"):
+    with pytest.raises(SystemExit) as e:
         generate.run(_parse(["generate", "--model", model, "--prompt", "p", "--out", str(tmp_path / "x.png"), "--device", "cpu"]))
+    assert e.value.code == 2 and "makes videos" in capsys.readouterr().err

@@ -129,7 +129,18 @@ def from_json(d) -> AlphaTable:
     settings = d.get("settings") or {}
     if not isinstance(settings, dict):
         raise _bad("'settings' must be an object")
-    return AlphaTable(out, settings, d.get("fit", "head"), d.get("model"), d.get("source"))
+    checks = {"density": spec.check_density, "block_size": spec.check_block_size, "mode": spec.check_mode,
+              "covariance_aware": lambda x: spec.check_flag("covariance_aware", x)}
+    for key, check in checks.items():  # the settings the weights were fitted under, compared with a run's
+        if key in settings:
+            try:
+                check(settings[key])
+            except (TypeError, ValueError) as e:
+                raise _bad(f"'settings': {e}") from None
+    fit = d.get("fit", "head")
+    if fit not in cal.FIT_OVER:
+        raise _bad(f"'fit' must be one of {cal.FIT_OVER}, got {fit!r}")
+    return AlphaTable(out, settings, fit, d.get("model"), d.get("source"))
 
 
 def load(table) -> AlphaTable:
@@ -142,7 +153,7 @@ def load(table) -> AlphaTable:
         try:
             with open(table) as f:
                 d = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not text (a capture passed by mistake)
             raise _bad(f"path {str(table)!r} is not a readable JSON file: {e}") from None
         return from_json(d)
     raise TypeError(f"alpha_table must be a path, a dict or an AlphaTable, got {type(table).__name__}")

@@ -35,7 +35,7 @@ from .settings import BACKENDS, LAYOUTS, PisaSettings, as_bool, as_int, check_no
 log = logging.getLogger("pisa_attn")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+MIN_HEAD_DIM, MAX_HEAD_DIM = spec.MIN_HEAD_DIM, spec.MAX_HEAD_DIM
 # The Hopper backend with low-precision exact blocks, per precision (spec.PRODUCT_FORMATS)
 LOWP_BACKENDS = {"fp8": "hopper_fp8", "int8-fp8": "hopper_int8_fp8", "int8-int8": "hopper_int8_int8",
                  "int8": "hopper_int8"}

@@ -109,6 +109,8 @@ def tail_terms(
     _check_mode(mode)
     if (density is None) == (selected is None):
         raise ValueError("give exactly one of density and selected")
+    metrics.check_call(q, k, v, density=1.0 if density is None else density, block_size=block_size, mode=mode,
+                       covariance_aware=covariance_aware, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     given = stats
     if stats is None or (covariance_aware and stats.hdev is None):
@@ -178,6 +180,10 @@ class AlphaStats:
         if over not in FIT_OVER:
             raise ValueError(f"over must be one of {FIT_OVER}, got {over!r}")
         cr, cc = (self.cr, self.cc) if over == "head" else (self.cr.sum(), self.cc.sum())
+        if not bool(torch.isfinite(cr).all() and torch.isfinite(cc).all()):
+            # NaN would fail the test below and pass for a head without a tail: the default
+            raise ValueError("the fit's statistics are not finite (non-finite q/k/v, scale or dense output); no weight "
+                             "can be fitted")
         tiny = torch.finfo(cc.dtype).tiny
         w = torch.where(cc > tiny, cr / cc.clamp_min(tiny), torch.full_like(cc, float(default)))
         return w if bounds is None else w.clamp(*bounds)
@@ -310,6 +316,7 @@ def fit_rules(
     """
     _check_mode(mode)
     rules = tuple(dict.fromkeys(_check_rules(rules)))
+    metrics.check_call(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale)
     plan = row_plan(q.shape[2], block_size, rows, measured)
     b, h, _, d = q.shape
     sums = _fit_sums(*plan.gather(q), plan.which(q.device), k, v, keep_blocks, density=density, rules=rules,

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import layout as lay
+from . import spec
 from .spec import num_selected
 
 HEAD_TYPES = ("spatial", "temporal", "mixed", "global")
@@ -263,6 +264,10 @@ def describe(q: Tensor, k: Tensor, *, block_size: int = 64, density: float = 0.1
     (ranked by their true mass: the oracle tail); ``tail_block_std``: mass-weighted std of the
     scores inside those tail blocks (small means the tail is flat, where Taylor terms work).
     """
+    spec.check_density(density)
+    spec.check_block_size(block_size)
+    if isinstance(query_blocks, bool) or not isinstance(query_blocks, int) or query_blocks < 1:
+        raise ValueError(f"query_blocks must be a positive int, got {query_blocks!r}")
     b, h, length, d = q.shape
     nk = length // block_size
     if nk < 1 or k.shape[2] != length:

@@ -18,17 +18,31 @@ from .ops import reference as ref
 _SLAB = 1 << 24
 
 
+def _same_shape(out: Tensor, dense: Tensor) -> None:
+    if out.shape != dense.shape:  # broadcasting would give a plausible number for the wrong rows
+        raise ValueError(f"out and dense must have one shape, got {tuple(out.shape)} and {tuple(dense.shape)}")
+
+
+def _ratio(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den``; a zero reference gives 0 where the output equals it, else inf."""
+    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, float("inf"), 0.0))
+
+
 def rel_l1(out: Tensor, dense: Tensor) -> float:
     """Relative L1 error ``mean|o - d| / mean|d|`` over all elements (float64 accumulation)."""
+    _same_shape(out, dense)
     d = dense.double()
-    return float((out.double() - d).abs().mean() / d.abs().mean().clamp_min(1e-300))
+    return float(_ratio((out.double() - d).abs().mean(), d.abs().mean()))
 
 
 def rel_l1_per_head(out: Tensor, dense: Tensor) -> Tensor:
-    """Relative L1 error per head: ``[H]`` float64 (batch, tokens and channels pooled)."""
+    """Relative L1 error per head of ``[B, H, L, D]`` tensors: ``[H]`` float64 (batch, tokens and
+    channels pooled)."""
+    _same_shape(out, dense)
+    if dense.dim() != 4:
+        raise ValueError(f"rel_l1_per_head needs [B, H, L, D] tensors, got shape {tuple(dense.shape)}")
     d = dense.double()
-    num = (out.double() - d).abs().mean(dim=(0, 2, 3))
-    return num / d.abs().mean(dim=(0, 2, 3)).clamp_min(1e-300)
+    return _ratio((out.double() - d).abs().mean(dim=(0, 2, 3)), d.abs().mean(dim=(0, 2, 3)))
 
 
 @dataclass
@@ -42,6 +56,15 @@ class ExactSet:
 
     selected: Tensor
     block_scores: Tensor
+
+
+def check_call(q, k, v, *, density, block_size, mode="hybrid", covariance_aware=False, scale=None) -> None:
+    """The checks of a PISA call (:func:`pisa_attn.attention.validate`: ValueError/TypeError naming
+    the argument) for the measuring tools built on the reference stages."""
+    from .attention import validate  # the one place the call's arguments are checked
+
+    validate(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale, backend="reference",
+             covariance_aware=covariance_aware)
 
 
 def select(
@@ -58,6 +81,7 @@ def select(
 ) -> ExactSet:
     """PISA's block selection, by the reference's select stage (the kernels are tested to match
     it); ``stats`` of k/v may be passed in to share them between calls."""
+    check_call(q, k, v, density=density, block_size=block_size, covariance_aware=covariance_aware, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     given = stats
     if stats is None or (covariance_aware and stats.hdev is None):

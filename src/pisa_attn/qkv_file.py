@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import spec
 from .layout import Grid, Text, TokenOrder
 
 FORMAT = "pisa-attn-qkv"
@@ -162,8 +163,9 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def check_entry(e: QKVEntry) -> None:
     """ValueError naming the entry unless its q/k/v are floating ``[B, H, L, D]`` tensors of one
-    call (k and v of one shape, q's batch and head dim, heads a multiple of k's, finite values, an
-    image range inside q's rows). Loads the tensors without keeping them."""
+    call (k and v of one shape, q's batch and head dim, heads a multiple of k's, a head dim PISA
+    runs, finite values, an image range inside q's rows, a token layout of q's and k's length).
+    Loads the tensors without keeping them."""
     where = f"capture {e.path!r}, entry {e.name!r}"
     q, k, v = (e._load(p) for p in "qkv")
     for part, x in (("q", q), ("k", k), ("v", v)):
@@ -179,6 +181,15 @@ def check_entry(e: QKVEntry) -> None:
         raise ValueError(f"{where}: k and v must have one shape (key lengths), got k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
         raise ValueError(f"{where}: q {tuple(q.shape)} does not fit k {tuple(k.shape)} (batch, heads, head dim)")
+    if not spec.MIN_HEAD_DIM <= q.shape[3] <= spec.MAX_HEAD_DIM:
+        raise ValueError(f"{where}: head dim must be in [{spec.MIN_HEAD_DIM}, {spec.MAX_HEAD_DIM}], got {q.shape[3]}")
+    if e.info.get("token_layout") is not None:
+        try:
+            n = e.layout.num_tokens
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        if n != k.shape[2] or n != q.shape[2]:
+            raise ValueError(f"{where}: its token_layout holds {n} tokens, q {q.shape[2]} and k {k.shape[2]}")
     rng = e.info.get("image_range")
     if rng is not None:
         ok = isinstance(rng, (list, tuple)) and len(rng) == 2 and all(isinstance(x, int) for x in rng)

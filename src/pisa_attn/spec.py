@@ -77,6 +77,7 @@ COV_EPS = 1e-6
 """Covariance-aware selection adds ``log(||H_j − H̄||_F + COV_EPS)`` to the pooled scores (eq. 9)."""
 
 MIN_BLOCK_SIZE = 16
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # the head dims every backend takes (a kernel may take fewer)
 QUERY_BLOCK_FACTORS = (1, 2, 4)
 
 

@@ -141,6 +141,32 @@ def output_file(text: str) -> str:
     return text
 
 
+# the formats matplotlib's savefig writes by default (a name without a suffix is written as PNG)
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "pgf", "raw", "rgba")
+
+
+def plot_file(text: str) -> str:
+    """An :func:`output_file` whose suffix names an image format matplotlib writes (checked before
+    the work whose result it plots)."""
+    text = output_file(text)
+    suffix = os.path.splitext(text)[1].lower().lstrip(".")
+    if suffix and suffix not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the plot's format {suffix!r} is not one of {', '.join(PLOT_FORMATS)}")
+    return text
+
+
+def distinct_outputs(**paths) -> None:
+    """ValueError when two of the named output paths (None: not asked for) are one file."""
+    seen = {}
+    for name, path in paths.items():
+        if path is None:
+            continue
+        key = os.path.abspath(path)
+        if key in seen:
+            raise ValueError(f"--{seen[key]} and --{name} are the same file {path!r}")
+        seen[key] = name
+
+
 def missing_modules(*names: str) -> list[str]:
     """The top-level modules among ``names`` that cannot be imported here (without importing them)."""
     out = []

@@ -122,9 +122,12 @@ def check_device(device) -> "torch.device":
     return dev
 
 
-def check_out(path: str) -> None:
-    """ValueError unless ``path`` can be written (a new or existing file in a writable folder)."""
+def check_out(path: str, source: str | None = None) -> None:
+    """ValueError unless ``path`` can be written (a new or existing file in a writable folder) and
+    is not the capture ``source`` it is computed from."""
     folder = os.path.dirname(os.path.abspath(path))
+    if source is not None and os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
+        raise ValueError(f"--out {path!r} is the capture being read: it would be overwritten by the table")
     if os.path.isdir(path):
         raise ValueError(f"--out {path!r} is a directory")
     if not os.path.isdir(folder):
@@ -161,7 +164,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    "default 0.15)")
     p.add_argument("--mode", type=at.one_of(MODES), default="hybrid")
     p.add_argument("--covariance-aware", dest="covariance_aware", action="store_true", default=None,
-                   help="covariance-aware selection for every layer (default: chosen per layer, see --fixed-selection)")
+                   help="covariance-aware selection for every layer (default: the rule that fits each layer best)")
     p.add_argument("--no-covariance-aware", dest="covariance_aware", action="store_false",
                    help="pooled top-k selection for every layer")
     p.add_argument("--block-size", type=at.block_size, default=64)
@@ -192,7 +195,7 @@ def _cmd(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        check_out(args.out)
+        check_out(args.out, args.file)
         table = calibrate_file(args.file, density=args.density, mode=args.mode, covariance_aware=args.covariance_aware,
                                choose_selection=args.covariance_aware is None,
                                block_size=args.block_size, rows=args.rows, fit=args.fit,

@@ -337,7 +337,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="input dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--backend", choices=BACKENDS, default=d.backend, help="PISA backend (default auto)")
     p.add_argument("--threads", type=argtypes.int_at_least(1), help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--plot", metavar="PATH", type=argtypes.output_file,
+    p.add_argument("--plot", metavar="PATH", type=argtypes.plot_file,
                    help="save error vs density (e.g. out.png; needs matplotlib)")
     p.add_argument("--json", metavar="PATH", type=argtypes.output_file, help="save the config and every row as JSON")
     p.set_defaults(func=main_from_args)
@@ -359,6 +359,7 @@ def main_from_args(args: argparse.Namespace) -> int:
         check_backend(cfg)
         if args.plot and argtypes.missing_modules("matplotlib"):
             raise ValueError("--plot needs matplotlib, which is not installed: pip install 'pisa-attn[plot]'")
+        argtypes.distinct_outputs(plot=args.plot, json=args.json)
     except ValueError as e:
         print(f"pisa-attn demo: error: {e}", file=sys.stderr)  # one line: no console wrapping
         return 2

@@ -12,8 +12,10 @@ Heavy imports (torch, diffusers) happen inside the command so registering the pa
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -65,8 +67,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _fail(msg: str):
-    raise SystemExit(f"pisa-attn generate: error: {msg}")
+def _fail(msg: str, code: int = 2):
+    """One error line on stderr and exit ``code``: 2 for a usage error (as argparse and the other
+    commands exit), 1 for a run that could not be done (weights not available)."""
+    print(f"pisa-attn generate: error: {msg}", file=sys.stderr)
+    raise SystemExit(code)
 
 
 # What the command imports beyond the core install (top-level module names).
@@ -83,6 +88,10 @@ def _check_args(args) -> None:
         _fail(f"--block-size must be a power of two >= 16, got {args.block_size}")
     if args.seed < 0:
         _fail(f"--seed must be >= 0, got {args.seed}")
+    if args.guidance is not None and not math.isfinite(args.guidance):
+        _fail(f"--guidance must be a finite number, got {args.guidance}")
+    if args.model.startswith(("/", "./", "../", "~")) and not Path(args.model).expanduser().is_dir():
+        _fail(f"--model {args.model!r} is a path but not a directory (a pipeline saved with save_pretrained)")
     for name in ("steps", "height", "width", "frames", "fps"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -253,7 +262,7 @@ def run(args) -> int:
     try:
         pipe = load_pipeline(args.model, getattr(torch, DTYPES[dtype_name]), device)
     except ModelUnavailableError as e:
-        _fail(str(e))
+        _fail(str(e), code=1)
     transformer = getattr(pipe, "transformer", None)
     if transformer is None:
         _fail(f"{type(pipe).__name__} has no transformer; supported: FLUX.1, SD3/3.5, Wan2.1, HunyuanVideo pipelines")

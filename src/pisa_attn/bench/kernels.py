@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import spec
+from ..settings import PisaSettings
 from . import argtypes as at
 
 DEFAULT_CONFIGS = "2-16-128,1-40-128,2-24-64"
@@ -480,7 +481,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-block", type=int, choices=(128, 256), default=None,
                    help="also time PISA with selection per this many query rows (128: shared by 2 blocks)")
     p.add_argument("--out", type=at.output_file, default=None, help="write the JSON result here")
-    p.add_argument("--plot", type=at.output_file, default=None,
+    p.add_argument("--plot", type=at.plot_file, default=None,
                    help="write a PNG plot of speed-up vs length here (needs matplotlib)")
     p.add_argument("--markdown", type=at.output_file, default=None, help="write a markdown table here")
 
@@ -496,8 +497,18 @@ def run(args: argparse.Namespace) -> int:
         flex_lengths = None if args.flex_lengths is None else set(parse_list(args.flex_lengths, int, "flex-lengths"))
         if any(not (0 < d <= 1) or n < 1 for _, n, d in cases):
             raise ValueError("densities must be in (0, 1] and lengths positive")
-        if not args.rep_ms > 0:
-            raise ValueError(f"--rep-ms must be > 0, got {args.rep_ms}")
+        for cfg in {c for c, _, _ in cases}:
+            if not spec.MIN_HEAD_DIM <= cfg.head_dim <= spec.MAX_HEAD_DIM:
+                raise ValueError(f"head dim must be in [{spec.MIN_HEAD_DIM}, {spec.MAX_HEAD_DIM}], got {cfg}")
+        if args.data == "dit" and any(n % 1024 for _, n, _ in cases):
+            raise ValueError("--data dit needs lengths that are multiples of 1024 (a grid of 32x32 frames)")
+        if flex_lengths is not None and not flex_lengths <= {n for _, n, _ in cases}:
+            raise ValueError(f"--flex-lengths {sorted(flex_lengths - {n for _, n, _ in cases})} are not lengths "
+                             "of the benchmark")
+        if not 0 < args.rep_ms < float("inf"):
+            raise ValueError(f"--rep-ms must be a positive finite number, got {args.rep_ms}")
+        PisaSettings(backend=args.backend, precision=args.precision, query_block=args.query_block)
+        at.distinct_outputs(out=args.out, plot=args.plot, markdown=args.markdown)
         if args.plot and at.missing_modules("matplotlib"):
             raise ValueError("--plot needs matplotlib, which is not installed: pip install 'pisa-attn[plot]'")
         if not torch.cuda.is_available():

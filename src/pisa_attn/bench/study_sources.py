@@ -153,7 +153,7 @@ class CapturedSource:
     kind = "safetensors"
 
     def __init__(self, path: str, *, entries=None, max_entries: int = 4, dtype, device):
-        from ..qkv_file import read_qkv_file
+        from ..qkv_file import check_entry, read_qkv_file
 
         self.path = str(path)
         self.file = read_qkv_file(self.path)
@@ -165,6 +165,14 @@ class CapturedSource:
             chosen = [e for e in self.file.entries if e.name in set(entries)]
         else:
             chosen = self.file.entries[: max(1, max_entries)]
+        if not chosen:
+            raise ValueError(f"{self.path} holds no captured call")
+        for e in chosen:  # every entry the study reads is checked before any work
+            check_entry(e)
+        heads = sorted({e.q.shape[1] for e in chosen})
+        if len(heads) > 1:  # the study's per-head results are means over the entries
+            raise ValueError(f"the studied entries of {self.path} must have one number of query heads, got {heads} "
+                             "(choose entries of one model with entries=/--entries)")
         self.entries = chosen
         self.dtype, self.device = dtype, device
 
@@ -205,7 +213,7 @@ class CapturedSource:
 
 class _CapturedPartners:
     def __init__(self, source: CapturedSource, calib_path: str | None):
-        from ..qkv_file import read_qkv_file
+        from ..qkv_file import check_entry, read_qkv_file
 
         self.source = source
         other = read_qkv_file(calib_path) if calib_path else source.file
@@ -216,6 +224,8 @@ class _CapturedPartners:
             match = [c for c in other.entries if c.layer == e.layer and _prefix(c.name) == _prefix(e.name)
                      and (calib_path or c.step != e.step)]
             if match:
+                if calib_path:  # another file: its partners are checked as the studied entries are
+                    check_entry(match[0])
                 self._entries[e.name] = match[0]
         self._full: dict[str, Sample] = {}
 
