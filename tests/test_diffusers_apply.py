@@ -239,10 +239,11 @@ def _quiet_console():
     return Console(file=io.StringIO())
 
 
-def test_a_managed_model_refuses_deepcopy():
+def test_a_managed_model_refuses_deepcopy_and_pickling():
     # A copy would share the original's processors (by state handle) and undo steps: removing PISA
     # from the copy would turn it off on the original. Refused, and the original untouched.
     import copy
+    import io
     import pickle
 
     tr, inputs = tiny_transformer("wan"), forward_inputs("wan")
@@ -252,8 +253,10 @@ def test_a_managed_model_refuses_deepcopy():
     before = snapshot(tr)
     with pytest.raises(TypeError, match="remove_pisa on it first"):
         copy.deepcopy(tr)
-    with pytest.raises((TypeError, AttributeError)):  # its hooks are closures: never picklable
+    with pytest.raises(TypeError, match="remove_pisa on it first"):  # pickling (torch.save) says so too
         pickle.dumps(tr)
+    with pytest.raises(TypeError, match="remove_pisa on it first"):
+        torch.save(tr, io.BytesIO())
     assert_same(before, snapshot(tr))
     with torch.no_grad():
         assert torch.equal(tr(**inputs).sample, want)

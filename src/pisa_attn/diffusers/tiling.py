@@ -143,47 +143,50 @@ def _tile_token_input(perm: Tensor, x):
 
 
 def _pre_hook(state: PisaState, names: tuple[str, ...]):
+    # The transformer's own hooks are partials of module functions, not closures: pickling the
+    # model reaches the state through them and gets its clear refusal (PisaState.__reduce_ex__).
+    return functools.partial(_begin_forward_hook, state, names)
+
+
+def _begin_forward_hook(state: PisaState, names: tuple[str, ...], module, args, kwargs):
     adapter = state.adapter
-
-    def hook(module, args, kwargs):
-        arguments = dict(zip(names, args))
-        arguments.update(kwargs)
-        grid, text_len, n_image = adapter.read_shape(module, arguments)
-        ids = arguments.get(adapter.grid_input) if grid is None else None
-        if grid is None and ids is None:
-            raise ValueError(f"{type(module).__name__} needs {adapter.grid_input!r} to know its token grid")
-        t = arguments.get("timestep")
-        t = t.detach() if isinstance(t, Tensor) else torch.tensor(float(t))
-        x = arguments["hidden_states"].detach()
-        shape = [text_len, n_image, *(grid or ())]
-        state.tiling = torch.ops.pisa_attn.diffusers_begin_forward(state.handle, x, t, shape, ids)
-        tiling = _tiling(state)
-        if tiling is None:
-            return None
-        changed = False
-        for name in adapter.token_inputs:
-            if arguments.get(name) is not None:
-                new = _tile_token_input(tiling[0], arguments[name])
-                changed |= new is not arguments[name]
-                arguments[name] = new
-        if not changed:
-            return None
-        n = len(args)
-        return tuple(arguments[k] for k in names[:n]), {k: arguments[k] for k in kwargs}
-
-    return hook
+    arguments = dict(zip(names, args))
+    arguments.update(kwargs)
+    grid, text_len, n_image = adapter.read_shape(module, arguments)
+    ids = arguments.get(adapter.grid_input) if grid is None else None
+    if grid is None and ids is None:
+        raise ValueError(f"{type(module).__name__} needs {adapter.grid_input!r} to know its token grid")
+    t = arguments.get("timestep")
+    t = t.detach() if isinstance(t, Tensor) else torch.tensor(float(t))
+    x = arguments["hidden_states"].detach()
+    shape = [text_len, n_image, *(grid or ())]
+    state.tiling = torch.ops.pisa_attn.diffusers_begin_forward(state.handle, x, t, shape, ids)
+    tiling = _tiling(state)
+    if tiling is None:
+        return None
+    changed = False
+    for name in adapter.token_inputs:
+        if arguments.get(name) is not None:
+            new = _tile_token_input(tiling[0], arguments[name])
+            changed |= new is not arguments[name]
+            arguments[name] = new
+    if not changed:
+        return None
+    n = len(args)
+    return tuple(arguments[k] for k in names[:n]), {k: arguments[k] for k in kwargs}
 
 
 def _post_hook(state: PisaState):
-    def hook(module, args, output):
-        # Also called when the forward raised: close a run the end op did not (eagerly only: a
-        # compiled forward closes its run in the graph).
-        state.tiling = None
-        if not torch.compiler.is_compiling():
-            close_run(state)
-        return None
+    return functools.partial(_end_forward_hook, state)
 
-    return hook
+
+def _end_forward_hook(state: PisaState, module, args, output):
+    # Also called when the forward raised: close a run the end op did not (eagerly only: a
+    # compiled forward closes its run in the graph).
+    state.tiling = None
+    if not torch.compiler.is_compiling():
+        close_run(state)
+    return None
 
 
 def _token_hook(state: PisaState, kind: str):
