@@ -134,3 +134,9 @@ def test_bad_types():
         dit_qkv((2, 8, 8), heads=1, dtype=torch.int32)
     with pytest.raises(TypeError, match="heads"):
         dit_qkv((2, 8, 8), heads=2.0)
+
+
+@pytest.mark.parametrize("kw", [dict(sharpness=1e300), dict(smoothness=1e-300)])
+def test_parameters_that_overflow_are_refused(kw):
+    with pytest.raises(ValueError, match="non-finite"):
+        dit_qkv((4, 8), heads=2, head_dim=16, **kw)

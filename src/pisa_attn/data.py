@@ -252,6 +252,10 @@ def dit_qkv(
         x = token_layout.to_tiled(x, dim=2)
         x = x if layout == "bhsd" else x.transpose(1, 2)
         out.append(x.to(device=device, dtype=dtype).contiguous())
+    for name, x in zip("qkv", out):  # finite but extreme parameters (sharpness=1e300) overflow
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"these parameters give a non-finite {name} (overflow in {x.dtype}): "
+                             + ", ".join(f"{k}={v:g}" for k, v in floats.items()))
     return DitQKV(*out, token_layout=token_layout, head_types=types, layout=layout, sink_index=sinks)
 
 
