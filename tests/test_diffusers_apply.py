@@ -295,3 +295,73 @@ def test_each_pipeline_call_starts_a_generation():
     assert "set_timesteps" in pipe.scheduler.__dict__
     pd.remove_pisa(pipe)
     assert "set_timesteps" not in pipe.scheduler.__dict__
+
+
+def test_sd3_fuse_remove_unfuse_leaves_a_working_model_and_apply_works_again():
+    """diffusers keeps the processors it saw when fusing and puts them back when unfusing: after
+    remove_pisa those are PISA processors of a removed state, which then run the processor they
+    replaced; SD3's unfuse leaves ``fused_projections`` set, which does not block apply_pisa."""
+    import warnings
+
+    from pisa_attn.diffusers.processors import PisaProcessor
+
+    tr, x = tiny_transformer("sd3", dual_attention_layers=()), forward_inputs("sd3")
+    with torch.no_grad():
+        ref = tr(**x).sample
+    dense = dict(density=1.0, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0)
+    pd.apply_pisa(tr, **dense)
+    tr.fuse_qkv_projections()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the processors-replaced warning
+        tr(**x)
+    pd.remove_pisa(tr)
+    tr.unfuse_qkv_projections()
+    with torch.no_grad():
+        torch.testing.assert_close(tr(**x).sample, ref)  # left-over processors run the originals
+    pd.apply_pisa(tr, **dense)  # accepted although fused_projections stays True
+    procs = [m.processor for m in tr.modules() if isinstance(getattr(m, "processor", None), PisaProcessor)]
+    assert procs and all(type(p.original).__name__ == "JointAttnProcessor2_0" for p in procs)
+    with torch.no_grad():
+        torch.testing.assert_close(tr(**x).sample, ref, rtol=1e-4, atol=1e-5)
+    pd.remove_pisa(tr)
+    assert not any(isinstance(getattr(m, "processor", None), PisaProcessor) for m in tr.modules())
+
+
+def test_failed_apply_puts_back_the_scheduler_hook(monkeypatch):
+    """The earlier state comes back with its set_timesteps hook: a generation starting below the
+    last timestep still gets its warm-up step."""
+    kw = dict(density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=1)
+    pipe = tiny_pipeline("flux")
+    pipe.set_progress_bar_config(disable=True)
+    pd.apply_pisa(pipe, **kw)
+    hook = pipe.scheduler.__dict__["set_timesteps"]
+    monkeypatch.setattr(tm, "attach", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("telemetry broke")))
+    with pytest.raises(RuntimeError, match="telemetry broke"):
+        pd.apply_pisa(pipe, telemetry=0.5, **kw)
+    monkeypatch.undo()
+    assert pd.pisa_state(pipe.transformer) is not None and "set_timesteps" in pipe.scheduler.__dict__
+    assert pipe.scheduler.__dict__["set_timesteps"] is not hook  # a new wrapper of the same kind
+    with torch.no_grad():
+        pipe(**prompt_kwargs("flux"), num_inference_steps=4)
+        pipe(**prompt_kwargs("flux"), sigmas=[0.2, 0.1], num_inference_steps=2)
+    assert pd.stats(pipe.transformer).get("warmup_step", 0) > 0
+
+
+def test_remove_takes_the_scheduler_hook_off_in_any_order():
+    import pickle
+
+    p = tiny_pipeline("wan")
+    p.register_modules(transformer_2=p.transformer)  # one model under both names
+    pd.apply_pisa(p, **SPARSE)
+    pd.remove_pisa(p)
+    assert pd.pisa_state(p.transformer) is None and "set_timesteps" not in p.scheduler.__dict__
+    a, b = tiny_pipeline("flux"), tiny_pipeline("flux", seed=1)
+    b.register_modules(scheduler=a.scheduler)  # two pipelines, one scheduler
+    for order in ((a, b), (b, a)):
+        pd.apply_pisa(a, **SPARSE)
+        pd.apply_pisa(b, **SPARSE)
+        pd.remove_pisa(order[0])
+        assert "set_timesteps" in a.scheduler.__dict__  # the other pipeline still needs it
+        pd.remove_pisa(order[1])
+        assert "set_timesteps" not in a.scheduler.__dict__
+    pickle.dumps(a.scheduler)

@@ -27,9 +27,9 @@ from .backend import check_diffusers
 from .calibrate import CalibrationConfig, Calibrator
 from .calibrate import as_config as calibration_config
 from .models import ModelAdapter, adapter_for, transformers_of
-from .processors import PROCESSORS, check_replaceable
+from .processors import PROCESSORS, PisaProcessor, check_replaceable
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
-from .state import PisaConfig, PisaState
+from .state import PisaConfig, PisaState, set_alive
 from .tiling import default_tile, install
 
 _STATE_ATTR = "_pisa_state"
@@ -211,7 +211,10 @@ def _route_attention(state: PisaState, modules) -> None:
     cls = PROCESSORS[state.adapter.name]
     pairs = []
     for layer, (_, module) in enumerate(modules):
-        proc = cls(module.processor, state.handle, layer)
+        inner = module.processor
+        if isinstance(inner, PisaProcessor) and inner.orphaned():  # left by diffusers (see processors)
+            inner = inner.original
+        proc = cls(inner, state.handle, layer)
         module.set_processor(proc)
         state.restore.append(lambda m=module, p=proc: _restore_processor(m, p))
         pairs.append((module, proc))
@@ -225,7 +228,8 @@ def _restore_processor(module, proc) -> None:
         return
     original = proc.original
     for attr in ("_parallel_config", "_attention_backend"):
-        if getattr(proc, attr) is not getattr(original, attr, None):
+        # diffusers sets these only on processors that have them
+        if hasattr(original, attr) and getattr(proc, attr) is not getattr(original, attr):
             setattr(original, attr, getattr(proc, attr))
     module.set_processor(original)
 
@@ -233,6 +237,7 @@ def _restore_processor(module, proc) -> None:
 def _install(state: PisaState) -> None:
     """Route the processors and register the hooks of ``state``; ``_pisa_state`` is set last, once
     everything is in place. A failure undoes what was done and leaves the state unset."""
+    set_alive(state, True)
     try:
         _route_attention(state, _managed_modules(state.transformer, state.adapter))
         install(state)
@@ -371,30 +376,44 @@ def apply_pisa(
     return pipe_or_transformer
 
 
+class _SetTimesteps:
+    """A scheduler's ``set_timesteps`` that starts a new generation of ``tracker`` while active.
+    Wrappers of several states (pipelines sharing a scheduler) form a chain through ``before``."""
+
+    def __init__(self, inner, before, tracker: StepTracker) -> None:
+        functools.update_wrapper(self, inner)  # pipelines read its signature (retrieve_timesteps)
+        self.inner, self.before, self.tracker, self.active = inner, before, tracker, True
+
+    def __call__(self, *args, **kwargs):
+        if self.active:
+            self.tracker.reset()
+        return self.inner(*args, **kwargs)
+
+
 def _hook_set_timesteps(state: PisaState, scheduler, tracker: StepTracker) -> None:
     """Start a new generation where the pipeline sets its scheduler's timesteps (every diffusers
     pipeline does, once per call), so that one starting at or below the last timestep of the
     previous (img2img, a lower strength, an interrupted run) gets its warm-up too. The wrapper is an
-    attribute of the scheduler instance, removed with ``state`` (a scheduler set later, or a
-    transformer called by hand, falls back to the timestep rule of :class:`StepTracker`)."""
+    attribute of the scheduler instance, removed with ``state`` in whatever order states sharing
+    the scheduler go (a scheduler set later, or a transformer called by hand, falls back to the
+    timestep rule of :class:`StepTracker`)."""
     original = getattr(scheduler, "set_timesteps", None)
     if not callable(original):
         return
-    before = scheduler.__dict__.get("set_timesteps", _MISSING)
-
-    @functools.wraps(original)  # pipelines read its signature (retrieve_timesteps: sigmas, timesteps)
-    def set_timesteps(*args, **kwargs):
-        tracker.reset()
-        return original(*args, **kwargs)
-
-    scheduler.__dict__["set_timesteps"] = set_timesteps
+    wrapper = _SetTimesteps(original, scheduler.__dict__.get("set_timesteps", _MISSING), tracker)
+    scheduler.__dict__["set_timesteps"] = wrapper
+    state.scheduler = scheduler
 
     def restore() -> None:
-        if scheduler.__dict__.get("set_timesteps") is set_timesteps:
-            if before is _MISSING:
-                del scheduler.__dict__["set_timesteps"]
-            else:
-                scheduler.__dict__["set_timesteps"] = before
+        wrapper.active = False
+        d = scheduler.__dict__
+        top = d.get("set_timesteps", _MISSING)
+        while isinstance(top, _SetTimesteps) and not top.active:  # every removed wrapper on top goes
+            top = top.before
+        if top is _MISSING:
+            d.pop("set_timesteps", None)
+        else:
+            d["set_timesteps"] = top
 
     state.restore.append(restore)
 
@@ -415,6 +434,8 @@ def _roll_back(new: list[PisaState], saved: list[_Saved], previous, active, erro
         if old is not None:
             try:
                 _install(old)
+                if old.scheduler is not None:  # its set_timesteps hook went with remove_pisa: back too
+                    _hook_set_timesteps(old, old.scheduler, old.tracker)
             except Exception as e:  # noqa: BLE001
                 error.add_note(f"apply_pisa could not restore the earlier PISA settings of "
                                f"{type(old.transformer).__name__} ({e!r}): it now runs native attention")
@@ -430,6 +451,7 @@ def _undo(state: PisaState) -> None:
     tr = state.transformer
     if tr.__dict__.get(_STATE_ATTR) is state:
         del tr.__dict__[_STATE_ATTR]
+    set_alive(state, False)
     failure = None
     while state.restore:
         try:

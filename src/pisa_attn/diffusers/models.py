@@ -267,6 +267,7 @@ def transformers_of(obj) -> tuple[list[tuple[str, Any]], Any]:
         return [("transformer", getattr(obj, "_orig_mod", obj))], None
     found = [(n, getattr(obj, n, None)) for n in ("transformer", "transformer_2")]
     found = [(n, getattr(t, "_orig_mod", t)) for n, t in found if isinstance(t, torch.nn.Module)]
+    found = [(n, t) for i, (n, t) in enumerate(found) if all(t is not u for _, u in found[:i])]  # one model twice
     if not found:
         raise TypeError(
             f"pipe_or_transformer must be a diffusers pipeline with a transformer or a transformer model, "

@@ -9,6 +9,10 @@ embeddings, text/image concatenation and output projections) and hands q/k/v ``[
 ``_attention_backend`` and ``_parallel_config`` are the attributes diffusers sets on processors
 (``set_attention_backend``, ``enable_parallelism``): the first is ignored (PISA is the backend of a
 managed layer), the second makes calls run context-parallel.
+
+A processor whose state was removed but that diffusers still calls (it keeps copies of processors,
+e.g. SD3's ``fuse_qkv_projections`` / ``unfuse_qkv_projections`` put back the ones it saw) runs the
+processor it replaced, as the model would without PISA.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import backend
+from .state import state_alive
 
 
 class PisaProcessor:
@@ -24,6 +29,8 @@ class PisaProcessor:
 
     # The classes of diffusers processors this one replaces (by name, see ``replaces``).
     replaces: tuple[str, ...] = ()
+    # Whether the replaced processor reads ``attn.fused_projections`` (then fused q/k/v are refused).
+    reads_fused: bool = True
 
     def __init__(self, original, handle: int, layer: int) -> None:
         self.original = original
@@ -36,6 +43,10 @@ class PisaProcessor:
         """q/k/v ``[B, L, H, D]`` -> ``[B, L, H * D]`` in q's dtype."""
         out = backend.attention(self.handle, self.layer, q, k, v, mask, self._parallel_config)
         return out.flatten(2, 3).to(q.dtype)
+
+    def orphaned(self) -> bool:
+        """Removed (remove_pisa) but still called: eagerly, the replaced processor runs instead."""
+        return not torch.compiler.is_compiling() and not state_alive(self.handle)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layer={self.layer}, replaces={type(self.original).__name__})"
@@ -63,6 +74,8 @@ class FluxProcessor(PisaProcessor):
 
     def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                  attention_mask: Tensor | None = None, image_rotary_emb=None) -> Tensor:
+        if self.orphaned():
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         h = attn.heads
         q, k, v = (_heads(p(hidden_states), h) for p in (attn.to_q, attn.to_k, attn.to_v))
         q, k = attn.norm_q(q), attn.norm_k(k)
@@ -86,9 +99,12 @@ class JointProcessor(PisaProcessor):
     self-attention (SD3.5's ``attn2``). Like the original it takes no mask."""
 
     replaces = ("JointAttnProcessor2_0",)
+    reads_fused = False  # SD3 fuses by swapping in another processor (refused by its class)
 
     def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                  attention_mask: Tensor | None = None, *args, **kwargs):
+        if self.orphaned():
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
         h, n_image = attn.heads, hidden_states.shape[1]
         q, k, v = (_heads(p(hidden_states), h) for p in (attn.to_q, attn.to_k, attn.to_v))
         q = q if attn.norm_q is None else attn.norm_q(q)
@@ -125,6 +141,8 @@ class WanProcessor(PisaProcessor):
 
     def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                  attention_mask: Tensor | None = None, rotary_emb=None) -> Tensor:
+        if self.orphaned():
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         if encoder_hidden_states is not None:
             raise ValueError("PISA manages Wan's self-attention (attn1); it got a cross-attention call")
         q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
@@ -144,6 +162,8 @@ class HunyuanProcessor(PisaProcessor):
 
     def __call__(self, attn, hidden_states: Tensor, encoder_hidden_states: Tensor | None = None,
                  attention_mask: Tensor | None = None, image_rotary_emb=None):
+        if self.orphaned():
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         h = attn.heads
         concat = attn.add_q_proj is None and encoder_hidden_states is not None
         if concat:
@@ -192,6 +212,6 @@ def check_replaceable(family: str, name: str, module) -> None:
             f"attention module {name!r} uses {type(proc).__name__}; PISA replaces only {' / '.join(cls.replaces)} "
             f"in this model (reset custom, IP-adapter or other attention processors first)"
         )
-    if getattr(module, "fused_projections", False):
+    if cls.reads_fused and getattr(module, "fused_projections", False):
         raise ValueError(f"attention module {name!r} has fused q/k/v projections: call unfuse_qkv_projections() "
                          f"before apply_pisa")

@@ -150,6 +150,7 @@ class PisaState:
     config: PisaConfig
     tracker: StepTracker = field(default_factory=StepTracker)
     restore: list = field(default_factory=list)  # callables undoing what apply_pisa did, in order
+    scheduler: Any = None  # the pipeline scheduler whose set_timesteps was hooked when applied (None: none)
     layouts: dict = field(default_factory=dict)  # (grid, text_len) -> Layouts
     read_cache: dict = field(default_factory=dict)  # the adapter's read_grid cache
     stats: Counter = field(default_factory=Counter)  # calls per outcome since the last generation start
@@ -256,6 +257,20 @@ _NO_COPY = ("a transformer managed by PISA cannot be deep-copied or pickled (its
             "then apply_pisa to each model")
 _HANDLES = itertools.count(1)
 _STATES: weakref.WeakValueDictionary[int, PisaState] = weakref.WeakValueDictionary()
+
+
+def state_alive(handle: int) -> bool:
+    """Whether the state of ``handle`` is applied (not removed by remove_pisa, not collected)."""
+    return handle in _STATES
+
+
+def set_alive(state: PisaState, alive: bool) -> None:
+    """Register ``state`` as applied (apply_pisa, a rollback) or not (remove_pisa): processors and
+    compiled graphs holding its handle then find it, or know it was removed."""
+    if alive:
+        _STATES[state.handle] = state
+    else:
+        _STATES.pop(state.handle, None)
 
 
 def state_of(handle: int) -> PisaState:
