@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+import re
+
 import pytest
 import torch
 
@@ -58,6 +60,7 @@ CASES = {
     "ring-hybrid-query-block-unaligned-settings": spec("ring", 200, shards=[48, 152], query_block=2 * BS,
                                                        alpha=[0.2, 0.4, 0.6, 0.8], settings=True),
     "ulysses-hybrid-query-block-settings": spec("ulysses", 160, hk=2, query_block=4 * BS, settings=True),
+    "ulysses-hybrid-alpha-one-value": spec("ulysses", 160, hk=2, alpha=[0.5]),  # broadcasts, not cut per rank
 }
 TOL = {"ring": 1e-5, "ulysses": 1e-12, "unified": 1e-5}
 
@@ -147,6 +150,14 @@ def _error_cases(rank, world):
     res["ranks-disagree"] = _expect_error(lambda: ring_pisa_attention(y, y, y, block_size=16))
     z = torch.randn(1, 2, 32, 16, requires_grad=True)
     res["needs-grad"] = _expect_error(lambda: ring_pisa_attention(z, z, z, block_size=16))
+    # errors of one rank, or settings that differ: every rank raises (none is left in a collective)
+    u = torch.randn(1, 2, 32 if rank == 0 else 0, 16)
+    res["one-rank-empty"] = _expect_error(lambda: ring_pisa_attention(u, u, u, block_size=16))
+    t = torch.randn(1, 2, 32, 16)
+    res["settings-disagree"] = _expect_error(lambda: ring_pisa_attention(t, t, t, block_size=16,
+                                                                         density=0.3 if rank == 0 else 0.5))
+    keep = torch.ones(1, 4, 4, dtype=torch.bool)
+    res["keep-heads"] = _expect_error(lambda: ulysses_pisa_attention(t, t, t, block_size=16, keep_blocks=keep))
     w = torch.randn(1, 2, 32, 16)
     bad = torch.zeros(64, dtype=torch.long)
     res["bad-perm"] = _expect_error(lambda: ulysses_pisa_attention(w, w, w, block_size=16, perm=bad))
@@ -215,12 +226,15 @@ def test_two_ranks_equal_single_process(two_ranks, name):
         ("needs-grad", "inference-only"),
         ("bad-perm", "permutation"),
         ("ring-bad-perm", "one entry per global token"),
+        ("one-rank-empty", "empty input|rank 1 refused its inputs"),
+        ("settings-disagree", "same settings"),
+        ("keep-heads", "keep_blocks must have 1 or H = 2 heads"),
     ],
 )
 def test_clear_errors(two_ranks, case, words):
     for res in two_ranks:
         msg = res["errors"][case]
-        assert msg.startswith("ValueError") and words in msg, msg
+        assert msg.startswith("ValueError") and re.search(words, msg), msg
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,10 @@ def group_info(group) -> tuple[int, int]:
     """(rank, world size) inside ``group`` (``None`` = the default group)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the group it was given")
+    return rank, dist.get_world_size(group)
 
 
 def gather_ints(values: list[int], group, device) -> list[list[int]]:

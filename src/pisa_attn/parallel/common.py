@@ -3,6 +3,7 @@ must agree on (gathered once, so a mismatch raises the same error on every rank 
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +49,22 @@ def check_inputs(q, k, v, *, group, settings: PisaSettings, what: str, return_ls
     all-gather (and its host sync), and with it the check that all ranks agree on B/H/Hk/D.
     """
     s = settings
-    qh, kh, vh = validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale,
-                          layout=s.layout, backend=s.backend, covariance_aware=s.covariance_aware,
-                          return_lse=return_lse, query_block=s.query_block, alpha=alpha)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        # The collectives here are not autograd-aware; a silently missing gradient is worse than an error.
-        raise ValueError(f"{what} is inference-only: call it under torch.no_grad() (q/k/v require grad)")
+    try:
+        qh, kh, vh = validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale,
+                              layout=s.layout, backend=s.backend, covariance_aware=s.covariance_aware,
+                              return_lse=return_lse, query_block=s.query_block, alpha=alpha)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            # The collectives here are not autograd-aware; a silently missing gradient is worse than an error.
+            raise ValueError(f"{what} is inference-only: call it under torch.no_grad() (q/k/v require grad)")
+        local_error = None
+    except (TypeError, ValueError) as e:
+        if seq_lens is not None or not isinstance(q, torch.Tensor):
+            raise
+        local_error = e  # raised after the gather below, which every rank then leaves with an error
     rank, world = group_info(group)
-    b, h, lq, d = qh.shape
-    hk, lk = kh.shape[1], kh.shape[2]
+    if local_error is None:
+        b, h, lq, d = qh.shape
+        hk, lk = kh.shape[1], kh.shape[2]
     if seq_lens is not None:
         lens = list(seq_lens) if isinstance(seq_lens, (list, tuple)) else None
         if lens is None or len(lens) != world or not all(isinstance(n, int) and n > 0 for n in lens):
@@ -64,15 +72,28 @@ def check_inputs(q, k, v, *, group, settings: PisaSettings, what: str, return_ls
         if lens[rank] != lq or lens[rank] != lk:
             raise ValueError(f"seq_lens[{rank}] = {lens[rank]} but this rank holds {lq} queries and {lk} keys")
         return qh, kh, vh, Shards(rank, world, lens, lens, b, h, hk, d)
-    facts = gather_ints([lq, lk, b, h, hk, d], group, q.device)
-    head = facts[0][2:]
+    # the settings and dtype every rank must share, as one int (a mismatch ran a different
+    # algorithm per rank, aborted a collective or hung)
+    agreed = zlib.crc32(repr((s.replace(layout="bhsd"), str(q.dtype))).encode())
+    mine = [1, 0, 0, 0, 0, 0, 0, agreed] if local_error is not None else [0, lq, lk, b, h, hk, d, agreed]
+    facts = gather_ints(mine, group, q.device)
+    if local_error is not None:
+        raise local_error
+    bad = [r for r, f in enumerate(facts) if f[0]]
+    if bad:
+        raise ValueError(f"{what}: rank {bad[0]} refused its inputs (its error says why)")
     for r, f in enumerate(facts):
-        if f[2:] != head:
+        if f[7] != agreed:
+            raise ValueError(f"{what}: every rank must call with the same settings and dtype; rank {r} differs from "
+                             f"rank {rank} ({s}, {q.dtype})")
+    head = facts[0][3:7]
+    for r, f in enumerate(facts):
+        if f[3:7] != head:
             raise ValueError(
                 f"{what}: every rank must hold the same batch/heads/kv_heads/head_dim, rank 0 has {head}, "
-                f"rank {r} has {f[2:]} ([B, H, Hk, D] of its local q/k)"
+                f"rank {r} has {f[3:7]} ([B, H, Hk, D] of its local q/k)"
             )
-    shards = Shards(rank, world, [f[0] for f in facts], [f[1] for f in facts], b, h, hk, d)
+    shards = Shards(rank, world, [f[1] for f in facts], [f[2] for f in facts], b, h, hk, d)
     return qh, kh, vh, shards
 
 

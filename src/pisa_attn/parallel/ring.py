@@ -179,6 +179,8 @@ _MAX_ROUTES = 64
 
 
 def _tensor_key(t):
+    if t is not None and not isinstance(t, torch.Tensor):  # check_permutation's own message, before the cache
+        check_permutation(t, 1)
     return None if t is None else (id(t), t._version)
 
 

@@ -66,9 +66,7 @@ def ulysses_pisa_attention(
     inner = s.replace(layout="bhsd")  # the gathered [B, h, L, D] sequence
     heads_here = slice(sh.rank * sh.heads // sh.world, (sh.rank + 1) * sh.heads // sh.world)
     alpha = local_heads(alpha, heads_here)
-    keep = keep_blocks
-    if isinstance(keep, Tensor) and keep.dim() == 3 and keep.shape[1] != 1:
-        keep = keep[:, heads_here]
+    keep = local_keep(keep_blocks, sh.heads, heads_here)
 
     def fn(qf, kf, vf):
         with phase("attend", qf.device):
@@ -80,8 +78,23 @@ def ulysses_pisa_attention(
 
 
 def local_heads(alpha, heads: slice):
-    """A per-head ``alpha`` ([H] tensor) cut to one rank's heads; a number or None as it is."""
-    return alpha[heads] if isinstance(alpha, Tensor) and alpha.dim() == 1 else alpha
+    """A per-head ``alpha`` (an [H] tensor or sequence) cut to one rank's heads; a number, one
+    value (which broadcasts) or None as it is."""
+    if isinstance(alpha, Tensor) and alpha.dim() == 1 and alpha.numel() > 1:
+        return alpha[heads]
+    if isinstance(alpha, (list, tuple)) and len(alpha) > 1:
+        return type(alpha)(alpha[heads])
+    return alpha
+
+
+def local_keep(keep, heads: int, here: slice):
+    """A per-head ``keep_blocks`` [B, H, Nk] cut to one rank's heads (its head count checked
+    first: a cut of another count would run, or fail on one rank only)."""
+    if isinstance(keep, Tensor) and keep.dim() == 3 and keep.shape[1] != 1:
+        if keep.shape[1] != heads:
+            raise ValueError(f"keep_blocks must have 1 or H = {heads} heads, got shape {tuple(keep.shape)}")
+        return keep[:, here]
+    return keep
 
 
 def ulysses_attention(
@@ -141,6 +154,8 @@ _ORDERS: OrderedDict = OrderedDict()
 def _device_order(perm: Tensor, total: int, device) -> tuple[Tensor, Tensor]:
     """``perm`` checked, and it and its inverse on ``device``: once per tensor object (and in-place
     version), not per call."""
+    if not isinstance(perm, Tensor):  # check_permutation's own message, before the cache
+        check_permutation(perm, total)
     key = (id(perm), perm._version, total, str(device))
     hit = _ORDERS.get(key)
     if hit is not None and hit[0] is perm:

@@ -9,6 +9,7 @@ statistics and selection, one merge); a second all-to-all returns the heads.
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import spec
@@ -17,7 +18,7 @@ from ..settings import PisaSettings
 from .common import settings_of
 from .comm import group_info
 from .ring import ring_pisa_attention
-from .ulysses import local_heads, ulysses_attention
+from .ulysses import local_heads, local_keep, ulysses_attention
 
 
 def unified_pisa_attention(
@@ -77,6 +78,9 @@ def unified_pisa_attention(
     layout = s.layout
     u_rank, u = group_info(ulysses_group)
     r_rank, r = group_info(ring_group)
+    if dist.get_world_size() % (u * r) or (u > 1 and r > 1 and ulysses_group == ring_group):
+        raise ValueError(f"ulysses_group ({u} ranks) and ring_group ({r} ranks) must be two groups forming a "
+                         f"ring x ulysses grid of the ranks (got {'one group twice' if ulysses_group == ring_group else 'sizes that do not divide the world'})")
     u_lens = ring_lens = None
     if seq_lens is not None:
         lens = list(seq_lens) if isinstance(seq_lens, (list, tuple)) else None
@@ -84,10 +88,8 @@ def unified_pisa_attention(
             raise ValueError(f"seq_lens must list {u * r} local lengths (ring x ulysses ranks), got {seq_lens!r}")
         u_lens = lens[r_rank * u : (r_rank + 1) * u]
         ring_lens = [sum(lens[j * u : (j + 1) * u]) for j in range(r)]
-    keep = keep_blocks
     heads = q.shape[1 if layout == "bhsd" else 2]
-    if isinstance(keep, Tensor) and keep.dim() == 3 and keep.shape[1] != 1:
-        keep = keep[:, u_rank * heads // u : (u_rank + 1) * heads // u]
+    keep = local_keep(keep_blocks, heads, slice(u_rank * heads // u, (u_rank + 1) * heads // u))
     alpha = local_heads(alpha, slice(u_rank * heads // u, (u_rank + 1) * heads // u))
 
     inner = s.replace(layout="bhsd")  # the Ulysses group's [B, H/u, L, D] sequence
