@@ -3,6 +3,7 @@ must agree on (gathered once, so a mismatch raises the same error on every rank 
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 
@@ -41,6 +42,12 @@ class Shards:
     head_dim: int
 
 
+@functools.lru_cache(maxsize=64)
+def _fingerprint(settings: PisaSettings, dtype) -> int:
+    """One int for the settings (layout aside) and dtype every rank must share: made once per pair."""
+    return zlib.crc32(repr((settings.replace(layout="bhsd"), str(dtype))).encode())
+
+
 def check_inputs(q, k, v, *, group, settings: PisaSettings, what: str, return_lse=False, seq_lens=None,
                  alpha=None):  # fmt: skip
     """Validate one rank's local q/k/v; return ``[B, H, L, D]`` views and the gathered shard facts.
@@ -74,7 +81,7 @@ def check_inputs(q, k, v, *, group, settings: PisaSettings, what: str, return_ls
         return qh, kh, vh, Shards(rank, world, lens, lens, b, h, hk, d)
     # the settings and dtype every rank must share, as one int (a mismatch ran a different
     # algorithm per rank, aborted a collective or hung)
-    agreed = zlib.crc32(repr((s.replace(layout="bhsd"), str(q.dtype))).encode())
+    agreed = _fingerprint(s, q.dtype)
     mine = [1, 0, 0, 0, 0, 0, 0, agreed] if local_error is not None else [0, lq, lk, b, h, hk, d, agreed]
     facts = gather_ints(mine, group, q.device)
     if local_error is not None:
