@@ -3,7 +3,7 @@ rank's shard against one process on the global sequence (rel-L1 and the largest 
 rank's rows), with the chain's kernels launched plainly and as programmatic dependents
 (``pisa_attn.ops.triton.grid.GRID_DEPENDENCY`` "off" and "wait": their outputs must be the same
 bits). Random B1-H8-D128 bf16, 12.5 %, covariance-aware hybrid and keep-or-drop, a block-aligned
-and a ragged length. No diffusers needed; writes ``$OUT/parallel_equivalence.json``.
+length, one whose key shards straddle the exact loop's 16K-key switch, and a ragged one. No diffusers needed; writes ``$OUT/parallel_equivalence.json``.
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=src torchrun --standalone --nproc-per-node 2 benchmarks/parallel_equivalence.py
 """
@@ -20,7 +20,7 @@ from pisa_attn import pisa_attention
 from pisa_attn.ops.triton import grid
 from pisa_attn.parallel import ring_pisa_attention, ulysses_pisa_attention
 
-LENGTHS = (16384, 32768 + 4096 - 37)
+LENGTHS = (16384, 32760, 32768 + 4096 - 37)  # 32760: key shards of 16384 and 16376, across the kernel's 16K switch
 
 
 def main():

@@ -193,12 +193,53 @@ def _ring_on_triton(rank, world):
     return err, float((lse - want_lse[:, :, sl]).abs().max()), str(out.dtype)
 
 
+def _ring_shard_fields(rank, world):
+    """A backend whose prepare writes a shard field (the keys' maxima, as the Hopper backend's)
+    only from 80 keys on, ring shards of 70 and 80 keys: with the backend's ``shard_prepare`` every
+    rank writes it, the ranks gather the same layout and every attend reads its own shard's maxima.
+    Returns (rel-L1 against one process, largest |kmax - max |k|| over the attends, attends)."""
+    import dataclasses
+
+    from pisa_attn import attention
+    from pisa_attn.ops.triton import op
+
+    base, seen = op.BACKEND, []
+
+    def prepare(q, k, v, block_size, *, with_kmax=None, **kw):
+        return base.prepare(q, k, v, block_size, with_kmax=k.shape[2] >= 80 if with_kmax is None else with_kmax, **kw)
+
+    def attend(q, k, v, stats, sel, **kw):
+        if stats.kmax is not None:
+            seen.append(float((stats.kmax - k.float().abs().amax(2)).abs().max()))
+        return base.attend(q, k, v, stats, sel, **kw)
+
+    def shard_prepare(dtype, lens):
+        return dict(with_kmax=any(n >= 80 for n in lens))
+
+    be = dataclasses.replace(base, prepare=prepare, attend=attend, shard_prepare=shard_prepare)
+    g = torch.Generator().manual_seed(5)
+    total, bs = 150, 16
+    q, k, v = (torch.randn(1, 2, total, 32, generator=g).bfloat16() for _ in range(3))
+    kw = dict(density=0.3, block_size=bs, backend="triton")
+    want = pisa_attention(q, k, v, **kw).double()
+    sl = slice(*[(0, 70), (70, total)][rank])
+    saved = attention._BACKENDS.get("triton")
+    attention._BACKENDS["triton"] = be
+    try:
+        out = ring_pisa_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], **kw)
+    finally:
+        attention._BACKENDS["triton"] = saved if saved is not None else base
+    err = ((out.double() - want[:, :, sl]).abs().sum() / want[:, :, sl].abs().sum()).item()
+    return err, max(seen, default=float("inf")), len(seen)
+
+
 def _worker(rank, world, cases, with_errors):
     res = {name: _run_case(rank, world, spec) for name, spec in cases.items()}
     if with_errors:
         res["errors"] = _error_cases(rank, world)
         if INTERPRETED:
             res["ring-triton"] = _ring_on_triton(rank, world)
+            res["ring-shard-fields"] = _ring_shard_fields(rank, world)
     return res
 
 
@@ -251,6 +292,15 @@ def test_public_ring_runs_on_the_triton_kernels(two_ranks):
     for rank, res in enumerate(two_ranks):
         err_out, err_lse, dtype = res["ring-triton"]
         assert dtype == "torch.bfloat16" and err_out < 4e-3 and err_lse < 1e-5, (rank, err_out, err_lse)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the gloo ranks run the Triton kernels through the CPU interpreter")
+def test_ring_shard_fields_written_on_every_rank(two_ranks):
+    """Key shards on both sides of a backend's field threshold (the Hopper backend's keys' maxima
+    from 16K keys): each rank attends every shard with that shard's own field."""
+    for rank, res in enumerate(two_ranks):
+        err, kmax_err, attends = res["ring-shard-fields"]
+        assert attends == 2 and kmax_err == 0.0 and err < 4e-3, (rank, err, kmax_err, attends)
 
 
 def test_merge_is_exact_softmax_split():

@@ -43,7 +43,10 @@ sharded sequence) and ``for_attend()`` (drops, in place, what only selection rea
 freed; returns the object).
 The class attribute ``BLOCK_AXES`` names the per-key-block fields and their block axis (what a
 sharded caller gathers or slices); ``SHARD_FIELDS`` names fields that describe a whole shard
-(neither per block nor global) and travel with it.
+(neither per block nor global) and travel with it. Which of them a backend's ``prepare`` writes
+may depend on the key count; a sharded caller passes every rank the same
+``Backend.shard_prepare(dtype, shard_lengths)`` keywords, so every rank's statistics hold the same
+fields (the ranks gather them by a layout each computes from its own).
 
 **Sharded keys.** ``attend`` sums over the key blocks of the K/V it is given. With the
 statistics and the selection of one K/V shard (``stats.blocks(lo, hi).with_hbar(global_hbar)``,
@@ -82,6 +85,10 @@ class Backend:
     # workspace(plan, q, k) -> the buffers a planned run writes into (None: the backend allocates
     # per call, as the reference does).
     workspace: "Callable | None" = None
+    # shard_prepare(dtype, key shard lengths) -> prepare's keywords for every rank of a sharded
+    # sequence (None: none needed): fields written for some key counts only are then written on
+    # every rank or on none.
+    shard_prepare: "Callable[[object, list[int]], dict] | None" = None
 
 
 def forward_width(plan, keep: Tensor | None, n_keep_max: int) -> int:

@@ -246,7 +246,9 @@ def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size,
     part_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else None
 
     with phase("stats", dev):
-        local = be.prepare(q, k, v, block_size, query_block=query_block)
+        lens = [hi - lo for lo, hi in zip(k_bounds, k_bounds[1:])]
+        extra = {} if be.shard_prepare is None else be.shard_prepare(k.dtype, lens)  # the same fields on every rank
+        local = be.prepare(q, k, v, block_size, query_block=query_block, **extra)
         shards, kmean, hdev = _gather_stats(be, local, k, v, blocks, group, covariance_aware, block_size)
     with phase("select", dev):
         width = spec.selection_width(n_kv, n_select, n_keep_max if keep is not None else 0)

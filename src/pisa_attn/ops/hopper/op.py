@@ -90,10 +90,21 @@ def attend(
                             alpha=alpha, pairs=pairs, kbound=stats.kbound, kmax=getattr(stats, "kmax", None))
 
 
-def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, **kwargs) -> _top.Stats:
+def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_kmax: bool | None = None,
+            **kwargs) -> _top.Stats:
     """The Triton prepare, with the keys' per-channel maxima where the pair kernel's exact loop
-    fixes its maximum from them (:func:`pisa_attn.ops.hopper.attention.uses_kmax`)."""
-    return _top.prepare(q, k, v, block_size, with_kmax=_gattn.uses_kmax(k.dtype, k.shape[2]), **kwargs)
+    fixes its maximum from them (``with_kmax=None``: :func:`pisa_attn.ops.hopper.attention.uses_kmax`
+    for ``k``'s length)."""
+    if with_kmax is None:
+        with_kmax = _gattn.uses_kmax(k.dtype, k.shape[2])
+    return _top.prepare(q, k, v, block_size, with_kmax=with_kmax, **kwargs)
+
+
+def shard_prepare(dtype: torch.dtype, lengths: list[int]) -> dict:
+    """prepare's keywords on every rank of a sharded sequence: the keys' maxima on every rank when
+    the exact loop reads them for any shard (the kernel reads them for its own shard's length
+    only), so the ranks' statistics have the same fields."""
+    return dict(with_kmax=any(_gattn.uses_kmax(dtype, n) for n in lengths))
 
 
 def workspace(plan, q: Tensor, k: Tensor) -> _top.Workspace:
@@ -111,7 +122,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n
 
 BACKEND = _fused.register(
     Backend("hopper", prepare, _top.select, attend, _top.deviation, forward, unsupported_reason,
-            _top.score_scratch, workspace))
+            _top.score_scratch, workspace, shard_prepare))
 
 
 # --------------------------------------------- precision="fp8", "int8-fp8", "int8-int8", "int8"
