@@ -366,3 +366,91 @@ def test_a_one_value_alpha_is_the_same_in_every_entry_point():
     assert torch.equal(pisa_attention(q, k, v, settings=s), want)
     assert torch.equal(run(plan(q, k, s), q, k, v), want)
     assert torch.equal(pisa_attention(q, k, v, alpha=torch.tensor([0.5]), backend="reference"), want)
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _qkv16(lk=128, seed=0, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, 2, 64, 16, generator=g).to(dtype),
+            *(torch.randn(1, 2, lk, 16, generator=g).to(dtype) for _ in range(2)))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the Triton kernels run through the CPU interpreter here")
+def test_a_keep_mask_seen_before_reaches_the_kernels_checked():
+    """A CPU mask found by value takes the plan's checked copy on every call, also once recording
+    gives up (the kernels once received the caller's 1-D mask there)."""
+    q, k, v = _qkv16()
+    keep = torch.zeros(4, dtype=torch.bool)
+    keep[3] = True
+    outs = [pisa_attention(q, k, v, density=0.25, block_size=32, keep_blocks=keep, backend="triton")
+            for _ in range(6)]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_a_keep_mask_checked_for_another_shape_is_checked_again():
+    q, k, v = (x.float() for x in _qkv16())
+    k8, v8 = torch.randn(1, 2, 256, 16), torch.randn(1, 2, 256, 16)
+    m8 = torch.zeros(8, dtype=torch.bool)
+    m8[0] = True
+    keep = torch.zeros(4, dtype=torch.bool)
+    keep[3] = True
+    pisa_attention(q, k8, v8, block_size=32, keep_blocks=m8)  # a plan for 8 blocks with one kept
+    pisa_attention(q, k, v, block_size=32, keep_blocks=keep)  # this mask counted, for 4 blocks
+    with pytest.raises(ValueError, match=r"keep_blocks must have shape \[8\]"):
+        pisa_attention(q, k8, v8, block_size=32, keep_blocks=keep)
+
+
+@pytest.mark.parametrize("field", ["idx", "cnt", "bits"])
+def test_a_strided_selection_is_refused(field):
+    q, k, v = _qkv16()
+    p = plan(q, k, PisaSettings(density=0.25, block_size=32))
+    _, sel = run(p, q, k, v, return_selection=True)
+    parts = sel._asdict() if hasattr(sel, "_asdict") else dict(idx=sel.idx, cnt=sel.cnt, bits=sel.bits)
+    x = parts[field]
+    parts[field] = torch.stack([x, x], -1)[..., 0]  # the same values, every other element
+    with pytest.raises(ValueError, match=f"selection.{field} must be contiguous"):
+        run(p, q, k, v, selection=Selection(parts["idx"], parts["cnt"], parts["bits"]))
+
+
+def test_a_strided_lse_buffer_is_refused():
+    q, k, v = _qkv16()
+    p = plan(q, k, PisaSettings(density=0.25, block_size=32))
+    with pytest.raises(ValueError, match="lse must be contiguous"):
+        run(p, q, k, v, lse=torch.zeros(1, 64, 2).transpose(1, 2), return_lse=True)
+
+
+def test_grad_is_refused_after_a_recorded_run():
+    """The replayed path looks at alpha's and the buffers' requires_grad too."""
+    from fake_launch import fake_kernels
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=g).bfloat16() for _ in range(3))
+    with fake_kernels():
+        p = plan(q, k, PisaSettings(backend="triton", density=0.25))
+        out = torch.empty_like(q)
+        for _ in range(3):
+            run(p, q, k, v, alpha=torch.tensor([0.5, 0.6]))
+            run(p, q, k, v, out=out)
+        with pytest.raises(ValueError, match="inference-only"):
+            run(p, q, k, v, alpha=torch.tensor([0.5, 0.6], requires_grad=True))
+        with pytest.raises(ValueError, match="out must not require grad"):
+            run(p, q, k, v, out=torch.empty_like(q).requires_grad_())
+
+
+def test_settings_alpha_keeps_float64():
+    q, k, v = (x.double() for x in _qkv16())
+    s = PisaSettings(density=0.25, block_size=32, alpha=(0.1, 0.3))
+    assert torch.equal(pisa_attention(q, k, v, settings=s), run(plan(q, k, s), q, k, v))
+
+
+def test_loose_arguments_numpy_and_unhashable():
+    np = pytest.importorskip("numpy")
+    q, k, v = (x.float() for x in _qkv16())
+    with pytest.raises(ValueError, match="mode must be one of"):
+        pisa_attention(q, k, v, mode=["hybrid"])
+    out, lse = pisa_attention(q, k, v, block_size=32, return_lse=np.bool_(True))
+    assert torch.equal(out, pisa_attention(q, k, v, block_size=32))
+    p = plan((np.int64(1), 2, 64, 16), (1, 2, 128, 16), dtype=torch.float32, device="cpu")
+    assert p.q_shape == (1, 2, 64, 16) and all(type(n) is int for n in p.q_shape)

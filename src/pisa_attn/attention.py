@@ -20,6 +20,7 @@ signature that does not match the plan never finds a recording, so it meets the 
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -78,7 +79,7 @@ def validate(q, k, v, *, density, block_size, mode, scale=None, layout="bhsd", b
         raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
     spec.check_settings(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
                         scale=scale, query_block=query_block)
-    spec.check_flag("return_lse", return_lse)
+    as_bool("return_lse", return_lse)
     qh, kh, vh = (to_bhsd(x, layout) for x in (q, k, v))
     _validate_shapes(qh, kh, vh)
     tail_weight.check(alpha, mode, qh.shape[1])
@@ -276,7 +277,7 @@ def _shape_of(name: str, x) -> tuple[int, ...]:
         _check_tensor(name, x)
         return tuple(x.shape)
     if isinstance(x, torch.Size) or (isinstance(x, (tuple, list)) and all(
-            isinstance(n, int) and not isinstance(n, bool) for n in x)):
+            isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in x)):
         shape = tuple(int(n) for n in x)
         if len(shape) != 4:
             raise ValueError(f"{name} must have rank 4 ([B, H, L, D] or [B, L, H, D]), got shape {shape}")
@@ -542,8 +543,9 @@ def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool, keep: Te
         except ValueError:
             return None  # the checked path raises
     prog = p.programs.get(key)
-    if prog is None or prog is False or not aligned or (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if prog is None or prog is False or not aligned or (torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, weights))) or (
+            (out is not None and out.requires_grad) or (lse is not None and lse.requires_grad)):
         if prog is None and aligned:
             return _record(p, key, q, k, v, out, lse, weights, want_lse, keep)
         return None
@@ -638,7 +640,7 @@ def _check_run(p: PisaPlan, q, k, v, out, lse) -> None:
     if out is not None:
         _check_out("out", out, p.q_shape, p.dtype, p.device)
     if lse is not None:
-        _check_out("lse", lse, (p.batch, p.heads, p.q_len), torch.float32, p.device)
+        _check_out("lse", lse, (p.batch, p.heads, p.q_len), torch.float32, p.device, contiguous=True)
     _check_no_overlap(q, k, v, out, lse)
 
 
@@ -670,12 +672,15 @@ def _weights(p: PisaPlan, alpha) -> Tensor | None:
                                dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
 
 
-def _check_out(name: str, x, shape, dtype, device) -> None:
+def _check_out(name: str, x, shape, dtype, device, contiguous: bool = False) -> None:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if tuple(x.shape) != tuple(shape) or x.dtype != dtype or x.device != device:
         raise ValueError(f"{name} must be {dtype} of shape {tuple(shape)} on {device}, got {x.dtype} "
                          f"{tuple(x.shape)} on {x.device}")
+    if contiguous and not x.is_contiguous():  # the kernels write it by row index, without strides
+        raise ValueError(f"{name} must be contiguous (the kernels write it without strides), got strides "
+                         f"{tuple(x.stride())}")
     if x.requires_grad:
         raise ValueError(f"{name} must not require grad (it is written in place; the kernels are inference-only)")
     if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(x) == 1:  # 1: an expanded view
@@ -693,6 +698,9 @@ def _check_selection(sel, p: PisaPlan) -> None:
             got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"selection.{name} does not fit the plan (rows [B, H, Nq] = {list(rows)}, "
                              f"{nw} bitmask words, int32 on {p.device}): got {got}")
+        if not x.is_contiguous():  # the kernels index it without strides
+            raise ValueError(f"selection.{name} must be contiguous (the kernels read it without strides), got "
+                             f"strides {tuple(x.stride())}: pass Selection(*(x.contiguous() for x in selection))")
     if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return  # no host read inside a graph capture: the eager calls before it were checked
     # Contents, one host read: the kernels index K/V tiles with the first cnt entries of idx (out
@@ -870,20 +878,25 @@ def pisa_attention(
     The kernels (hopper, triton) are inference-only: a call that would run them on inputs requiring grad
     (with autograd enabled) raises ValueError; the reference backend is differentiable.
 
-    Finite inputs give a finite output. NaN or inf in ``q``, ``k`` or ``v`` is not looked for
+    Finite inputs give a finite output where it fits the output dtype: the first-order term is a
+    linear correction, not a convex combination of values, so with extreme inputs (sharp scores
+    against values near float16's limit) a hybrid output can leave the values' range. NaN or inf in ``q``, ``k`` or ``v`` is not looked for
     (that would read the device every call): it propagates as in dense attention, where one
     non-finite key or value reaches every row (here through the block statistics and ``H̄``).
     """
     if return_lse is not True and return_lse is not False:
-        spec.check_flag("return_lse", return_lse)
+        return_lse = as_bool("return_lse", return_lse)
     compiling = torch.compiler.is_compiling()
     if settings is None:
         key = (density, block_size, mode, covariance_aware, scale, layout, backend, query_block, precision,
                type(density), type(block_size), type(covariance_aware), type(scale), type(query_block))
-        settings = None if compiling else _SETTINGS.get(key)
+        try:
+            settings, cache = (None, False) if compiling else (_SETTINGS.get(key), True)
+        except TypeError:  # an unhashable argument: PisaSettings names it
+            settings, cache = _settings(key[:9]), False
         if settings is None:
             settings = _settings(key[:9])
-            if not compiling:
+            if cache:
                 if len(_SETTINGS) >= _PLAN_LIMIT:
                     _SETTINGS.clear()
                 _SETTINGS[key] = settings
@@ -895,7 +908,7 @@ def pisa_attention(
         if settings.alpha is not None:
             # The weight is data: one cached plan (and workspace) serves every alpha of a shape.
             if alpha is None:
-                alpha = settings.alpha if isinstance(settings.alpha, float) else torch.tensor(settings.alpha)
+                alpha = settings.alpha  # a float or a tuple: resolved (and cached) in the input's precision
             base = None if compiling else _WITHOUT_ALPHA.get(settings)
             if base is None:
                 base = settings.replace(alpha=None)
@@ -905,6 +918,7 @@ def pisa_attention(
                     _WITHOUT_ALPHA[settings] = base
             settings = base
     p = pkey = None
+    raw_keep = keep_blocks
     # a CPU keep mask seen before: its kept-block count (the plan's max_keep) without reading it
     kval = None if keep_blocks is None else _keep_value(keep_blocks)
     n_seen = 0 if keep_blocks is None else None if kval is None else _KEEP_COUNTS.get(kval)
@@ -935,10 +949,14 @@ def pisa_attention(
                 _PLANS[pkey] = p
     weights = _weights(p, alpha)
     _check_inference_only(p.backend, (q, k, v, weights))
+    if n_seen is not None and raw_keep is not None:
+        # a CPU mask seen before: the plan's device copy, checked against this plan's shapes (the
+        # count found the plan, but the mask may have been checked for another shape)
+        keep_blocks = _planned_keep(p, raw_keep)
+        if keep_blocks is None:
+            keep_blocks, _ = normalize_keep_blocks(raw_keep, p.batch, p.heads, p.n_kv_blocks, p.device)
     if p.workspace is not None and (keep_blocks is None or n_seen is not None):
-        keep = None if keep_blocks is None else _planned_keep(p, keep_blocks)
-        res = None if keep is None and keep_blocks is not None else _bound_run(p, q, k, v, None, None, weights,
-                                                                              return_lse, keep)
+        res = _bound_run(p, q, k, v, None, None, weights, return_lse, keep_blocks)
         if res is not None:
             return (res[0], res[1]) if return_lse else res[0]
     lay = settings.layout
