@@ -365,3 +365,33 @@ def test_remove_takes_the_scheduler_hook_off_in_any_order():
         pd.remove_pisa(order[1])
         assert "set_timesteps" not in a.scheduler.__dict__
     pickle.dumps(a.scheduler)
+
+
+def test_forward_wrapped_after_apply_survives_remove():
+    """A wrapper put on a hooked module's forward after apply_pisa (as accelerate's CPU offload does:
+    it keeps the forward it found and calls it) stays through remove_pisa; PISA's hook there is left
+    as a pass-through, and a second apply takes it up again."""
+    tr, inputs = tiny_transformer("flux"), forward_inputs("flux")
+    with torch.no_grad():
+        native = tr(**inputs).sample
+    pd.apply_pisa(tr, **{**SPARSE, "density": 1.0})
+    calls = []
+    for name in ("x_embedder", "proj_out"):
+        mod = tr.get_submodule(name)
+        inner = mod.forward
+
+        def outer(*args, _inner=inner, _name=name, **kwargs):
+            calls.append(_name)
+            return _inner(*args, **kwargs)
+
+        mod.forward = outer
+    for _ in range(2):
+        with torch.no_grad():
+            torch.testing.assert_close(tr(**inputs).sample, native, atol=1e-5, rtol=0)
+        pd.remove_pisa(tr)
+        calls.clear()
+        with torch.no_grad():
+            assert torch.equal(tr(**inputs).sample, native)
+        assert calls == ["x_embedder", "proj_out"]
+        pd.apply_pisa(tr, **{**SPARSE, "density": 1.0})
+    pd.remove_pisa(tr)

@@ -252,8 +252,9 @@ def test_bad_arguments(models, kwargs, exc, match):
 def test_numpy_numbers_are_taken_as_by_pisa_settings(models):
     np = pytest.importorskip("numpy")
     pd.apply_pisa(models["flux"], density=np.float64(0.2), dense_layers=np.int64(1), dense_steps=np.int32(2),
-                  min_kv_len=np.int64(0), covariance_aware=np.bool_(False))
+                  min_kv_len=np.int64(0), covariance_aware=np.bool_(False), tile=(np.int64(8), np.int32(8)))
     cfg = pd.pisa_state(models["flux"]).config
+    assert cfg.tile == (8, 8) and all(type(t) is int for t in cfg.tile)
     assert type(cfg.schedule.dense_steps) is int and cfg.schedule.dense_steps == 2
     assert cfg.schedule.dense_layers == 1 and cfg.schedule.min_kv_len == 0 and cfg.covariance_aware is False
     pd.remove_pisa(models["flux"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -88,9 +89,9 @@ def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
         return default_tile(ndim, block_size)
     if not isinstance(tile, (tuple, list)) or len(tile) != ndim:
         raise ValueError(f"tile must be a tuple of {ndim} ints for this {ndim}D model, got {tile!r}")
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tile):
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 1 for t in tile):  # numpy's ints too
         raise ValueError(f"tile entries must be positive ints, got {tile!r}")
-    return tuple(tile)
+    return tuple(int(t) for t in tile)
 
 
 def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_steps, tile, mode, cov, block_size,

@@ -245,10 +245,11 @@ def _output_hook_class():
 
         def __init__(self, fn) -> None:
             super().__init__()
-            self.fn = fn
+            self.fn = fn  # None: a pass-through (left so by an undo under another wrapper)
+            self.installed_forward = None  # the forward the registry installed for this hook
 
         def post_forward(self, module, output):
-            out = self.fn(module, None, output)
+            out = None if self.fn is None else self.fn(module, None, output)
             return output if out is None else out
 
     return OutputHook
@@ -256,14 +257,30 @@ def _output_hook_class():
 
 def _add_output_hook(state: PisaState, module, fn) -> None:
     """Register ``fn`` as the :data:`HOOK_NAME` hook of ``module``'s diffusers ``HookRegistry``;
-    its undo leaves the module as it was (no registry or ``forward`` attribute it did not have)."""
+    its undo leaves the module as it was (no registry or ``forward`` attribute it did not have).
+
+    When something outside the registry wrapped ``module.forward`` after this hook (accelerate's
+    CPU offload does), removing the hook would put back the forward under that wrapper and drop
+    it; the undo then leaves the hook in place as a pass-through (``fn = None``), which a later
+    apply takes up again."""
     from diffusers.hooks import HookRegistry
 
     had = {k: k in module.__dict__ for k in ("_diffusers_hook", "forward")}
     registry = HookRegistry.check_if_exists_or_initialize(module)
-    registry.register_hook(_output_hook_class()(fn), HOOK_NAME)
+    hook = registry.get_hook(HOOK_NAME)
+    if isinstance(hook, _output_hook_class()) and hook.fn is None:  # left dormant by an earlier undo
+        hook.fn = fn
+    else:
+        hook = _output_hook_class()(fn)
+        registry.register_hook(hook, HOOK_NAME)
+        hook.installed_forward = module.__dict__.get("forward")
 
     def undo() -> None:
+        wrapped = registry._hook_order[-1:] == [HOOK_NAME] and module.__dict__.get("forward") is not \
+            hook.installed_forward
+        if wrapped:
+            hook.fn = None
+            return
         registry.remove_hook(HOOK_NAME, recurse=False)
         if not registry.hooks:  # HookRegistry keeps both after its last hook goes
             for key, was in had.items():
