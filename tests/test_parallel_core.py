@@ -163,6 +163,7 @@ def _error_cases(rank, world):
     res["bad-perm"] = _expect_error(lambda: ulysses_pisa_attention(w, w, w, block_size=16, perm=bad))
     res["ring-bad-perm"] = _expect_error(lambda: ring_pisa_attention(w, w, w, block_size=16, perm=torch.arange(63)))
     res["ring-truthy-flag"] = _expect_error(lambda: ring_pisa_attention(w, w, w, block_size=16, return_lse="no"))
+    res["ring-list-q-perm"] = _expect_error(lambda: ring_pisa_attention(w, w, w, block_size=16, q_perm=[0, 1]))
     res["ulysses-truthy-flag"] = _expect_error(
         lambda: ulysses_pisa_attention(w, w, w, block_size=16, covariance_aware="no")
     )
@@ -279,7 +280,8 @@ def test_clear_errors(two_ranks, case, words):
 
 
 @pytest.mark.parametrize(
-    "case, words", [("ring-truthy-flag", "return_lse"), ("ulysses-truthy-flag", "covariance_aware")]
+    "case, words", [("ring-truthy-flag", "return_lse"), ("ulysses-truthy-flag", "covariance_aware"),
+                    ("ring-list-q-perm", "q_perm must be")]
 )
 def test_flags_must_be_booleans(two_ranks, case, words):
     for res in two_ranks:

@@ -178,15 +178,15 @@ _ROUTES: OrderedDict = OrderedDict()
 _MAX_ROUTES = 64
 
 
-def _tensor_key(t):
+def _tensor_key(t, name: str):
     if t is not None and not isinstance(t, torch.Tensor):  # check_permutation's own message, before the cache
-        check_permutation(t, 1)
+        check_permutation(t, 1, name)
     return None if t is None else (id(t), t._version)
 
 
 def _ring_route(perm, q_perm, exact, sh: Shards, block_size: int, query_block: int) -> _RingRoute:
-    key = (_tensor_key(perm), _tensor_key(q_perm), _tensor_key(exact), tuple(sh.q_lens), tuple(sh.k_lens), sh.rank,
-           block_size, query_block)  # fmt: skip
+    key = (_tensor_key(perm, "perm"), _tensor_key(q_perm, "q_perm"), _tensor_key(exact, "exact_queries"),
+           tuple(sh.q_lens), tuple(sh.k_lens), sh.rank, block_size, query_block)  # fmt: skip
     route = _ROUTES.get(key)
     if route is not None:
         _ROUTES.move_to_end(key)
