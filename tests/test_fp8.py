@@ -150,6 +150,32 @@ def test_int8_scale_and_rounding():
     assert y.tolist() == [1, -1, 2, 3, -3, 1, 127, 127, -127, 0]
 
 
+def test_int8_scale_of_tiny_bfloat16_maxima_is_finite():
+    """bfloat16 reaches maxima below 127 / float32's max: the scale is taken from 2^-121 there, so
+    127 / amax stays finite and the codes keep their proportions (they were all ±127, 0·inf = NaN)."""
+    amax = torch.tensor([1e-37, 2.0**-121, 1e-30])
+    sc, inv = quant.int8_scale(amax)
+    assert torch.isfinite(inv).all() and torch.isfinite(sc).all()
+    assert inv[0] == inv[1] == 127.0 * 2.0**121 and inv[2] == 127.0 / amax[2]
+    x = torch.tensor([1e-37, 5e-38, 0.0, -2e-38])
+    assert quant.to_int8(x, inv[0]).tolist() == [34, 17, 0, -7]  # x / 2^-121 · 127, rounded
+
+
+@pytest.mark.parametrize("precision", ["int8-int8", "int8"])
+def test_lowp_reference_tiny_keys_and_values(precision):
+    """bfloat16 keys (and values) around 1e-37, queries around 1e37: finite, within the format's
+    error of float64 PISA on the same inputs (it read 1.5-2.1 when 127 / amax overflowed)."""
+    q, k, v = _case()
+    q, k = (q.float() * 1e37).bfloat16(), (k.float() * 1e-37).bfloat16()
+    if precision == "int8-int8":
+        v = (v.float() * 1e-37).bfloat16()
+    out, _, mask = ref.pisa_reference(q.double(), k.double(), v.double(), density=0.125, mode="drop")
+    st = ref.block_stats(k.float(), v.float(), 64)
+    o8, l8 = _lowp(precision, q, k, v, st, mask, "drop")
+    assert torch.isfinite(o8).all() and torch.isfinite(l8).all()
+    assert rel_l1(o8, out) < 2e-2, rel_l1(o8, out)
+
+
 def test_quantize_v_int8_codes_scales_and_block_sums():
     torch.manual_seed(0)
     v = (torch.randn(2, 3, 200, 64) * 4 - 1).bfloat16()

@@ -369,3 +369,14 @@ def test_alpha_through_the_public_api_and_default():
     assert torch.equal(default, pisa_attention(q, k, v, backend="triton", alpha=spec.DEFAULT_ALPHA, **kw))
     paper = pisa_attention(q, k, v, backend="triton", alpha=1.0, **kw)
     assert not torch.equal(default, paper)
+
+
+def test_a_token_stride_beyond_in_tile_offsets_is_refused():
+    """Rows are addressed from an int64 block base with int32 offsets within the tile: a token stride
+    whose tile would pass 2^31 elements gets a clear error (no silent wrap)."""
+    stride = 2**24
+    big = torch.zeros(stride + 64, dtype=torch.float16)
+    k = big.as_strided((1, 1, 2, 16), (0, 16, stride, 1))
+    q = torch.randn(1, 1, 2, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="k has a token stride of 16777216 elements"):
+        pisa_attention(q, k, q, block_size=16, backend="triton")

@@ -78,6 +78,9 @@ P_SCALES = {"e4m3": P_SCALE, "input": P_SCALE, "int8": 255.0}
 """The factor per ``P·V`` format: INT8 probabilities are the codes ``round(255·p)``."""
 MIN_EXP = -126
 INT8_MAX = 127.0
+# The smallest amax an int8 scale is taken from: 127 / amax stays finite (float32) above it; a
+# smaller nonzero amax (bfloat16 only) is quantised against it, with correspondingly fewer levels.
+INT8_MIN_AMAX = 2.0**-121
 
 
 def pow2_scale(amax: Tensor) -> Tensor:
@@ -94,10 +97,10 @@ def to_e4m3(x: Tensor) -> Tensor:
 
 def int8_scale(amax: Tensor) -> tuple[Tensor, Tensor]:
     """``(amax / 127, 127 / amax)`` in float32 (each one rounded division), ``(0, 0)`` where
-    ``amax`` is 0."""
+    ``amax`` is 0; ``amax`` is taken as at least :data:`INT8_MIN_AMAX`."""
     a = amax.float()
     pos = a > 0
-    safe = torch.where(pos, a, torch.ones_like(a))
+    safe = torch.where(pos, a.clamp_min(INT8_MIN_AMAX), torch.ones_like(a))
     c = torch.full_like(a, INT8_MAX)
     return torch.where(pos, safe / c, 0.0), torch.where(pos, c / safe, 0.0)
 

@@ -423,6 +423,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, alp
     q_amax = gl.max(gl.abs(qf), axis=1)
     if QK_INT8:
         pos = q_amax > 0
+        q_amax = gl.maximum(q_amax, 3.761581922631320e-37)  # quant.INT8_MIN_AMAX: 127 / amax stays finite
         q_inv = gl.where(pos, 127.0 / gl.where(pos, q_amax, 1.0), 0.0)
         y = qf * q_inv[:, None]
         # round half away from zero (the cast truncates), clamped to ±127

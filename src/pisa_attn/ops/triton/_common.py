@@ -11,6 +11,25 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+# Rows a kernel addresses with int32 offsets from one int64 row base (a block of keys or queries):
+# a token stride times this must stay below 2^31.
+TILE_ROWS = 128
+
+
+def check_token_strides(**views) -> None:
+    """ValueError naming the tensor whose token stride (``[B, H, L, D]`` views: dim 2) is too large
+    for the kernels' 32-bit in-tile offsets (far beyond any real layout: 2^24 elements per token)."""
+    for name, x in views.items():
+        if x is not None and x.shape[2] > 1 and x.stride(2) * TILE_ROWS >= 2**31:
+            raise ValueError(f"{name} has a token stride of {x.stride(2)} elements, beyond the Triton kernels' "
+                             f"32-bit offsets within a tile ({2**31 // TILE_ROWS}): pass {name}.contiguous()")
+
+
+def rows_past_int32(*views) -> bool:
+    """Whether a row index times the token stride of any ``[B, H, L, D]`` view passes 2^31."""
+    return any(x.shape[2] > 1 and (x.shape[2] - 1) * x.stride(2) >= 2**31 for x in views)
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (tests without a GPU)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

@@ -32,7 +32,7 @@ from torch import Tensor
 from ... import tail_weight
 from ..kernel_constants import LN2, LOG2E, MODE_IDS
 from ..launch import Launcher, spec_class, unrecordable
-from ._common import interpreting
+from ._common import check_token_strides, interpreting, rows_past_int32
 
 LN2_C = tl.constexpr(LN2)
 
@@ -118,6 +118,17 @@ def _tail_phase(q, m_i, l_i, acc, l_tail, kbar_ptr, kscale_ptr, vbar_ptr, bits_p
     return m_i, l_i, acc, l_tail
 
 
+@triton.jit
+def _rows(base, row0, r, stride, ROW64: tl.constexpr):
+    """``[len(r), 1]`` pointers to rows ``row0 + r``. ``ROW64``: the first row's offset in int64 (a
+    view whose row index times token stride passes 2^31 elements: sequence-first layouts at video
+    lengths), the rest in int32 as otherwise (which measured 4-7 % faster than int64 bases here)."""
+    if ROW64:
+        return base + tl.cast(row0, tl.int64) * stride + r[:, None] * stride
+    else:
+        return base + (row0 + r)[:, None] * stride
+
+
 # Shape scalars are not specialised (no recompiles across lengths/densities); strides still are.
 @triton.jit(do_not_specialize=["H", "HK", "LQ", "LK", "NQ", "NK", "W", "NW", "L_BUCKET", "DENS_BUCKET"])
 def _attn_kernel(
@@ -132,7 +143,7 @@ def _attn_kernel(
     L_BUCKET, DENS_BUCKET,  # autotuning keys only
     BS: tl.constexpr, D: tl.constexpr, C: tl.constexpr, MODE: tl.constexpr, LOG2_BS: tl.constexpr,
     EVEN_K: tl.constexpr, F32: tl.constexpr,
-    S_EXACT: tl.constexpr = None, S_TAIL: tl.constexpr = None,
+    S_EXACT: tl.constexpr = None, S_TAIL: tl.constexpr = None, ROW64: tl.constexpr = False,
 ):
     i = tl.program_id(0)
     bh = tl.program_id(1)
@@ -142,7 +153,7 @@ def _attn_kernel(
     offs_m = i * BS + tl.arange(0, BS)
     offs_n = tl.arange(0, BS)
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sql + offs_d[None, :] * sqd,
+    q = tl.load(_rows(q_ptr + b * sqb + h * sqh, i * BS, offs_n, sql, ROW64) + offs_d[None, :] * sqd,
                 mask=(offs_m < LQ)[:, None], other=0.0)
     LOWP = q.dtype
     # F32: Triton 3.9's interpreter mis-evaluates bfloat16 tl.dot, so there every dot operand is
@@ -163,12 +174,14 @@ def _attn_kernel(
     for t in tl.range(0, n_exact, num_stages=S_EXACT):
         j = tl.load(idx_ptr + row * W + t)
         cols = j * BS + offs_n
+        k_rows = _rows(k_base, j * BS, offs_n, skl, ROW64)
+        v_rows = _rows(v_base, j * BS, offs_n, svl, ROW64)
         if EVEN_K:
-            kt = tl.load(k_base + cols[:, None] * skl + offs_d[None, :] * skd)
-            vt = tl.load(v_base + cols[:, None] * svl + offs_d[None, :] * svd)
+            kt = tl.load(k_rows + offs_d[None, :] * skd)
+            vt = tl.load(v_rows + offs_d[None, :] * svd)
         else:
-            kt = tl.load(k_base + cols[:, None] * skl + offs_d[None, :] * skd, mask=(cols < LK)[:, None], other=0.0)
-            vt = tl.load(v_base + cols[:, None] * svl + offs_d[None, :] * svd, mask=(cols < LK)[:, None], other=0.0)
+            kt = tl.load(k_rows + offs_d[None, :] * skd, mask=(cols < LK)[:, None], other=0.0)
+            vt = tl.load(v_rows + offs_d[None, :] * svd, mask=(cols < LK)[:, None], other=0.0)
         if F32:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
@@ -192,7 +205,7 @@ def _attn_kernel(
     out = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * LN2_C
     rvalid = offs_m < LQ
-    tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sol + offs_d[None, :] * sod,
+    tl.store(_rows(o_ptr + b * sob + h * soh, i * BS, offs_n, sol, ROW64) + offs_d[None, :] * sod,
              out.to(o_ptr.dtype.element_ty), mask=rvalid[:, None])
     tl.store(lse_ptr + bh.to(tl.int64) * LQ + offs_m, lse, mask=rvalid)
 
@@ -271,6 +284,8 @@ def attention(
         out = _alloc_like_layout(q)
     if lse is None:
         lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
+    check_token_strides(q=q, k=k, v=v, out=out)
+    row64 = rows_past_int32(q, k, v, out)
     alpha = alpha_arg(alpha, h, q.device)
     args = (
         q, k, v, kbar, kscale, vbar, hbar, hscale, alpha, idx, cnt, bits, out, lse,
@@ -280,7 +295,7 @@ def attention(
         *autotune_key(lk, n_select / nk),
     )
     meta = dict(BS=block_size, D=d, MODE=MODE_IDS[mode], EVEN_K=lk % block_size == 0,
-                LOG2_BS=math.log2(block_size), F32=interpreting())
+                LOG2_BS=math.log2(block_size), F32=interpreting(), ROW64=row64)
     grid = (nq, b * h)
     if interpreting():
         # small groups: several per row
@@ -288,13 +303,13 @@ def attention(
         _attn_kernel[grid](*args, **meta, **{"C": 16, "num_warps": 4, **(config or {})})
     elif config is not None or os.environ.get("PISA_ATTN_AUTOTUNE", "1") == "0":
         cfg = FIXED_CONFIG if config is None else {"C": 64, "num_warps": 4, "num_stages": 2, **config}
-        key = ("fixed", tuple(sorted(cfg.items())), q.dtype, meta["MODE"], meta["EVEN_K"], block_size, d,
+        key = ("fixed", tuple(sorted(cfg.items())), q.dtype, meta["MODE"], meta["EVEN_K"], row64, block_size, d,
                spec_class(*args[:30]))
         _launch_attn(key, grid, args, {**meta, **cfg})
     else:
         # Tuned once per shape class by the autotuner; then launched through a Launcher with the
         # chosen config (the autotuner re-binds every argument on each call: tens of µs of host time).
-        key = (q.dtype, meta["MODE"], meta["EVEN_K"], block_size, d, args[-2:], spec_class(*args[:30]))
+        key = (q.dtype, meta["MODE"], meta["EVEN_K"], row64, block_size, d, args[-2:], spec_class(*args[:30]))
         tuned = _TUNED.get(key)
         if tuned is None:
             unrecordable("the attention kernel is being autotuned")

@@ -43,7 +43,7 @@ from ... import spec
 from ...spec import COV_EPS
 from ..launch import Launcher, spec_class
 from . import prepare as tprep
-from ._common import LOG2E, compile_sm90, interpreting, next_pow2, sm_count
+from ._common import LOG2E, check_token_strides, compile_sm90, interpreting, next_pow2, sm_count
 
 # Programs of the rows kernel per multiprocessor (key chunks are cut to this many waves; more
 # chunks mean more partials for the merge to read), warps and pipelining depth of its loads,
@@ -169,10 +169,12 @@ def _rows_kernel(
     t1 = tl.zeros([RT], tl.float32)
     j0 = c * PER
     for j in range(j0, tl.minimum(NK, j0 + PER)):
-        keys = j * BS + tl.arange(0, BS)
+        r = tl.arange(0, BS)
+        keys = j * BS + r
         kval = keys < LK
-        kt = tl.load(k_base + keys[:, None] * skl + offs_d[None, :] * skd, mask=kval[:, None], other=0.0)
-        vt = tl.load(v_base + keys[:, None] * svl + offs_d[None, :] * svd, mask=kval[:, None], other=0.0)
+        k0 = tl.cast(j * BS, tl.int64)  # int64: row x token stride passes 2^31 in sequence-first layouts
+        kt = tl.load(k_base + k0 * skl + r[:, None] * skl + offs_d[None, :] * skd, mask=kval[:, None], other=0.0)
+        vt = tl.load(v_base + k0 * svl + r[:, None] * svl + offs_d[None, :] * svd, mask=kval[:, None], other=0.0)
         if F32:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
@@ -396,6 +398,7 @@ def fit_sums(q: Tensor, rows: Tensor, starts: Tensor, which: Tensor, k: Tensor, 
     b, h, _, d = q.shape
     r = rows.shape[0]
     hk, lk = k.shape[1], k.shape[2]
+    check_token_strides(k=k, v=v)  # q's rows are addressed in int64
     bs = block_size
     dev = q.device
     nk = spec.num_blocks(lk, bs)

@@ -54,7 +54,7 @@ from ...spec import PRODUCT_FORMATS
 from ..launch import Launcher, spec_class
 from ..stages import slice_blocks
 from . import quantize as _quantize
-from ._common import compile_sm90, interpreting, sm_count
+from ._common import check_token_strides, compile_sm90, interpreting, sm_count
 from .grid import await_prior_grid, grid_dependency
 from .grid import level as grid_level
 
@@ -73,15 +73,19 @@ def _centred_block(k_base, v_base, j, LK, skl, skd, svl, svd, eye, ones, centre,
     """Block ``j`` of one kv head (``FULL``: of ``BS`` keys; else the ragged last one): (``(K_j −
     1·k̄_j)ᵀ`` ``[D, BS]`` in the dot dtype, ``K_jᵀ`` ``[D, BS]`` as loaded, ``V_j`` ``[BS, D]``,
     ``n_j``). Padded rows are 0, so they add nothing to any product."""
-    rows = j * BS + tl.arange(0, BS)
+    r = tl.arange(0, BS)
+    rows = j * BS + r
     offs_d = tl.arange(0, D)
+    # the block's first row in int64: row x token stride passes 2^31 in sequence-first layouts
+    k_blk = k_base + tl.cast(j * BS, tl.int64) * skl
+    v_blk = v_base + tl.cast(j * BS, tl.int64) * svl
     if FULL:
-        kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd)
-        vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd)
+        kt = tl.load(k_blk + r[:, None] * skl + offs_d[None, :] * skd)
+        vt = tl.load(v_blk + r[:, None] * svl + offs_d[None, :] * svd)
     else:
         valid = (rows < LK)[:, None]
-        kt = tl.load(k_base + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
-        vt = tl.load(v_base + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
+        kt = tl.load(k_blk + r[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
+        vt = tl.load(v_blk + r[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
     if F32:  # Triton 3.9's interpreter mis-evaluates low-precision tl.dot
         kt = kt.to(tl.float32)
         vt = vt.to(tl.float32)
@@ -206,12 +210,14 @@ def _stats_kernel(
         bh = p // Q_CHUNKS
         q_base = q_ptr + (bh // H).to(tl.int64) * sqb + (bh % H).to(tl.int64) * sqh
         t = tl.arange(0, QT)
+        t64 = t.to(tl.int64)  # a tile of up to 1024 rows: its row offsets in int64 too
         blk = tl.arange(0, 16)
         jb = ((t[:, None] // QB) == blk[None, :]).to(dt)
         i0 = c * Q_PER
         for i in range(i0, tl.minimum(NQT, i0 + Q_PER)):
             rows = i * QT + t
-            qt = tl.load(q_base + rows[:, None] * sql + offs_d[None, :] * sqd, mask=(rows < LQ)[:, None], other=0.0)
+            qt = tl.load(q_base + (i * QT + t64)[:, None] * sql + offs_d[None, :] * sqd, mask=(rows < LQ)[:, None],
+                         other=0.0)
             acc = tl.dot(tl.trans(qt.to(dt)), jb)  # [D, 16]
             qi = i * (QT // QB) + blk
             n = tl.maximum(tl.minimum(LQ - qi * QB, QB), 1).to(tl.float32)  # columns past the end: unused
@@ -509,6 +515,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
         raise ValueError(f"quant must be None or a low precision {tuple(PRODUCT_FORMATS)}, got {quant!r}")
     if with_kmax and quant is not None:
         raise ValueError(f"with_kmax and quant={quant!r} cannot be asked together (the kernel holds one maxima tile)")
+    check_token_strides(k=k, v=v)  # q's rows are addressed in int64
     if ws is None:
         ws = stats_workspace(q.shape, k.shape, v.dtype, dev, block_size=block_size, query_block=qb,
                              with_hdev=with_hdev, quant=quant, with_kmax=with_kmax)
@@ -580,6 +587,7 @@ def _run_hdev(k: Tensor, v: Tensor, hbar: Tensor, hdev: Tensor, block_size: int)
     total = b * hk * nk
     if total == 0:
         return
+    check_token_strides(k=k, v=v)
     # no partials here, so the runs need not stop at a head's end: equal runs, whole waves (at
     # most a head long, so that a run spans two heads at most)
     per = min(nk, -(-total // min(total, STATS_TUNING["hdev_waves"] * sm_count(k.device))))

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ...spec import PRODUCT_FORMATS
 from ..launch import Launcher, spec_class
+from ._common import check_token_strides
 
 
 @triton.jit
@@ -52,9 +53,10 @@ def _pow2_scale(amax):
 
 @triton.jit
 def _int8_scale(amax):
-    """(``amax / 127``, ``127 / amax``), each correctly rounded; (0, 0) for 0."""
+    """(``amax / 127``, ``127 / amax``), each correctly rounded; (0, 0) for 0; ``amax`` at least
+    2^-121 (``quant.INT8_MIN_AMAX``: ``127 / amax`` stays finite)."""
     pos = amax > 0
-    safe = tl.where(pos, amax, 1.0)
+    safe = tl.where(pos, tl.maximum(amax, 3.761581922631320e-37), 1.0)
     return tl.where(pos, tl.math.div_rn(safe, 127.0), 0.0), tl.where(pos, tl.math.div_rn(127.0, safe), 0.0)
 
 
@@ -87,8 +89,10 @@ def _vmax_kernel(v_ptr, vmax_ptr, svb, svh, svl, svd, HK, LK, NK, PER, CHUNKS, B
     # elementwise over the run, one reduction across the tile's rows at the end
     m = tl.zeros([BS, D], dtype=tl.float32)
     for j in range(c * PER, tl.minimum(NK, c * PER + PER)):
-        rows = j * BS + tl.arange(0, BS)
-        v = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd,
+        r = tl.arange(0, BS)
+        rows = j * BS + r
+        # the block's first row in int64: row x token stride passes 2^31 in sequence-first layouts
+        v = tl.load(v_ptr + b * svb + h * svh + tl.cast(j * BS, tl.int64) * svl + r[:, None] * svl + offs_d[None, :] * svd,
                     mask=(rows < LK)[:, None], other=0.0)
         m = tl.maximum(m, tl.abs(v.to(tl.float32)))
     tl.atomic_max(vmax_ptr + bh.to(tl.int64) * D + offs_d, tl.max(m, axis=0).to(tl.int32, bitcast=True))
@@ -115,10 +119,13 @@ def _quant_kernel(
     b = (bh // HK).to(tl.int64)
     h = (bh % HK).to(tl.int64)
     bh = bh.to(tl.int64)
-    rows = j * BS + tl.arange(0, BS)
+    r = tl.arange(0, BS)
+    rows = j * BS + r
+    row0 = tl.cast(j * BS, tl.int64)  # the block's first row: row x token stride passes 2^31 in sequence-first layouts
     offs_d = tl.arange(0, D)
     valid = (rows < LK)[:, None]
-    k = tl.load(k_ptr + b * skb + h * skh + rows[:, None] * skl + offs_d[None, :] * skd, mask=valid, other=0.0)
+    k = tl.load(k_ptr + b * skb + h * skh + row0 * skl + r[:, None] * skl + offs_d[None, :] * skd, mask=valid,
+                other=0.0)
     mu = tl.load(mu_ptr + bh * D + offs_d)
     kc = tl.where(valid, k.to(tl.float32) - mu[None, :], 0.0)
     kabs = tl.max(tl.abs(kc), axis=0)
@@ -134,7 +141,8 @@ def _quant_kernel(
     tl.store(k8_ptr + (bh * LKP + rows[:, None]) * D + offs_d[None, :], k8)
     tl.store(sig_ptr + bh * NK + j, sig)
     if WITH_V:
-        v = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svl + offs_d[None, :] * svd, mask=valid, other=0.0)
+        v = tl.load(v_ptr + b * svb + h * svh + row0 * svl + r[:, None] * svl + offs_d[None, :] * svd, mask=valid,
+                    other=0.0)
         if V_INT8:  # one scale per block and channel, from this block's rows (padding rows are 0)
             vf = v.to(tl.float32)
             tau, tau_inv = _int8_scale(tl.max(tl.abs(vf), axis=0))
@@ -250,6 +258,7 @@ def launch_quant(k: Tensor, v: Tensor, ws: Quantized, precision: str, block_size
     v8t, tau = (ws.v8t, ws.tau) if fm["WITH_V"] else (ws.k8, ws.sigma)
     vcs = ws.vcs if fm["V_INT8"] else ws.sigma
     kc = needs_kcmax(precision)
+    check_token_strides(k=k, v=v)
     strides = (*k.stride(), *v.stride())
     _launch_quant((k.dtype, v.dtype, block_size, d, precision, spec_class(k, v, *strides)), (b * hk * nk,),
                   (k, v, ws.mu, vmax, ws.k8, ws.sigma, v8t, tau, vcs, ws.kcmax if kc else ws.sigma, *strides, hk, lk,
@@ -276,6 +285,7 @@ def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int
     if b * hk == 0 or nk == 0:
         ws.mu.zero_()
         return ws
+    check_token_strides(k=k, v=v)
     launch_mu(kbar, kscale, ws, precision, zero_vmax=True)
     if needs_vmax(precision):
         chunks = -(-nk // VMAX_BLOCKS)
