@@ -268,3 +268,51 @@ def test_calibration_config_cuda_graphs_is_checked():
     assert pd.CalibrationConfig().cuda_graphs is True
     with pytest.raises(TypeError, match="cuda_graphs"):
         pd.CalibrationConfig(cuda_graphs=1)
+
+
+def test_a_generation_repeated_calibrates_alike_and_batch_order_does_not_matter():
+    """Each generation samples its rows from the seed anew (the same input, the same weights and
+    output), and every batch row gives the same sampled positions (a sample's weights do not depend
+    on its place in the batch)."""
+    pipe = tiny_pipeline("flux")
+    pd.apply_pisa(pipe, calibrate=True, **RUN)
+    first = _generate(pipe, "flux", seed=3)
+    alphas = {i: a.clone() for i, a in pd.pisa_state(pipe.transformer).calibrator.frozen.items()}
+    assert torch.equal(_generate(pipe, "flux", seed=3), first)
+    assert all(torch.equal(a, pd.pisa_state(pipe.transformer).calibrator.frozen[i]) for i, a in alphas.items())
+    pd.remove_pisa(pipe)
+
+    tr = pipe.transformer
+    other = {k: (v.flip(0) if torch.is_tensor(v) and k in ("hidden_states", "encoder_hidden_states",
+                                                             "pooled_projections") else v)
+             for k, v in forward_inputs("flux", batch=2).items()}
+    outs = []
+    for order in ((0, 1), (1, 0)):
+        batch = {k: (v[list(order)] if torch.is_tensor(v) and v.dim() and v.shape[0] == 2 else v)
+                 for k, v in other.items()}
+        pd.apply_pisa(tr, calibrate=True, **RUN)
+        with torch.no_grad():
+            for t in (0.9, 0.5):  # the warm-up step, then a sparse one
+                out = tr(**{**batch, "timestep": torch.full((2,), t)}).sample
+        outs.append(out[list(order).index(0)])
+        pd.remove_pisa(tr)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+def test_calibrate_with_query_block_is_refused():
+    with pytest.raises(ValueError, match="query_block"):
+        pd.apply_pisa(tiny_transformer("flux"), calibrate=True, query_block=2 * TILE_BLOCK, **RUN)
+
+
+def test_a_table_of_another_model_is_refused_and_tables_record_their_model(tmp_path):
+    pipe = tiny_pipeline("flux")
+    pd.apply_pisa(pipe, calibrate=True, **RUN)
+    _generate(pipe, "flux")
+    table = pd.alpha_table(pipe)
+    assert table.model == "flux"
+    path = table.save(tmp_path / "flux.json")
+    pd.remove_pisa(pipe)
+    wan = tiny_transformer("wan")
+    with pytest.raises(ValueError, match="fitted on a 'flux' model"):
+        pd.apply_pisa(wan, alpha_table=path, **RUN)
+    assert pd.pisa_state(wan) is None

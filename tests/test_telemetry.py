@@ -88,14 +88,15 @@ def test_records_and_sparse_outputs_are_consistent(every_call):
     assert len(checked) == (STEPS - 1) * (LAYERS - 1) and max(checked) < 1e-5
 
 
-def _call(dense: bool, grid=(2, 16, 16), text: int = 64, scale=None):
+def _call(dense: bool, grid=(2, 16, 16), text: int = 64, scale=None, query_block=None):
     g = dit_qkv(grid, heads=2, head_dim=32, text_tokens=text, text_position="before", seed=1)
     keep = g.keep_blocks(64)
     # The image queries (one contiguous run here), the ones the backend runs PISA on.
     lo, hi = g.token_layout.text_mask_tokens().logical_not().nonzero()[[0, -1], 0].tolist()
     assert hi + 1 - lo == g.token_layout.num_tokens - text
     q = g.q[:, :, lo:hi + 1]
-    kw = dict(density=0.25, block_size=64, mode="hybrid", covariance_aware=False, keep_blocks=keep, scale=scale)
+    kw = dict(density=0.25, block_size=64, mode="hybrid", covariance_aware=False, keep_blocks=keep, scale=scale,
+              query_block=query_block)
     dense_out = torch.nn.functional.scaled_dot_product_attention(g.q, g.k, g.v, scale=scale)
     out = dense_out.clone()
     if not dense:
@@ -103,7 +104,7 @@ def _call(dense: bool, grid=(2, 16, 16), text: int = 64, scale=None):
     meta = {"image_range": (lo, hi + 1), "key_lens": None, "dense_reason": "warmup_step" if dense else None}
     call = hooks.AttentionCall(model="synthetic", layer=0, step=0, q=g.q, k=g.k, v=g.v, out=out, dense=dense,
                                density=0.25, mode="hybrid", covariance_aware=False, block_size=64, keep_blocks=keep,
-                               meta=meta, scale=scale)
+                               meta=meta, scale=scale, query_block=query_block)
     return call, q, g, kw, dense_out[:, :, lo:hi + 1]
 
 
@@ -125,6 +126,20 @@ def test_measure_agrees_between_dense_and_sparse_calls(scale):
     exact = sel.selected.index_select(2, rows).index_select(-1, keys)
     assert a["tail_mass"] == pytest.approx(float(p.masked_fill(exact, 0).sum(-1).mean()), rel=1e-5)
     assert tm.measure(sparse, drop=False)["rel_l1_drop"] is None
+
+
+def test_measure_uses_the_calls_query_block():
+    """Under query_block the recorded errors are those of the selection the call ran with: a sparse
+    call's own output and its dense twin's recomputation agree, and the drop error is the drop
+    error at that selection."""
+    sparse, q, g, kw, dense = _call(dense=False, query_block=128)
+    a, b = tm.measure(sparse), tm.measure(_call(dense=True, query_block=128)[0])
+    for key in ("tail_mass", "rel_l1_pisa", "rel_l1_drop"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    drop = pisa_attention(q, g.k, g.v, **{**kw, "mode": "drop"})
+    assert a["rel_l1_drop"] == pytest.approx(metrics.rel_l1(drop, dense), rel=1e-5)
+    per_block = tm.measure(_call(dense=True)[0])
+    assert a["rel_l1_drop"] != pytest.approx(per_block["rel_l1_drop"], rel=1e-3)  # another selection
 
 
 def test_hunyuan_dense_warmup_calls_measure_only_valid_keys():

@@ -104,8 +104,8 @@ def from_json(d) -> AlphaTable:
         raise _bad("has no 'transformers' with weights")
     out: dict[str, dict[int, LayerAlpha]] = {}
     for name, layers in ts.items():
-        if not isinstance(layers, dict) or not layers:
-            raise _bad(f"entry {name!r} must map layer indices to weights (a non-empty object), got {layers!r}")
+        if not isinstance(layers, dict):  # empty: a transformer without fitted layers (its default weight)
+            raise _bad(f"entry {name!r} must map layer indices to weights (an object), got {layers!r}")
         parsed = {}
         for key, entry in layers.items():
             try:
@@ -126,6 +126,8 @@ def from_json(d) -> AlphaTable:
             parsed[index] = LayerAlpha(tuple(float(x) for x in values), entry.get("tail_mass"), entry.get("rows"),
                                        entry.get("residual_vs_paper"), cov)
         out[str(name)] = parsed
+    if not any(out.values()):
+        raise _bad("has no weights (every transformer's entry is empty)")
     settings = d.get("settings") or {}
     if not isinstance(settings, dict):
         raise _bad("'settings' must be an object")

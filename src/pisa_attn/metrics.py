@@ -78,20 +78,24 @@ def select(
     scale: float | None = None,
     keep_blocks: Tensor | None = None,
     stats: ref.BlockStats | None = None,
+    query_block: int | None = None,
 ) -> ExactSet:
     """PISA's block selection, by the reference's select stage (the kernels are tested to match
-    it); ``stats`` of k/v may be passed in to share them between calls."""
+    it); ``stats`` of k/v may be passed in to share them between calls. ``query_block``: rows per
+    selection (``pisa_attention``'s); the mask and scores still have a row per query block."""
     check_call(q, k, v, density=density, block_size=block_size, covariance_aware=covariance_aware, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qb = spec.query_block_factor(query_block, block_size) * block_size
     given = stats
     if stats is None or (covariance_aware and stats.hdev is None):
-        stats = ref.prepare(q, k, v, block_size, with_hdev=covariance_aware)  # the prepare stage
-    qmean = stats.qmean if stats is not given else ref.block_means(q, block_size, stats.kmean.dtype)
-    nk = stats.kmean.shape[2]
+        stats = ref.prepare(q, k, v, block_size, with_hdev=covariance_aware, query_block=qb)  # the prepare stage
+    qmean = stats.qmean if stats is not given else ref.block_means(q, qb, stats.kmean.dtype)
+    nk, nq = stats.kmean.shape[2], spec.num_blocks(q.shape[2], block_size)
     keep = None if keep_blocks is None else keep_blocks.to(q.device)
     sel = ref.select(qmean, stats.kmean, n_select=spec.num_selected(density, nk), scale=scale,
-                     hdev=stats.hdev if covariance_aware else None, keep=keep)
-    return ExactSet(sel.to_mask(nk), ref.selection_scores(qmean, stats.kmean, scale))
+                     hdev=stats.hdev if covariance_aware else None, keep=keep, repeat=qb // block_size, n_q_blocks=nq)
+    scores = ref.selection_scores(qmean, stats.kmean, scale).repeat_interleave(qb // block_size, dim=2)[:, :, :nq]
+    return ExactSet(sel.to_mask(nk), scores)
 
 
 @dataclass

@@ -63,11 +63,12 @@ def alpha_table(pipe_or_transformer) -> at.AlphaTable:
     the calibrated ones (the fits of this generation's warm-up so far), else the loaded ones.
     ``.save(path)`` writes the file ``apply_pisa(..., alpha_table=path)`` loads."""
     found, _ = transformers_of(pipe_or_transformer)
-    out, settings = {}, {}
+    out, settings, model = {}, {}, None
     for name, tr in found:
         state = pisa_state(tr)
         if state is None:
             raise ValueError("transformer is not managed by apply_pisa")
+        model = state.adapter.name
         cfg = state.config
         settings = {"density": cfg.density, "mode": cfg.mode, "covariance_aware": cfg.covariance_aware,
                     "block_size": cfg.block_size}
@@ -81,7 +82,7 @@ def alpha_table(pipe_or_transformer) -> at.AlphaTable:
     if not any(out.values()):
         raise ValueError("no calibrated or loaded first-order weights: use apply_pisa(..., calibrate=True) and run "
                          "past the warm-up, or apply_pisa(..., alpha_table=...)")
-    return at.AlphaTable(out, settings, model=None, source="apply_pisa")
+    return at.AlphaTable(out, settings, model=model, source="apply_pisa")
 
 
 def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
@@ -179,6 +180,9 @@ def _install_for(name: str, transformer, settings: dict, table: at.AlphaTable | 
                          "dense_steps=0: pass dense_steps >= 1 (or load weights with alpha_table=...)")
     alphas, rules = {}, {}
     if table is not None:
+        if table.model is not None and table.model != adapter.name:
+            raise ValueError(f"alpha_table was fitted on a {table.model!r} model; this is a {adapter.name!r} "
+                             "transformer (its layer indices name other layers): calibrate this model")
         _check_table_settings(table, config)
         for layer, entry in table.layers(name).items():
             if layer >= len(modules):
@@ -342,6 +346,10 @@ def apply_pisa(
     table = None if alpha_table is None else at.load(alpha_table)
     if calibration is not None and table is not None:
         raise ValueError("give calibrate or alpha_table, not both (calibrate fits the weights alpha_table would set)")
+    if calibration is not None and query_block is not None:
+        raise ValueError("calibrate=True fits the weight against one selection per block_size rows, not the "
+                         f"query_block={query_block!r} selection the sparse calls would run: calibrate without "
+                         "query_block, or pass alpha / alpha_table")
     if (calibration is not None or table is not None) and mode not in spec.FIRST_ORDER_MODES:
         what = "calibrate" if calibration is not None else "alpha_table"
         raise ValueError(f"{what} sets the first-order weight, which mode {mode!r} does not have "

@@ -2,8 +2,8 @@
 
 Warm-up steps run dense attention in every layer, so the answer the weight is fitted against is
 there. On each warm-up call of a layer that will later run sparse, :class:`Calibrator` (an
-observer of the managed calls) samples a few query rows of one batch row and computes on those
-rows only, in float32, the zeroth-order output, the first-order
+observer of the managed calls) samples a few query rows, the same positions in every batch row
+(so a sample's weights do not depend on its place in the batch), and computes on those rows only, in float32, the zeroth-order output, the first-order
 correction and the dense output (:func:`pisa_attn.calibration.fit_rows`); it adds their
 least-squares statistics per layer and head, under both selection rules (top-k and
 covariance-aware; :func:`pisa_attn.calibration.fit_rules`, one dense pass of the rows). The first
@@ -45,10 +45,12 @@ from .schedule import Schedule
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """rows: query rows sampled per warm-up call and layer (runs of up to :data:`CHUNK`
-    consecutive rows in distinct random query blocks: a block's rows share its exact set).
+    """rows: query rows sampled per warm-up call and layer, shared out over the batch rows (runs of
+    up to :data:`CHUNK` consecutive rows in distinct random query blocks: a block's rows share its
+    exact set).
     fit: ``"head"`` (a weight per head) or ``"layer"`` (one per layer).
-    seed: the sampling's seed.
+    seed: the sampling's seed (each generation samples from it anew: the same input gives the same
+    weights).
     choose_selection: also choose each layer's selection rule (top-k or covariance-aware), the
     one whose fitted weights leave the smaller squared error on the sampled rows; both are fitted
     from one dense pass of the rows (:func:`pisa_attn.calibration.fit_rules`).
@@ -149,6 +151,7 @@ class Calibrator:
         """A new generation: forget the fits and the frozen weights."""
         self.join()
         self._sums.clear()
+        self.rng = random.Random(self.config.seed)
         self.frozen = None
         self.frozen_rules = None
         self.calls = 0
@@ -164,47 +167,52 @@ class Calibrator:
         if call.mode not in spec.FIRST_ORDER_MODES:
             return
         lens = call.meta.get("key_lens")
-        b = self.calls % call.q.shape[0]  # one batch row per call, in turn
-        n = call.k.shape[2] if not lens else int(lens[b])
-        # A layer that never runs sparse (a dense layer, too few keys) needs no weight.
-        if self.schedule.dense_reason(call.meta.get("block", call.layer), 1 << 62, n) is not None:
-            return
         bs = call.block_size
         lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
         start = block_floor(lo, bs)  # the query blocks the backend runs (see layout.block_floor)
-        rows = sample_rows(self.rng, lo - start, hi - start, bs, self.config.rows)
-        # An all-False mask selects as None does: no device read to find out.
-        keep = None if call.keep_blocks is None else call.keep_blocks[: spec.num_blocks(n, bs)]
+        # the same positions in every batch row: a sample's fit does not depend on its place in the batch
+        rows = sample_rows(self.rng, lo - start, hi - start, bs, -(-self.config.rows // call.q.shape[0]))
+        plan = cal.row_plan(hi - start, bs, rows, (lo - start, hi - start))
         rules = (False, True) if self.config.choose_selection else (bool(call.covariance_aware),)
-        q = call.q[b : b + 1, :, start:hi]
-        k, v = call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n]
-        plan = cal.row_plan(q.shape[2], bs, rows, (lo - start, hi - start))
-        keep = GRAPHS.on_device(keep, q.device)  # a host tensor is copied once, on the model's stream
-        prev = self._sums.get(call.layer)
-        if prev is None:
-            prev = self._sums[call.layer] = [torch.zeros(len(rules), 4, q.shape[1], device=q.device,
-                                                         dtype=torch.float64), 0, 0]
         fit = dict(density=call.density, rules=rules, mode=call.mode, scale=call.scale, block_size=bs,
-                   keep_blocks=keep, capture=self.config.cuda_graphs)
-        side = self._side_stream(q, call.mode, bs)
-        if side is None:
-            self.join()  # earlier fits on a side stream add into the same sums
-            prev[0].add_(GRAPHS.sums(q, k, v, plan, **fit))  # add: a graph's output buffer is reused
-        else:
-            side.wait_stream(torch.cuda.current_stream(q.device))
-            with torch.cuda.stream(side):
-                prev[0].add_(GRAPHS.sums(q, k, v, plan, **fit))
-            # made on the model's stream and read on the side one: not reused before the fit is done
-            for t in (q, k, v, prev[0]) + (() if keep is None else (keep,)):
-                t.record_stream(side)
-            self._pending.add(q.device)
+                   capture=self.config.cuda_graphs)
+        fitted = 0
+        for b in range(call.q.shape[0]):
+            n = call.k.shape[2] if not lens else int(lens[b])
+            # A layer that never runs sparse (a dense layer, too few keys) needs no weight.
+            if self.schedule.dense_reason(call.meta.get("block", call.layer), 1 << 62, n) is not None:
+                continue
+            # An all-False mask selects as None does: no device read to find out.
+            keep = None if call.keep_blocks is None else call.keep_blocks[: spec.num_blocks(n, bs)]
+            q = call.q[b : b + 1, :, start:hi]
+            k, v = call.k[b : b + 1, :, :n], call.v[b : b + 1, :, :n]
+            keep = GRAPHS.on_device(keep, q.device)  # a host tensor is copied once, on the model's stream
+            prev = self._sums.get(call.layer)
+            if prev is None:
+                prev = self._sums[call.layer] = [torch.zeros(len(rules), 4, q.shape[1], device=q.device,
+                                                             dtype=torch.float64), 0, 0]
+            side = self._side_stream(q, call.mode, bs)
+            if side is None:
+                self.join()  # earlier fits on a side stream add into the same sums
+                prev[0].add_(GRAPHS.sums(q, k, v, plan, keep_blocks=keep, **fit))  # add: a graph's output is reused
+            else:
+                side.wait_stream(torch.cuda.current_stream(q.device))
+                with torch.cuda.stream(side):
+                    prev[0].add_(GRAPHS.sums(q, k, v, plan, keep_blocks=keep, **fit))
+                # made on the model's stream and read on the side one: not reused before the fit is done
+                for t in (q, k, v, prev[0]) + (() if keep is None else (keep,)):
+                    t.record_stream(side)
+                self._pending.add(q.device)
+            r = len(plan.pos)
+            prev[1] += r
+            prev[2] += r * q.shape[3]
+            fitted += 1
+        if not fitted:
+            return
         self.calls += 1
         self.settings = {"density": call.density, "mode": call.mode, "covariance_aware": call.covariance_aware,
                          "block_size": bs}
         self._rules = rules
-        r = len(plan.pos)
-        prev[1] += r
-        prev[2] += r * q.shape[3]
 
     def _side_stream(self, q: Tensor, mode: str, block_size: int):
         """The side stream a call's fit runs on, or None (the model's stream): CUDA, the Triton fit

@@ -213,6 +213,7 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, o
         mode=cfg.mode,
         covariance_aware=state.covariance_for(layer, freeze=False),
         block_size=cfg.block_size,
+        query_block=cfg.query_block,
         keep_blocks=seq.keep,
         scale=scale,  # None (the processors' default) becomes 1/sqrt(D), what SDPA and PISA used
         alpha=state.alpha_values(layer, q.shape[2]),

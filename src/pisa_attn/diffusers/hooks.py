@@ -42,6 +42,7 @@ class AttentionCall:
     meta: dict[str, Any] = field(default_factory=dict)  # grid, text segments, tile, key_lens, ...
     scale: float | None = None  # a float after construction (see the class docstring)
     alpha: tuple[float, ...] | None = None
+    query_block: int | None = None  # rows per selection (None: block_size), as the sparse calls select
 
     def __post_init__(self):
         self.scale = float(self.q.shape[-1] ** -0.5 if self.scale is None else self.scale)

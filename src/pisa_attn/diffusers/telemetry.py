@@ -153,7 +153,7 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
             keep = call.keep_blocks[: spec.num_blocks(n, bs)]
             keep = keep if bool(keep.any()) else None
         kw = dict(density=call.density, block_size=bs, covariance_aware=call.covariance_aware, keep_blocks=keep,
-                  scale=call.scale)
+                  scale=call.scale, query_block=call.query_block)
         sel = metrics.select(q, k, v, **kw)
         dense = metrics.dense_pass(q, k, v, block_size=bs, masks=(sel.selected,), scale=call.scale)
         if call.dense:  # what PISA would have given here (with the weight the layer has now)
