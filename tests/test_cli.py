@@ -622,3 +622,13 @@ def test_bench_values_are_checked_before_the_gpu(args, words, capsys, monkeypatc
     monkeypatch.setattr(kernels, "run_bench", lambda *a, **k: pytest.fail("the benchmark started"))
     rc, err = run_cli(["bench", *args], capsys)
     assert_clear_error(rc, err, *words)
+
+
+def test_plot_formats_are_those_written_without_external_programs():
+    import argparse
+
+    from pisa_attn.bench import argtypes
+
+    with pytest.raises(argparse.ArgumentTypeError, match="'pgf' is not one of"):
+        argtypes.plot_file("/tmp/plot.pgf")  # needs TeX, found only after the work
+    assert argtypes.plot_file("/tmp/plot.svg") == "/tmp/plot.svg"

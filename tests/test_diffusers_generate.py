@@ -102,3 +102,12 @@ def test_generate_tiny_saved_pipeline(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         generate.run(_parse(["generate", "--model", model, "--prompt", "p", "--out", str(tmp_path / "x.png"), "--device", "cpu"]))
     assert e.value.code == 2 and "makes videos" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["mps", "meta"])
+def test_a_device_other_than_cpu_or_cuda_is_one_error_line(device, capsys):
+    from pisa_attn.bench.generate import _check_device
+
+    with pytest.raises(SystemExit):
+        _check_device(device)
+    assert "--device must be cpu or cuda[:N]" in capsys.readouterr().err

@@ -263,3 +263,24 @@ def test_study_runs_image_queries_on_the_key_block_grid():
     whole = pisa_attention(q, k, v, density=0.25, block_size=16, mode="zeroth", keep_blocks=keep, covariance_aware=False)
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert got == pytest.approx(metrics.rel_l1(whole[:, :, lo:hi], dense[:, :, lo:hi]), rel=1e-5)
+
+
+def test_synthetic_partner_has_the_samples_grid_with_text_tokens():
+    """The calibrated variant's input is another draw of the studied sample's grid (text tokens come
+    on top of the image tokens the generator is given)."""
+    src = SyntheticSource(heads=2, head_dim=32, seed=0, text_tokens=100, dtype=torch.float32, device="cpu")
+    (sample,) = src.fixed(512)
+    partner = src.calibration().partner(sample)
+    assert partner.length == sample.length == 612 and partner.layout.grid_shape == sample.layout.grid_shape
+    assert not torch.equal(partner.q, sample.q)
+
+
+def test_an_unreadable_calibration_capture_is_refused_before_work(tmp_path):
+    pytest.importorskip("safetensors")
+    from pisa_attn.bench.study import check_before_work
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_text("not a capture")
+    cfg = StudyConfig(source=str(bad), calib_source=str(bad))
+    with pytest.raises(ValueError, match="calib_source: path .* is not a readable .safetensors file"):
+        check_before_work(cfg, None)

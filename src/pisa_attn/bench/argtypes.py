@@ -141,8 +141,9 @@ def output_file(text: str) -> str:
     return text
 
 
-# the formats matplotlib's savefig writes by default (a name without a suffix is written as PNG)
-PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "pgf", "raw", "rgba")
+# the formats matplotlib's savefig writes without external programs (a name without a suffix is
+# written as PNG; pgf needs a TeX installation, found only after the work)
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "raw", "rgba")
 
 
 def plot_file(text: str) -> str:

@@ -291,7 +291,9 @@ def save_plot(result: DemoResult, path: str) -> None:
     for mode in result.config.modes:
         pts = [(r.density, r.rel_l1) for r in result.rows if r.method == mode and r.rel_l1 > 0]
         if pts:
-            ax.plot(*zip(*sorted(pts)), marker="o", label=LABELS.get(mode, mode), color=MODE_COLORS.get(mode))
+            # the demo runs the default weight, not the study's α = 1
+            label = f"sparse + hybrid (PISA, α = {DEFAULT_ALPHA:g})" if mode == "hybrid" else LABELS.get(mode, mode)
+            ax.plot(*zip(*sorted(pts)), marker="o", label=label, color=MODE_COLORS.get(mode))
     floor = result.rows[0].rel_l1
     if floor > 0:  # low-precision dense vs float32 dense: the rounding floor no method can beat
         ax.axhline(floor, color="gray", linestyle=":", label=f"dense in {result.dtype}")

@@ -123,6 +123,8 @@ def _check_device(device: str) -> None:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as e:
         _fail(f"--device {device!r} is not a torch device ({e})")
+    if dev.type not in ("cpu", "cuda"):
+        _fail(f"--device must be cpu or cuda[:N], got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         _fail(f"--device {device!r}: CUDA is not available on this machine")
 

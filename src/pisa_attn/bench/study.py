@@ -505,6 +505,13 @@ def check_before_work(cfg: StudyConfig, out: str | None) -> None:
     matplotlib for plots) or ``out`` cannot receive study.json."""
     if cfg.source != "synthetic" and at.missing_modules("safetensors"):
         raise ValueError("reading a capture needs safetensors, which is not installed: pip install safetensors")
+    if cfg.calib_source is not None:
+        from ..qkv_file import read_qkv_file
+
+        try:
+            read_qkv_file(cfg.calib_source)  # its index only: a file that is not a capture says so now
+        except ValueError as e:
+            raise ValueError(f"calib_source: {e}") from None
     if out is None:
         return
     try:
@@ -613,7 +620,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length", type=at.int_at_least(1), default=None,
                    help="tokens of the density sweep (synthetic source)")
     p.add_argument("--lengths", type=at.comma_list(at.int_at_least(1)), default=None,
-                   help="comma-separated lengths of the length sweep")
+                   help="comma-separated lengths of the length sweep (synthetic source; a capture sweeps as many "
+                        "halvings of its grid as lengths are given)")
     p.add_argument("--densities", type=at.comma_list(at.density), default=None,
                    help="comma-separated densities in (0, 1] of the density sweep")
     p.add_argument("--density", type=at.density, default=d.density,
@@ -625,7 +633,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="weighted hybrid variants: default (alpha = spec.DEFAULT_ALPHA), calibrated (alpha per head "
                         "fitted on another input)")
     p.add_argument("--no-weights", dest="weights", action="store_const", const=(), help="no weighted variants")
-    p.add_argument("--calib-source", type=at.existing_file_or("synthetic"), default=None,
+    p.add_argument("--calib-source", type=at.existing_file, default=None,
                    help="capture file (another input of the same model) the calibrated variant fits on; default: "
                         "the same layer at another captured step")
     p.add_argument("--heads", type=at.int_at_least(1), default=None)

@@ -142,9 +142,10 @@ class _SyntheticPartners:
         self._cache: dict[int, Sample] = {}
 
     def partner(self, sample: Sample) -> Sample | None:
-        if sample.length not in self._cache:
-            self._cache[sample.length] = self.other._make(sample.length)
-        return self._cache[sample.length]
+        n = sample.length - self.other.text_tokens  # the image tokens _make was given (text comes on top)
+        if n not in self._cache:
+            self._cache[n] = self.other._make(n)
+        return self._cache[n]
 
 
 class CapturedSource:
@@ -238,6 +239,9 @@ class _CapturedPartners:
             self._full[name] = self.source._sample(entry)
         full = self._full[name]
         if full.q.shape[1] != sample.q.shape[1]:  # another model: no weight per head to transfer
+            return None
+        if full.layout is not None and sample.layout is not None and \
+                len(full.layout.grid_shape) != len(sample.layout.grid_shape):  # an image model for a video one
             return None
         if sample.origin is None:  # an entry itself
             return full
