@@ -142,7 +142,9 @@ def table(results: dict) -> str:
             m = s["min_kv_len"]
             notes.append("min_kv_len sweep (FLUX heads, 512 text tokens): " + ", ".join(
                 f"{r['keys']} keys {r['speedup']:.2f}x" for r in m["rows"]) +
-                f"; PISA faster from {m['pisa_faster_from_keys']} keys; default min_kv_len {m['default']}")  # fmt: skip
+                ("; PISA faster at no length of the sweep" if m["pisa_faster_from_keys"] is None
+                 else f"; PISA faster from {m['pisa_faster_from_keys']} keys") +
+                f"; default min_kv_len {m['default']}")  # fmt: skip
     lines.append("attn r: one attention call dense/PISA at the model's shape; bound: Amdahl bound with r; share: speed-up / "
                  "bound; sched.: the paper's warm-up schedule over the steps; paper: its speed-ups with / without warm-up; "
                  "bound.%: boundary hooks as % of the PISA forward")  # fmt: skip
