@@ -375,10 +375,10 @@ def test_forward_wrapped_after_apply_survives_remove():
     with torch.no_grad():
         native = tr(**inputs).sample
     pd.apply_pisa(tr, **{**SPARSE, "density": 1.0})
-    calls = []
+    calls, inners = [], {}
     for name in ("x_embedder", "proj_out"):
         mod = tr.get_submodule(name)
-        inner = mod.forward
+        inner = inners[name] = mod.forward
 
         def outer(*args, _inner=inner, _name=name, **kwargs):
             calls.append(_name)
@@ -395,3 +395,13 @@ def test_forward_wrapped_after_apply_survives_remove():
         assert calls == ["x_embedder", "proj_out"]
         pd.apply_pisa(tr, **{**SPARSE, "density": 1.0})
     pd.remove_pisa(tr)
+    # the wrappers taken off again (as accelerate's remove_hook_from_module puts back the forward it
+    # kept): a later apply and remove leave the modules as they were before the first apply
+    for name, inner in inners.items():
+        tr.get_submodule(name).forward = inner
+    pd.apply_pisa(tr, **{**SPARSE, "density": 1.0})
+    pd.remove_pisa(tr)
+    for name in inners:
+        assert not {"forward", "_diffusers_hook"} & set(tr.get_submodule(name).__dict__), name
+    with torch.no_grad():
+        assert torch.equal(tr(**inputs).sample, native)

@@ -316,3 +316,24 @@ def test_a_table_of_another_model_is_refused_and_tables_record_their_model(tmp_p
     with pytest.raises(ValueError, match="fitted on a 'flux' model"):
         pd.apply_pisa(wan, alpha_table=path, **RUN)
     assert pd.pisa_state(wan) is None
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+def test_calibration_rows_are_shared_out_over_the_batch(batch):
+    from pisa_attn.diffusers.calibrate import CalibrationConfig, Calibrator
+    from pisa_attn.diffusers.hooks import AttentionCall
+    from pisa_attn.diffusers.schedule import Schedule
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(batch, 2, 1024, 32, generator=g) for _ in range(3))
+    c = Calibrator(CalibrationConfig(rows=32, side_stream=False, cuda_graphs=False),
+                   Schedule(dense_steps=2, min_kv_len=0))
+    c.observe(AttentionCall(model="wan", layer=0, step=0, q=q, k=k, v=v, out=q, dense=True, density=0.25,
+                            mode="hybrid", covariance_aware=False, block_size=64, meta={"dense_reason": "warmup_step"}))
+    assert c._sums[0][1] == 32
+
+
+def test_calibrate_takes_query_block_equal_to_block_size():
+    tr = tiny_transformer("flux")
+    pd.apply_pisa(tr, calibrate=True, query_block=TILE_BLOCK, **RUN)  # selects as query_block=None
+    pd.remove_pisa(tr)

@@ -284,3 +284,24 @@ def test_an_unreadable_calibration_capture_is_refused_before_work(tmp_path):
     cfg = StudyConfig(source=str(bad), calib_source=str(bad))
     with pytest.raises(ValueError, match="calib_source: path .* is not a readable .safetensors file"):
         check_before_work(cfg, None)
+
+
+def test_a_calibration_capture_of_another_family_is_not_used(tmp_path):
+    """FLUX and SD3 captures share head count and grid rank (as FLUX.1 and SD3.5-medium do): the
+    model family recorded in the capture keeps one from calibrating the other."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("safetensors")
+    from diffusers_tiny import prompt_kwargs, tiny_pipeline
+    from pisa_attn.bench.study_sources import CapturedSource
+    from pisa_attn.diffusers.capture import capture_qkv
+
+    paths = {}
+    for fam in ("flux", "sd3"):
+        pipe = tiny_pipeline(fam)
+        paths[fam] = str(tmp_path / f"{fam}.safetensors")
+        with torch.no_grad(), capture_qkv(pipe, layers=[0], steps=range(1), path=paths[fam]):
+            pipe(**prompt_kwargs(fam), num_inference_steps=2)
+    src = CapturedSource(paths["flux"], dtype=torch.float32, device="cpu")
+    (sample,) = src.fixed()[:1]
+    assert src.calibration(paths["sd3"]).partner(sample) is None
+    assert src.calibration(paths["flux"]).partner(sample) is not None

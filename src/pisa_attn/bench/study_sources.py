@@ -221,6 +221,11 @@ class _CapturedPartners:
         self.note = (f"the same layer in {calib_path}" if calib_path
                      else "the same layer at another captured step of the same file")
         self._entries = {}
+        self._full: dict[str, Sample] = {}
+        mine, theirs = source.file.meta.get("model"), other.meta.get("model")
+        if mine is not None and theirs is not None and mine != theirs:  # another family: no partner
+            self.note += f" (a {theirs!r} capture for a {mine!r} one: not used)"
+            return
         for e in source.entries:
             match = [c for c in other.entries if c.layer == e.layer and _prefix(c.name) == _prefix(e.name)
                      and (calib_path or c.step != e.step)]
@@ -228,7 +233,6 @@ class _CapturedPartners:
                 if calib_path:  # another file: its partners are checked as the studied entries are
                     check_entry(match[0])
                 self._entries[e.name] = match[0]
-        self._full: dict[str, Sample] = {}
 
     def partner(self, sample: Sample) -> Sample | None:
         name = sample.origin or sample.name

@@ -346,7 +346,7 @@ def apply_pisa(
     table = None if alpha_table is None else at.load(alpha_table)
     if calibration is not None and table is not None:
         raise ValueError("give calibrate or alpha_table, not both (calibrate fits the weights alpha_table would set)")
-    if calibration is not None and query_block is not None:
+    if calibration is not None and query_block is not None and query_block != block_size:
         raise ValueError("calibrate=True fits the weight against one selection per block_size rows, not the "
                          f"query_block={query_block!r} selection the sparse calls would run: calibrate without "
                          "query_block, or pass alpha / alpha_table")

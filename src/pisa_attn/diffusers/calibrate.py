@@ -171,7 +171,8 @@ class Calibrator:
         lo, hi = call.meta.get("image_range") or (0, call.q.shape[2])
         start = block_floor(lo, bs)  # the query blocks the backend runs (see layout.block_floor)
         # the same positions in every batch row: a sample's fit does not depend on its place in the batch
-        rows = sample_rows(self.rng, lo - start, hi - start, bs, -(-self.config.rows // call.q.shape[0]))
+        share = -(-self.config.rows // call.q.shape[0])
+        rows = sample_rows(self.rng, lo - start, hi - start, bs, share)[:share]  # runs are whole chunks: cut
         plan = cal.row_plan(hi - start, bs, rows, (lo - start, hi - start))
         rules = (False, True) if self.config.choose_selection else (bool(call.covariance_aware),)
         fit = dict(density=call.density, rules=rules, mode=call.mode, scale=call.scale, block_size=bs,

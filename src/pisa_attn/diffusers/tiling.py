@@ -247,6 +247,7 @@ def _output_hook_class():
             super().__init__()
             self.fn = fn  # None: a pass-through (left so by an undo under another wrapper)
             self.installed_forward = None  # the forward the registry installed for this hook
+            self.had = {}  # which of _diffusers_hook / forward the module had before it
 
         def post_forward(self, module, output):
             out = None if self.fn is None else self.fn(module, None, output)
@@ -270,10 +271,12 @@ def _add_output_hook(state: PisaState, module, fn) -> None:
     hook = registry.get_hook(HOOK_NAME)
     if isinstance(hook, _output_hook_class()) and hook.fn is None:  # left dormant by an earlier undo
         hook.fn = fn
+        had = hook.had  # what the module had before the hook was first registered
     else:
         hook = _output_hook_class()(fn)
         registry.register_hook(hook, HOOK_NAME)
         hook.installed_forward = module.__dict__.get("forward")
+        hook.had = had
 
     def undo() -> None:
         wrapped = registry._hook_order[-1:] == [HOOK_NAME] and module.__dict__.get("forward") is not \
