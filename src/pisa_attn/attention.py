@@ -880,9 +880,10 @@ def pisa_attention(
 
     Finite inputs give a finite output where it fits the output dtype: the first-order term is a
     linear correction, not a convex combination of values, so with extreme inputs (sharp scores
-    against values near float16's limit) a hybrid output can leave the values' range. NaN or inf in ``q``, ``k`` or ``v`` is not looked for
-    (that would read the device every call): it propagates as in dense attention, where one
-    non-finite key or value reaches every row (here through the block statistics and ``H̄``).
+    against values near float16's limit) a hybrid output can leave the values' range. NaN or inf
+    in ``q``, ``k`` or ``v`` is not looked for (that would read the device every call): it
+    propagates as in dense attention, where one non-finite key or value reaches every row (here
+    through the block statistics and ``H̄``).
     """
     if return_lse is not True and return_lse is not False:
         return_lse = as_bool("return_lse", return_lse)
