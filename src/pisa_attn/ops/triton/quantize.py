@@ -92,8 +92,8 @@ def _vmax_kernel(v_ptr, vmax_ptr, svb, svh, svl, svd, HK, LK, NK, PER, CHUNKS, B
         r = tl.arange(0, BS)
         rows = j * BS + r
         # the block's first row in int64: row x token stride passes 2^31 in sequence-first layouts
-        v = tl.load(v_ptr + b * svb + h * svh + tl.cast(j * BS, tl.int64) * svl + r[:, None] * svl + offs_d[None, :] * svd,
-                    mask=(rows < LK)[:, None], other=0.0)
+        v_blk = v_ptr + b * svb + h * svh + tl.cast(j * BS, tl.int64) * svl
+        v = tl.load(v_blk + r[:, None] * svl + offs_d[None, :] * svd, mask=(rows < LK)[:, None], other=0.0)
         m = tl.maximum(m, tl.abs(v.to(tl.float32)))
     tl.atomic_max(vmax_ptr + bh.to(tl.int64) * D + offs_d, tl.max(m, axis=0).to(tl.int32, bitcast=True))
 
