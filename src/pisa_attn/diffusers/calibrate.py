@@ -1,17 +1,17 @@
 """Fitting the first-order weight during a run's dense warm-up (``apply_pisa(..., calibrate=True)``).
 
 Warm-up steps run dense attention in every layer, so the answer the weight is fitted against is
-there. On each warm-up call of a layer that will later run sparse, :class:`Calibrator` (an
-observer of the managed calls) samples a few query rows, the same positions in every batch row
-(so a sample's weights do not depend on its place in the batch), and computes on those rows
-only, in float32, the zeroth-order output, the first-order correction and the dense output
-(:func:`pisa_attn.calibration.fit_rows`); it adds their least-squares statistics per layer and head, under both selection rules (top-k and
-covariance-aware; :func:`pisa_attn.calibration.fit_rules`, one dense pass of the rows). The first
-sparse call of a generation freezes the weights and the rules: per layer the rule whose clamped
-fit (:data:`pisa_attn.calibration.FIT_BOUNDS`) leaves the smaller squared error, and its weights
-per head; a layer without samples keeps the weight and rule it has without calibration. Each
-generation fits anew, on its own warm-up (the input being generated is the best calibration input
-there is).
+there. On each warm-up call of a layer that will later run sparse, :class:`Calibrator` (an observer
+of the managed calls) samples a few query rows, the same positions in every batch row (so a sample's
+weights do not depend on its place in the batch), and computes on those rows only, in float32, the
+zeroth-order output, the first-order correction and the dense output
+(:func:`pisa_attn.calibration.fit_rows`); it adds their least-squares statistics per layer and head,
+under both selection rules (top-k and covariance-aware; :func:`pisa_attn.calibration.fit_rules`, one
+dense pass of the rows). The first sparse call of a generation freezes the weights and the rules:
+per layer the rule whose clamped fit (:data:`pisa_attn.calibration.FIT_BOUNDS`) leaves the smaller
+squared error, and its weights per head; a layer without samples keeps the weight and rule it has
+without calibration. Each generation fits anew, on its own warm-up (the input being generated is the
+best calibration input there is).
 
 Cost per calibrated call: the key statistics (``O(Lk·D²)`` per head, as PISA's prepare, plus the
 covariance deviations) and one pass of the sampled rows over the keys, against the call's
