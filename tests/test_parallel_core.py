@@ -234,9 +234,22 @@ def _ring_shard_fields(rank, world):
     return err, max(seen, default=float("inf")), len(seen)
 
 
+def _settings_alpha_float64(rank, world):
+    """A per-head alpha given in settings= keeps float64 through Ulysses: the one-process call's bits."""
+    from pisa_attn import PisaSettings
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    s = PisaSettings(density=0.25, block_size=16, backend="reference", alpha=(0.1, 0.7))
+    sl = slice(64 * rank, 64 * rank + 64)
+    one = pisa_attention(q, k, v, settings=s)[:, :, sl]
+    return float((ulysses_pisa_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], settings=s) - one).abs().max())
+
+
 def _worker(rank, world, cases, with_errors):
     res = {name: _run_case(rank, world, spec) for name, spec in cases.items()}
     if with_errors:
+        res["settings-alpha-f64"] = _settings_alpha_float64(rank, world)
         res["errors"] = _error_cases(rank, world)
         if INTERPRETED:
             res["ring-triton"] = _ring_on_triton(rank, world)
@@ -303,6 +316,10 @@ def test_ring_shard_fields_written_on_every_rank(two_ranks):
     for rank, res in enumerate(two_ranks):
         err, kmax_err, attends = res["ring-shard-fields"]
         assert attends == 2 and kmax_err == 0.0 and err < 4e-3, (rank, err, kmax_err, attends)
+
+
+def test_settings_alpha_keeps_float64(two_ranks):
+    assert all(res["settings-alpha-f64"] == 0.0 for res in two_ranks)
 
 
 def test_merge_is_exact_softmax_split():

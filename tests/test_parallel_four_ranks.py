@@ -69,7 +69,35 @@ def _core(rank, world):
         res[name] = _run_case(rank, 3, c, {"group": three}) if rank < 3 else None
     if INTERPRETED:
         res["ring4-triton-empty-shard"] = _ring_triton_empty_shard(rank, world)
+    res["unified-errors"] = _unified_errors(rank, groups)
     return res
+
+
+def _unified_errors(rank, groups):
+    """Input one rank refuses (an empty shard, grad), a malformed seq_lens and settings that differ
+    between the ranks of one Ulysses group: every rank of the grid raises (none waits in a
+    collective). Returns each case's error, 'ok' when it ran."""
+    from pisa_attn.parallel import unified_pisa_attention
+
+    def run(fn):
+        try:
+            with torch.enable_grad():
+                fn()
+            return "ok"
+        except (TypeError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 4, 40, 16, generator=g, dtype=torch.float64)
+    empty = x[:, :, :0] if rank == 3 else x
+    grad = x.clone().requires_grad_(rank == 0)
+    kw = dict(block_size=16, backend="reference", **groups)
+    return {
+        "empty": run(lambda: unified_pisa_attention(empty, empty, empty, **kw)),
+        "grad": run(lambda: unified_pisa_attention(grad, x, x, **kw)),
+        "seq-lens": run(lambda: unified_pisa_attention(x, x, x, seq_lens=[-1, 41, 40, 40], **kw)),
+        "settings": run(lambda: unified_pisa_attention(x, x, x, density=0.25 if rank == 0 else 0.5, **kw)),
+    }
 
 
 def _diffusers(world):
@@ -116,6 +144,18 @@ def test_ring_on_the_kernels_with_an_empty_shard(four_ranks):
     for rank, res in enumerate(four_ranks):
         err_out, err_lse = res["core"]["ring4-triton-empty-shard"]
         assert err_out < 4e-3 and err_lse < 1e-5, (rank, err_out, err_lse)
+
+
+@pytest.mark.parametrize("case, words", [("empty", "empty input|another rank refused"),
+                                         ("grad", "inference-only|another rank refused"),
+                                         ("seq-lens", "seq_lens must list 4 positive ints"),
+                                         ("settings", "same settings")])
+def test_unified_errors_reach_every_rank(four_ranks, case, words):
+    import re
+
+    for rank, res in enumerate(four_ranks):
+        msg = res["core"]["unified-errors"][case]
+        assert msg.startswith("ValueError") and re.search(words, msg), (rank, msg)
 
 
 @pytest.mark.parametrize("family", ["flux", "wan"])

@@ -25,7 +25,8 @@ def settings_of(settings, alpha=None, **loose):
         check_not_both(**loose)
     if settings.alpha is not None:
         if alpha is None:
-            alpha = torch.tensor(settings.alpha) if isinstance(settings.alpha, tuple) else settings.alpha
+            alpha = (torch.tensor(settings.alpha, dtype=torch.float64) if isinstance(settings.alpha, tuple)
+                     else settings.alpha)  # float64: each call casts it to its own precision
         settings = settings.replace(alpha=None)
     return settings, alpha
 
@@ -43,7 +44,7 @@ class Shards:
 
 
 @functools.lru_cache(maxsize=64)
-def _fingerprint(settings: PisaSettings, dtype) -> int:
+def settings_fingerprint(settings: PisaSettings, dtype) -> int:
     """One int for the settings (layout aside) and dtype every rank must share: made once per pair."""
     return zlib.crc32(repr((settings.replace(layout="bhsd"), str(dtype))).encode())
 
@@ -81,7 +82,7 @@ def check_inputs(q, k, v, *, group, settings: PisaSettings, what: str, return_ls
         return qh, kh, vh, Shards(rank, world, lens, lens, b, h, hk, d)
     # the settings and dtype every rank must share, as one int (a mismatch ran a different
     # algorithm per rank, aborted a collective or hung)
-    agreed = _fingerprint(s, q.dtype)
+    agreed = settings_fingerprint(s, q.dtype)
     mine = [1, 0, 0, 0, 0, 0, 0, agreed] if local_error is not None else [0, lq, lk, b, h, hk, d, agreed]
     facts = gather_ints(mine, group, q.device)
     if local_error is not None:

@@ -9,14 +9,15 @@ statistics and selection, one merge); a second all-to-all returns the heads.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .. import spec
 from ..attention import validate
 from ..settings import PisaSettings
-from .common import settings_of
-from .comm import group_info
+from .common import settings_fingerprint, settings_of
+from .comm import gather_ints, group_info
 from .ring import ring_pisa_attention
 from .ulysses import local_heads, local_keep, ulysses_attention
 
@@ -72,22 +73,35 @@ def unified_pisa_attention(
     if s.precision != "input":  # sharded keys merge float32 partials, which the low-precision kernel does not write
         raise ValueError(f"precision={s.precision!r} is not supported by unified_pisa_attention (the low-precision kernel writes "
                          "no float32 partial outputs to merge across ranks): use precision='input'")
-    validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale, layout=s.layout,
-             backend=s.backend, covariance_aware=s.covariance_aware, return_lse=return_lse,
-             query_block=s.query_block, alpha=alpha)
-    layout = s.layout
     u_rank, u = group_info(ulysses_group)
     r_rank, r = group_info(ring_group)
     if dist.get_world_size() % (u * r) or (u > 1 and r > 1 and ulysses_group == ring_group):
         raise ValueError(f"ulysses_group ({u} ranks) and ring_group ({r} ranks) must be two groups forming a "
                          f"ring x ulysses grid of the ranks (got {'one group twice' if ulysses_group == ring_group else 'sizes that do not divide the world'})")
     u_lens = ring_lens = None
-    if seq_lens is not None:
+    if seq_lens is not None:  # the same list on every rank: every rank refuses a bad one alike
         lens = list(seq_lens) if isinstance(seq_lens, (list, tuple)) else None
-        if lens is None or len(lens) != u * r:
-            raise ValueError(f"seq_lens must list {u * r} local lengths (ring x ulysses ranks), got {seq_lens!r}")
+        if lens is None or len(lens) != u * r or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lens):
+            raise ValueError(f"seq_lens must list {u * r} positive ints (local lengths of the ring x ulysses ranks), "
+                             f"got {seq_lens!r}")
         u_lens = lens[r_rank * u : (r_rank + 1) * u]
         ring_lens = [sum(lens[j * u : (j + 1) * u]) for j in range(r)]
+    try:
+        validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale, layout=s.layout,
+                 backend=s.backend, covariance_aware=s.covariance_aware, return_lse=return_lse,
+                 query_block=s.query_block, alpha=alpha)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            raise ValueError("unified_pisa_attention is inference-only: call it under torch.no_grad() (q/k/v require "
+                             "grad)")
+        local_error = None
+    except (TypeError, ValueError) as e:
+        if seq_lens is not None or not isinstance(q, Tensor):
+            raise  # as ring and Ulysses: with seq_lens given the ranks are trusted to agree
+        local_error = e
+    if seq_lens is None:
+        _agree_on_grid(local_error, settings_fingerprint(s, q.dtype), ulysses_group, ring_group, q.device)
+    layout = s.layout
     heads = q.shape[1 if layout == "bhsd" else 2]
     keep = local_keep(keep_blocks, heads, slice(u_rank * heads // u, (u_rank + 1) * heads // u))
     alpha = local_heads(alpha, slice(u_rank * heads // u, (u_rank + 1) * heads // u))
@@ -102,3 +116,19 @@ def unified_pisa_attention(
 
     out, lse = ulysses_attention(q, k, v, ring, group=ulysses_group, layout=layout, seq_lens=u_lens)
     return (out, lse) if return_lse else out
+
+
+def _agree_on_grid(local_error, fingerprint: int, ulysses_group, ring_group, device) -> None:
+    """Raise on every rank of the grid when any rank refused its inputs or called with other
+    settings or dtype: the Ulysses group's verdict, then the ring group's over those (every rank
+    shares a Ulysses group with one rank of each ring group), two small gathers."""
+    mine = [int(local_error is not None), fingerprint]
+    facts = gather_ints(mine, ulysses_group, device)
+    group_verdict = [int(any(f[0] for f in facts)), int(len({f[1] for f in facts}) > 1), facts[0][1]]
+    verdicts = gather_ints(group_verdict, ring_group, device)
+    if local_error is not None:
+        raise local_error
+    if any(v[0] for v in verdicts):
+        raise ValueError("unified_pisa_attention: another rank refused its inputs (its error says why)")
+    if any(v[1] for v in verdicts) or len({v[2] for v in verdicts}) > 1:
+        raise ValueError("unified_pisa_attention: every rank must call with the same settings and dtype")
