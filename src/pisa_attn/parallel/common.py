@@ -49,6 +49,34 @@ def settings_fingerprint(settings: PisaSettings, dtype) -> int:
     return zlib.crc32(repr((settings.replace(layout="bhsd"), str(dtype))).encode())
 
 
+def local_check(q, k, v, s: PisaSettings, *, what: str, return_lse, alpha, defer: bool):
+    """``((qh, kh, vh), None)``: this rank's q/k/v validated (``[B, H, L, D]`` views) and not
+    requiring grad; or, with ``defer`` and tensors, ``(None, error)`` for the caller to raise after
+    a gather that tells every rank (without it the error is raised here)."""
+    try:
+        views = validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale,
+                         layout=s.layout, backend=s.backend, covariance_aware=s.covariance_aware,
+                         return_lse=return_lse, query_block=s.query_block, alpha=alpha)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+            # The collectives here are not autograd-aware; a silently missing gradient is worse than an error.
+            raise ValueError(f"{what} is inference-only: call it under torch.no_grad() (q/k/v require grad)")
+        return views, None
+    except (TypeError, ValueError) as e:
+        if not defer or not isinstance(q, torch.Tensor):
+            raise
+        return None, e
+
+
+def checked_lens(seq_lens, n: int, what: str) -> list[int]:
+    """``seq_lens`` as a list of ``n`` positive ints (the same list on every rank, so every rank
+    refuses a bad one alike); ValueError naming it otherwise."""
+    lens = list(seq_lens) if isinstance(seq_lens, (list, tuple)) else None
+    if lens is None or len(lens) != n or not all(isinstance(n_, int) and not isinstance(n_, bool) and n_ > 0
+                                                 for n_ in lens):
+        raise ValueError(f"seq_lens must list {n} positive ints ({what}), got {seq_lens!r}")
+    return lens
+
+
 def check_inputs(q, k, v, *, group, settings: PisaSettings, what: str, return_lse=False, seq_lens=None,
                  alpha=None):  # fmt: skip
     """Validate one rank's local q/k/v; return ``[B, H, L, D]`` views and the gathered shard facts.
@@ -57,26 +85,16 @@ def check_inputs(q, k, v, *, group, settings: PisaSettings, what: str, return_ls
     all-gather (and its host sync), and with it the check that all ranks agree on B/H/Hk/D.
     """
     s = settings
-    try:
-        qh, kh, vh = validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale,
-                              layout=s.layout, backend=s.backend, covariance_aware=s.covariance_aware,
-                              return_lse=return_lse, query_block=s.query_block, alpha=alpha)
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-            # The collectives here are not autograd-aware; a silently missing gradient is worse than an error.
-            raise ValueError(f"{what} is inference-only: call it under torch.no_grad() (q/k/v require grad)")
-        local_error = None
-    except (TypeError, ValueError) as e:
-        if seq_lens is not None or not isinstance(q, torch.Tensor):
-            raise
-        local_error = e  # raised after the gather below, which every rank then leaves with an error
+    # an error is raised after the gather below, which every rank then leaves with an error
+    views, local_error = local_check(q, k, v, s, what=what, return_lse=return_lse, alpha=alpha,
+                                     defer=seq_lens is None)
     rank, world = group_info(group)
     if local_error is None:
+        qh, kh, vh = views
         b, h, lq, d = qh.shape
         hk, lk = kh.shape[1], kh.shape[2]
     if seq_lens is not None:
-        lens = list(seq_lens) if isinstance(seq_lens, (list, tuple)) else None
-        if lens is None or len(lens) != world or not all(isinstance(n, int) and n > 0 for n in lens):
-            raise ValueError(f"seq_lens must list {world} positive ints (one local length per rank), got {seq_lens!r}")
+        lens = checked_lens(seq_lens, world, "one local length per rank")
         if lens[rank] != lq or lens[rank] != lk:
             raise ValueError(f"seq_lens[{rank}] = {lens[rank]} but this rank holds {lq} queries and {lk} keys")
         return qh, kh, vh, Shards(rank, world, lens, lens, b, h, hk, d)

@@ -9,14 +9,12 @@ statistics and selection, one merge); a second all-to-all returns the heads.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .. import spec
-from ..attention import validate
 from ..settings import PisaSettings
-from .common import settings_fingerprint, settings_of
+from .common import checked_lens, local_check, settings_fingerprint, settings_of
 from .comm import gather_ints, group_info
 from .ring import ring_pisa_attention
 from .ulysses import local_heads, local_keep, ulysses_attention
@@ -79,26 +77,13 @@ def unified_pisa_attention(
         raise ValueError(f"ulysses_group ({u} ranks) and ring_group ({r} ranks) must be two groups forming a "
                          f"ring x ulysses grid of the ranks (got {'one group twice' if ulysses_group == ring_group else 'sizes that do not divide the world'})")
     u_lens = ring_lens = None
-    if seq_lens is not None:  # the same list on every rank: every rank refuses a bad one alike
-        lens = list(seq_lens) if isinstance(seq_lens, (list, tuple)) else None
-        if lens is None or len(lens) != u * r or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lens):
-            raise ValueError(f"seq_lens must list {u * r} positive ints (local lengths of the ring x ulysses ranks), "
-                             f"got {seq_lens!r}")
+    if seq_lens is not None:
+        lens = checked_lens(seq_lens, u * r, "local lengths of the ring x ulysses ranks")
         u_lens = lens[r_rank * u : (r_rank + 1) * u]
         ring_lens = [sum(lens[j * u : (j + 1) * u]) for j in range(r)]
-    try:
-        validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale, layout=s.layout,
-                 backend=s.backend, covariance_aware=s.covariance_aware, return_lse=return_lse,
-                 query_block=s.query_block, alpha=alpha)
-        if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-            raise ValueError("unified_pisa_attention is inference-only: call it under torch.no_grad() (q/k/v require "
-                             "grad)")
-        local_error = None
-    except (TypeError, ValueError) as e:
-        if seq_lens is not None or not isinstance(q, Tensor):
-            raise  # as ring and Ulysses: with seq_lens given the ranks are trusted to agree
-        local_error = e
+    # as ring and Ulysses: with seq_lens given the ranks are trusted to agree and errors raise here
+    _, local_error = local_check(q, k, v, s, what="unified_pisa_attention", return_lse=return_lse, alpha=alpha,
+                                 defer=seq_lens is None)
     if seq_lens is None:
         _agree_on_grid(local_error, settings_fingerprint(s, q.dtype), ulysses_group, ring_group, q.device)
     layout = s.layout
