@@ -177,11 +177,13 @@ class Calibrator:
         rules = (False, True) if self.config.choose_selection else (bool(call.covariance_aware),)
         fit = dict(density=call.density, rules=rules, mode=call.mode, scale=call.scale, block_size=bs,
                    capture=self.config.cuda_graphs)
+        block = call.meta.get("block", call.layer)
+        side = self._side_stream(call.q, call.mode, bs)
         fitted = 0
         for b in range(call.q.shape[0]):
             n = call.k.shape[2] if not lens else int(lens[b])
             # A layer that never runs sparse (a dense layer, too few keys) needs no weight.
-            if self.schedule.dense_reason(call.meta.get("block", call.layer), 1 << 62, n) is not None:
+            if self.schedule.dense_reason(block, 1 << 62, n) is not None:
                 continue
             # An all-False mask selects as None does: no device read to find out.
             keep = None if call.keep_blocks is None else call.keep_blocks[: spec.num_blocks(n, bs)]
@@ -192,7 +194,6 @@ class Calibrator:
             if prev is None:
                 prev = self._sums[call.layer] = [torch.zeros(len(rules), 4, q.shape[1], device=q.device,
                                                              dtype=torch.float64), 0, 0]
-            side = self._side_stream(q, call.mode, bs)
             if side is None:
                 self.join()  # earlier fits on a side stream add into the same sums
                 prev[0].add_(GRAPHS.sums(q, k, v, plan, keep_blocks=keep, **fit))  # add: a graph's output is reused
