@@ -13,11 +13,13 @@ Variants: the selection rule (``topk``: pooled top-k; ``cov``: covariance-aware,
 tail: ``drop``, ``zeroth``, ``hybrid`` with the paper's ``H̄`` (mean over all key blocks),
 ``H̄`` without the always-exact blocks (``-keep``), without the always-exact and the sink-like
 blocks (``-sink``: ``||H_j − H̄|| > SINK_RATIO ×`` the median), each row's own tail ``H̄``
-(``row``), each at ``alpha`` 1 (the paper's weight), the library default and the per-layer fit of
-the calibration input (least squares per head, clamped to ``calibration.FIT_BOUNDS``).
+(``row``), and the exact block-wise first order (``first``, dense cost), each at ``alpha`` 1 (the
+paper's weight), the library default and the per-layer fit of the calibration input (least squares
+per head, clamped to ``calibration.FIT_BOUNDS``).
 The calibration input of a set is its first one; every table averages the others (held out).
 
-    PYTHONPATH=src python benchmarks/calibration_bias.py --dinov2 DIR --out benchmarks/results/calibration_bias.json
+    PYTHONPATH=src python benchmarks/calibration_bias.py --dinov2 DIR --out benchmarks/results/calibration_bias_dinov2.json --no-dit
+    PYTHONPATH=src python benchmarks/calibration_bias.py --out benchmarks/results/calibration_bias_dit.json
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ def variants(q, k, v, keep, density: float):
             full, _ = ref.pisa_forward(q, k, v, st, sel, mode="hybrid", hbar_scope="row" if hb == "row" else "global",
                                        **kw)
             yield f"{rule}/hybrid{hb}", o0, full - o0
+        # exact block-wise first order (dense cost): the bound of what a better H̄ could give
+        first, _ = ref.pisa_forward(q, k, v, base_stats, sel, mode="first", **kw)
+        yield f"{rule}/first", o0, first - o0
 
 
 def measure(q, k, v, keep, density, fitted: dict | None, layer_key) -> tuple[dict, dict]:
@@ -165,7 +170,7 @@ def main(argv=None) -> int:
             print(f"{time.perf_counter() - t0:6.0f}s {set_name} {inp} layer {layer}", file=sys.stderr, flush=True)
     summary = summarize(rows)
     with open(args.out, "w") as f:
-        json.dump({"density": args.density, "block_size": BLOCK, "sink_ratio": SINK_RATIO,
+        json.dump({"torch": torch.__version__, "density": args.density, "block_size": BLOCK, "sink_ratio": SINK_RATIO,
                    "default_alpha": spec.DEFAULT_ALPHA, "calibration_inputs": calib_input,
                    "summary": summary, "rows": rows}, f, indent=1)
     print_summary(summary)

@@ -18,6 +18,7 @@ large finite inputs stay finite. Meant for tiny shapes only.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -111,8 +112,10 @@ def brute_dense(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> 
 
 
 def brute_n_select(density: float, n_kv_blocks: int) -> int:
-    """``max(1, round(density · N))``, rounding halves up, capped at N."""
-    return max(1, min(n_kv_blocks, math.floor(density * n_kv_blocks + 0.5)))
+    """``max(1, round(density · N))``, rounding halves up, capped at N, on the decimal density
+    (exact arithmetic: 0.29 · 50 = 14.5 rounds to 15)."""
+    exact = Fraction(repr(float(density))) * n_kv_blocks
+    return max(1, min(n_kv_blocks, math.floor(exact + Fraction(1, 2))))
 
 
 def brute_selection(

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brute import MODES, brute_dense, brute_pisa, brute_selection, paper
+from brute import MODES, brute_dense, brute_n_select, brute_pisa, brute_selection, paper
 from pisa_attn import pisa_attention, spec
 from pisa_attn.ops import reference as ref
 
@@ -114,6 +114,13 @@ def test_bad_input_raises_naming_the_argument(build, exc, pattern):
 )
 def test_selected_count_is_density_times_blocks_rounded_half_up(density, n, k):
     assert spec.num_selected(density, n) == k
+
+
+def test_selected_count_rounds_the_decimal_density():
+    # 0.29 * 50 is 14.4999... in floats; the rule reads the density as written (14.5 -> 15)
+    assert spec.num_selected(0.29, 50) == 15
+    pairs = [(i / 1000, n) for i in range(1, 1001) for n in range(1, 300, 7)]
+    assert [spec.num_selected(d, n) for d, n in pairs] == [brute_n_select(d, n) for d, n in pairs]
 
 
 def test_reference_backend_is_differentiable():

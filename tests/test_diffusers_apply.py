@@ -205,6 +205,31 @@ def test_failure_while_installing_rolls_back(monkeypatch, managed):
     pd.remove_pisa(pipe)
 
 
+def test_failure_on_the_first_transformer_leaves_the_second_managed(monkeypatch):
+    # Wan2.2-like pipeline: the failure comes while installing the first transformer, so the
+    # second one, never reached, keeps its earlier state (not a second copy of it, not none).
+    pipe = tiny_pipeline("wan")
+    pipe.register_modules(transformer_2=tiny_transformer("wan", seed=1))
+    pd.apply_pisa(pipe, **SPARSE)
+    state2 = pd.pisa_state(pipe.transformer_2)
+    inputs = forward_inputs("wan")
+    with torch.no_grad():
+        expect = pipe.transformer_2(**inputs).sample
+
+    def boom(transformer, config=True):
+        raise RuntimeError("telemetry broke")
+
+    monkeypatch.setattr(tm, "attach", boom)
+    with pytest.raises(RuntimeError, match="telemetry broke") as err:
+        pd.apply_pisa(pipe, telemetry=0.5, **SPARSE)
+    monkeypatch.undo()
+    assert not getattr(err.value, "__notes__", None)
+    assert pd.pisa_state(pipe.transformer_2) is state2
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.transformer_2(**inputs).sample, expect, rtol=0, atol=0)
+    pd.remove_pisa(pipe)
+
+
 @pytest.mark.parametrize("head_dim", [8, 512])
 def test_head_dim_outside_kernel_range_refused_at_apply(head_dim):
     tr = tiny_transformer("wan", attention_head_dim=head_dim)
@@ -405,3 +430,23 @@ def test_forward_wrapped_after_apply_survives_remove():
         assert not {"forward", "_diffusers_hook"} & set(tr.get_submodule(name).__dict__), name
     with torch.no_grad():
         assert torch.equal(tr(**inputs).sample, native)
+
+
+def test_tensor_parallel_refused_at_apply_and_at_the_forward():
+    # diffusers' tensor parallelism shards the projections by heads while attn.heads stays whole
+    from diffusers.models._modeling_parallel import ParallelConfig, TensorParallelConfig
+
+    tp = ParallelConfig(tensor_parallel_config=TensorParallelConfig(tp_degree=2))
+    tr = tiny_transformer("flux")
+    tr._parallel_config = tp
+    before = snapshot(tr)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        pd.apply_pisa(tr, **SPARSE)
+    assert_same(before, snapshot(tr))
+    tr._parallel_config = None
+    pd.apply_pisa(tr, **SPARSE)
+    tr._parallel_config = tp  # enabled after apply_pisa: refused at the forward, before any attention
+    with pytest.raises(ValueError, match="tensor parallelism"), torch.no_grad():
+        tr(**forward_inputs("flux"))
+    tr._parallel_config = None
+    pd.remove_pisa(tr)

@@ -34,7 +34,7 @@ whose within-block covariance ``H_j`` the centroid term cannot represent (sink-l
 also makes the tail error less biased: held out at 12.5% it beat pooled top-k on pretrained DINOv2
 (rel-L1 0.177 vs 0.182 at the default weight, signed bias 0.104 vs 0.108) and on DiT-like heads
 (equal on image + text), and on a diffusion UNet end to end it took the output from 36.9 to 51.1 dB
-PSNR against dense (``benchmarks/results/calibration_bias.json``, ``notes/tail-weight-calibration.md``).
+PSNR against dense (``benchmarks/results/calibration_bias_*.json``, ``notes/tail-weight-calibration.md``).
 It costs one more pass over the keys in prepare."""
 
 DEFAULT_ALPHA = 0.75
@@ -74,7 +74,9 @@ scales), ``int8`` (``amax/127`` scales, int32 accumulation; in ``P·V`` the prob
 unsigned 8-bit codes ``round(255·p)``), ``input`` the input dtype."""
 
 COV_EPS = 1e-6
-"""Covariance-aware selection adds ``log(||H_j − H̄||_F + COV_EPS)`` to the pooled scores (eq. 9)."""
+"""Covariance-aware selection adds ``log(||H_j − H̄||_F + COV_EPS)`` to the pooled scores (eq. 9).
+The paper's ``M_j`` is the spectral norm ``||H_j − H̄||_2`` (its error bound's); the Frobenius norm
+bounds it from above and costs one pass over each block's product instead of a decomposition."""
 
 MIN_BLOCK_SIZE = 16
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256  # the head dims every backend takes (a kernel may take fewer)
@@ -87,8 +89,12 @@ def num_blocks(length: int, block_size: int) -> int:
 
 
 def num_selected(density: float, n_kv_blocks: int) -> int:
-    """Exact blocks per query block: ``max(1, density · N)`` rounded half up, at most ``N``."""
-    return max(1, min(n_kv_blocks, int(math.floor(density * n_kv_blocks + 0.5))))
+    """Exact blocks per query block: ``max(1, density · N)`` rounded half up, at most ``N``.
+
+    The product is rounded as the decimal density reads (0.29 · 50 = 14.5 gives 15, though the
+    float product is 14.4999...): a margin of 1e-9 far above the product's rounding error and far
+    below any density's step."""
+    return max(1, min(n_kv_blocks, int(math.floor(density * n_kv_blocks + 0.5 + 1e-9))))
 
 
 def selection_width(n_kv_blocks: int, n_select: int, n_keep_max: int = 0) -> int:

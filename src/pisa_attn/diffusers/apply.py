@@ -28,6 +28,7 @@ from .backend import check_diffusers
 from .calibrate import CalibrationConfig, Calibrator
 from .calibrate import as_config as calibration_config
 from .models import ModelAdapter, adapter_for, transformers_of
+from .parallel import check_no_tensor_parallel
 from .processors import PROCESSORS, PisaProcessor, check_replaceable
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
 from .state import PisaConfig, PisaState, set_alive
@@ -168,6 +169,7 @@ def _heads(module) -> int:
 def _install_for(name: str, transformer, settings: dict, table: at.AlphaTable | None, calibration) -> _Install:
     adapter = adapter_for(transformer)
     adapter.check(transformer)
+    check_no_tensor_parallel(transformer)
     config = _config(adapter, transformer, **settings)
     modules = _managed_modules(transformer, adapter)
     if isinstance(config.alpha, tuple):
@@ -440,7 +442,9 @@ def _roll_back(new: list[PisaState], saved: list[_Saved], previous, active, erro
     for s in saved:
         s.restore()  # telemetry and observer entries (the observer lists in place)
     for (old, old_tel), was_active in zip(previous, active):
-        if old is not None:
+        # a transformer the loop never reached still carries its earlier state: installing it
+        # again would wrap its processors twice (and diffusers refuses the second tiling hook)
+        if old is not None and pisa_state(old.transformer) is not old:
             try:
                 _install(old)
                 if old.scheduler is not None:  # its set_timesteps hook went with remove_pisa: back too

@@ -53,6 +53,17 @@ def context_parallel_config(obj, config: bool = False):
     return cp
 
 
+def check_no_tensor_parallel(transformer) -> None:
+    """ValueError when diffusers' tensor parallelism is enabled on ``transformer``: it shards the
+    projections by heads while the attention modules keep the full head count, which PISA's
+    processors and per-head weights read (context parallelism is what PISA runs under)."""
+    pc = getattr(transformer, "_parallel_config", None)
+    if getattr(pc, "tensor_parallel_config", None) is not None:
+        raise ValueError(f"{type(transformer).__name__} runs diffusers tensor parallelism, which PISA does not "
+                         "support (its attention layers keep the full head count over sharded projections): "
+                         "use context parallelism (ContextParallelConfig) instead")
+
+
 def tokens_stay_in_model_order(transformer) -> bool:
     """True under context parallelism: the boundary hooks must not tile tokens, since diffusers
     shards them before they reach those hooks; attention applies the tiling per call instead."""

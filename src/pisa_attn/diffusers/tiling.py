@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..layout import TokenOrder, make_layout
 from .models import CallInfo, timestep_value
-from .parallel import check_token_split, tokens_stay_in_model_order
+from .parallel import check_no_tensor_parallel, check_token_split, tokens_stay_in_model_order
 from .state import Layouts, PisaState, Run, Sequence, close_run, open_run, state_of
 
 
@@ -83,6 +83,7 @@ def begin_forward(state: PisaState, timestep: Tensor, shape: list[int], grid_ids
     if layouts is None:
         layouts = build_layouts(grid, text_len, state.adapter.text, state.config.tile, state.config.block_size)
         state.layouts[(grid, text_len)] = layouts
+    check_no_tensor_parallel(state.transformer)  # enabled after apply_pisa
     check_token_split(state.transformer, layouts.joint)  # context parallelism: before diffusers shards tokens
     state.check_processors()
     t = timestep_value(timestep)

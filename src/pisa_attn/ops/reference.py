@@ -117,7 +117,9 @@ def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = Fals
                 hbar_exclude: Tensor | None = None, with_kcov: bool = False) -> BlockStats:
     """One pass over k and v: centroids, value sums, H̄ (and ||H_j - H̄||_F when asked).
 
-    H̄ needs no per-block D×D tensor: Σ_j H_j = KᵀV − Σ_j k̄_jᵀ V̂_j. ``hbar_exclude`` (bool
+    Σ_j H_j is one product of the centred keys with the values (no per-block D×D tensor); the
+    expansion ``KᵀV − Σ_j k̄_jᵀ V̂_j`` would cancel when the keys share a large component (as
+    the Triton prepare, which centres too, explains). ``hbar_exclude`` (bool
     ``[B|1, Hk|1, Nk]``): H̄ is the mean of ``H_j`` over the blocks it leaves (0 if it leaves none),
     and ``||H_j − H̄||_F`` is taken against that H̄ for every block. ``with_kcov``: also each
     block's key covariance (``BlockStats.kcov``).
@@ -129,14 +131,13 @@ def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = Fals
     counts = block_counts(k.shape[2], block_size, k.device, dtype)
     kmean = kb.sum(dim=3) / counts[:, None]
     vsum = vb.sum(dim=3)
+    kc = kb - kmean[:, :, :, None, :]  # padded rows meet zero values below
     if hbar_exclude is None:
-        ktv = torch.einsum("bhld,bhle->bhde", k.to(dtype), v.to(dtype))
-        hsum = ktv - torch.einsum("bhnd,bhne->bhde", kmean, vsum)
+        hsum = torch.einsum("bhnsd,bhnse->bhde", kc, vb)
         hbar = hsum / max(n, 1)  # no blocks (an empty shard): H̄ = 0
     else:
         w = included_blocks(hbar_exclude, n, dtype, k.device)  # [B|1, Hk|1, N]
-        ktv = torch.einsum("bhnsd,bhnse->bhde", kb * w[..., None, None], vb)
-        hsum = ktv - torch.einsum("bhnd,bhne->bhde", kmean * w[..., None], vsum)
+        hsum = torch.einsum("bhnsd,bhnse->bhde", kc * w[..., None, None], vb)
         hbar = hsum / w.sum(-1).clamp_min(1.0)[..., None, None]
     hdev = None
     if with_hdev:
@@ -144,7 +145,7 @@ def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = Fals
     kcov = None
     if with_kcov:
         valid = (torch.arange(block_size, device=k.device)[None, :] < counts[:, None]).to(dtype)  # [N, bs]
-        kc = (kb - kmean[:, :, :, None, :]) * valid[:, :, None]
+        kc = kc * valid[:, :, None]
         kcov = torch.einsum("bhnsd,bhnse->bhnde", kc, kc) / counts[:, None, None]
     return BlockStats(kmean=kmean, vsum=vsum, counts=counts, hbar=hbar, hdev=hdev,
                       hbar_in=None if hbar_exclude is None else w, kcov=kcov)
