@@ -320,7 +320,7 @@ class _Study:
             "alpha_default": spec.DEFAULT_ALPHA,
             "calibration": self._calibration_section(fixed, fixed_evals),
             "density_sweep": self._density_section(fixed, fixed_evals),
-            "length_sweep": self._length_section(sweep_evals),
+            "length_sweep": self._length_section(sweep_evals, [ss for _, ss in sweep]),
             "scores": scores,
             "tail_mass": self._tail_section(fixed_evals),
             "tiling": tiling,
@@ -382,14 +382,17 @@ class _Study:
         return {_selection_name(c): [_mean([_mean(e[key][(d, c)]) for e in evals]) for d in densities]
                 for c in self.covs}
 
-    def _length_section(self, sweep_evals) -> dict:
+    def _length_section(self, sweep_evals, samples) -> dict:
+        """``lengths``: the sweep's points as asked (synthetic: image tokens); ``tokens``: each
+        point's sequence length (text included: the unit of the density sweep's ``length``)."""
         cfg = self.cfg
         names = [n for n in sweep_evals[0][1][0]["rel_l1"] if all(n in e["rel_l1"] for _, evs in sweep_evals
                                                                     for e in evs)] if sweep_evals else []
         rel = {n: [_mean([e["rel_l1"][n][0] for e in evs]) for _, evs in sweep_evals] for n in names}
         tail = {_selection_name(c): [self._per_density(evs, "tail", (cfg.density,))[_selection_name(c)][0]
                                      for _, evs in sweep_evals] for c in self.covs}
-        return {"density": cfg.density, "lengths": [n for n, _ in sweep_evals], "rel_l1": rel, "tail_mass": tail}
+        return {"density": cfg.density, "lengths": [n for n, _ in sweep_evals],
+                "tokens": [ss[0].length if ss else None for ss in samples], "rel_l1": rel, "tail_mass": tail}
 
     def _tail_section(self, evals) -> dict:
         d = self.cfg.density
@@ -572,7 +575,7 @@ def summarize(result: dict) -> dict:
         out["rel_l1"] = {v: ds["rel_l1"][v][i] for v in ds["rel_l1"]}
     elif result["length_sweep"]["lengths"]:  # the length sweep runs at the study density
         ls = result["length_sweep"]
-        out["length"] = ls["lengths"][-1]
+        out["length"] = (ls.get("tokens") or ls["lengths"])[-1]  # tokens: the density sweep's unit
         out["rel_l1"] = {v: ls["rel_l1"][v][-1] for v in ls["rel_l1"]}
     else:  # a capture without layout and a density sweep that skips the study density
         out["rel_l1"] = {}

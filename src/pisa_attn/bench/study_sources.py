@@ -116,7 +116,7 @@ class SyntheticSource:
         g = dit_qkv(grid, heads=self.heads, head_dim=self.head_dim, text_tokens=self.text_tokens,
                     seed=self.seed, dtype=self.dtype, device=self.device, tiled=True)
         self._head_types = list(g.head_types)
-        return Sample(f"synthetic {'x'.join(map(str, grid))}", g.q, g.k, g.v, g.token_layout)
+        return Sample(f"synthetic {'x'.join(map(str, grid))} seed {self.seed}", g.q, g.k, g.v, g.token_layout)
 
     def fixed(self, length: int) -> list[Sample]:
         if self._fixed is None or self._fixed.length != length:
