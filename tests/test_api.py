@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from brute import MODES, brute_dense, brute_n_select, brute_pisa, brute_selection, paper
-from pisa_attn import pisa_attention, spec
+from pisa_attn import PisaSettings, pisa_attention, spec
 from pisa_attn.ops import reference as ref
 
 
@@ -114,6 +114,29 @@ def test_bad_input_raises_naming_the_argument(build, exc, pattern):
 )
 def test_selected_count_is_density_times_blocks_rounded_half_up(density, n, k):
     assert spec.num_selected(density, n) == k
+
+
+@pytest.mark.parametrize("loose", [dict(density=0.125), dict(block_size=64), dict(mode="hybrid"),
+                                   dict(covariance_aware=True), dict(layout="bhsd"), dict(backend="auto"),
+                                   dict(precision="input")], ids=lambda d: next(iter(d)))
+def test_settings_and_a_loose_argument_at_its_default_value_is_refused(loose):
+    """With settings=, a loose argument the caller passed is refused even at the default value
+    (settings would silently win over it)."""
+    q = torch.randn(1, 2, 64, 16)
+    with pytest.raises(ValueError, match=f"not both.*{next(iter(loose))}"):
+        pisa_attention(q, q, q, settings=PisaSettings(density=0.5, block_size=16, covariance_aware=False), **loose)
+
+
+def test_make_plan_checks_its_tensors():
+    from pisa_attn import make_plan
+
+    q = torch.randn(1, 2, 70, 32)
+    with pytest.raises(ValueError, match="q must have rank 4"):
+        make_plan(q[0], q[0], 0.3, 16, "hybrid", False, None, "auto")
+    with pytest.raises(TypeError, match="floating"):
+        make_plan(q.int(), q.int(), 0.3, 16, "hybrid", False, None, "auto")
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        make_plan(torch.randn(1, 3, 70, 32), q, 0.3, 16, "hybrid", False, None, "auto")
 
 
 def test_selected_count_rounds_the_decimal_density():

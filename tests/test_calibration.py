@@ -394,7 +394,7 @@ def test_fit_kernel_equals_the_reference_fit(case):
 def test_fit_graphs_take_the_kernel_where_it_is_supported(monkeypatch):
     """A calibrated call on the kernel path (forced here on the CPU through the interpreter) gets
     fit_rules' fits, captures no graph and keeps one row-to-block map per rows layout."""
-    monkeypatch.setattr(cal, "fast_fit_supported", lambda qr, mode, bs: mode == "hybrid")
+    monkeypatch.setattr(cal, "fast_fit_supported", lambda qr, mode, bs, kv_len=None: mode == "hybrid")
     graphs = cal.FitGraphs()
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(1, 2, 320, 32, generator=g).bfloat16() for _ in range(3))
@@ -404,9 +404,9 @@ def test_fit_graphs_take_the_kernel_where_it_is_supported(monkeypatch):
         plan = cal.row_plan(320, 64, rows)
         sums = graphs.sums(q, k, v, plan, density=0.25, rules=(False, True), mode="hybrid", scale=32**-0.5,
                            block_size=64, keep_blocks=keep)
-        monkeypatch.setattr(cal, "fast_fit_supported", lambda qr, mode, bs: False)
+        monkeypatch.setattr(cal, "fast_fit_supported", lambda qr, mode, bs, kv_len=None: False)
         want = cal.fit_rules(q, k, v, density=0.25, rows=rows, block_size=64, keep_blocks=keep)
-        monkeypatch.setattr(cal, "fast_fit_supported", lambda qr, mode, bs: mode == "hybrid")
+        monkeypatch.setattr(cal, "fast_fit_supported", lambda qr, mode, bs, kv_len=None: mode == "hybrid")
         got = cal.row_fits(sums, (False, True), rows=len(rows), elems=len(rows) * 32)
         for rule in (False, True):
             torch.testing.assert_close(got[rule].stats.cr, want[rule].stats.cr, rtol=2e-3, atol=0)

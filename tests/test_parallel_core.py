@@ -367,6 +367,22 @@ def test_selection_blocks_is_the_mask_restricted_to_the_shard(nk):
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the Triton merge runs through the CPU interpreter here")
+def test_triton_merge_writes_its_own_lse_layout():
+    """LSE views that are not dense (every other row of a buffer): the merged LSE, a new dense
+    tensor, is written through its own strides, not the partials'."""
+    from pisa_attn.ops.merge import merge_torch
+    from pisa_attn.ops.triton import merge as kernel
+
+    g = torch.Generator().manual_seed(3)
+    parts = [(torch.randn(1, 2, 5, 16, generator=g), torch.randn(1, 2, 10, generator=g)[..., ::2]) for _ in range(2)]
+    assert kernel.supports(parts)
+    got, got_lse = kernel.merge(parts)
+    want, want_lse = merge_torch(parts)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the Triton merge runs through the CPU interpreter here")
 @pytest.mark.parametrize("n, dtype, d", [(1, torch.float32, 16), (3, torch.bfloat16, 32), (4, torch.float32, 48)])
 def test_triton_merge_matches_torch_merge(n, dtype, d):
     """One-pass kernel vs the PyTorch merge: partials in a [B, L, H, D] layout, rows with no term in
@@ -392,3 +408,15 @@ def test_triton_merge_matches_torch_merge(n, dtype, d):
     assert (got_lse - want_lse)[fin].abs().max() < 1e-6
     tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # one bfloat16 rounding apart at most
     assert ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1)).max() <= tol
+
+
+def test_from_mask_cuts_bits_with_the_index_list():
+    """A row with more exact blocks than the width keeps its first ``width`` blocks in idx, cnt
+    and bits alike (a kernel reads the list for exact blocks and the bits for the tail)."""
+    from pisa_attn.ops.selection import Selection
+
+    mask = torch.ones(1, 1, 2, 40, dtype=torch.bool)
+    mask[0, 0, 1, ::3] = False
+    sel = Selection.from_mask(mask, 5)
+    listed = torch.zeros_like(mask).scatter_(-1, sel.idx.long(), True)
+    assert torch.equal(sel.to_mask(40), listed) and sel.cnt.tolist() == [[[5, 5]]]

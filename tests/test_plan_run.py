@@ -71,6 +71,18 @@ def test_selection_returned_and_passed_in(backend, dtype):
 
 
 @pytest.mark.parametrize("backend,dtype", CASES, ids=[c[0] for c in CASES])
+def test_drop_row_without_exact_blocks_is_zero(backend, dtype):
+    """Keep-or-drop under a selection with an empty row: out 0, lse -inf there (no 0/0)."""
+    q, k, v = make_qkv(1, 1, 1, 64, 64, 16, dtype, seed=7)
+    p = plan(q, k, PisaSettings(density=0.5, block_size=32, mode="drop", backend=backend))
+    mask = torch.zeros(1, 1, 2, 2, dtype=torch.bool, device=DEV)
+    mask[0, 0, 0, 0] = True
+    out, lse = run(p, q, k, v, selection=Selection.from_mask(mask, p.width), return_lse=True)
+    assert torch.isfinite(out).all() and (out[:, :, 32:] == 0).all() and torch.isneginf(lse[:, :, 32:]).all()
+    assert torch.isfinite(lse[:, :, :32]).all()
+
+
+@pytest.mark.parametrize("backend,dtype", CASES, ids=[c[0] for c in CASES])
 def test_out_and_lse_buffers_are_written(backend, dtype):
     q, k, v = make_qkv(1, 2, 1, 48, 48, 16, dtype, seed=4)
     p = plan(q, k, PisaSettings(density=0.5, block_size=16, backend=backend))
@@ -454,3 +466,28 @@ def test_loose_arguments_numpy_and_unhashable():
     assert torch.equal(out, pisa_attention(q, k, v, block_size=32))
     p = plan((np.int64(1), 2, 64, 16), (1, 2, 128, 16), dtype=torch.float32, device="cpu")
     assert p.q_shape == (1, 2, 64, 16) and all(type(n) is int for n in p.q_shape)
+
+
+def test_compiled_run_keeps_every_kept_block():
+    """Traced, run cannot count the mask's kept blocks (its check is skipped): the index list is
+    sized for every block, so a mask beyond the plan's max_keep is not cut off."""
+    q, k, v = make_qkv(1, 2, 2, 96, 96, 16, torch.float16, seed=12)
+    p = plan(q, k, PisaSettings(block_size=16, density=0.1, backend="triton", mode="drop"), max_keep=1)
+    kb = torch.zeros(6, dtype=torch.bool)
+    kb[[0, 2, 4]] = True
+    want = pisa_attention(q, k, v, block_size=16, density=0.1, backend="triton", mode="drop", keep_blocks=kb)
+    torch._dynamo.reset()
+    got = torch.compile(lambda q, k, v, kb: run(p, q, k, v, keep_blocks=kb), fullgraph=True,
+                        backend="aot_eager")(q, k, v, kb)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_compiled_call_follows_a_new_key_length():
+    """A second key length makes dynamo trace the length symbolically: the block count must be
+    traceable (the density -> k rule on it included)."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: pisa_attention(q, k, v, block_size=16, density=0.4), fullgraph=True,
+                      backend="eager")
+    for n in (48, 40, 72):
+        x = torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(n))
+        torch.testing.assert_close(f(x, x, x), pisa_attention(x, x, x, block_size=16, density=0.4), rtol=0, atol=0)

@@ -31,7 +31,8 @@ from . import spec, tail_weight
 from .ops import fused as _fused
 from .ops.selection import Selection
 from .ops.stages import Backend, run_planned
-from .settings import BACKENDS, LAYOUTS, PisaSettings, as_bool, as_int, check_not_both
+from .settings import BACKENDS, LAYOUTS, PisaSettings, as_bool, as_int, check_not_both, from_loose
+from .settings import UNPASSED as _U
 
 log = logging.getLogger("pisa_attn")
 
@@ -387,10 +388,10 @@ def _make_plan(s: PisaSettings, q_shape, kv_shape, qh: Tensor, kh: Tensor, max_k
 def make_plan(q: Tensor, k: Tensor, density, block_size, mode, covariance_aware, scale, backend,
               query_block=None, precision="input") -> PisaPlan:
     """A plan without a workspace from ``[B, H, L, D]`` tensors and loose settings (what the tools
-    use to learn which backend a call runs)."""
+    use to learn which backend a call runs); checked as :func:`plan` checks."""
     s = PisaSettings(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
                      scale=scale, backend=backend, query_block=query_block, precision=precision)
-    return _make_plan(s, tuple(q.shape), tuple(k.shape), q, k, 0, False)
+    return plan(q, k, s, workspace=False)
 
 
 # ---------------------------------------------------------------- run
@@ -726,7 +727,9 @@ def _run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, out, lse, keep, weights, 
     if torch.compiler.is_compiling():  # one registered op (its fake matches), no workspace in a graph
         if selection is not None:
             raise ValueError("selection= is not supported under torch.compile: run the call eagerly")
-        o, l_ = be.forward(q, k, v, p, keep, p.max_keep if keep is not None else 0, weights)
+        # a traced mask's count is unknown (run's check skipped): the static bound, every block,
+        # sizes the index list, as in pisa_attention, so no kept block is cut off
+        o, l_ = be.forward(q, k, v, p, keep, p.n_kv_blocks if keep is not None else 0, weights)
         if out is not None:
             o = out.copy_(o)
         if lse is not None:
@@ -806,19 +809,19 @@ def pisa_attention(
     k: Tensor,
     v: Tensor,
     *,
-    density: float = 0.125,
-    block_size: int = 64,
-    mode: str = "hybrid",
-    covariance_aware: bool = spec.DEFAULT_COVARIANCE_AWARE,
+    density: float = _U["density"],
+    block_size: int = _U["block_size"],
+    mode: str = _U["mode"],
+    covariance_aware: bool | None = None,
     scale: float | None = None,
-    layout: str = "bhsd",
+    layout: str = _U["layout"],
     keep_blocks: Tensor | None = None,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: str = _U["backend"],
     query_block: int | None = None,
     alpha: float | Tensor | None = None,
     settings: PisaSettings | None = None,
-    precision: str = "input",
+    precision: str = _U["precision"],
 ):
     """Piecewise Sparse Attention: a drop-in for ``F.scaled_dot_product_attention`` in DiTs.
 
@@ -838,7 +841,8 @@ def pisa_attention(
             by ``alpha``: the paper's method), ``"zeroth"`` (no 1st-order term), ``"first"`` (exact
             block-wise 1st order, weighted by ``alpha``; dense cost), ``"drop"`` (keep-or-drop
             block sparse).
-        covariance_aware: add ``log(||H_j - H̄||_F + eps)`` to the selection scores (paper eq. 9).
+        covariance_aware: add ``log(||H_j - H̄||_F + eps)`` to the selection scores (paper eq. 9);
+            None: :data:`pisa_attn.spec.DEFAULT_COVARIANCE_AWARE` (True).
         alpha: weight of the first-order tail term (modes ``"hybrid"`` and ``"first"``): a float,
             or one value per query head (a sequence, or an ``[H]`` tensor on the CPU or on q's
             device). ``None``
@@ -870,7 +874,8 @@ def pisa_attention(
             dtype; a call the low-precision kernel cannot serve is a ValueError, never another
             precision.
         settings: a :class:`PisaSettings` instead of the loose settings arguments above (which
-            must then keep their defaults; ``alpha`` may still be given per call).
+            must then be left out: passing one, even at its default value, is a ValueError;
+            ``alpha`` may still be given per call).
 
     Returns:
         ``out`` with the shape and layout of ``q``, or ``(out, lse)`` when ``return_lse``.
@@ -974,8 +979,8 @@ _KEEP_COUNTS: dict = {}  # kept blocks per row of CPU keep masks seen, by value 
 
 def _settings(values) -> PisaSettings:
     density, block_size, mode, covariance_aware, scale, layout, backend, query_block, precision = values
-    return PisaSettings(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
-                        scale=scale, layout=layout, backend=backend, query_block=query_block, precision=precision)
+    return from_loose(density=density, block_size=block_size, mode=mode, covariance_aware=covariance_aware,
+                      scale=scale, layout=layout, backend=backend, query_block=query_block, precision=precision)
 
 
 def _validate_call(q, k, v, s: PisaSettings):

@@ -397,7 +397,7 @@ def _fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, 
     shared by the key statistics, the dense pass and every rule's row terms. On CUDA with
     float16/bfloat16 inputs it is :func:`pisa_attn.ops.triton.fit.fit_sums` (the kernels' key
     statistics and selection, one pass of the rows over k and v, one merge)."""
-    if fast_fit_supported(qr, mode, block_size):
+    if fast_fit_supported(qr, mode, block_size, kv_len=k.shape[2]):
         from .ops.triton import fit as tfit
 
         r, nb = qr.shape[2], -(-qblocks.shape[2] // block_size)
@@ -429,13 +429,17 @@ def _fit_sums(qblocks: Tensor, qr: Tensor, which: Tensor, k: Tensor, v: Tensor, 
     return torch.stack(out)
 
 
-def fast_fit_supported(qr: Tensor, mode: str, block_size: int) -> bool:
+def fast_fit_supported(qr: Tensor, mode: str, block_size: int, *, kv_len: int | None = None) -> bool:
     """Whether :func:`_fit_sums` takes the Triton fit (:mod:`pisa_attn.ops.triton.fit`): CUDA,
-    ``"hybrid"``, and a dtype, head dim and block size the Triton kernels take."""
+    ``"hybrid"``, a dtype, head dim and block size the Triton kernels take, and (``kv_len``: the
+    keys' length) no more key blocks than the fit's selection indexes; else the reference fit."""
     if not qr.is_cuda or mode != "hybrid":
         return False
+    from .ops.triton import fit as tfit
     from .ops.triton import op as triton_op
 
+    if kv_len is not None and spec.num_blocks(kv_len, block_size) > tfit.MAX_KEY_BLOCKS:
+        return False
     return triton_op.unsupported_reason(qr, mode, block_size) is None
 
 
@@ -489,7 +493,7 @@ class FitGraphs:
         ``[len(rules), 4, H]`` (a graph's output buffer, valid until its next replay: add it up or
         clone it)."""
         settings = dict(density=density, rules=tuple(rules), mode=mode, scale=scale, block_size=block_size)
-        if fast_fit_supported(q, mode, block_size) and not torch.compiler.is_compiling():
+        if fast_fit_supported(q, mode, block_size, kv_len=k.shape[2]) and not torch.compiler.is_compiling():
             from .ops.triton import fit as tfit
 
             return tfit.fit_sums(q, *self._rows_map(plan, q.device), k, v, self.on_device(keep_blocks, q.device),

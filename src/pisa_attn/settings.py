@@ -185,14 +185,48 @@ class PisaSettings:
         return dataclasses.replace(self, **changes)
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PisaSettings)}
+class _Unpassed:
+    """An entry point's default for a loose settings keyword: equal to the value (so a signature
+    shows it), told apart from the same value passed by the caller by its type."""
+
+    __slots__ = ()
+
+
+class _UnpassedFloat(float, _Unpassed):
+    __slots__ = ()
+
+
+class _UnpassedInt(int, _Unpassed):
+    __slots__ = ()
+
+
+class _UnpassedStr(str, _Unpassed):
+    __slots__ = ()
+
+
+_MARK = {float: _UnpassedFloat, int: _UnpassedInt, str: _UnpassedStr}
+UNPASSED = {f.name: _MARK[type(f.default)](f.default) for f in dataclasses.fields(PisaSettings)
+            if type(f.default) in _MARK}
+"""The defaults of the loose settings keywords of ``pisa_attention`` and the context-parallel
+functions (``density``, ``block_size``, ``mode``, ``backend``, ``layout``, ``precision``);
+``covariance_aware``, ``scale`` and ``query_block`` default to None there (the settings'
+default). With ``settings=``, any other value of one of them is an error, even one equal to the
+default: the caller passed it, and ``settings`` would silently win."""
+
+
+def _passed(v) -> bool:
+    return v is not None and not isinstance(v, _Unpassed)
+
+
+def from_loose(**loose) -> PisaSettings:
+    """The settings of an entry point's loose keywords (the defaults for those not passed)."""
+    return PisaSettings(**{n: v for n, v in loose.items() if _passed(v)})
 
 
 def check_not_both(**loose) -> None:
-    """ValueError when an entry point got ``settings=`` and also loose settings arguments that
-    differ from their defaults (one would silently win)."""
-    changed = sorted(n for n, v in loose.items()
-                     if not (v is _DEFAULTS[n] or (type(v) is type(_DEFAULTS[n]) and v == _DEFAULTS[n])))
-    if changed:
+    """ValueError when an entry point got ``settings=`` and also loose settings arguments (one
+    would silently win)."""
+    given = sorted(n for n, v in loose.items() if _passed(v))
+    if given:
         raise ValueError(f"pass the settings either as settings= or as keyword arguments, not both "
-                         f"(got settings= and {', '.join(changed)})")
+                         f"(got settings= and {', '.join(given)})")

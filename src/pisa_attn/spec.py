@@ -85,7 +85,7 @@ QUERY_BLOCK_FACTORS = (1, 2, 4)
 
 def num_blocks(length: int, block_size: int) -> int:
     """Blocks of ``block_size`` tokens covering ``length`` tokens (the last one may be ragged)."""
-    return -(-length // block_size)
+    return (length + block_size - 1) // block_size  # not -(-a // b): a traced SymInt length needs this form
 
 
 def num_selected(density: float, n_kv_blocks: int) -> int:

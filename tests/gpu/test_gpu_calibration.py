@@ -61,7 +61,10 @@ def test_fast_fit_agrees_with_the_reference_fit(shape):
     rows = sample_rows(random.Random(0), text, lk, 64, 32)
     plan = cal.row_plan(lk, 64, rows, (text, lk))
     kw = dict(density=0.125, rules=(False, True), mode="hybrid", scale=d**-0.5, block_size=64, keep_blocks=keep)
-    assert cal.fast_fit_supported(q, "hybrid", 64)
+    assert cal.fast_fit_supported(q, "hybrid", 64, kv_len=lk)
+    # past the fit kernel's key blocks the reference fit serves (the kernel would refuse)
+    assert not cal.fast_fit_supported(q, "hybrid", 16, kv_len=16 * 4097)
+    assert cal.fast_fit_supported(q, "hybrid", 16, kv_len=16 * 4096)
     graphs = cal.FitGraphs()
     fast = graphs.sums(q, k, v, plan, **kw).clone()  # compiles the kernels
     torch.cuda.synchronize()

@@ -120,3 +120,27 @@ def test_joint_call_text_queries_on_a_side_stream_B2_H8_T333_D128(text, monkeypa
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@pytest.mark.parametrize("precision", ["input", "fp8"])
+@pytest.mark.parametrize("backend", KERNELS)
+def test_drop_row_without_exact_blocks_is_zero_B1_H2_L1024_D128(backend, precision):
+    """Keep-or-drop under a selection with an empty row: out 0 and lse -inf there, as the
+    reference (no 0/0), the other rows as without it."""
+    if precision != "input" and backend != "hopper":
+        pytest.skip("low precision runs on the hopper backend")
+    from pisa_attn.ops.selection import Selection
+
+    q, k, v = qkv(1, 2, 2, 1024, 1024, 128, torch.bfloat16, "bhsd", seed=9)
+    p = plan(q, k, PisaSettings(density=0.125, mode="drop", backend=backend, precision=precision))
+    _, sel = run(p, q, k, v, return_selection=True)
+    mask = sel.to_mask(p.n_kv_blocks)
+    mask[:, :, 3] = False  # query block 3: no exact block at all
+    empty = Selection.from_mask(mask, p.width)
+    out, lse = run(p, q, k, v, selection=empty, return_lse=True)
+    assert torch.isfinite(out).all()
+    assert (out[:, :, 192:256] == 0).all() and torch.isneginf(lse[:, :, 192:256]).all()
+    want, want_lse = run(p, q, k, v, selection=sel, return_lse=True)
+    rows = torch.ones(1024, dtype=torch.bool, device=q.device)
+    rows[192:256] = False
+    assert torch.equal(out[:, :, rows], want[:, :, rows]) and torch.equal(lse[:, :, rows], want_lse[:, :, rows])

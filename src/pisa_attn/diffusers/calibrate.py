@@ -178,7 +178,7 @@ class Calibrator:
         fit = dict(density=call.density, rules=rules, mode=call.mode, scale=call.scale, block_size=bs,
                    capture=self.config.cuda_graphs)
         block = call.meta.get("block", call.layer)
-        side = self._side_stream(call.q, call.mode, bs)
+        side = self._side_stream(call.q, call.k, call.mode, bs)
         fitted = 0
         for b in range(call.q.shape[0]):
             n = call.k.shape[2] if not lens else int(lens[b])
@@ -216,11 +216,11 @@ class Calibrator:
                          "block_size": bs}
         self._rules = rules
 
-    def _side_stream(self, q: Tensor, mode: str, block_size: int):
+    def _side_stream(self, q: Tensor, k: Tensor, mode: str, block_size: int):
         """The side stream a call's fit runs on, or None (the model's stream): CUDA, the Triton fit
         (the CUDA-graph path captures and replays on the model's stream), not while compiling."""
         if (not self.config.side_stream or not q.is_cuda or torch.compiler.is_compiling()
-                or not cal.fast_fit_supported(q, mode, block_size)):
+                or not cal.fast_fit_supported(q, mode, block_size, kv_len=k.shape[2])):
             return None
         side = self._streams.get(q.device)
         if side is None:

@@ -28,7 +28,8 @@ class Selection(NamedTuple):
     @classmethod
     def from_mask(cls, mask: Tensor, width: int | None = None) -> "Selection":
         """From a bool exact-set mask ``[B, H, Nq, Nk]``. Rows with more than ``width`` exact blocks
-        are truncated (size ``width`` to fit; default ``Nk``)."""
+        are truncated to their first ``width`` blocks, in the index list and the bits alike
+        (default ``Nk``)."""
         return cls(*_mask_to_selection(mask, mask.shape[-1] if width is None else width))
 
     def to_mask(self, n_kv_blocks: int) -> Tensor:
@@ -74,6 +75,8 @@ def _mask_to_selection(mask: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor
     if width > nk:  # a wider list than there are blocks: pad (entries past cnt are unspecified)
         idx = torch.nn.functional.pad(idx, (0, width - nk))
     cnt = mask.sum(-1, dtype=torch.int32).clamp_max(width)
+    if width < nk:  # the bits must name exactly the listed blocks (a kernel reads both)
+        mask = mask & (mask.cumsum(-1) <= width)
     nw = -(-nk // 32)
     padded = torch.nn.functional.pad(mask, (0, nw * 32 - nk)).reshape(*mask.shape[:-1], nw, 32)
     weights = torch.ones(32, device=mask.device, dtype=torch.int64) << torch.arange(32, device=mask.device)

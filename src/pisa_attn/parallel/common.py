@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import to_bhsd, validate
-from ..settings import PisaSettings, check_not_both
+from ..settings import PisaSettings, check_not_both, from_loose
 from .comm import gather_ints, group_info
 
 def settings_of(settings, alpha=None, **loose):
@@ -18,7 +18,7 @@ def settings_of(settings, alpha=None, **loose):
     arguments (not both), with its ``alpha`` moved out as per-call data (a per-head tuple becomes a
     CPU tensor, which follows its heads to their rank); an explicit ``alpha`` wins."""
     if settings is None:
-        settings = PisaSettings(**loose)
+        settings = from_loose(**loose)
     elif not isinstance(settings, PisaSettings):
         raise TypeError(f"settings must be a PisaSettings, got {type(settings).__name__}")
     else:

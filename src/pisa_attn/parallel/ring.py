@@ -42,6 +42,7 @@ from ..attention import backend_for, get_backend, normalize_keep_blocks
 from ..ops.merge import merge
 from ..ops.selection import Selection
 from ..ops.stages import Backend
+from ..settings import UNPASSED as _U
 from ..settings import PisaSettings
 from .comm import (
     RingExchange,
@@ -62,18 +63,18 @@ def ring_pisa_attention(
     v: Tensor,
     *,
     group=None,
-    density: float = 0.125,
-    block_size: int = 64,
-    mode: str = "hybrid",
-    covariance_aware: bool = spec.DEFAULT_COVARIANCE_AWARE,
+    density: float = _U["density"],
+    block_size: int = _U["block_size"],
+    mode: str = _U["mode"],
+    covariance_aware: bool | None = None,
     scale: float | None = None,
-    layout: str = "bhsd",
+    layout: str = _U["layout"],
     keep_blocks: Tensor | None = None,
     perm: Tensor | None = None,
     q_perm: Tensor | None = None,
     exact_queries: Tensor | None = None,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: str = _U["backend"],
     seq_lens: list[int] | None = None,
     alpha=None,
     query_block: int | None = None,

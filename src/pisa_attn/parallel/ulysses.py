@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..attention import pisa_attention
-from .. import spec
 from ..spec import expand_kv_heads
 from .comm import check_permutation, inverse_permutation, to_device
+from ..settings import UNPASSED as _U
 from ..settings import PisaSettings
 from .common import Shards, check_inputs, settings_of, to_layout
 from .phases import phase
@@ -35,16 +35,16 @@ def ulysses_pisa_attention(
     v: Tensor,
     *,
     group=None,
-    density: float = 0.125,
-    block_size: int = 64,
-    mode: str = "hybrid",
-    covariance_aware: bool = spec.DEFAULT_COVARIANCE_AWARE,
+    density: float = _U["density"],
+    block_size: int = _U["block_size"],
+    mode: str = _U["mode"],
+    covariance_aware: bool | None = None,
     scale: float | None = None,
-    layout: str = "bhsd",
+    layout: str = _U["layout"],
     keep_blocks: Tensor | None = None,
     perm: Tensor | None = None,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: str = _U["backend"],
     seq_lens: list[int] | None = None,
     alpha=None,
     query_block: int | None = None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import spec
+from ..settings import UNPASSED as _U
 from ..settings import PisaSettings
 from .common import checked_lens, local_check, settings_fingerprint, settings_of
 from .comm import gather_ints, group_info
@@ -27,18 +27,18 @@ def unified_pisa_attention(
     *,
     ulysses_group,
     ring_group,
-    density: float = 0.125,
-    block_size: int = 64,
-    mode: str = "hybrid",
-    covariance_aware: bool = spec.DEFAULT_COVARIANCE_AWARE,
+    density: float = _U["density"],
+    block_size: int = _U["block_size"],
+    mode: str = _U["mode"],
+    covariance_aware: bool | None = None,
     scale: float | None = None,
-    layout: str = "bhsd",
+    layout: str = _U["layout"],
     keep_blocks: Tensor | None = None,
     perm: Tensor | None = None,
     q_perm: Tensor | None = None,
     exact_queries: Tensor | None = None,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: str = _U["backend"],
     seq_lens: list[int] | None = None,
     alpha=None,
     query_block: int | None = None,

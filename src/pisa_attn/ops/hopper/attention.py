@@ -570,7 +570,10 @@ def _finish(q_s, k_bufs, v_bufs, ready, empty, t, hb_smem, hb_bar, o_desc, lse_p
         s_hb = u_hb % STAGES
         mbarrier.wait(ready.index(s_hb), (u_hb // STAGES) & 1)
     if active:
-        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        if MODE == 0:  # keep-or-drop: a row given no exact block has l = 0 (out 0, lse -inf)
+            out = acc / gl.convert_layout(gl.where(l_i > 0, l_i, 1.0), row_o)[:, None]
+        else:
+            out = acc / gl.convert_layout(l_i, row_o)[:, None]
         if MODE == 2:
             # + (l_tail / l)·α·(s / BS)·q H̄, accumulated into the output (no [BS, D] temporary):
             # q·(α l_tail / l)·(s / BS) as the A operand. In float16 that operand is taken 2^e

@@ -14,6 +14,7 @@ writes the quantised copies of K (and V) (:mod:`pisa_attn.ops.triton.quantize`),
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import Tensor
@@ -30,6 +31,14 @@ from . import fp8 as _fp8
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64,)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(reason: str) -> None:
+    """Say (once per reason) that the Triton attend served a call the pair kernel cannot read."""
+    logging.getLogger("pisa_attn").warning(
+        "pisa_attn hopper backend: the Triton attention kernel (the same function, slower) runs a call the "
+        "Hopper kernel cannot read through TMA (%s); pass contiguous q/k/v to run the Hopper kernel", reason)
 
 
 @functools.lru_cache(maxsize=16)
@@ -80,7 +89,10 @@ def attend(
     """
     if out is None:
         out = _tattn._alloc_like_layout(q, out_dtype)
-    if (out_dtype not in (None, q.dtype)) or _gattn.tma_unsupported_reason(q, k, v, out) is not None:
+    tma = _gattn.tma_unsupported_reason(q, k, v, out)
+    if tma is not None:
+        _warn_once(tma)
+    if (out_dtype not in (None, q.dtype)) or tma is not None:
         return _top.attend(q, k, v, stats, selection, mode=mode, scale=scale, block_size=block_size,
                            n_select=n_select, out_dtype=out_dtype, alpha=alpha, out=out, lse=lse)
     # the kernel checks the workspace's stream buffers against the launch's shapes

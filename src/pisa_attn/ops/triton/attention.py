@@ -202,7 +202,10 @@ def _attn_kernel(
         hs = tl.load(hscale_ptr + b * HK + hk)  # H̄ was stored divided by it (a power of two)
         acc += (l_tail * (scale * a_h * hs / BS))[:, None] * qh
 
-    out = acc / l_i[:, None]
+    if MODE == 0:  # keep-or-drop: a row given no exact block has l = 0 (out 0, lse -inf)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    else:
+        out = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * LN2_C
     rvalid = offs_m < LQ
     tl.store(_rows(o_ptr + b * sob + h * soh, i * BS, offs_n, sol, ROW64) + offs_d[None, :] * sod,

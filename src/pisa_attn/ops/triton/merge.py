@@ -27,6 +27,7 @@ def _merge_kernel(
     s_b, s_h, s_l, s_d,
     l_b, l_h, l_l,
     o_b, o_h, o_l, o_d,
+    e_b, e_h, e_l,
     N: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BR + tl.arange(0, BR).to(tl.int64)
@@ -52,7 +53,7 @@ def _merge_kernel(
     out = tl.where(tot[:, None] > 0, acc / tl.where(tot > 0, tot, 1.0)[:, None], 0.0)
     tl.store(out_ptr + (b * o_b + h * o_h + l * o_l)[:, None] + offs_d[None, :] * o_d,
              out.to(out_ptr.dtype.element_ty), mask=m2)
-    tl.store(lse_ptr + lse_off, m_use + tl.log(tot), mask=rv)  # log 0 = -inf: no term anywhere
+    tl.store(lse_ptr + b * e_b + h * e_h + l * e_l, m_use + tl.log(tot), mask=rv)  # log 0 = -inf: no term anywhere
 
 
 def supports(parts: Sequence[tuple[Tensor, Tensor]]) -> bool:
@@ -69,8 +70,8 @@ def supports(parts: Sequence[tuple[Tensor, Tensor]]) -> bool:
 
 def merge(parts: Sequence[tuple[Tensor, Tensor]], out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """Merge ``[(out [B, H, L, D], lse [B, H, L]), ...]`` (see :func:`supports`) in one launch;
-    ``out`` in ``out_dtype`` (default float32) with the partials' memory layout, ``lse`` float32
-    in the LSEs' layout."""
+    ``out`` in ``out_dtype`` (default float32) and ``lse`` float32, each in its partials' memory
+    layout where they are dense (``empty_like``), else contiguous: written through its own strides."""
     o0, l0 = parts[0]
     b, h, lq, d = o0.shape
     out = torch.empty_like(o0, dtype=out_dtype or torch.float32)
@@ -81,7 +82,7 @@ def merge(parts: Sequence[tuple[Tensor, Tensor]], out_dtype: torch.dtype | None 
     if rows:
         _merge_kernel[grid](
             tuple(o for o, _ in parts), tuple(l for _, l in parts), out, lse,
-            rows, h, lq, d, *o0.stride(), *l0.stride(), *out.stride(),
+            rows, h, lq, d, *o0.stride(), *l0.stride(), *out.stride(), *lse.stride(),
             N=len(parts), BR=br, BD=next_pow2(max(d, 16)), num_warps=4,
         )  # fmt: skip
     return out, lse
