@@ -158,6 +158,14 @@ def test_a_good_capture_fits_and_writes_finite_weights(tmp_path, capsys):
     assert "selection" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("rows", [1, 20])
+def test_rows_is_the_count_of_rows_fitted_per_call(tmp_path, rows):
+    """--rows N fits N query rows of each call (sampling draws whole runs of rows: cut to N)."""
+    path = _write(tmp_path / "ok.safetensors")
+    table = bc.calibrate_file(path, density=0.25, block_size=32, rows=rows)
+    assert table.layers()[0].rows == rows  # one call, batch 1
+
+
 def test_table_refuses_empty_layer_maps_and_bad_rules():
     good = {"format": at.FORMAT, "version": at.VERSION, "transformers": {"transformer": {"0": {"alpha": [0.5]}}}}
     assert at.from_json(good).layers()[0].covariance_aware is None  # old tables: the settings' rule

@@ -129,6 +129,10 @@ def test_rows_subset_and_no_tail_default():
     assert cal.fit_alpha(full, dense).tolist() == [1.0, 1.0]
     assert cal.fit_alpha(full, dense, over="layer", default=0.5).item() == 0.5
     assert cal.fit_alpha_l1(full, dense, default=0.25).tolist() == [0.25, 0.25]
+    # the default of a head without tail is given as is, not clamped with the fitted weights
+    st = cal.AlphaStats(torch.tensor([0.0, 3.0], dtype=torch.float64), torch.tensor([0.0, 1.0], dtype=torch.float64),
+                        torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+    assert st.alpha(default=1.5, bounds=cal.FIT_BOUNDS).tolist() == [1.5, cal.FIT_BOUNDS[1]]
 
 
 def test_alpha_reference_matches_terms():

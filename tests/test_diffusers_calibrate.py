@@ -337,3 +337,14 @@ def test_calibrate_takes_query_block_equal_to_block_size():
     tr = tiny_transformer("flux")
     pd.apply_pisa(tr, calibrate=True, query_block=TILE_BLOCK, **RUN)  # selects as query_block=None
     pd.remove_pisa(tr)
+
+
+def test_alpha_table_of_a_per_layer_calibration_says_so():
+    pipe = tiny_pipeline("flux")
+    pd.apply_pisa(pipe, calibrate=pd.CalibrationConfig(fit="layer"), **RUN)
+    _generate(pipe, "flux")
+    assert pd.pisa_state(pipe.transformer).calibrator.table().fit == "layer"
+    table = pd.alpha_table(pipe)
+    assert table.fit == "layer"
+    assert all(len(set(e.alpha)) == 1 for e in table.layers().values())  # one weight per layer
+    pd.remove_pisa(pipe)

@@ -176,7 +176,7 @@ class AlphaStats:
     def alpha(self, over: str = "head", default: float = 1.0, bounds: tuple[float, float] | None = None) -> Tensor:
         """The least-squares weight: ``[H]`` per head (``over="head"``) or a 0-d tensor shared by all
         heads (``"layer"``), clamped to ``bounds`` when given. A head whose correction is zero on
-        every fitted row (no tail) does not constrain it: it gets ``default``."""
+        every fitted row (no tail) does not constrain it: it gets ``default`` (not clamped)."""
         if over not in FIT_OVER:
             raise ValueError(f"over must be one of {FIT_OVER}, got {over!r}")
         cr, cc = (self.cr, self.cc) if over == "head" else (self.cr.sum(), self.cc.sum())
@@ -185,8 +185,10 @@ class AlphaStats:
             raise ValueError("the fit's statistics are not finite (non-finite q/k/v, scale or dense output); no weight "
                              "can be fitted")
         tiny = torch.finfo(cc.dtype).tiny
-        w = torch.where(cc > tiny, cr / cc.clamp_min(tiny), torch.full_like(cc, float(default)))
-        return w if bounds is None else w.clamp(*bounds)
+        w = cr / cc.clamp_min(tiny)
+        if bounds is not None:
+            w = w.clamp(*bounds)
+        return torch.where(cc > tiny, w, torch.full_like(cc, float(default)))
 
     def residual(self, alpha) -> Tensor:
         """``Σ‖r − alpha·c‖²`` per head for a scalar or per-head ``alpha`` (0 is zeroth, 1 the paper)."""

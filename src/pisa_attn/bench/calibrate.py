@@ -83,7 +83,9 @@ def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", co
         n = k.shape[2]
         lo, hi = e.info.get("image_range") or (0, q.shape[2])
         start = block_floor(lo, block_size)
-        sampled = None if rows == 0 or rows >= hi - lo else sample_rows(rng, lo - start, hi - start, block_size, rows)
+        # sample_rows draws whole runs of rows: cut to the count asked, as the online calibrator does
+        sampled = None if rows == 0 or rows >= hi - lo else sample_rows(rng, lo - start, hi - start, block_size,
+                                                                        rows)[:rows]
         keep = None
         if e.layout is not None and e.layout.num_text_tokens:
             keep = e.layout.keep_blocks(block_size)[: spec.num_blocks(n, block_size)]

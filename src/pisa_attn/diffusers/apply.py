@@ -64,7 +64,7 @@ def alpha_table(pipe_or_transformer) -> at.AlphaTable:
     the calibrated ones (the fits of this generation's warm-up so far), else the loaded ones.
     ``.save(path)`` writes the file ``apply_pisa(..., alpha_table=path)`` loads."""
     found, _ = transformers_of(pipe_or_transformer)
-    out, settings, model = {}, {}, None
+    out, settings, model, fit = {}, {}, None, "head"
     for name, tr in found:
         state = pisa_state(tr)
         if state is None:
@@ -75,7 +75,8 @@ def alpha_table(pipe_or_transformer) -> at.AlphaTable:
                     "block_size": cfg.block_size}
         layers = {}
         if state.calibrator is not None and state.calibrator.fits:
-            layers = dict(state.calibrator.table(name).layers(name))
+            fitted = state.calibrator.table(name)
+            layers, fit = dict(fitted.layers(name)), fitted.fit  # per head or one weight per layer
         for i, a in state.alphas.items():
             layers.setdefault(i, at.LayerAlpha(tuple(float(x) for x in a.tolist()),
                                                covariance_aware=state.rules.get(i)))
@@ -83,7 +84,7 @@ def alpha_table(pipe_or_transformer) -> at.AlphaTable:
     if not any(out.values()):
         raise ValueError("no calibrated or loaded first-order weights: use apply_pisa(..., calibrate=True) and run "
                          "past the warm-up, or apply_pisa(..., alpha_table=...)")
-    return at.AlphaTable(out, settings, model=model, source="apply_pisa")
+    return at.AlphaTable(out, settings, model=model, source="apply_pisa", fit=fit)
 
 
 def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
