@@ -97,6 +97,23 @@ def test_derive_extrapolates_reduced_models():
     assert sched["dense_step_ms"] == pytest.approx(10_000 + 40 * (80 - 70))
 
 
+def test_derive_gives_no_bound_or_schedule_from_noise():
+    """A forward without attention no faster than dense gives no bound (not one below 1); a
+    schedule step estimated at or below zero gives no speed-up; a warm-up-only row is left out."""
+    full = dc.CASES["wan14b-720p"]
+    rec = {
+        "forward_ms": {"dense": {"ms": 100.0}, "pisa": {"ms": 90.0}, "no_attention": {"ms": 101.0},
+                       "no_attention_pisa_hooks": {"ms": 50.0, "cold_only": True}},
+        "attention_call": {"speedup": 7.0, "pisa_ms": 10.0, "pisa_dense_path_ms": 1.0, "dense_backend": "cudnn",
+                           "dense_ms": {"cudnn": 70.0}},
+    }  # fmt: skip
+    d = report.derive(rec, full, full, stages.parse_args(["--tiny"]))
+    assert d["ideal_bound"] is None and "amdahl_bound" not in d and d["bound_note"]
+    assert "boundary_ms" not in d and d["warmup_only"] == ["no_attention_pisa_hooks"]
+    s = est.schedule_speedup(100.0, 2.0, steps=50, dense_steps=5, dense_layers=4, dense_layer_extra=-9.0)
+    assert s["speedup"] is None and s["note"]
+
+
 def test_first_dense_falls_back_and_records_why():
     def run(name):
         if name == "a":
@@ -188,3 +205,25 @@ def test_a_failing_step_is_recorded_and_the_stage_goes_on(tmp_path, monkeypatch)
     assert stage["status"] == "partial: 2 steps failed"
     assert set(case["errors"]) == {"pisa", "no_attention_pisa_hooks"} and "kernel launch" in case["errors"]["pisa"]
     assert set(case["forward_ms"]) == {"dense", "no_attention"} and "amdahl_bound" in case["derived"]
+
+
+@pytest.mark.parametrize("stage", ["wan1.3b", "hunyuan", "flux"])
+def test_the_no_attention_forward_runs_no_attention(stage):
+    """routed(model) swaps the managed attention for the no-attention op: the model's own
+    processors must not run (the stand-in is no removed PISA processor), so the forward differs
+    from the dense one."""
+    from pisa_attn.bench.e2e.backends import managed_modules, routed
+
+    case, _ = stages.stage_cases(stage, stages.parse_args(["--tiny"]))[0]
+    model = dc.build(case, torch.device("cpu"), torch.float32)
+    inputs = dc.inputs(case, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        dense = model(**inputs).sample
+    calls = []
+    with routed(model):
+        for module in managed_modules(model):
+            proc = module.processor
+            proc.original = (lambda o: lambda *a, **k: calls.append(1) or o(*a, **k))(proc.original)
+        with torch.no_grad():
+            out = model(**inputs).sample
+    assert not calls and not torch.equal(out, dense)

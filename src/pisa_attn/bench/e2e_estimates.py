@@ -54,6 +54,11 @@ def schedule_speedup(
     sparse_step = t_sparse + dense_layers * dense_layer_extra
     pisa = dense_steps * warm_step + (steps - dense_steps) * sparse_step
     dense = steps * t_dense
+    if warm_step <= 0 or sparse_step <= 0:
+        # the extras are differences of isolated calls: at tiny sizes their noise can exceed a forward
+        return {"steps": steps, "dense_steps": dense_steps, "dense_layers": dense_layers, "dense_step_ms": warm_step,
+                "sparse_step_ms": sparse_step, "speedup": None,
+                "note": "a step's estimate is not positive (the call differences are below their noise)"}
     return {
         "steps": steps,
         "dense_steps": dense_steps,

@@ -78,6 +78,9 @@ def routed(model):
         else:
             stand_in = cls(proc, handle=0, layer=-1)
             stand_in.attention = attention
+            # no PISA state owns handle 0: without this the processor would count itself removed
+            # and run the model's own (dense) processor eagerly
+            stand_in.orphaned = lambda: False
             module.set_processor(stand_in)
             swapped.append((module, proc))
     try:

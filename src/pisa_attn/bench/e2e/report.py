@@ -14,7 +14,8 @@ from .stages import blocks_info
 
 def _ms(fw: dict, name: str) -> float | None:
     m = fw.get(name)
-    return None if not m else m["ms"]
+    # a row whose only calls were the warm-up (compile and autotune included) is no measurement
+    return None if not m or m.get("cold_only") else m["ms"]
 
 
 def derive(rec: dict, case: dc.Case, full: dc.Case, args) -> dict:
@@ -23,6 +24,9 @@ def derive(rec: dict, case: dc.Case, full: dc.Case, args) -> dict:
     dense, pisa, rest, hooks = (_ms(fw, n) for n in ("dense", "pisa", "no_attention", "no_attention_pisa_hooks"))
     ext = full.blocks / case.blocks
     out: dict = {"blocks": blocks_info(case, full)}
+    cold = sorted(n for n, m in fw.items() if isinstance(m, dict) and m.get("cold_only"))
+    if cold:
+        out["warmup_only"] = cold  # left out of every number below
     if a:
         # The attention call's own speed-up, against the dense backend the forwards ran on.
         used = rec.get("dense_backend", a["dense_backend"])
@@ -37,9 +41,13 @@ def derive(rec: dict, case: dc.Case, full: dc.Case, args) -> dict:
         out["speedup"] = dense / pisa
     if dense and rest is not None:
         out["no_attention_forward_ms"] = rest * ext
-        out["ideal_bound"] = dense / rest if rest > 0 else None
         out["attention_share_of_dense"] = (dense - rest) / dense
-        if a:
+        if rest >= dense:  # attention's share is below the forwards' spread: no bound to give
+            out["ideal_bound"] = None
+            out["bound_note"] = "the forward without attention was not faster than the dense one"
+        else:
+            out["ideal_bound"] = dense / rest if rest > 0 else None
+        if a and out["ideal_bound"] is not None:
             out["amdahl_bound"] = est.amdahl_bound(dense, rest, out["attention_ratio"])
             if pisa:
                 out["share_of_bound"] = out["speedup"] / out["amdahl_bound"]
@@ -53,7 +61,8 @@ def derive(rec: dict, case: dc.Case, full: dc.Case, args) -> dict:
     if dense and pisa and a:
         dense_path = a["pisa_dense_path_ms"]
         out["schedule"] = est.schedule_speedup(
-            dense * ext, pisa * ext, steps=args.steps, dense_steps=full.dense_steps, dense_layers=full.dense_layers,
+            dense * ext, pisa * ext, steps=args.steps, dense_steps=full.dense_steps,
+            dense_layers=min(full.dense_layers, full.blocks),
             dense_layer_extra=dense_path - a["pisa_ms"],
             dense_step_extra=full.blocks * (dense_path - dense_call),
         )  # fmt: skip
@@ -67,7 +76,7 @@ def summary(rec: dict) -> str:
                    ("boundary_pct_of_pisa_forward", "boundary {:.2f}%")):  # fmt: skip
         if d.get(k) is not None:
             parts.append(fmt.format(d[k]))
-    if "schedule" in d:
+    if d.get("schedule", {}).get("speedup") is not None:
         parts.append(f"{d['schedule']['steps']}-step schedule {d['schedule']['speedup']:.2f}x")
     for k, v in rec.get("rel_l1", {}).items():
         parts.append(f"{k} {v:.4f}")
@@ -120,6 +129,12 @@ def table(results: dict) -> str:
             pw, pn = paper.get("speedup"), paper.get("speedup_no_warmup")
             ptxt = "-" if pw is None else f"{pw:.2f}/{pn:.2f}" if pn else f"{pw:.2f}/-"
             sched = d.get("schedule", {}).get("speedup")
+            for why in (d.get("bound_note"), d.get("schedule", {}).get("note")):
+                if why:
+                    notes.append(f"{s['stage']} {c['case']}: {why}")
+            if d.get("warmup_only"):
+                notes.append(f"{s['stage']} {c['case']}: {', '.join(d['warmup_only'])} timed by their warm-up only "
+                             "(compile included): left out")
             tokens = c["image_tokens"] + c["joint_text_tokens"]
             lines.append(
                 f"{s['stage']:<17} {c['case']:<13} {tokens:>7} {b['measured']:>3}/{b['total']:<2} "
