@@ -354,8 +354,10 @@ def test_token_offsets_past_int32(backend):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("case", [(2, 16, 16, 4096, 128, "bhsd", 128), (1, 8, 2, 8229, 64, "bshd", 256)],
-                         ids=["B2-H16-L4096-D128-bhsd-qb128", "B1-H8-Hk2-L8229-D64-bshd-gqa-ragged-qb256"])
+@pytest.mark.parametrize("case", [(2, 16, 16, 4096, 128, "bhsd", 128), (1, 8, 2, 8229, 64, "bshd", 256),
+                                  (1, 4, 4, 4288, 128, "bhsd", 256)],
+                         ids=["B2-H16-L4096-D128-bhsd-qb128", "B1-H8-Hk2-L8229-D64-bshd-gqa-ragged-qb256",
+                              "B1-H4-L4288-D128-bhsd-qb256"])
 def test_statistics_match_fp64_reference(case):
     """One-read statistics at real sizes against float64: means, centroids, H̄ with and without
     excluded blocks, ||H_j − H̄||, the float16 centroids; the workspace path writes the same bits."""

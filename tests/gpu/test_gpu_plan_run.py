@@ -144,3 +144,28 @@ def test_drop_row_without_exact_blocks_is_zero_B1_H2_L1024_D128(backend, precisi
     rows = torch.ones(1024, dtype=torch.bool, device=q.device)
     rows[192:256] = False
     assert torch.equal(out[:, :, rows], want[:, :, rows]) and torch.equal(lse[:, :, rows], want_lse[:, :, rows])
+
+
+@pytest.mark.parametrize("precision", ["input", "int8", "fp8"])
+@pytest.mark.parametrize("mode", ["hybrid", "zeroth"])
+def test_row_without_exact_blocks_past_16k_keys_B1_H2_Lq1024_Lk16384_D128(mode, precision):
+    """From 16K keys the exact loop starts at a bound of its scores; a row given no exact block
+    (a ring shard's row) must not keep that bound as its maximum: q and k at twice unit scale put
+    it far above the tail's scores, whose weights then all underflowed (0/0)."""
+    from pisa_attn.ops.selection import Selection
+
+    q, k, v = qkv(1, 2, 2, 1024, 16384, 128, torch.bfloat16, "bhsd", seed=13)
+    q, k = q * 2, k * 2
+    p = plan(q, k, PisaSettings(density=0.125, mode=mode, backend="hopper", precision=precision))
+    _, sel = run(p, q, k, v, return_selection=True)
+    mask = sel.to_mask(p.n_kv_blocks)
+    mask[:, :, 2:6] = False  # query blocks 2-5: tail only
+    empty = Selection.from_mask(mask, p.width)
+    out, lse = run(p, q, k, v, selection=empty, return_lse=True)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    o64, l64 = ref.attend(q.double(), k.double(), v.double(), ref.prepare(q.double(), k.double(), v.double(), 64),
+                          empty, mode=mode, scale=128**-0.5, block_size=64,
+                          alpha=None if p.alpha is None else p.alpha.double())
+    # the low precisions against float64 PISA within their documented bounds (tests/gpu/test_gpu_fuzz.py)
+    assert rel_l1(out, o64) < {"input": 1e-2, "int8": 4e-2, "fp8": 1.5e-1}[precision]
+    assert (lse.double() - l64).abs().max().item() < (1e-2 if precision == "input" else 0.6)

@@ -772,6 +772,11 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, kma
                                                 o_layout, p_layout, NC)
     if EXACT_SLACK >= 0:
         efix = (fx == 1).to(gl.int32)
+        if fx == 0:
+            # no owned exact block (a ring shard's row, a given selection): m_i still holds the
+            # scores' bound, which may sit far above the tail's scores (every weight 0); the tail
+            # starts from nothing, as the online loop would
+            m_i = gl.full([BS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     else:
         efix = 0
     _finish(q_s, k_bufs, v_bufs, ready, empty, n_union, hb_smem, hb_bar, o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr,

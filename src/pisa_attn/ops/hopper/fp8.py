@@ -603,6 +603,9 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, alp
         acc = gl.convert_layout(acc * tau[None, :], o_layout)
     else:
         acc = gl.convert_layout(acc * (1.0 / P_MUL), o_layout)
+    if EXACT_SLACK >= 0:
+        if fx == 0:  # no owned exact block: m_i is still the bound (see the bf16 kernel's consumer)
+            m_i = gl.full([BS], float("-inf"), gl.float32, layout=row8)
     # The running maximum back in the frame of the scores S = raw·a + s·q·μ (the loop left the
     # row's constant out: it needs no register there).
     m_i = gl.convert_layout(m_i, row_s) + _row_dot(q_s, mu_ptr + bhk * D, qk_scale, BS, D, row_s)

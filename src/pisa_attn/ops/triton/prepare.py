@@ -411,6 +411,13 @@ def _q_tile(qb: int, d: int) -> int:
     return max(qb, min(16 * qb, STATS_TUNING["q_tile_bytes"] // (2 * d)))
 
 
+def _stats_stages(qt: int, d: int) -> int:
+    """Pipeline stages of the stats launch: fewer where one query block's tile is larger than the
+    tuned tile bytes (256-row selection rows at D = 128 asked 272 KB of shared memory in 4 stages)."""
+    stages, tile = STATS_TUNING["stages"], 2 * qt * d
+    return stages if tile <= STATS_TUNING["q_tile_bytes"] else max(1, stages * STATS_TUNING["q_tile_bytes"] // tile)
+
+
 @functools.lru_cache(maxsize=64)
 def _geometry(b: int, h: int, hk: int, lq: int, lk: int, bs: int, qb: int, d: int, device: torch.device,
               tuning: tuple):
@@ -548,7 +555,7 @@ def prepare(q: Tensor, k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool
         qt = _q_tile(qb, d)
         args = (q, k, v, ex, ws.qmean, kmean_t, ws.vbar, part_h, part_s, part_r, part_v, *strides, ex_sb, ex_sh,
                 h, hk, lq, lk, nqs, -(-lq // qt), nk, kv_per, kv_chunks, q_per, q_chunks, n_kv)
-        stages = STATS_TUNING["stages"]
+        stages = _stats_stages(qt, d)
         _launch_stats((k.dtype, block_size, qb, qt, d, hbar_exclude is not None, vmax, with_kmax, stages, pdl,
                        spec_class(q, k, v, ex, *strides)), (grid,), args,
                       dict(BS=block_size, QB=qb, QT=qt, D=d, F32=f32, CLAMP=clamp, HAS_EXCL=hbar_exclude is not None,
