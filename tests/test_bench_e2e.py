@@ -204,7 +204,11 @@ def test_a_failing_step_is_recorded_and_the_stage_goes_on(tmp_path, monkeypatch)
     case = stage["cases"][0]
     assert stage["status"] == "partial: 2 steps failed"
     assert set(case["errors"]) == {"pisa", "no_attention_pisa_hooks"} and "kernel launch" in case["errors"]["pisa"]
-    assert set(case["forward_ms"]) == {"dense", "no_attention"} and "amdahl_bound" in case["derived"]
+    assert set(case["forward_ms"]) == {"dense", "no_attention"}
+    # the steps that ran are still derived from (a tiny CPU model's attention share can fall within
+    # the forwards' spread: then the bound is left out with a note)
+    d = case["derived"]
+    assert "no_attention_forward_ms" in d and ("amdahl_bound" in d or d.get("bound_note"))
 
 
 @pytest.mark.parametrize("stage", ["wan1.3b", "hunyuan", "flux"])
