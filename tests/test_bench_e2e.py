@@ -171,7 +171,10 @@ def test_tiny_run_covers_eager_compiled_and_sweep(tmp_path):
     for key in ("wan1.3b-480p", "flux-1024", "flux-2048"):  # eager: every measurement and what it gives
         c = cases[key]
         assert set(c["forward_ms"]) == {"dense", "pisa", "no_attention", "no_attention_pisa_hooks"}
-        assert {"speedup", "amdahl_bound", "share_of_bound", "boundary_pct_of_pisa_forward", "schedule"} <= set(c["derived"])
+        d = c["derived"]
+        assert {"speedup", "boundary_pct_of_pisa_forward", "schedule"} <= set(d)
+        # at these sizes attention's share can fall within the forwards' spread: no bound, a note
+        assert {"amdahl_bound", "share_of_bound"} <= set(d) or d.get("bound_note")
         assert set(c["gathers"]["per_kind_ms"]) == {"token", "rope", "untile"}
         assert 0 < c["rel_l1"]["pisa_vs_dense"] < 0.05
     hun = cases["hunyuan-720p"]  # compiled, half the blocks, a key-padding mask
