@@ -28,13 +28,12 @@ import torch
 from torch import Tensor
 
 from . import spec, tail_weight
+from ._log import log_once
 from .ops import fused as _fused
 from .ops.selection import Selection
 from .ops.stages import Backend, run_planned
 from .settings import BACKENDS, LAYOUTS, PisaSettings, as_bool, as_int, check_not_both, from_loose
 from .settings import UNPASSED as _U
-
-log = logging.getLogger("pisa_attn")
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM, MAX_HEAD_DIM = spec.MIN_HEAD_DIM, spec.MAX_HEAD_DIM
@@ -43,14 +42,6 @@ LOWP_BACKENDS = {"fp8": "hopper_fp8", "int8-fp8": "hopper_int8_fp8", "int8-int8"
                  "int8": "hopper_int8"}
 FP8_BACKEND = LOWP_BACKENDS["fp8"]
 INFERENCE_ONLY = ("hopper", *LOWP_BACKENDS.values(), "triton")  # backends whose kernels have no backward
-
-_logged: set[str] = set()
-
-
-def _log_once(msg: str, level: int = logging.INFO) -> None:
-    if msg not in _logged:
-        _logged.add(msg)
-        log.log(level, msg)
 
 
 def _check_tensor(name: str, x) -> None:
@@ -207,7 +198,7 @@ def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int, precisi
     reason = _reason("triton", q, mode, block_size)
     if reason is None:
         return "triton"
-    _log_once(f"pisa_attention: using the PyTorch reference on CUDA because {reason}", logging.WARNING)
+    log_once(f"pisa_attention: using the PyTorch reference on CUDA because {reason}", logging.WARNING)
     return "reference"
 
 

@@ -19,6 +19,7 @@ import logging
 import torch
 from torch import Tensor
 
+from ..._log import log_once
 from ...spec import PRODUCT_FORMATS
 from .. import fused as _fused
 from ..selection import Selection
@@ -31,14 +32,6 @@ from . import fp8 as _fp8
 
 HEAD_DIMS = (64, 128)
 BLOCK_SIZES = (64,)
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(reason: str) -> None:
-    """Say (once per reason) that the Triton attend served a call the pair kernel cannot read."""
-    logging.getLogger("pisa_attn").warning(
-        "pisa_attn hopper backend: the Triton attention kernel (the same function, slower) runs a call the "
-        "Hopper kernel cannot read through TMA (%s); pass contiguous q/k/v to run the Hopper kernel", reason)
 
 
 @functools.lru_cache(maxsize=16)
@@ -91,7 +84,9 @@ def attend(
         out = _tattn._alloc_like_layout(q, out_dtype)
     tma = _gattn.tma_unsupported_reason(q, k, v, out)
     if tma is not None:
-        _warn_once(tma)
+        log_once(f"pisa_attn hopper backend: the Triton attention kernel (the same function, slower) runs a call "
+                 f"the Hopper kernel cannot read through TMA ({tma}); pass contiguous q/k/v to run the Hopper kernel",
+                 logging.WARNING)
     if (out_dtype not in (None, q.dtype)) or tma is not None:
         return _top.attend(q, k, v, stats, selection, mode=mode, scale=scale, block_size=block_size,
                            n_select=n_select, out_dtype=out_dtype, alpha=alpha, out=out, lse=lse)
