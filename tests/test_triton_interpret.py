@@ -312,6 +312,16 @@ def test_unsupported_reason(d, dtype, mode, bs, needle):
     assert op.unsupported_reason(torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16, device=DEV), "drop", 64) is None
 
 
+def test_batch_times_heads_past_the_grid_limit_is_refused():
+    """B·H sits on a launch grid's second axis (at most 65 535): past it the kernels refuse the call
+    by name instead of failing at launch; an explicit backend says so as a ValueError."""
+    q = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16, device=DEV).expand(2, 32768, 64, 64)
+    assert "batch x heads = 65536" in op.unsupported_reason(q, "hybrid", 64)
+    assert op.unsupported_reason(q[:, :32767], "hybrid", 64) is None
+    with pytest.raises(ValueError, match="batch x heads = 65536"):
+        pisa_attention(q, q, q, backend="triton")
+
+
 
 # --- the weight alpha of the first-order term (per query head) ------------------------------------
 ALPHA_CASES = [

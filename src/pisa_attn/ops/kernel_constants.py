@@ -10,3 +10,6 @@ LOG2E = 1.4426950408889634
 
 LN2 = 0.6931471805599453
 """ln(2): turns a base-2 log-sum-exp back into the natural log callers get."""
+
+MAX_GRID_YZ = 65535
+"""CUDA's limit on a launch grid's second and third dimensions; the kernels put ``B·H`` there."""

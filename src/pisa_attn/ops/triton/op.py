@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .. import fused as _fused
 from ..selection import Selection
+from ..kernel_constants import MAX_GRID_YZ
 from ..stages import Backend
 from . import attention as _attn
 from ._common import interpreting
@@ -43,6 +44,9 @@ def unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
         return f"block_size {block_size} (kernels are built for block sizes {BLOCK_SIZES})"
     if not q.is_cuda and not interpreting():
         return "q is not a CUDA tensor"
+    if q.shape[0] * q.shape[1] > MAX_GRID_YZ:
+        return (f"batch x heads = {q.shape[0] * q.shape[1]} (the kernels launch one grid row per batch and head, "
+                f"at most {MAX_GRID_YZ}; split the batch)")
     return None
 
 
