@@ -156,6 +156,13 @@ def _error_cases(rank, world):
     t = torch.randn(1, 2, 32, 16)
     res["settings-disagree"] = _expect_error(lambda: ring_pisa_attention(t, t, t, block_size=16,
                                                                          density=0.3 if rank == 0 else 0.5))
+    # a setting one rank refuses (a density out of range, low precision on sharded keys): every rank raises
+    res["ring-one-rank-bad-setting"] = _expect_error(lambda: ring_pisa_attention(t, t, t, block_size=16,
+                                                                                 density=1.5 if rank == 1 else 0.5))
+    res["ring-one-rank-fp8"] = _expect_error(lambda: ring_pisa_attention(
+        t, t, t, settings=PisaSettings(block_size=16, precision="fp8" if rank == 1 else "input")))
+    res["ulysses-one-rank-bad-setting"] = _expect_error(lambda: ulysses_pisa_attention(
+        t, t, t, block_size=16, mode="hybrid" if rank == 0 else "nope"))
     keep = torch.ones(1, 4, 4, dtype=torch.bool)
     res["keep-heads"] = _expect_error(lambda: ulysses_pisa_attention(t, t, t, block_size=16, keep_blocks=keep))
     w = torch.randn(1, 2, 32, 16)
@@ -283,6 +290,9 @@ def test_two_ranks_equal_single_process(two_ranks, name):
         ("ring-bad-perm", "one entry per global token"),
         ("one-rank-empty", "empty input|rank 1 refused its inputs"),
         ("settings-disagree", "same settings"),
+        ("ring-one-rank-bad-setting", "density must be in|rank 1 refused its inputs"),
+        ("ring-one-rank-fp8", "precision='fp8' is not supported by ring|rank 1 refused its inputs"),
+        ("ulysses-one-rank-bad-setting", "mode must be|rank 1 refused its inputs"),
         ("keep-heads", "keep_blocks must have 1 or H = 2 heads"),
     ],
 )

@@ -249,3 +249,20 @@ def test_pisa_order_maps_rank_major_gather_to_tiled_sequence():
     assert torch.equal(gathered[perm], model[seq.layout.perm])
     with pytest.raises(ValueError, match="split evenly"):
         pisa_order(seq, (28, 32))
+
+
+def test_managed_sequence_gathers_when_a_rank_cannot_tell_the_sequences_apart():
+    """14 image tokens and one text token on two ranks: rank 1 holds no text, so its shares of the
+    joint sequence (8 + 7) and of the image-only one (7 + 7) have one length. Every rank then
+    gathers (none picks alone); with text on every rank the lengths tell them apart."""
+    from pisa_attn.diffusers.parallel import _managed_sequence
+    from pisa_attn.diffusers.tiling import build_layouts
+
+    run = SimpleNamespace(layouts=build_layouts((2, 7), 1, "before", (1, 4), 4))
+    for rank, local in ((0, 8), (0, 7), (1, 7)):
+        assert _managed_sequence(run, local, rank, 2) == (None, None), (rank, local)
+    lay = build_layouts((2, 7), 2, "before", (1, 4), 4)
+    run = SimpleNamespace(layouts=lay)
+    for rank in (0, 1):
+        assert _managed_sequence(run, 7, rank, 2) == (lay.image_only, (7, 7))
+        assert _managed_sequence(run, 8, rank, 2) == (lay.joint, (8, 8))

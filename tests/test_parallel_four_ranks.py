@@ -74,8 +74,9 @@ def _core(rank, world):
 
 
 def _unified_errors(rank, groups):
-    """Input one rank refuses (an empty shard, grad), a malformed seq_lens and settings that differ
-    between the ranks of one Ulysses group: every rank of the grid raises (none waits in a
+    """Input one rank refuses (an empty shard, grad, a setting), a malformed seq_lens, settings that
+    differ between the ranks of one Ulysses group and a batch that differs between two ranks of
+    one Ulysses group: every rank of the grid raises (none waits in a
     collective). Returns each case's error, 'ok' when it ran."""
     from pisa_attn.parallel import unified_pisa_attention
 
@@ -97,6 +98,9 @@ def _unified_errors(rank, groups):
         "grad": run(lambda: unified_pisa_attention(grad, x, x, **kw)),
         "seq-lens": run(lambda: unified_pisa_attention(x, x, x, seq_lens=[-1, 41, 40, 40], **kw)),
         "settings": run(lambda: unified_pisa_attention(x, x, x, density=0.25 if rank == 0 else 0.5, **kw)),
+        # one Ulysses group's ranks disagree on the batch: the other group must not wait in the ring
+        "shape": run(lambda: unified_pisa_attention(*(x.expand(2, -1, -1, -1) if rank == 1 else x,) * 3, **kw)),
+        "one-bad-setting": run(lambda: unified_pisa_attention(x, x, x, density=1.5 if rank == 2 else 0.5, **kw)),
     }
 
 
@@ -149,7 +153,9 @@ def test_ring_on_the_kernels_with_an_empty_shard(four_ranks):
 @pytest.mark.parametrize("case, words", [("empty", "empty input|another rank refused"),
                                          ("grad", "inference-only|another rank refused"),
                                          ("seq-lens", "seq_lens must list 4 positive ints"),
-                                         ("settings", "same settings")])
+                                         ("settings", "same settings"),
+                                         ("shape", "same batch/heads"),
+                                         ("one-bad-setting", "density must be in|another rank refused")])
 def test_unified_errors_reach_every_rank(four_ranks, case, words):
     import re
 

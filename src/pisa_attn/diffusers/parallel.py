@@ -220,9 +220,14 @@ def _ring_sparse(q, k, v, seq: Sequence, scale, settings, groups: _Groups, lens:
 
 def _managed_sequence(run, local_len: int, rank: int, world: int):
     """(sequence, per-rank lengths) of the managed sequence whose even split gives this rank
-    ``local_len`` tokens, without communication; (None, None) when none does."""
-    for seq in (run.layouts.joint, run.layouts.image_only):
-        lens = _even_split(seq.image_lo, seq.image_hi, seq.length, world)
+    ``local_len`` tokens, without communication; (None, None) when none does, or when some rank
+    could not tell the two sequences apart by its length (text shorter than the ranks: that rank
+    would pick by itself; every rank then gathers the lengths instead)."""
+    seqs = (run.layouts.joint, run.layouts.image_only)
+    splits = [_even_split(s.image_lo, s.image_hi, s.length, world) for s in seqs]
+    if splits[0] != splits[1] and any(a == b for a, b in zip(*splits)):
+        return None, None
+    for seq, lens in zip(seqs, splits):
         if lens[rank] == local_len:
             return seq, lens
     return None, None

@@ -13,6 +13,24 @@ from ..attention import to_bhsd, validate
 from ..settings import PisaSettings, check_not_both, from_loose
 from .comm import gather_ints, group_info
 
+def entry_settings(settings, alpha, *, what: str, deferrable: bool, sharded_keys: bool, **loose):
+    """``(settings, alpha, error)`` for a sequence-parallel entry point: :func:`settings_of`; with
+    ``sharded_keys`` low precision is refused (sharded keys merge float32 partial outputs, which the
+    low-precision kernel does not write). With ``deferrable`` a refused setting comes back as ``error`` beside default settings,
+    for :func:`check_inputs` to raise after the gather that tells every rank (raising here would
+    leave the other ranks waiting in it)."""
+    try:
+        s, alpha = settings_of(settings, alpha, **loose)
+        if sharded_keys and s.precision != "input":
+            raise ValueError(f"precision={s.precision!r} is not supported by {what} (the low-precision kernel "
+                             "writes no float32 partial outputs to merge across ranks): use precision='input'")
+        return s, alpha, None
+    except (TypeError, ValueError) as e:
+        if not deferrable:
+            raise
+        return PisaSettings(), None, e
+
+
 def settings_of(settings, alpha=None, **loose):
     """``(settings, alpha)``: one :class:`PisaSettings` from ``settings=`` or from the loose keyword
     arguments (not both), with its ``alpha`` moved out as per-call data (a per-head tuple becomes a
@@ -49,11 +67,14 @@ def settings_fingerprint(settings: PisaSettings, dtype) -> int:
     return zlib.crc32(repr((settings.replace(layout="bhsd"), str(dtype))).encode())
 
 
-def local_check(q, k, v, s: PisaSettings, *, what: str, return_lse, alpha, defer: bool):
+def local_check(q, k, v, s: PisaSettings, *, what: str, return_lse, alpha, defer: bool, pre_error=None):
     """``((qh, kh, vh), None)``: this rank's q/k/v validated (``[B, H, L, D]`` views) and not
     requiring grad; or, with ``defer`` and tensors, ``(None, error)`` for the caller to raise after
-    a gather that tells every rank (without it the error is raised here)."""
+    a gather that tells every rank (without it the error is raised here). ``pre_error``: the
+    settings' error, from :func:`entry_settings`."""
     try:
+        if pre_error is not None:
+            raise pre_error
         views = validate(q, k, v, density=s.density, block_size=s.block_size, mode=s.mode, scale=s.scale,
                          layout=s.layout, backend=s.backend, covariance_aware=s.covariance_aware,
                          return_lse=return_lse, query_block=s.query_block, alpha=alpha)
@@ -78,16 +99,18 @@ def checked_lens(seq_lens, n: int, what: str) -> list[int]:
 
 
 def check_inputs(q, k, v, *, group, settings: PisaSettings, what: str, return_lse=False, seq_lens=None,
-                 alpha=None):  # fmt: skip
+                 alpha=None, pre_error=None):  # fmt: skip
     """Validate one rank's local q/k/v; return ``[B, H, L, D]`` views and the gathered shard facts.
 
     ``seq_lens``: per-rank local lengths (q and k/v alike) when the caller knows them; skips the
-    all-gather (and its host sync), and with it the check that all ranks agree on B/H/Hk/D.
+    all-gather (and its host sync), and with it every agreement check: the ranks must then pass
+    the same settings, dtype and B/H/Hk/D, and an error on one rank leaves the others waiting in
+    their next collective. ``pre_error``: this rank's settings error (:func:`entry_settings`).
     """
     s = settings
     # an error is raised after the gather below, which every rank then leaves with an error
     views, local_error = local_check(q, k, v, s, what=what, return_lse=return_lse, alpha=alpha,
-                                     defer=seq_lens is None)
+                                     defer=seq_lens is None, pre_error=pre_error)
     rank, world = group_info(group)
     if local_error is None:
         qh, kh, vh = views

@@ -20,7 +20,8 @@ The steps use only the stage contract (:mod:`pisa_attn.ops.stages`), so any back
 the kernels on CUDA). The result equals single-process ``pisa_attention`` on the whole sequence
 (same selection, float tolerance: float16/bfloat16 partials are rounded to the input dtype, merged
 in float32 and rounded again, so the output is within two roundings of one process's; float32 and
-float64 partials are kept as they are). Global blocks must not straddle ranks: when the shards are not
+float64 partials keep their dtype, weighted through float32 log-sum-exps, so a float64 output is
+within ~1e-7 relative of one process's). Global blocks must not straddle ranks: when the shards are not
 block aligned (or a token permutation is asked for), tokens are first redistributed to
 block-aligned shards with one all-to-all, and the output is sent back the same way. Shards of
 whole blocks are balanced to within one block; with fewer blocks than ranks some ranks hold none
@@ -53,7 +54,7 @@ from .comm import (
     check_permutation,
     to_device,
 )
-from .common import Shards, check_inputs, settings_of, to_layout
+from .common import Shards, check_inputs, entry_settings, to_layout
 from .phases import phase
 
 
@@ -103,7 +104,10 @@ def ring_pisa_attention(
             query_block: as in :func:`pisa_attn.pisa_attention` (the backend runs every ring step).
         settings: a :class:`pisa_attn.PisaSettings` instead of the loose settings arguments.
         seq_lens: per-rank local lengths (q and k/v alike), when known to every rank: saves the
-            all-gather of the shard shapes (a host sync). Default: gathered and checked.
+            all-gather of the shard shapes (a host sync), and with it every check that the ranks
+            agree: each must then pass the same settings, dtype and ``[B, H, Hk, D]``, and an
+            error on one rank leaves the others waiting in their next collective. Default:
+            gathered and checked (a bad input or setting on any rank raises on every rank).
 
     Returns:
         ``out`` for this rank's queries (shape/layout of ``q``), plus its ``lse`` [B, H, Lq] fp32
@@ -112,14 +116,13 @@ def ring_pisa_attention(
     Token orders (``perm``, ``q_perm``, ``exact_queries``) are planned once per distinct tensor
     object (and in-place version) and shard lengths: pass the same tensors on every call of a model.
     """
-    s, alpha = settings_of(settings, alpha, density=density, block_size=block_size, mode=mode,
-                           covariance_aware=covariance_aware, scale=scale, layout=layout, backend=backend,
-                           query_block=query_block)
-    if s.precision != "input":  # sharded keys merge float32 partials, which the low-precision kernel does not write
-        raise ValueError(f"precision={s.precision!r} is not supported by ring_pisa_attention (the low-precision kernel writes "
-                         "no float32 partial outputs to merge across ranks): use precision='input'")
-    qh, kh, vh, sh = check_inputs(q, k, v, group=group, settings=s, what="ring_pisa_attention",
-                                  return_lse=return_lse, seq_lens=seq_lens, alpha=alpha)
+    what = "ring_pisa_attention"
+    s, alpha, error = entry_settings(settings, alpha, what=what, deferrable=seq_lens is None and isinstance(q, Tensor),
+                                     sharded_keys=True,
+                                     density=density, block_size=block_size, mode=mode, scale=scale, layout=layout,
+                                     covariance_aware=covariance_aware, backend=backend, query_block=query_block)
+    qh, kh, vh, sh = check_inputs(q, k, v, group=group, settings=s, what=what, return_lse=return_lse,
+                                  seq_lens=seq_lens, alpha=alpha, pre_error=error)
     density, block_size, mode, covariance_aware = s.density, s.block_size, s.mode, s.covariance_aware
     layout = s.layout
     weights = tail_weight.resolve(alpha, mode=mode, heads=sh.heads, device=q.device,

@@ -21,7 +21,7 @@ from ..spec import expand_kv_heads
 from .comm import check_permutation, inverse_permutation, to_device
 from ..settings import UNPASSED as _U
 from ..settings import PisaSettings
-from .common import Shards, check_inputs, settings_of, to_layout
+from .common import Shards, check_inputs, entry_settings, to_layout
 from .phases import phase
 
 # fn(q, k, v) on full-sequence [B, h, L, D] tensors of this rank's heads -> out [B, h, L, D], or
@@ -58,11 +58,13 @@ def ulysses_pisa_attention(
     heads first. A per-head ``keep_blocks`` [B, H, Nk] or ``alpha`` [H] follows its heads to their rank.
     ``settings``: a :class:`pisa_attn.PisaSettings` instead of the loose settings arguments.
     """
-    s, alpha = settings_of(settings, alpha, density=density, block_size=block_size, mode=mode,
-                           covariance_aware=covariance_aware, scale=scale, layout=layout, backend=backend,
-                           query_block=query_block)
-    qh, kh, vh, sh = check_inputs(q, k, v, group=group, settings=s, what="ulysses_pisa_attention",
-                                  return_lse=return_lse, seq_lens=seq_lens, alpha=alpha)
+    what = "ulysses_pisa_attention"
+    s, alpha, error = entry_settings(settings, alpha, what=what, deferrable=seq_lens is None and isinstance(q, Tensor),
+                                     sharded_keys=False, density=density, block_size=block_size, mode=mode,
+                                     covariance_aware=covariance_aware, scale=scale, layout=layout, backend=backend,
+                                     query_block=query_block)
+    qh, kh, vh, sh = check_inputs(q, k, v, group=group, settings=s, what=what, return_lse=return_lse,
+                                  seq_lens=seq_lens, alpha=alpha, pre_error=error)
     inner = s.replace(layout="bhsd")  # the gathered [B, h, L, D] sequence
     heads_here = slice(sh.rank * sh.heads // sh.world, (sh.rank + 1) * sh.heads // sh.world)
     alpha = local_heads(alpha, heads_here)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..settings import UNPASSED as _U
 from ..settings import PisaSettings
-from .common import checked_lens, local_check, settings_fingerprint, settings_of
+from .common import checked_lens, entry_settings, local_check, settings_fingerprint
 from .comm import gather_ints, group_info
 from .ring import ring_pisa_attention
 from .ulysses import local_heads, local_keep, ulysses_attention
@@ -55,7 +55,9 @@ def unified_pisa_attention(
             heads must be divisible by ``u``) and ring group (size ``r``; ranks at the same
             Ulysses position of every group).
         seq_lens: per-rank local lengths in global-sequence order (``r * u`` entries), when every
-            rank knows them; default: gathered.
+            rank knows them; as in the ring, nothing is then exchanged up front: the ranks must pass
+            the same settings, dtype and ``[B, H, Hk, D]``, and an error on one rank leaves the
+            others waiting. Default: gathered and checked on every rank.
         Everything else as in :func:`pisa_attn.parallel.ring_pisa_attention` (``perm``, ``q_perm``,
         ``exact_queries`` and ``keep_blocks`` index the global sequence; a per-head ``keep_blocks``
         or ``alpha`` follows its heads).
@@ -64,13 +66,13 @@ def unified_pisa_attention(
         ``out`` for this rank's queries (shape/layout of ``q``), plus ``lse`` [B, H, Lq] when
         ``return_lse``. Inference only.
     """
-    # The settings are checked here, before any collective (the ring checks the tensors again per group).
-    s, alpha = settings_of(settings, alpha, density=density, block_size=block_size, mode=mode,
-                           covariance_aware=covariance_aware, scale=scale, layout=layout, backend=backend,
-                           query_block=query_block)
-    if s.precision != "input":  # sharded keys merge float32 partials, which the low-precision kernel does not write
-        raise ValueError(f"precision={s.precision!r} is not supported by unified_pisa_attention (the low-precision kernel writes "
-                         "no float32 partial outputs to merge across ranks): use precision='input'")
+    # The settings and tensors are checked here, once for the grid: an error is raised on every rank
+    # after one exchange (the ring checks the tensors again per group).
+    what = "unified_pisa_attention"
+    s, alpha, error = entry_settings(settings, alpha, what=what, deferrable=seq_lens is None and isinstance(q, Tensor),
+                                     sharded_keys=True, density=density, block_size=block_size, mode=mode,
+                                     covariance_aware=covariance_aware, scale=scale, layout=layout, backend=backend,
+                                     query_block=query_block)
     u_rank, u = group_info(ulysses_group)
     r_rank, r = group_info(ring_group)
     if dist.get_world_size() % (u * r) or (u > 1 and r > 1 and ulysses_group == ring_group):
@@ -82,10 +84,11 @@ def unified_pisa_attention(
         u_lens = lens[r_rank * u : (r_rank + 1) * u]
         ring_lens = [sum(lens[j * u : (j + 1) * u]) for j in range(r)]
     # as ring and Ulysses: with seq_lens given the ranks are trusted to agree and errors raise here
-    _, local_error = local_check(q, k, v, s, what="unified_pisa_attention", return_lse=return_lse, alpha=alpha,
-                                 defer=seq_lens is None)
+    views, local_error = local_check(q, k, v, s, what=what, return_lse=return_lse, alpha=alpha,
+                                     defer=seq_lens is None, pre_error=error)
     if seq_lens is None:
-        _agree_on_grid(local_error, settings_fingerprint(s, q.dtype), ulysses_group, ring_group, q.device)
+        shape = [0] * 4 if local_error is not None else [*views[0].shape[:2], views[1].shape[1], views[0].shape[3]]
+        _agree_on_grid(local_error, settings_fingerprint(s, q.dtype), shape, ulysses_group, ring_group, q.device)
     layout = s.layout
     heads = q.shape[1 if layout == "bhsd" else 2]
     keep = local_keep(keep_blocks, heads, slice(u_rank * heads // u, (u_rank + 1) * heads // u))
@@ -103,17 +106,20 @@ def unified_pisa_attention(
     return (out, lse) if return_lse else out
 
 
-def _agree_on_grid(local_error, fingerprint: int, ulysses_group, ring_group, device) -> None:
-    """Raise on every rank of the grid when any rank refused its inputs or called with other
-    settings or dtype: the Ulysses group's verdict, then the ring group's over those (every rank
-    shares a Ulysses group with one rank of each ring group), two small gathers."""
-    mine = [int(local_error is not None), fingerprint]
-    facts = gather_ints(mine, ulysses_group, device)
-    group_verdict = [int(any(f[0] for f in facts)), int(len({f[1] for f in facts}) > 1), facts[0][1]]
+def _agree_on_grid(local_error, fingerprint: int, shape: list[int], ulysses_group, ring_group, device) -> None:
+    """Raise on every rank of the grid when any rank refused its inputs, called with other settings
+    or dtype, or holds another ``[B, H, Hk, D]``: the Ulysses group's verdict, then the ring group's
+    over those (every rank shares a Ulysses group with one rank of each ring group), two small
+    gathers."""
+    facts = gather_ints([int(local_error is not None), fingerprint, *shape], ulysses_group, device)
+    shapes = {tuple(f[2:]) for f in facts if not f[0]}
+    group_verdict = [int(any(f[0] for f in facts)), int(len({f[1] for f in facts}) > 1 or len(shapes) > 1),
+                     facts[0][1], *(next(iter(shapes)) if shapes else [0] * 4)]
     verdicts = gather_ints(group_verdict, ring_group, device)
     if local_error is not None:
         raise local_error
     if any(v[0] for v in verdicts):
         raise ValueError("unified_pisa_attention: another rank refused its inputs (its error says why)")
-    if any(v[1] for v in verdicts) or len({v[2] for v in verdicts}) > 1:
-        raise ValueError("unified_pisa_attention: every rank must call with the same settings and dtype")
+    if any(v[1] for v in verdicts) or len({v[2] for v in verdicts}) > 1 or len({tuple(v[3:]) for v in verdicts}) > 1:
+        raise ValueError("unified_pisa_attention: every rank must call with the same settings and dtype and hold the "
+                         f"same batch/heads/kv_heads/head_dim (this rank: [B, H, Hk, D] = {shape})")
