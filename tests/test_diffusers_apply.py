@@ -84,6 +84,7 @@ BAD = [
     (dict(mode="fast"), ValueError, "mode"),
     (dict(block_size=48), ValueError, "block_size"),
     (dict(tile=(8,)), ValueError, "tile"),
+    (dict(tile=(1, 1, 2)), ValueError, "tile must hold block_size = "),
     (dict(dense_layers=-1), ValueError, "dense_layers"),
     (dict(dense_steps=1.5), TypeError, "dense_steps"),
     (dict(covariance_aware="no"), TypeError, "covariance_aware"),

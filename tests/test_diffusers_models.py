@@ -203,6 +203,21 @@ def test_flux_rejects_non_raster_ids(models):
         pd.remove_pisa(tr)
 
 
+def test_flux_ids_written_in_place_are_read_again():
+    """A loop that reuses one img_ids buffer and writes another grid of the same token count into
+    it gets the new grid, not the one read before."""
+    from pisa_attn.diffusers.models import _IdsGrid
+
+    def ids(h, w):
+        y, x = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        return torch.stack([torch.zeros(h * w), y.flatten().float(), x.flatten().float()], -1)
+
+    read, buf = _IdsGrid(), ids(4, 16)
+    assert read(buf) == (4, 16) and read(buf) == (4, 16)
+    buf.copy_(ids(16, 4))
+    assert read(buf) == (16, 4)
+
+
 def test_hunyuan_token_replace_rejected():
     tr = tiny_transformer("hunyuan", image_condition_type="token_replace")
     with pytest.raises(ValueError, match="token_replace"):

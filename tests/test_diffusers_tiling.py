@@ -87,7 +87,10 @@ def test_masked_text_keys_keep_prefix_blocks():
     (lambda: default_tile(2, 0), "block_size"), (lambda: default_tile(2, 48), "block_size"),
     (lambda: default_tile(0, 64), "ndim"), (lambda: build_layouts((4, 4), 3, "middle", (4, 4), 16), "text"),
     (lambda: build_layouts((4, 4), -1, "before", (4, 4), 16), "text_len"),
-], ids=["block-0", "block-48", "ndim-0", "text-middle", "text-len-negative"])
+    (lambda: build_layouts((4, 4), 10, "none", (4, 4), 16), "text_len must be 0 when text='none'"),
+    (lambda: build_layouts((4, 4), 0, "none", (4, 4), 0), "block_size"),
+], ids=["block-0", "block-48", "ndim-0", "text-middle", "text-len-negative", "text-len-without-text",
+        "build-block-0"])
 def test_layout_helpers_name_their_bad_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()

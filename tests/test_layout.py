@@ -208,6 +208,7 @@ BAD = [
     (lambda: L.make_layout((4, 4, 4, 4)), "grid"),
     (lambda: L.grid3d(4, 4, 4, tile=(4, 4)), "tile"),
     (lambda: L.grid2d(4, 4, tile=(8, 0)), "tile"),
+    (lambda: L.grid2d(4, 4, tile=(8, 0), order="raster"), "tile"),  # refused in every order
     (lambda: L.grid2d(4, 4, text_before=-1), "text_before"),
     (lambda: L.grid2d(4, 4, text_after=-3), "text_after"),
     (lambda: L.grid2d(4, 4, order="hilbert"), "order"),

@@ -162,6 +162,8 @@ class TokenOrder:
         if len(ranks) > 1:
             raise ValueError(f"all grids of one layout must have the same rank, got ranks {sorted(ranks)}")
         if self.order == "raster":
+            if self.tile is not None:
+                _check_shape("tile", self.tile)  # refused alike in every order, then dropped
             object.__setattr__(self, "tile", None)  # tile is meaningless without tiling
         elif ranks:
             if self.tile is None:
@@ -220,7 +222,10 @@ class TokenOrder:
 
     def perm_on(self, device, inverse: bool = False) -> Tensor:
         """``perm`` (or ``inv_perm``) on ``device``, cached per device."""
-        return _device_perm(self, str(torch.device(device)), bool(inverse))
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the cache key names the device it holds
+            device = torch.device("cuda", torch.cuda.current_device())
+        return _device_perm(self, str(device), bool(inverse))
 
     def to_tiled(self, x: Tensor, dim: int) -> Tensor:
         """Reorder ``x`` along ``dim`` (length ``num_tokens``) from original to tiled order.

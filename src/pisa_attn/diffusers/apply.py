@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import math
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -94,7 +95,11 @@ def _check_tile(tile, ndim: int, block_size: int) -> tuple[int, ...]:
         raise ValueError(f"tile must be a tuple of {ndim} ints for this {ndim}D model, got {tile!r}")
     if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 1 for t in tile):  # numpy's ints too
         raise ValueError(f"tile entries must be positive ints, got {tile!r}")
-    return tuple(int(t) for t in tile)
+    tile = tuple(int(t) for t in tile)
+    if math.prod(tile) != block_size:  # the layout puts whole tiles on block boundaries: one tile, one block
+        raise ValueError(f"tile must hold block_size = {block_size} tokens (one tile per block), got {tile!r} "
+                         f"({math.prod(tile)} tokens)")
+    return tile
 
 
 def _config(adapter: ModelAdapter, transformer, density, dense_layers, dense_steps, tile, mode, cov, block_size,
@@ -308,7 +313,8 @@ def apply_pisa(
         density: fraction of key blocks computed exactly (``pisa_attention``'s ``density``).
         dense_layers: the first transformer blocks whose attention layers always run dense.
         dense_steps: the first denoising steps that run dense.
-        tile: token tile, ``(h, w)`` / ``(t, h, w)``; default 8x8 / 4x4x4 (``block_size`` tokens).
+        tile: token tile, ``(h, w)`` / ``(t, h, w)`` of ``block_size`` tokens (one tile per block);
+            default 8x8 / 4x4x4.
         mode: ``"hybrid"``, ``"zeroth"``, ``"first"`` or ``"drop"``.
         covariance_aware: covariance-aware block selection.
         block_size: tokens per query/key block.

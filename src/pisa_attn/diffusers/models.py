@@ -101,17 +101,19 @@ def _video_grid(x: Tensor, pt: int, ph: int, pw: int) -> tuple[int, int, int]:
 # --- FLUX.1 -----------------------------------------------------------------------------------
 class _IdsGrid:
     """Grid of FLUX's packed tokens from ``img_ids`` (rows (0, y, x) in raster order), read once
-    per ids tensor (the pipeline builds it once per generation)."""
+    per ids tensor (the pipeline builds it once per generation) and again when it is written in
+    place (its version counter moves)."""
 
     def __init__(self) -> None:
         self._ref = None
+        self._version = -1
         self._grid: tuple[int, int] | None = None
 
     def __call__(self, ids: Tensor) -> tuple[int, int]:
-        if self._ref is not None and self._ref() is ids:
+        if self._ref is not None and self._ref() is ids and self._version == ids._version:
             return self._grid
         grid = _raster_ids_grid(ids)
-        self._ref, self._grid = weakref.ref(ids), grid
+        self._ref, self._version, self._grid = weakref.ref(ids), ids._version, grid
         return grid
 
 

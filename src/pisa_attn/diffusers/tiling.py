@@ -60,6 +60,10 @@ def build_layouts(grid: tuple[int, ...], text_len: int, text: str, tile: tuple[i
                          f"got {text!r}")
     if isinstance(text_len, bool) or not isinstance(text_len, int) or text_len < 0:
         raise ValueError(f"text_len must be an int >= 0, got {text_len!r}")
+    if text == "none" and text_len:
+        raise ValueError(f"text_len must be 0 when text='none' (no text tokens), got {text_len}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     before = text_len if text == "before" else 0
     after = text_len if text == "after" else 0
     image = make_layout(grid, tile=tile, order="compact_inplace", offset=before)
