@@ -339,6 +339,30 @@ def test_plan_from_shapes_names_its_bad_argument(kw, exc, match):
         plan(q, k, PisaSettings(backend="reference"), dtype=torch.float32, device="cpu", **kw)
 
 
+def test_selection_with_keep_blocks_and_compiled_return_selection_are_refused():
+    """A given selection lists every exact block, so keep_blocks beside it would be ignored: refused
+    by name; a compiled call returns no selection: refused by name, not a TypeError from inside."""
+    q, k, v = make_qkv(1, 2, 1, 64, 64, 16, torch.float32, seed=3)
+    p = plan(q, k, PisaSettings(density=0.25, block_size=16, backend="reference"), max_keep=4)
+    _, sel = run(p, q, k, v, return_selection=True)
+    with pytest.raises(ValueError, match="keep_blocks has no effect with selection="):
+        run(p, q, k, v, selection=sel, keep_blocks=torch.ones(4, dtype=torch.bool))
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: run(p, q, k, v, return_selection=True), fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="return_selection=True is not supported under torch.compile"):
+        fn(q, k, v)
+
+
+def test_plan_device_without_its_index_matches_the_tensors():
+    """device="cpu:0" (or "cuda" on a GPU machine) names the device the tensors are on."""
+    q, k, _ = make_qkv(1, 2, 1, 64, 64, 16, torch.float32)
+    dev = "cuda" if q.is_cuda else "cpu:0"
+    assert plan(q, k, PisaSettings(block_size=16, backend="reference"), device=dev).device == q.device
+    with pytest.raises(ValueError, match=r"the plan is for torch.float32 on cpu \(q's, or dtype= / device=\)"):
+        plan((1, 2, 64, 16), k.cpu().half(), PisaSettings(block_size=16, backend="reference"), dtype=torch.float32,
+             device="cpu")
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 7, reason="a machine with cuda:7")
 def test_plan_for_a_device_that_is_not_there():
     with pytest.raises(ValueError, match="not available"):

@@ -321,6 +321,10 @@ def plan(q, k, settings: PisaSettings | None = None, *, dtype: torch.dtype | Non
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device must name a torch device, got {device!r} ({e})") from None
+    if device.type == "cpu":
+        device = torch.device("cpu")  # tensors on the CPU carry no index
+    elif device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())  # as tensors made on "cuda" are
     if device.type == "cuda" and (not torch.cuda.is_available() or (
             device.index is not None and device.index >= torch.cuda.device_count())):
         raise ValueError(f"device {device} is not available here ({torch.cuda.device_count()} CUDA devices)")
@@ -328,7 +332,8 @@ def plan(q, k, settings: PisaSettings | None = None, *, dtype: torch.dtype | Non
         raise ValueError(f"q is {q.dtype} on {q.device}, but the plan was asked for {dtype} on {device}")
     for name, x in (("k", k),):
         if isinstance(x, Tensor) and (x.dtype != dtype or x.device != device):
-            raise ValueError(f"{name} is {x.dtype} on {x.device}, but q is {dtype} on {device}")
+            raise ValueError(f"{name} is {x.dtype} on {x.device}, but the plan is for {dtype} on {device} "
+                             "(q's, or dtype= / device=)")
     max_keep = _max_keep(max_keep)
     workspace = as_bool("workspace", workspace)
     lay = settings.layout
@@ -401,24 +406,33 @@ def run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, *, out: Tensor | None = No
             ``p.max_keep`` per row (the plan's selection width).
         selection: a :class:`pisa_attn.ops.selection.Selection` (e.g. returned by an earlier run)
             to attend under instead of selecting: ``idx [B, H, Nq, W]``, ``cnt [B, H, Nq]``,
-            ``bits [B, H, Nq, ceil(Nk / 32)]``, int32 on the plan's device.
+            ``bits [B, H, Nq, ceil(Nk / 32)]``, int32 on the plan's device; ``keep_blocks`` must
+            then be None (the selection lists every exact block). Eager calls only.
         alpha: per-call weight of the first-order term (a float, a sequence or an ``[H]``
             tensor of one value per query head), overriding the
             settings' (default: the settings' alpha, itself :data:`pisa_attn.spec.DEFAULT_ALPHA`
             when unset).
-        return_lse, return_selection: also return the lse / a copy of the selection used.
+        return_lse, return_selection: also return the lse / a copy of the selection used
+            (``return_selection``: eager calls only).
 
     Returns:
         ``out``; or a tuple ``(out, lse)``, ``(out, selection)`` or ``(out, lse, selection)``.
 
     ValueError/TypeError naming the argument when a tensor does not match the plan. The kernel
     backends issue no host synchronisation and allocate nothing but ``out`` (and ``lse`` when it
-    is asked for and not given); the returned selection is a copy.
+    is asked for and not given); the returned selection is a copy. Outside CUDA-graph capture a
+    given ``selection`` is checked with one host read, as are the values of a CUDA ``alpha`` tensor
+    and the row counts of a CUDA ``keep_blocks``.
     """
     if not isinstance(p, PisaPlan):
         raise TypeError(f"plan must be a PisaPlan (from pisa_attn.plan), got {type(p).__name__}")
     # the flags pick the return type: no truthy values
     return_lse, return_selection = as_bool("return_lse", return_lse), as_bool("return_selection", return_selection)
+    if selection is not None and keep_blocks is not None:
+        raise ValueError("keep_blocks has no effect with selection= (the selection lists every exact block): put the "
+                         "kept blocks in the selection, or leave selection out")
+    if return_selection and torch.compiler.is_compiling():
+        raise ValueError("return_selection=True is not supported under torch.compile: run the call eagerly")
     if selection is None and p.workspace is not None:
         weights = _weights_or_none(p, alpha) if alpha is not None else p.alpha
         keep = None if keep_blocks is None else _planned_keep(p, keep_blocks)
