@@ -5,8 +5,9 @@ VENV   ?= .venv
 # e.g. `make TORCH=torch demo` to keep whatever torch your platform gives.
 TORCH  ?= torch==2.13.0
 PY      = $(VENV)/bin/python
-# Two install stamps: the core (torch, triton, numpy, rich, tqdm and pisa-attn: all the demo needs) and
-# the test extras on top (pytest, hypothesis, matplotlib and the diffusers stack).
+# Two install stamps: the core (torch, numpy, rich, tqdm and pisa-attn: all the demo needs) and
+# the test extras on top (Triton for its CPU interpreter, pytest, hypothesis, matplotlib and the
+# diffusers stack).
 CORE    = $(VENV)/.pisa-core
 EXTRAS  = $(VENV)/.pisa-test
 # --dist loadscope: a module's tests share one worker, so a module-scoped fixture (the spawned

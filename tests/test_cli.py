@@ -176,6 +176,33 @@ def test_demo_times_one_run_per_method_on_cpu():
         tiny_config(repeats=0).validate()
 
 
+def test_a_command_error_shows_that_command_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: pisa-attn demo" in err and "pisa-attn demo: error: unrecognized arguments: --bogus" in err
+
+
+def test_demo_grid_of_one_token_is_refused(capsys):
+    assert cli.main(["demo", "--grid", "1", "1", "1", "--text-tokens", "5"]) == 2
+    assert "at least 2 tokens" in capsys.readouterr().err
+
+
+def test_calibrate_covariance_flags_exclude_each_other(tmp_path, capsys):
+    f = tmp_path / "c.safetensors"
+    f.write_bytes(b"x")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["calibrate", str(f), "--covariance-aware", "--no-covariance-aware"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_generate_names_a_local_folder_that_is_no_pipeline(tmp_path, capsys):
+    pytest.importorskip("diffusers")
+    rc, err = run_cli(["generate", "--model", str(tmp_path), "--prompt", "p", "--out", "x.png"], capsys)
+    assert rc != 0 and "not a diffusers pipeline folder" in err and "huggingface-cli" not in err
+
+
 def test_demo_config_error_returns_2(capsys):
     assert cli.main(["demo", "--head-dim", "300", *TINY[:6]]) == 2
     assert "head_dim" in capsys.readouterr().err

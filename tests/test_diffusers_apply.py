@@ -313,6 +313,7 @@ def test_each_pipeline_call_starts_a_generation():
     with torch.no_grad():
         pipe(**prompt_kwargs("flux"), num_inference_steps=4)
         first = dict(pd.stats(pipe.transformer))
+        assert pd.stats(pipe) == first  # a pipeline with one transformer names it
         pipe(**prompt_kwargs("flux"), sigmas=[0.2, 0.1], num_inference_steps=2)
         second = dict(pd.stats(pipe.transformer))
     per_step = first["dense"]  # dense calls of one step (the warm-up step)

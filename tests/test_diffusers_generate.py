@@ -102,6 +102,10 @@ def test_generate_tiny_saved_pipeline(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         generate.run(_parse(["generate", "--model", model, "--prompt", "p", "--out", str(tmp_path / "x.png"), "--device", "cpu"]))
     assert e.value.code == 2 and "makes videos" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a size the pipeline refuses: its words, one line
+        generate.run(_parse(["generate", "--model", model, "--prompt", "p", "--out", str(tmp_path / "y.mp4"),
+                             "--height", "50", "--width", "50", "--frames", "9", "--steps", "1", "--device", "cpu"]))
+    assert e.value.code == 2 and "WanPipeline refused the call" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("device", ["mps", "meta"])

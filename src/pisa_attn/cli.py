@@ -95,6 +95,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pisa-attn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    parser.commands = sub  # main reports a command's errors with that command's usage line
     chosen = _chosen(sys.argv[1:] if argv is None else list(argv))
     for cmd in COMMANDS:
         if cmd.name == chosen:
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if extra and not getattr(args, "_accepts_any", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        # the command's own usage line, as argparse gives for its other errors
+        parser.commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args) or 0)
 
 

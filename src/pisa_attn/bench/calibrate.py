@@ -165,10 +165,11 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--density", type=at.density, default=0.15, help="the density you will run with (apply_pisa's "
                    "default 0.15)")
     p.add_argument("--mode", type=at.one_of(MODES), default="hybrid")
-    p.add_argument("--covariance-aware", dest="covariance_aware", action="store_true", default=None,
-                   help="covariance-aware selection for every layer (default: the rule that fits each layer best)")
-    p.add_argument("--no-covariance-aware", dest="covariance_aware", action="store_false",
-                   help="pooled top-k selection for every layer")
+    cov = p.add_mutually_exclusive_group()
+    cov.add_argument("--covariance-aware", dest="covariance_aware", action="store_true", default=None,
+                     help="covariance-aware selection for every layer (default: the rule that fits each layer best)")
+    cov.add_argument("--no-covariance-aware", dest="covariance_aware", action="store_false",
+                     help="pooled top-k selection for every layer")
     p.add_argument("--block-size", type=at.block_size, default=64)
     p.add_argument("--rows", type=at.int_at_least(0), default=512,
                    help="query rows sampled per captured call (0: all of them)")

@@ -16,8 +16,9 @@ The default (1024 tokens, 13 measurements) takes 4-10 s on a two-core CPU, impor
 depending on what else the machine runs.
 On CPU PISA runs the PyTorch reference, which computes every score to state the math exactly:
 its time says nothing about PISA's speed, so each method runs once (--repeats 1). ``--device cuda``
-runs the Triton kernels where supported (the ``backend`` column says which one ran), timed as the
-median of 3 runs after a warm-up.
+runs the GPU kernels where supported (``--backend auto``: the Hopper kernel on sm_90, else the
+Triton kernels; the ``backend`` column says which one ran), timed as the median of 3 runs after a
+warm-up.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class DemoConfig:
                 raise ValueError(f"grid must be (h, w) or (t, h, w), got {tuple(self.grid)}")
             for i, g in enumerate(self.grid):
                 _positive(f"grid[{i}]", g)
+        if math.prod(self.resolved_grid()) < 2:  # the generator sets the text's scale from the image tokens' spread
+            raise ValueError(f"the image grid must hold at least 2 tokens, got {self.resolved_grid()}")
         if not self.densities:
             raise ValueError("densities must not be empty")
         for d in self.densities:

@@ -67,6 +67,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _render_or_fail(pipe, kwargs, seed, video, label):
+    """:func:`render`, with a value the pipeline refuses (a size it cannot take, ...) as one error line."""
+    try:
+        return render(pipe, kwargs, seed, video, label)
+    except ValueError as e:
+        _fail(f"{type(pipe).__name__} refused the call ({label}): {e}")
+
+
 def _fail(msg: str, code: int = 2):
     """One error line on stderr and exit ``code``: 2 for a usage error (as argparse and the other
     commands exit), 1 for a run that could not be done (weights not available)."""
@@ -154,7 +162,10 @@ def load_pipeline(model: str, torch_dtype, device: str):
             str(Path(model).expanduser()) if local else model, dtype=torch_dtype, local_files_only=local or offline
         )
     except (OSError, ValueError) as e:
-        where = "local directory" if local else "hub id"
+        if local:
+            raise ModelUnavailableError(f"cannot load the pipeline in {model!r}: it is not a diffusers pipeline folder "
+                                        f"(save_pretrained writes model_index.json beside the components): {e}") from e
+        where = "hub id"
         why = " (offline: HF_HUB_OFFLINE=1 or the hub is unreachable, so only the local cache was searched)" if offline else ""
         raise ModelUnavailableError(
             f"cannot load the pipeline {model!r} ({where}){why}: {e}\n"
@@ -281,14 +292,14 @@ def run(args) -> int:
     rows: list[tuple[str, str]] = [("model", f"{args.model} ({adapter.name}, {dtype_name}, {device})")]
     dense = None
     if args.compare_dense:
-        dense, t_dense = render(pipe, kwargs, args.seed, video, "dense")
+        dense, t_dense = _render_or_fail(pipe, kwargs, args.seed, video, "dense")
         rows.append(("dense time", f"{t_dense:.2f} s"))
     extra = {} if args.min_kv_len is None else {"min_kv_len": args.min_kv_len}
     apply_pisa(
         pipe, density=args.density, dense_layers=args.dense_layers, dense_steps=args.dense_steps, mode=args.mode,
         block_size=args.block_size, **extra,
     )  # fmt: skip
-    sparse, t_sparse = render(pipe, kwargs, args.seed, video, f"PISA {args.density:g}")
+    sparse, t_sparse = _render_or_fail(pipe, kwargs, args.seed, video, f"PISA {args.density:g}")
     save(sparse, args.out, args.fps)
     counts = stats(transformer)
     rows += [

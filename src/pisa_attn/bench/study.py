@@ -621,7 +621,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", choices=SIZES, default=None, help="preset: tiny (CI), default (CPU), paper (CUDA default)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="float32 on CPU, bfloat16 on CUDA by default")
     p.add_argument("--length", type=at.int_at_least(1), default=None,
-                   help="tokens of the density sweep (synthetic source)")
+                   help="tokens of the density sweep (synthetic source; a multiple of 64)")
     p.add_argument("--lengths", type=at.comma_list(at.int_at_least(1)), default=None,
                    help="comma-separated lengths of the length sweep (synthetic source; a capture sweeps as many "
                         "halvings of its grid as lengths are given)")

@@ -47,8 +47,18 @@ def pisa_state(transformer) -> PisaState | None:
 def stats(transformer) -> dict[str, int]:
     """Managed attention calls since the current generation started (its first transformer call,
     the first whose timestep is not below the previous call's): ``dense``, ``sparse`` and
-    dense calls per reason (``warmup_step``, ``warmup_layer``, ``few_tokens``)."""
+    dense calls per reason (``warmup_step``, ``warmup_layer``, ``few_tokens``). ``transformer``:
+    a managed transformer, or a pipeline with one transformer."""
     state = pisa_state(transformer)
+    if state is None and not hasattr(transformer, "_orig_mod"):
+        try:
+            found, pipe = transformers_of(transformer)
+        except (TypeError, ValueError):
+            found, pipe = [], None
+        if pipe is not None and len(found) > 1:
+            raise ValueError("this pipeline has two transformers: pass pipe.transformer or pipe.transformer_2")
+        if len(found) == 1:
+            state = pisa_state(found[0][1])
     if state is None:
         raise ValueError("transformer is not managed by apply_pisa")
     return dict(state.stats)
