@@ -137,6 +137,44 @@ def test_lowp_reference_refuses_the_input_precision():
         _lowp("int4", q, k, v, st, mask)
 
 
+def test_lowp_reference_refuses_mode_first_and_a_misshapen_alpha():
+    """'first' has no low-precision math (it returned the zeroth-order output); alpha needs one
+    weight per query head, refused by name where it enters."""
+    q, k, v = _case(lk=128)
+    st = ref.block_stats(k.float(), v.float(), 64)
+    mask = torch.ones(1, 4, 2, 2, dtype=torch.bool)
+    for mode, match in (("first", "mode='first' has no low-precision math"), ("bogus", "mode")):
+        with pytest.raises(ValueError, match=match):
+            _lowp("int8", q, k, v, st, mask, mode)
+    with pytest.raises(ValueError, match=r"alpha must be a tensor of one weight per query head \(4\)"):
+        quant.lowp_pisa_forward(q, k, v, st.kmean, st.vsum, st.hbar, mask, mode="hybrid", scale=64**-0.5,
+                                block_size=64, precision="int8", alpha=torch.ones(3))
+
+
+@pytest.mark.parametrize("precision", LOWP)
+def test_lowp_reference_first_order_term_without_tail_weight_is_not_nan(precision):
+    """Every block exact and s·q·H̄ past float32: no tail weight, so no first-order term (0 · inf
+    gave NaN), as in the float32 reference."""
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(1, 2, 128, 64, generator=g) * 1e15).bfloat16()
+    k, v = ((torch.randn(1, 2, 128, 64, generator=g).sign() * 1e12).bfloat16() for _ in range(2))
+    st = ref.block_stats(k.float(), v.float(), 64)
+    mask = torch.ones(1, 2, 2, 2, dtype=torch.bool)
+    assert torch.isfinite(ref.pisa_forward(q.float(), k.float(), v.float(), st, mask, mode="hybrid",
+                                           scale=64**-0.5, block_size=64)[0]).all()
+    assert torch.isfinite(_lowp(precision, q, k, v, st, mask)[0]).all()
+
+
+def test_quantisation_pass_refuses_a_precision_it_has_no_format_for():
+    from pisa_attn.ops.triton.quantize import quant_workspace, quantize
+
+    with pytest.raises(ValueError, match="precision must be a low precision"):
+        quant_workspace(1, 1, 64, 64, 64, "cpu", precision="bf16")
+    k = torch.zeros(1, 1, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="precision must be a low precision"):
+        quantize(k, k, k, torch.ones(1, 1), 64, precision="input")
+
+
 def test_int8_scale_and_rounding():
     amax = torch.tensor([0.0, 1e-30, 1.0, 127.0, 3e4])
     sc, inv = quant.int8_scale(amax)

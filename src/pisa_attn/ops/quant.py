@@ -50,7 +50,11 @@ float32 result.
   sums the unrounded ``exp(S_tn − m_t)``. ``m_t`` is the running maximum when the block is
   processed: the kernel takes a row's exact blocks in ascending block order before any tail
   block, so it is the largest exact score of blocks ``≤ j``; the product is rescaled exactly to
-  the row's final maximum afterwards.
+  the row's final maximum afterwards. One exception: where the kernel holds the exact loop's
+  maximum at the per-row bound of the scores (``"int8"`` from
+  :data:`pisa_attn.ops.hopper.attention.EXACT_MIN_KEYS` keys, when the bound is within its slack
+  of the first block's maximum), ``P`` is rounded to the input dtype against that bound instead;
+  the two differ by that dtype's rounding of ``p`` (the GPU tests compare them at that tolerance).
 * **Values** in e4m3, per kv head and channel ``d``: ``v8_nd = e4m3(v_nd / τ_d)``, stored
   transposed ``[B, Hk, D, Lk']`` (the K-major layout an FP8 wgmma B operand needs), ``Lk'`` =
   ``Lk`` rounded up to whole blocks (zeros past ``Lk``). One scale per channel for the whole head
@@ -67,7 +71,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..spec import PRODUCT_FORMATS, check_precision, expand_kv_heads, num_blocks
+from ..spec import PRODUCT_FORMATS, check_mode, check_precision, expand_kv_heads, num_blocks
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -221,8 +225,15 @@ def lowp_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tens
     check_precision(precision)
     if precision not in PRODUCT_FORMATS:
         raise ValueError(f"precision must be a low precision {tuple(PRODUCT_FORMATS)}, got {precision!r}")
+    check_mode(mode)
+    if mode == "first":
+        raise ValueError("mode='first' has no low-precision math (the kernel refuses it too): use 'hybrid', "
+                         "'zeroth' or 'drop'")
     qk_fmt, pv_fmt = PRODUCT_FORMATS[precision]
     b, h, lq, d = q.shape
+    if alpha is not None and (not isinstance(alpha, Tensor) or alpha.numel() != h):
+        raise ValueError(f"alpha must be a tensor of one weight per query head ({h}), got "
+                         f"{tuple(alpha.shape) if isinstance(alpha, Tensor) else type(alpha).__name__}")
     lk = k.shape[2]
     nk = num_blocks(lk, block_size)
     if mu is None:
@@ -278,7 +289,8 @@ def lowp_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tens
             if mode == "hybrid":
                 qh = (qc @ hbx) * scale
                 w = 1.0 if alpha is None else alpha.float().to(q.device).view(1, h, 1, 1)
-                num = num + a.sum(-1, keepdim=True) * qh * w
+                at = a.sum(-1, keepdim=True)  # no tail weight: no first-order term (not 0 * an overflowed q·H̄)
+                num = num + torch.where(at > 0, at * qh * w, 0.0)
         out[:, :, r0:r1] = num / denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
         lse[:, :, r0:r1] = m + torch.log(denom)
     return out, lse

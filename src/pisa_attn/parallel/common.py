@@ -8,6 +8,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..attention import to_bhsd, validate
 from ..settings import PisaSettings, check_not_both, from_loose
@@ -26,7 +27,7 @@ def entry_settings(settings, alpha, *, what: str, deferrable: bool, sharded_keys
                              "writes no float32 partial outputs to merge across ranks): use precision='input'")
         return s, alpha, None
     except (TypeError, ValueError) as e:
-        if not deferrable:
+        if not (deferrable and dist.is_available() and dist.is_initialized()):  # no other rank to tell
             raise
         return PisaSettings(), None, e
 

@@ -178,6 +178,11 @@ class Quantized:
 _K_DTYPES = {"e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 
 
+def _check_precision(precision) -> None:
+    if precision not in PRODUCT_FORMATS:
+        raise ValueError(f"precision must be a low precision {tuple(PRODUCT_FORMATS)}, got {precision!r}")
+
+
 def _buffers(b: int, hk: int, lk: int, d: int, block_size: int, precision: str) -> dict:
     """``{field: (shape, dtype)}`` of :class:`Quantized` for ``precision``: what
     :func:`quant_workspace` allocates and :func:`quantize` checks a given workspace against."""
@@ -197,6 +202,7 @@ def _buffers(b: int, hk: int, lk: int, d: int, block_size: int, precision: str) 
 
 def quant_workspace(b: int, hk: int, lk: int, d: int, block_size: int, device, precision: str = "fp8") -> Quantized:
     """Buffers of :func:`quantize` for ``precision`` (:data:`pisa_attn.spec.PRODUCT_FORMATS`)."""
+    _check_precision(precision)
     return Quantized(**{name: torch.empty(shape, device=device, dtype=dtype)
                         for name, (shape, dtype) in _buffers(b, hk, lk, d, block_size, precision).items()})
 
@@ -277,6 +283,7 @@ def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int
     The planned low-precision backends get the same copies from ``prepare(..., quant=precision)``
     (:mod:`.prepare`), whose first read of V already gives the ``|v|`` maximum; this standalone
     pass reads V for it itself."""
+    _check_precision(precision)
     b, hk, lk, d = k.shape
     nk = -(-lk // block_size)
     if ws is None:
