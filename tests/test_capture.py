@@ -1,5 +1,7 @@
 """Q/K/V capture from tiny offline diffusers pipelines: file round trip, metadata, study on it."""
 
+import math
+
 import pytest
 import torch
 
@@ -169,3 +171,35 @@ def test_layout_json_round_trip_and_trim(layout):
         assert cut is None
     with pytest.raises(ValueError, match="malformed"):
         layout_from_json({"segments": [{"bogus": 1}]})
+
+
+def test_calibrating_a_capture_at_another_block_size_is_refused(flux_capture):
+    """The capture's tiles are the blocks its run saw: fitting them in blocks of another size would
+    fit strips of tiles, not the tiles a run at that size uses."""
+    from pisa_attn.bench.calibrate import calibrate_file
+
+    path = flux_capture[3]
+    tile = read_qkv_file(path).entries[0].layout.tile
+    bs = math.prod(tile)
+    with pytest.raises(ValueError, match=f"not blocks of block_size={bs // 2}: calibrate at block_size={bs}"):
+        calibrate_file(path, density=0.25, block_size=bs // 2, rows=8)
+
+
+def test_capture_counts_the_steps_of_an_expert_it_manages_with_the_users(tmp_path):
+    """Wan2.2-like, the user manages one expert: the one capture manages shares its step count
+    (steps 2 and 3 of four are the second expert's, not 0 and 1)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+    from diffusers_tiny import tiny_transformer
+
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
+                       transformer=tiny_transformer("wan", 0), transformer_2=tiny_transformer("wan", 1),
+                       boundary_ratio=0.5)
+    pd.apply_pisa(pipe, density=1.0, dense_steps=100)
+    pd.remove_pisa(pipe.transformer_2)
+    path = tmp_path / "wan22.safetensors"
+    with capture_qkv(pipe, layers=[0], path=path):
+        with torch.no_grad():
+            pipe(**prompt_kwargs("wan"), num_inference_steps=4)
+    steps = {(e.name.startswith("transformer_2"), e.step) for e in read_qkv_file(path).entries}
+    assert steps == {(False, 0), (False, 1), (True, 2), (True, 3)}, steps
+    pd.remove_pisa(pipe)

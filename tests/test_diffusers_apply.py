@@ -452,3 +452,56 @@ def test_tensor_parallel_refused_at_apply_and_at_the_forward():
         tr(**forward_inputs("flux"))
     tr._parallel_config = None
     pd.remove_pisa(tr)
+
+
+def _two_experts():
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    return WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
+                       transformer=tiny_transformer("wan", 0), transformer_2=tiny_transformer("wan", 1),
+                       boundary_ratio=0.5)
+
+
+def test_a_table_of_one_expert_is_not_used_for_the_other():
+    """Wan2.2-like: a table naming one expert is refused for a pipeline of two (the other expert's
+    weights would be silently the first's), and a table of both experts is refused for a bare
+    transformer (it cannot say which entry is its own)."""
+    from pisa_attn import alpha_table as at
+
+    pipe = _two_experts()
+    s = {"density": 0.5, "mode": "hybrid", "covariance_aware": False, "block_size": TILE_BLOCK}
+    heads = pipe.transformer.config.num_attention_heads
+    one = at.AlphaTable({"transformer_2": {0: at.LayerAlpha((0.9,) * heads)}}, dict(s), model="wan")
+    before = snapshot(pipe.transformer)
+    with pytest.raises(ValueError, match=r"alpha_table has no weights for 'transformer' \(it has \['transformer_2'\]\)"):
+        pd.apply_pisa(pipe, alpha_table=one, **SPARSE)
+    assert_same(before, snapshot(pipe.transformer))
+    assert pd.pisa_state(pipe.transformer_2) is None
+    both = at.AlphaTable({"transformer": {0: at.LayerAlpha((0.1,) * heads)},
+                          "transformer_2": {0: at.LayerAlpha((0.9,) * heads)}}, dict(s), model="wan")
+    with pytest.raises(ValueError, match="pass the pipeline"):
+        pd.apply_pisa(pipe.transformer_2, alpha_table=both, **SPARSE)
+    pd.apply_pisa(pipe, alpha_table=both, **SPARSE)
+    assert pd.pisa_state(pipe.transformer_2).alphas[0].tolist() == [0.9] * heads
+    pd.remove_pisa(pipe)
+
+
+def test_a_table_of_two_experts_under_different_settings_is_refused():
+    pipe = _two_experts()
+    pd.apply_pisa(pipe.transformer, **{**SPARSE, "alpha": 0.5})
+    pd.apply_pisa(pipe.transformer_2, **{**SPARSE, "alpha": 0.5, "density": 0.25})
+    with pytest.raises(ValueError, match="different settings"):
+        pd.alpha_table(pipe)
+    pd.remove_pisa(pipe)
+
+
+def test_a_table_under_query_block_is_warned():
+    from pisa_attn import alpha_table as at
+
+    tr = tiny_transformer("wan")
+    heads = tr.config.num_attention_heads
+    s = {"density": 0.5, "mode": "hybrid", "covariance_aware": False, "block_size": TILE_BLOCK}
+    table = at.AlphaTable({"transformer": {0: at.LayerAlpha((0.9,) * heads)}}, s, model="wan")
+    with pytest.warns(RuntimeWarning, match=f"query_block None vs {2 * TILE_BLOCK}"):
+        pd.apply_pisa(tr, alpha_table=table, **{**SPARSE, "covariance_aware": False, "query_block": 2 * TILE_BLOCK})
+    pd.remove_pisa(tr)

@@ -220,8 +220,11 @@ def test_calibrate_command_fits_a_capture_and_apply_loads_it(tmp_path, capsys):
 
     pipe = tiny_pipeline("flux")
     cap = tmp_path / "flux.safetensors"
+    # captured in the tiles of the block size it is calibrated at (capture keeps the model's PISA)
+    pd.apply_pisa(pipe, block_size=TILE_BLOCK, density=1.0, dense_steps=100)
     with capture_qkv(pipe, steps=[0, 1], path=cap):
         pipe(**prompt_kwargs("flux"), num_inference_steps=2)
+    pd.remove_pisa(pipe)
     out = tmp_path / "alpha.json"
     args = ["calibrate", str(cap), "--out", str(out), "--density", "0.25", "--block-size", str(TILE_BLOCK),
             "--rows", "0"]

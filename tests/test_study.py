@@ -305,3 +305,17 @@ def test_a_calibration_capture_of_another_family_is_not_used(tmp_path):
     (sample,) = src.fixed()[:1]
     assert src.calibration(paths["sd3"]).partner(sample) is None
     assert src.calibration(paths["flux"]).partner(sample) is not None
+
+
+def test_metrics_select_checks_keep_blocks_as_pisa_attention_does():
+    """A mask of the wrong length or dtype is refused by name (a raw torch error, or a float mask
+    silently cast to bool, before)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 32, generator=g) for _ in range(3))
+    with pytest.raises(ValueError, match="keep_blocks must have shape"):
+        metrics.select(q, k, v, density=0.5, block_size=64, keep_blocks=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="keep_blocks must have dtype torch.bool"):
+        metrics.select(q, k, v, density=0.5, block_size=64, keep_blocks=torch.full((4,), 0.5))
+    keep = torch.tensor([True, False, False, False])
+    sel = metrics.select(q, k, v, density=0.25, block_size=64, keep_blocks=keep)
+    assert sel.selected[..., 0].all()

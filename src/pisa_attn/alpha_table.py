@@ -54,11 +54,12 @@ class AlphaTable:
     model: str | None = None
     source: str | None = None
 
-    def layers(self, name: str = "transformer") -> dict[int, LayerAlpha]:
-        """The layers of transformer ``name``; a table of one transformer serves any name."""
+    def layers(self, name: str = "transformer", *, strict: bool = False) -> dict[int, LayerAlpha]:
+        """The layers of transformer ``name``; a table of one transformer serves any name, unless
+        ``strict`` (a pipeline with two experts: each needs its own entry)."""
         if name in self.transformers:
             return self.transformers[name]
-        if len(self.transformers) == 1:
+        if len(self.transformers) == 1 and not strict:
             return next(iter(self.transformers.values()))
         raise ValueError(f"alpha_table has no weights for {name!r} (it has {sorted(self.transformers)})")
 

@@ -91,7 +91,11 @@ def select(
         stats = ref.prepare(q, k, v, block_size, with_hdev=covariance_aware, query_block=qb)  # the prepare stage
     qmean = stats.qmean if stats is not given else ref.block_means(q, qb, stats.kmean.dtype)
     nk, nq = stats.kmean.shape[2], spec.num_blocks(q.shape[2], block_size)
-    keep = None if keep_blocks is None else keep_blocks.to(q.device)
+    keep = None
+    if keep_blocks is not None:  # checked as pisa_attention checks it (bool, one flag per key block)
+        from .attention import normalize_keep_blocks
+
+        keep, _ = normalize_keep_blocks(keep_blocks, q.shape[0], q.shape[1], nk, q.device)
     sel = ref.select(qmean, stats.kmean, n_select=spec.num_selected(density, nk), scale=scale,
                      hdev=stats.hdev if covariance_aware else None, keep=keep, repeat=qb // block_size, n_q_blocks=nq)
     scores = ref.selection_scores(qmean, stats.kmean, scale).repeat_interleave(qb // block_size, dim=2)[:, :, :nq]

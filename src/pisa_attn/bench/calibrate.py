@@ -17,6 +17,7 @@ Run as ``pisa-attn calibrate ...`` or ``python -m pisa_attn.bench.calibrate ...`
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -73,6 +74,11 @@ def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", co
         raise ValueError(f"{path} has no captured call at steps {sorted(steps) if steps else steps}")
     for e in entries:  # every entry is checked before any fitting
         check_entry(e)
+        tile = e.layout.tile if e.layout is not None else None
+        if tile and math.prod(tile) != block_size:  # the capture's tiles are the blocks a run would see
+            raise ValueError(f"{path}: entry {e.name} is tiled in {tuple(tile)} tiles ({math.prod(tile)} tokens), "
+                             f"not blocks of block_size={block_size}: calibrate at block_size={math.prod(tile)}, "
+                             "or capture a model managed at that size (apply_pisa(pipe, block_size=...) before capture_qkv)")
     rng = random.Random(seed)
     fits: dict[str, dict[int, dict[bool, calibration.RowFit]]] = {}
     cov = covariance_aware

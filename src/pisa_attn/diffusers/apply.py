@@ -82,8 +82,12 @@ def alpha_table(pipe_or_transformer) -> at.AlphaTable:
             raise ValueError("transformer is not managed by apply_pisa")
         model = state.adapter.name
         cfg = state.config
-        settings = {"density": cfg.density, "mode": cfg.mode, "covariance_aware": cfg.covariance_aware,
-                    "block_size": cfg.block_size}
+        mine = {"density": cfg.density, "mode": cfg.mode, "covariance_aware": cfg.covariance_aware,
+                "block_size": cfg.block_size}
+        if settings and mine != settings:
+            raise ValueError(f"the transformers run under different settings ({settings} vs {mine}): a table "
+                             "holds one; save a table per transformer (alpha_table(pipe.transformer), ...)")
+        settings = mine
         layers = {}
         if state.calibrator is not None and state.calibrator.fits:
             fitted = state.calibrator.table(name)
@@ -182,7 +186,8 @@ def _heads(module) -> int:
     return int(module.heads)
 
 
-def _install_for(name: str, transformer, settings: dict, table: at.AlphaTable | None, calibration) -> _Install:
+def _install_for(name: str, transformer, settings: dict, table: at.AlphaTable | None, calibration,
+                 experts: int = 1) -> _Install:
     adapter = adapter_for(transformer)
     adapter.check(transformer)
     check_no_tensor_parallel(transformer)
@@ -202,7 +207,7 @@ def _install_for(name: str, transformer, settings: dict, table: at.AlphaTable | 
             raise ValueError(f"alpha_table was fitted on a {table.model!r} model; this is a {adapter.name!r} "
                              "transformer (its layer indices name other layers): calibrate this model")
         _check_table_settings(table, config)
-        for layer, entry in table.layers(name).items():
+        for layer, entry in table.layers(name, strict=experts > 1).items():
             if layer >= len(modules):
                 raise ValueError(f"alpha_table has layer {layer}, but {type(transformer).__name__} has "
                                  f"{len(modules)} managed attention layers (0..{len(modules) - 1})")
@@ -223,6 +228,8 @@ def _check_table_settings(table: at.AlphaTable, config: PisaConfig) -> None:
     ours = {"density": config.density, "mode": config.mode, "covariance_aware": config.covariance_aware,
             "block_size": config.block_size}
     differ = {k: (fitted[k], v) for k, v in ours.items() if k in fitted and fitted[k] != v}
+    if config.query_block not in (None, config.block_size):  # tables are fitted on one selection per block
+        differ["query_block"] = (None, config.query_block)
     if differ:
         warnings.warn("alpha_table was fitted under other settings (table vs this run: "
                       + ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items())
@@ -376,7 +383,10 @@ def apply_pisa(
     settings = dict(density=density, dense_layers=dense_layers, dense_steps=dense_steps, tile=tile, mode=mode,
                     cov=covariance_aware, block_size=block_size, min_kv_len=min_kv_len, alpha=alpha,
                     query_block=query_block, backend=backend, precision=precision)  # fmt: skip
-    installs = [_install_for(name, tr, settings, table, calibration) for name, tr in found]
+    if table is not None and pipe is None and len(table.transformers) > 1:
+        raise ValueError(f"alpha_table holds weights for {sorted(table.transformers)}: pass the pipeline (each "
+                         "transformer takes its own entry), or a table of one transformer")
+    installs = [_install_for(name, tr, settings, table, calibration, len(found)) for name, tr in found]
 
     saved = [_Saved(tr, _TRANSFORMER_KEYS) for tr in transformers]
     previous = [(pisa_state(tr), tm.get(tr)) for tr in transformers]

@@ -81,9 +81,12 @@ class QKVCapture:
         if not isinstance(pipe, torch.nn.Module) and all(pisa_state(tr) is None for _, tr in found):
             self._applied.append(apply_pisa(pipe, **exact))  # one step tracker for both experts
         else:
+            managed = [pisa_state(tr) for _, tr in found if pisa_state(tr) is not None]
             for _, tr in found:
                 if pisa_state(tr) is None:
                     self._applied.append(apply_pisa(tr, **exact))
+                    if managed:  # one count of denoising steps with the user's managed expert
+                        pisa_state(tr).tracker = managed[0].tracker
         self._applied_any = bool(self._applied)
         for prefix, tr in found:
             self._removers.append(hooks.add_observer(tr, self._observer(prefix)))
