@@ -505,3 +505,83 @@ def test_a_table_under_query_block_is_warned():
     with pytest.warns(RuntimeWarning, match=f"query_block None vs {2 * TILE_BLOCK}"):
         pd.apply_pisa(tr, alpha_table=table, **{**SPARSE, "covariance_aware": False, "query_block": 2 * TILE_BLOCK})
     pd.remove_pisa(tr)
+
+
+def test_a_failed_apply_puts_back_one_calibrator_and_remove_takes_it(monkeypatch):
+    """The observer lists come back with the rollback, calibrator included: re-installing the
+    earlier state must not attach it a second time (every warm-up call sampled twice, and one copy
+    left on the model after remove_pisa)."""
+    from pisa_attn.diffusers import hooks
+
+    pipe = tiny_pipeline("wan")
+    tr = pipe.transformer
+    pd.apply_pisa(pipe, **{**SPARSE, "dense_steps": 1}, calibrate=True)
+    monkeypatch.setattr(tm, "attach", lambda transformer, config=True: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        pd.apply_pisa(pipe, telemetry=0.5, **{**SPARSE, "dense_steps": 1, "density": 0.25})
+    monkeypatch.undo()
+    assert hooks.observers(tr) == [pd.pisa_state(tr).calibrator.observe]
+    pd.remove_pisa(pipe)
+    assert hooks.observers(tr) == []
+
+
+def test_an_expert_applied_again_keeps_the_shared_step_count():
+    """Re-applying one expert of a two-expert pipeline (other settings for it) keeps the step count
+    the experts share and its scheduler hooks: its steps are not counted from 0 again when the
+    pipeline switches to it."""
+    pipe = _two_experts()
+    pd.apply_pisa(pipe, **SPARSE)
+    shared = pd.pisa_state(pipe.transformer).tracker
+    pd.apply_pisa(pipe.transformer_2, **{**SPARSE, "density": 0.25})
+    st2 = pd.pisa_state(pipe.transformer_2)
+    assert st2.tracker is shared and st2.scheduler is pipe.scheduler
+    pd.remove_pisa(pipe.transformer)
+    assert "step" in pipe.scheduler.__dict__ and "set_timesteps" in pipe.scheduler.__dict__  # the expert's own
+    pd.remove_pisa(pipe.transformer_2)
+    assert "step" not in pipe.scheduler.__dict__ and "set_timesteps" not in pipe.scheduler.__dict__
+
+
+def test_bfloat16_timesteps_of_two_steps_count_as_two():
+    """FLUX passes timesteps in the latents' dtype; in bfloat16 neighbouring steps near t = 1000
+    round to one value. The pipeline's scheduler.step marks each step's end, so dense_steps=2 runs
+    exactly two steps dense."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe = tiny_pipeline("flux")
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_image_seq_len=16,
+                                                     max_image_seq_len=256, base_shift=0.5, max_shift=3.23)
+    pipe.to(torch.bfloat16)
+    pd.apply_pisa(pipe, **{**SPARSE, "dense_steps": 2})
+    seen = []
+    remove = pd.hooks.add_observer(pipe.transformer, lambda c: c.layer == 0 and seen.append((c.step, c.dense)))
+    kw = prompt_kwargs("flux")
+    kw = {k: v.bfloat16() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
+    with torch.no_grad():
+        pipe(**kw, num_inference_steps=28)
+    remove()
+    pd.remove_pisa(pipe)
+    assert [s for s, _ in seen] == list(range(28)), seen
+    assert [d for _, d in seen] == [True, True] + [False] * 26
+
+
+def test_observers_of_a_compiled_wrapper_and_a_non_callable():
+    from pisa_attn.diffusers import hooks
+
+    tr = tiny_transformer("wan")
+    wrapped = torch.compile(tr)
+    remove = hooks.add_observer(wrapped, print)
+    assert hooks.observers(tr) == [print] and hooks.observers(wrapped) == [print]
+    remove()
+    with pytest.raises(TypeError, match="fn must be callable"):
+        hooks.add_observer(tr, "not a function")
+
+
+def test_calibrate_says_when_an_expert_saw_no_warm_up_call():
+    """Wan2.2-like, dense_steps inside the first expert: the second never sees a warm-up call, so
+    its sparse calls keep the uncalibrated weight, and apply_pisa says so."""
+    pipe = _two_experts()
+    pd.apply_pisa(pipe, **{**SPARSE, "dense_steps": 2}, calibrate=True)
+    with pytest.warns(RuntimeWarning, match="no dense warm-up call of this transformer was sampled"):
+        with torch.no_grad():
+            pipe(**prompt_kwargs("wan"), num_inference_steps=6)
+    pd.remove_pisa(pipe)

@@ -64,7 +64,7 @@ def test_missing_weights_clear_error(monkeypatch, tmp_path, capsys):
     assert e.value.code == 1
     assert "cannot load the pipeline 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers'" in msg and "offline" in msg
     assert "cannot be downloaded on this machine" in msg and "--model DIR" in msg
-    with pytest.raises(generate.ModelUnavailableError, match="local directory"):
+    with pytest.raises(generate.ModelUnavailableError, match="not a diffusers pipeline folder"):
         generate.load_pipeline(str(tmp_path), torch.float32, "cpu")  # an empty directory is no pipeline
 
 

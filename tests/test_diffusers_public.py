@@ -227,7 +227,7 @@ def test_readme_diffusers_snippet_runs_on_a_tiny_pipeline(tmp_path, capsys):
     # The checkpoint, device, dtype and size change; every other line runs as written.
     swaps = {
         '"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"': repr(path),
-        'torch_dtype=torch.bfloat16': 'torch_dtype=torch.float32',
+        'dtype=torch.bfloat16': 'dtype=torch.float32',
         '.to("cuda")': '.to("cpu")',
         'height=480, width=832, num_frames=81': 'height=96, width=160, num_frames=9, num_inference_steps=3',
     }

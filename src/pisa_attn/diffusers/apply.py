@@ -392,7 +392,8 @@ def apply_pisa(
     previous = [(pisa_state(tr), tm.get(tr)) for tr in transformers]
     active = [t is not None and t.active for _, t in previous]
     new: list[PisaState] = []
-    tracker = StepTracker()  # shared: Wan2.2's two experts count one sequence of denoising steps
+    # shared: Wan2.2's two experts count one sequence of denoising steps, also when one is applied again
+    tracker = next((old.tracker for old, _ in previous if old is not None), None) or StepTracker()
     try:
         for inst in installs:
             tr = inst.transformer
@@ -406,52 +407,60 @@ def apply_pisa(
             _install(state)
             if tel is not None:
                 tm.attach(tr, tel)
-        if pipe is not None and new:
-            _hook_set_timesteps(new[0], getattr(pipe, "scheduler", None), tracker)
+        scheduler = getattr(pipe, "scheduler", None) if pipe is not None else next(
+            (old.pipe_scheduler for old, _ in previous if old is not None and old.pipe_scheduler is not None), None)
+        for state in new:  # a transformer applied again alone keeps its pipeline's scheduler
+            state.pipe_scheduler = scheduler
+        if new and scheduler is not None:
+            _hook_scheduler(new[0], scheduler, tracker)
     except BaseException as error:
         _roll_back(new, saved, previous, active, error)
         raise
     return pipe_or_transformer
 
 
-class _SetTimesteps:
-    """A scheduler's ``set_timesteps`` that starts a new generation of ``tracker`` while active.
+class _SchedulerHook:
+    """A scheduler method that tells ``tracker`` (``reset`` or ``stepped``) while active, then runs.
     Wrappers of several states (pipelines sharing a scheduler) form a chain through ``before``."""
 
-    def __init__(self, inner, before, tracker: StepTracker) -> None:
+    def __init__(self, inner, before, tell) -> None:
         functools.update_wrapper(self, inner)  # pipelines read its signature (retrieve_timesteps)
-        self.inner, self.before, self.tracker, self.active = inner, before, tracker, True
+        self.inner, self.before, self.tell, self.active = inner, before, tell, True
 
     def __call__(self, *args, **kwargs):
         if self.active:
-            self.tracker.reset()
+            self.tell()
         return self.inner(*args, **kwargs)
 
 
-def _hook_set_timesteps(state: PisaState, scheduler, tracker: StepTracker) -> None:
-    """Start a new generation where the pipeline sets its scheduler's timesteps (every diffusers
-    pipeline does, once per call), so that one starting at or below the last timestep of the
-    previous (img2img, a lower strength, an interrupted run) gets its warm-up too. The wrapper is an
-    attribute of the scheduler instance, removed with ``state`` in whatever order states sharing
-    the scheduler go (a scheduler set later, or a transformer called by hand, falls back to the
-    timestep rule of :class:`StepTracker`)."""
-    original = getattr(scheduler, "set_timesteps", None)
-    if not callable(original):
-        return
-    wrapper = _SetTimesteps(original, scheduler.__dict__.get("set_timesteps", _MISSING), tracker)
-    scheduler.__dict__["set_timesteps"] = wrapper
-    state.scheduler = scheduler
+def _hook_scheduler(state: PisaState, scheduler, tracker: StepTracker) -> None:
+    """Count steps where the pipeline drives its scheduler (every diffusers pipeline does):
+    ``set_timesteps`` (once per call) starts a new generation, so one starting at or below the last
+    timestep of the previous (img2img, a lower strength, an interrupted run) gets its warm-up too;
+    ``step`` (once per denoising step) ends a step, so equal timesteps of two steps count as two.
+    The wrappers are attributes of the scheduler instance, removed with ``state`` in whatever order
+    states sharing the scheduler go (a scheduler set later, or a transformer called by hand, falls
+    back to the timestep rule of :class:`StepTracker`)."""
+    for name, tell in (("set_timesteps", tracker.reset), ("step", tracker.stepped)):
+        original = getattr(scheduler, name, None)
+        if callable(original):
+            _wrap(state, scheduler, name, _SchedulerHook(original, scheduler.__dict__.get(name, _MISSING), tell))
+            state.scheduler = scheduler
+
+
+def _wrap(state: PisaState, scheduler, name: str, wrapper: _SchedulerHook) -> None:
+    scheduler.__dict__[name] = wrapper
 
     def restore() -> None:
         wrapper.active = False
         d = scheduler.__dict__
-        top = d.get("set_timesteps", _MISSING)
-        while isinstance(top, _SetTimesteps) and not top.active:  # every removed wrapper on top goes
+        top = d.get(name, _MISSING)
+        while isinstance(top, _SchedulerHook) and not top.active:  # every removed wrapper on top goes
             top = top.before
         if top is _MISSING:
-            d.pop("set_timesteps", None)
+            d.pop(name, None)
         else:
-            d["set_timesteps"] = top
+            d[name] = top
 
     state.restore.append(restore)
 
@@ -472,10 +481,14 @@ def _roll_back(new: list[PisaState], saved: list[_Saved], previous, active, erro
         # a transformer the loop never reached still carries its earlier state: installing it
         # again would wrap its processors twice (and diffusers refuses the second tiling hook)
         if old is not None and pisa_state(old.transformer) is not old:
+            if old.calibrator is not None:  # the observer lists came back with it: _install attaches it again
+                obs = hooks.observers(old.transformer)
+                while old.calibrator.observe in obs:
+                    obs.remove(old.calibrator.observe)
             try:
                 _install(old)
-                if old.scheduler is not None:  # its set_timesteps hook went with remove_pisa: back too
-                    _hook_set_timesteps(old, old.scheduler, old.tracker)
+                if old.scheduler is not None:  # its scheduler hooks went with remove_pisa: back too
+                    _hook_scheduler(old, old.scheduler, old.tracker)
             except Exception as e:  # noqa: BLE001
                 error.add_note(f"apply_pisa could not restore the earlier PISA settings of "
                                f"{type(old.transformer).__name__} ({e!r}): it now runs native attention")

@@ -30,6 +30,7 @@ per call shape on a GPU. H100, bf16, 32 rows, both rules: 0.30 ms of device time
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -244,6 +245,11 @@ class Calibrator:
         """The weights of this generation (fitted now on the first call, then kept): ``{layer:
         CPU float64 [H]}`` for the layers that were sampled."""
         if self.frozen is None:
+            if self.calls == 0:
+                warnings.warn("calibrate=True: no dense warm-up call of this transformer was sampled this generation "
+                              "(e.g. Wan2.2's low-noise expert runs only after the warm-up steps), so its sparse calls "
+                              "keep the weights they have without calibration: raise dense_steps past the switch, or "
+                              "load fitted weights with alpha_table=", RuntimeWarning, stacklevel=2)
             table = self.table()
             self.frozen = {i: torch.tensor(x.alpha, dtype=torch.float64) for i, x in table.layers().items()}
             self.frozen_rules = {i: table.covariance_aware(i) for i in table.layers()}

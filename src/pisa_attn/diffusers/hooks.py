@@ -53,8 +53,11 @@ ATTR = "_pisa_observers"
 
 
 def add_observer(model, fn: Observer) -> Callable[[], None]:
-    """Register ``fn`` on ``model`` (a transformer); returns a function that removes it."""
-    obs = model.__dict__.setdefault(ATTR, [])
+    """Register ``fn`` on ``model`` (a transformer, or the ``torch.compile`` wrapper of one);
+    returns a function that removes it."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    obs = getattr(model, "_orig_mod", model).__dict__.setdefault(ATTR, [])
     obs.append(fn)
 
     def remove() -> None:
@@ -65,7 +68,7 @@ def add_observer(model, fn: Observer) -> Callable[[], None]:
 
 
 def observers(model) -> list[Observer]:
-    return model.__dict__.get(ATTR, [])
+    return getattr(model, "_orig_mod", model).__dict__.get(ATTR, [])
 
 
 def notify(model, call: AttentionCall) -> None:

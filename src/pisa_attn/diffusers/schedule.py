@@ -64,7 +64,9 @@ class StepTracker:
     true-CFG); SD3's batched CFG is one call. A timestep larger than the previous one means a new
     generation (diffusion samplers only ever lower the noise level); :attr:`generation` counts
     them, so transformers sharing a tracker (Wan2.2's two experts) each see a new one, and
-    :meth:`reset` starts one explicitly.
+    :meth:`reset` starts one explicitly. :meth:`stepped` (the pipeline's ``scheduler.step`` ran)
+    makes the next call a new step even at an equal timestep: FLUX passes timesteps in the latents'
+    dtype, and in bfloat16 neighbouring steps near 1000 round to one value.
     """
 
     def __init__(self) -> None:
@@ -74,6 +76,10 @@ class StepTracker:
     def reset(self) -> None:
         self.step = -1
         self._last: float | None = None
+        self._stepped = False
+
+    def stepped(self) -> None:
+        self._stepped = True
 
     def observe(self, t: float) -> int:
         if not isinstance(t, float) or math.isnan(t):
@@ -81,7 +87,7 @@ class StepTracker:
         if self._last is None or t > self._last:
             self.step = 0
             self.generation += 1
-        elif t < self._last:
+        elif t < self._last or self._stepped:
             self.step += 1
-        self._last = t
+        self._last, self._stepped = t, False
         return self.step

@@ -150,7 +150,8 @@ class PisaState:
     config: PisaConfig
     tracker: StepTracker = field(default_factory=StepTracker)
     restore: list = field(default_factory=list)  # callables undoing what apply_pisa did, in order
-    scheduler: Any = None  # the pipeline scheduler whose set_timesteps was hooked when applied (None: none)
+    scheduler: Any = None  # the pipeline scheduler this state hooked when applied (None: none)
+    pipe_scheduler: Any = None  # the scheduler of the pipeline it was applied with (kept when applied again alone)
     layouts: dict = field(default_factory=dict)  # (grid, text_len) -> Layouts
     read_cache: dict = field(default_factory=dict)  # the adapter's read_grid cache
     stats: Counter = field(default_factory=Counter)  # calls per outcome since the last generation start
