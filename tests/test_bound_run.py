@@ -381,3 +381,70 @@ def test_direct_launch_layout_is_the_installed_tritons():
                                  "self.kernel_signature", "kernel_args"], passed
     else:  # one entry point per signature; ``args`` starts with the kernel metadata, launch metadata, hooks
         assert passed == head + ["global_scratch", "profile_scratch", "*args"], passed
+
+
+def test_two_threads_recording_at_once_keep_their_own_launches(monkeypatch):
+    """The recorder is per thread: a thread whose recording ends while another's runs does not take
+    the other's launches with it, nor leave its own recorder installed for later launches."""
+    import threading
+
+    from pisa_attn.ops import bound, launch
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+
+    class Jit:
+        fn = staticmethod(lambda x_ptr, n: None)
+
+    lau = launch.Launcher(Jit())
+    x = torch.zeros(4)
+    lau._cache[launch._full_key("k", (x, 1))] = launch.Entry(lambda *a: None, None, (), (), None)
+    ev = [threading.Event() for _ in range(3)]
+    out = {}
+
+    def a_run():
+        lau("k", (1,), (x, 1), {})
+        ev[0].set()
+        ev[1].wait()
+
+    def b_run():
+        ev[1].set()
+        ev[2].wait()  # A's recording has ended meanwhile
+        lau("k", (1,), (x, 1), {})
+        lau("k", (2,), (x, 1), {})
+
+    def ta():
+        out["A"] = bound.record(a_run)[1]
+        ev[2].set()
+
+    def tb():
+        ev[0].wait()
+        out["B"] = bound.record(b_run)[1]
+
+    threads = [threading.Thread(target=ta), threading.Thread(target=tb)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [lc.grid for lc in out["A"].launches] == [(1,)]
+    assert [lc.grid for lc in out["B"].launches] == [(1,), (2,)]
+    lau("k", (3,), (x, 1), {})  # nothing recording now: no recorder keeps it
+    assert launch._recorder() is None and len(out["A"].launches) == 1
+
+
+def test_a_kernel_compiled_for_an_aligned_buffer_does_not_serve_an_unaligned_one():
+    from pisa_attn.ops import launch
+
+    x = torch.zeros(64)
+    assert launch._full_key("k", (x, 1)) != launch._full_key("k", (x[2:], 1))
+    assert launch._full_key("k", (x, 1)) == launch._full_key("k", (x[4:], 1))
+
+
+def test_a_replaced_plan_records_its_own_programs():
+    import dataclasses
+
+    q = torch.zeros(1, 2, 128, 64)
+    p = plan(q, q, PisaSettings(backend="reference"))
+    p.programs["x"] = 1
+    p.keeps["y"] = 2
+    r = dataclasses.replace(p, mode="drop")
+    assert r.programs == {} and r.keeps == {} and p.programs == {"x": 1}

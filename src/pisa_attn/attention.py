@@ -255,9 +255,10 @@ class PisaPlan:
     alpha: Tensor | None = None  # [H] weights of the first-order term from the settings (None: no such term)
     workspace: object = None  # the backend's buffers (None: the backend allocates per call)
     # recorded runs (pisa_attn.ops.bound), by the call's strides and outputs; see _bound_run
-    programs: dict = field(default_factory=dict, repr=False)
+    # (not init fields: a dataclasses.replace of a plan starts with its own, empty)
+    programs: dict = field(default_factory=dict, repr=False, init=False)
     # device copies of CPU keep_blocks masks, by value (filled once per distinct mask); see _planned_keep
-    keeps: dict = field(default_factory=dict, repr=False)
+    keeps: dict = field(default_factory=dict, repr=False, init=False)
 
     @property
     def layout(self) -> str:

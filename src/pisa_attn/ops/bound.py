@@ -187,7 +187,10 @@ SLOTS = ("q", "k", "v", "out", "alpha", "lse", "keep")
 def bind(launches: list[Launch], slot_tensors: tuple, workspace: list[Tensor]):
     """The generated replay function ``replay(stream, q, k, v, out, alpha, lse, keep)`` of ``launches``
     recorded with ``slot_tensors`` (:data:`SLOTS`; any may be None) as the call's tensors;
-    None when an argument is neither a call's tensor, in ``workspace``, nor a plain value."""
+    None when an argument is neither a call's tensor, in ``workspace``, nor a plain value, or when
+    nothing was recorded (a run launches at least one kernel)."""
+    if not launches:
+        return None
     slot_ptr = {}
     for i, t in enumerate(slot_tensors):
         if t is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from typing import NamedTuple
 
 import torch
@@ -89,8 +90,9 @@ class Launcher:
         key = _full_key(key, args)
         hit = None if interpreting() else self._cache.get(key)
         if hit is None:
-            if _RECORDER is not None:
-                _RECORDER.refuse(f"{getattr(self.fn, '__name__', 'a kernel')} launched without a cached kernel")
+            rec = _recorder()
+            if rec is not None:
+                rec.refuse(f"{getattr(self.fn, '__name__', 'a kernel')} launched without a cached kernel")
             kernel = self.fn[grid](*(full_args if full_args is not None else args), **constexprs, **options)
             if not interpreting() and hasattr(kernel, "__getitem__"):
                 self._cache[key] = self._entry(kernel, constexprs, len(args))
@@ -108,8 +110,9 @@ class Launcher:
             # not have launches nothing, and the public path serves this kernel from now on.
             self._cache[key] = hit = self._entry(hit.kernel, None, 0, direct=False, tail=hit.tail)
             hit.launch(grid[0], g1, g2, stream, args)
-        if _RECORDER is not None:
-            _RECORDER.add(hit, grid, args)
+        rec = _recorder()
+        if rec is not None:
+            rec.add(hit, grid, args)
 
     def _entry(self, kernel, constexprs: dict | None, n_args: int, direct: bool | None = None, tail=None):
         if direct is None:
@@ -142,31 +145,39 @@ class Launcher:
 
 
 def _full_key(key, args: tuple) -> tuple:
-    return key, tuple(a.dtype if isinstance(a, torch.Tensor) else a.base.dtype
+    # Triton specialises a pointer on its 16-byte alignment too: a kernel compiled for an aligned
+    # buffer must not serve an unaligned slice of a workspace
+    return key, tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a.base.dtype
                       for a in args if isinstance(a, (torch.Tensor, Desc)))
 
 
-# The recorder of :mod:`pisa_attn.ops.bound` while a planned run is being recorded (else None).
-_RECORDER = None
+# The recorder of :mod:`pisa_attn.ops.bound` while a planned run is being recorded, per thread (two
+# threads recording at once, e.g. one per GPU, must not see or restore each other's).
+_LOCAL = threading.local()
+
+
+def _recorder():
+    return getattr(_LOCAL, "recorder", None)
 
 
 @contextlib.contextmanager
 def recording(rec):
-    """Every cached launch in this block is reported to ``rec.add(entry, grid, args)``; a launch
-    that is not cached (it compiles, or the interpreter runs it) to ``rec.refuse(why)``."""
-    global _RECORDER
-    prev, _RECORDER = _RECORDER, rec
+    """Every cached launch of this thread in this block is reported to ``rec.add(entry, grid,
+    args)``; a launch that is not cached (it compiles, or the interpreter runs it) to
+    ``rec.refuse(why)``."""
+    prev, _LOCAL.recorder = _recorder(), rec
     try:
         yield rec
     finally:
-        _RECORDER = prev
+        _LOCAL.recorder = prev
 
 
 def unrecordable(why: str) -> None:
     """A launch outside the launchers (an autotuner, a kernel called directly): a recorded run
     could not replay it."""
-    if _RECORDER is not None:
-        _RECORDER.refuse(why)
+    rec = _recorder()
+    if rec is not None:
+        rec.refuse(why)
 
 
 def spec_class(*xs) -> tuple:

@@ -388,7 +388,7 @@ def select(
     if _fused(nk):  # its own rows and warps; the top-k's threshold bits
         r = _fused_rows(b * h, nqs, qmean.device)
         args = (qmean, kmean_t, hd, keep_u8, idx, cnt, bits, h, hk, nqs, nq, nk, n_sel, width, nw, scale, ksb, ksh)
-        _launch_select((r, nkp, d, cov, has_keep, repeat, FUSED["warps"], bits_, pdl, spec_class(*args[:7])),
+        _launch_select((r, nkp, d, cov, has_keep, repeat, FUSED["warps"], bits_, pdl, prec, spec_class(*args[:7])),
                        (triton.cdiv(nqs, r), b * h), args,
                        dict(R=r, NKP=nkp, D=d, COV=cov, HAS_KEEP=has_keep, REP=repeat, PREC=prec, BITS=bits_,
                             PDL=pdl),
