@@ -199,8 +199,10 @@ def capture_qkv(pipe, layers=None, steps=None, path: str = "qkv.safetensors", *,
     """Record post-norm, post-RoPE q/k/v (tiled order) of ``pipe``'s self-attention into ``path``.
 
     Attaches at once; run the pipeline, then :meth:`QKVCapture.close` (or use ``with``) writes
-    the file. When PISA is not applied, it applies it for the capture (at density 1: the run stays
-    exact: every call runs dense) and removes it on close.
+    the file. When PISA is not applied, it applies it for the capture (at density 1: every call runs
+    dense attention, on tokens in tiled order, so the output matches the model's to float rounding,
+    ~1e-6) and removes it on close; it captures in the tiles of the default block size, so to
+    calibrate for another, apply PISA with that ``block_size`` first (the capture keeps it).
 
     Args:
         pipe: a diffusers pipeline (``transformer`` / ``transformer_2``) or a transformer model.

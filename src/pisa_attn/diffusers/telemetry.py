@@ -34,7 +34,8 @@ class TelemetryConfig:
     """Which calls to measure and what to keep.
 
     sample_rate: probability that a call is measured (seeded with ``seed``), in (0, 1].
-    every:       measure every n-th call instead (calls 0, n, 2n, ... per transformer).
+    every:       measure every n-th call instead (calls 0, n, 2n, ... per transformer; when n
+                 divides the managed layers per forward, always the same layers).
     drop:        also measure keep-or-drop sparse attention at the same density.
     include_dense: also measure calls that ran dense (what PISA would cost there).
     max_records: records kept; later sampled calls are counted but not measured.
