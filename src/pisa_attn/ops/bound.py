@@ -4,7 +4,7 @@ A planned run issues the same short sequence of launches every time: the same co
 grids and arguments, except the pointers of the call's own tensors (q, k, v, the output, the
 first-order weights, the device copy of the always-exact key blocks). :func:`record` runs the
 stages once under a recorder that collects every launch the
-:class:`~pisa_attn.ops.launch.Launcher` s issue; :class:`Bound` turns that list into one
+:class:`~pisa_attn.ops.launch.Launcher` s issue; :func:`bind` turns that list into one
 generated Python function that calls each kernel's launcher directly with the workspace's
 pointers as constants and the call's pointers read per call. Host TMA descriptors of workspace
 tensors are encoded once; those of the call's tensors are encoded through Triton's own encoder
