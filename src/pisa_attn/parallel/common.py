@@ -14,12 +14,13 @@ from ..attention import to_bhsd, validate
 from ..settings import PisaSettings, check_not_both, from_loose
 from .comm import gather_ints, group_info
 
+
 def entry_settings(settings, alpha, *, what: str, deferrable: bool, sharded_keys: bool, **loose):
     """``(settings, alpha, error)`` for a sequence-parallel entry point: :func:`settings_of`; with
     ``sharded_keys`` low precision is refused (sharded keys merge float32 partial outputs, which the
-    low-precision kernel does not write). With ``deferrable`` a refused setting comes back as ``error`` beside default settings,
-    for :func:`check_inputs` to raise after the gather that tells every rank (raising here would
-    leave the other ranks waiting in it)."""
+    low-precision kernel does not write). With ``deferrable`` (and a process group up) a refused
+    setting comes back as ``error`` beside default settings, for :func:`check_inputs` to raise
+    after the gather that tells every rank (raising here would leave the others waiting in it)."""
     try:
         s, alpha = settings_of(settings, alpha, **loose)
         if sharded_keys and s.precision != "input":
