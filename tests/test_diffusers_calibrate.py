@@ -142,7 +142,8 @@ def test_each_generation_fits_anew_and_dense_layers_are_skipped():
 
 def test_fixed_alpha_and_per_head_alpha_reach_the_calls():
     tr = tiny_transformer("wan")
-    for alpha, want in ((0.5, (0.5, 0.5)), (torch.tensor([0.25, 1.0]), (0.25, 1.0)), (None, (spec.DEFAULT_ALPHA,) * 2)):
+    for alpha, want in ((0.5, (0.5, 0.5)), (torch.tensor([0.25, 1.0]), (0.25, 1.0)), (None, (spec.DEFAULT_ALPHA,) * 2),
+                        ([0.5], (0.5, 0.5)), ((0.75,), (0.75, 0.75))):  # one value: every head's, as in pisa_attention
         pd.apply_pisa(tr, alpha=alpha, **{**RUN, "dense_steps": 0})
         calls = _Calls(tr)
         with torch.no_grad():
@@ -179,6 +180,18 @@ def test_alpha_table_checks_and_file_roundtrip(tmp_path):
          "finite"),
         ({**good.to_json(), "transformers": {"transformer": {"0": {"alpha": [1.0, 1.0, 1.0]}}}}, ValueError, "heads"),
         ({**good.to_json(), "transformers": {"transformer": {"9": {"alpha": [1.0, 1.0]}}}}, ValueError, "layer 9"),
+        ({**good.to_json(), "version": 1.0}, ValueError, "version"),
+        ({**good.to_json(), "version": True}, ValueError, "version"),
+        ({**good.to_json(), "transformers": {"transformer": {"1": {"alpha": [0.2, 0.7]},
+                                                              " 1": {"alpha": [0.9, 0.9]}}}}, ValueError, "layer keys"),
+        ({**good.to_json(), "transformers": {"transformer": {"0": {"alpha": [1.0, 10**400]}}}}, ValueError, "finite"),
+        ({**good.to_json(), "settings": {"density": 10**400}}, ValueError, "density"),
+        ({**good.to_json(), "settings": {"query_block": "x"}}, ValueError, "query_block"),
+        ({**good.to_json(), "settings": {"precision": "fp4"}}, ValueError, "precision"),
+        ({**good.to_json(), "transformers": {"transformer": {"0": {"alpha": [1.0, 1.0], "tail_mass": "abc"}}}},
+         ValueError, "tail_mass"),
+        ({**good.to_json(), "transformers": {"transformer": {"0": {"alpha": [1.0, 1.0], "rows": -5}}}},
+         ValueError, "rows"),
         (str(tmp_path / "missing.json"), ValueError, "alpha_table"),
         (3, TypeError, "alpha_table"),
     ]
@@ -351,3 +364,17 @@ def test_alpha_table_of_a_per_layer_calibration_says_so():
     assert table.fit == "layer"
     assert all(len(set(e.alpha)) == 1 for e in table.layers().values())  # one weight per layer
     pd.remove_pisa(pipe)
+
+
+def test_calibrate_keeps_the_runs_alpha_for_heads_without_a_tail():
+    """A head no fitted row gives a tail keeps the run's alpha, per head when alpha is per head."""
+    st = cal.AlphaStats(*(torch.tensor(x, dtype=torch.float64) for x in ([1.0, 0.0], [2.0, 0.0], [3.0, 3.0], [4, 4])))
+    assert st.alpha("head", default=(0.3, 0.4)).tolist() == [0.5, 0.4]
+    assert st.alpha("head", default=0.3).tolist() == [0.5, 0.3]
+    with pytest.raises(ValueError, match="default"):
+        st.alpha("head", default=(0.1, 0.2, 0.3))
+    tr = tiny_transformer("wan")
+    for alpha, default in (([0.3, 0.4], (0.3, 0.4)), ([0.3], 0.3), (0.25, 0.25), (None, spec.DEFAULT_ALPHA)):
+        pd.apply_pisa(tr, calibrate=True, alpha=alpha, **RUN)
+        assert pd.pisa_state(tr).calibrator.default == default
+        pd.remove_pisa(tr)

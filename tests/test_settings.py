@@ -26,6 +26,9 @@ def test_defaults_match_pisa_attention():
     ("covariance_aware", np.False_, False),
     ("query_block", np.int64(128), 128),
     ("alpha", np.float32(0.5), 0.5),
+    # read as the decimal it prints: 0.35 of 10 blocks is 4 (half up), 0.3499999940 would give 3
+    ("density", np.float32(0.35), 0.35),
+    ("density", np.float16(0.35), 0.35),
 ])
 def test_numpy_scalars_are_normalised_to_python(field, value, expected):
     s = PisaSettings(**{field: value})
@@ -76,6 +79,9 @@ BAD = [
     ("alpha-requires-grad", dict(alpha=torch.ones(2, requires_grad=True)), TypeError, "alpha.*per call"),
     ("alpha-meta", dict(alpha=torch.ones(2, device="meta")), TypeError, "alpha.*per call"),
     ("alpha-rank2", dict(alpha=torch.ones(2, 2)), ValueError, "alpha"),
+    ("density-huge-int", dict(density=10**400), ValueError, "density.*too large"),
+    ("scale-huge-int", dict(scale=10**400), ValueError, "scale.*too large"),
+    ("alpha-huge-int", dict(alpha=10**400), ValueError, "alpha"),
 ]
 
 
@@ -100,3 +106,36 @@ def test_alpha_values_per_head_count_checked():
     with pytest.raises(ValueError, match="alpha.*4 query heads"):
         s.alpha_values(4)
     assert PisaSettings(mode="drop").alpha_values(4) is None
+
+
+def test_np_float32_density_selects_the_decimal_count():
+    assert spec.num_selected(PisaSettings(density=np.float32(0.35)).density, 10) == 4
+
+
+@pytest.mark.parametrize("name", ["density", "block_size", "mode", "backend", "layout", "precision"])
+def test_none_is_not_the_default_for_keywords_whose_default_is_a_value(name):
+    """``layout=None`` on bshd tensors once ran as bhsd: None is a value there, and refused."""
+    from pisa_attn import pisa_attention
+
+    q = torch.randn(1, 2, 64, 16)
+    with pytest.raises((TypeError, ValueError), match=name):
+        pisa_attention(q, q, q, **{"block_size": 16, "backend": "reference", name: None})
+
+
+def test_none_keeps_meaning_default_where_it_is_the_default():
+    from pisa_attn import pisa_attention
+
+    q = torch.randn(1, 2, 64, 16)
+    want = pisa_attention(q, q, q, block_size=16, backend="reference")
+    got = pisa_attention(q, q, q, block_size=16, backend="reference", covariance_aware=None, scale=None,
+                         query_block=None, alpha=None)
+    assert torch.equal(got, want)
+
+
+def test_spec_checks_take_numpy_numbers_and_huge_ints():
+    spec.check_density(np.float32(0.3))
+    spec.check_block_size(np.int64(64))
+    spec.check_scale(np.float64(0.1))
+    spec.check_scale(10**400)  # finite, positive: PisaSettings refuses it as too large for a float
+    with pytest.raises(ValueError, match="density"):
+        spec.check_density(10**400)

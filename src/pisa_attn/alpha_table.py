@@ -93,12 +93,22 @@ def _bad(why: str) -> ValueError:
     return ValueError(f"alpha_table {why}")
 
 
+def _finite_number(x) -> bool:
+    # an int is finite however large (math.isfinite would overflow on it)
+    return type(x) is int or (type(x) is float and math.isfinite(x))
+
+
+def _check_query_block(x) -> None:
+    if x is not None and (type(x) is not int or x <= 0):
+        raise ValueError(f"query_block must be null or a positive integer, got {x!r}")
+
+
 def from_json(d) -> AlphaTable:
     """Parse and check a table's JSON object (ValueError naming ``alpha_table`` on a bad one)."""
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise _bad(f"must be a {FORMAT!r} JSON object (as pisa-attn calibrate writes), got "
                    f"{type(d).__name__ if not isinstance(d, dict) else 'format=' + repr(d.get('format'))}")
-    if d.get("version") != VERSION:
+    if type(d.get("version")) is not int or d.get("version") != VERSION:  # not 1.0 or true
         raise _bad(f"has version {d.get('version')!r}; this reader needs {VERSION}")
     ts = d.get("transformers")
     if not isinstance(ts, dict) or not ts:
@@ -113,17 +123,22 @@ def from_json(d) -> AlphaTable:
                 index = int(key)
             except (TypeError, ValueError):
                 index = -1
-            if index < 0 or str(index) != str(key).strip():
+            if index < 0 or str(index) != str(key):  # " 3" or "03" would be a second key for layer 3
                 raise _bad(f"layer keys must be non-negative integers, got {key!r} in {name!r}")
             values = entry.get("alpha") if isinstance(entry, dict) else None
             if (not isinstance(values, list) or not values
-                    or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
-                           or abs(x) > spec.ALPHA_LIMIT for x in values)):
+                    or any(not _finite_number(x) or abs(x) > spec.ALPHA_LIMIT for x in values)):
                 raise _bad(f"layer {key} of {name!r} needs 'alpha': a non-empty list of finite numbers within "
                            f"±{spec.ALPHA_LIMIT:g}, got {values!r}")
             cov = entry.get("covariance_aware")
             if cov is not None and not isinstance(cov, bool):
                 raise _bad(f"layer {key} of {name!r}: 'covariance_aware' must be true or false, got {cov!r}")
+            for extra, ok in (("tail_mass", _finite_number), ("residual_vs_paper", _finite_number),
+                              ("rows", lambda x: type(x) is int and x >= 0)):
+                if entry.get(extra) is not None and not ok(entry[extra]):
+                    raise _bad(f"layer {key} of {name!r}: {extra!r} must be "
+                               f"{'a non-negative integer' if extra == 'rows' else 'a finite number'} or null, "
+                               f"got {entry[extra]!r}")
             parsed[index] = LayerAlpha(tuple(float(x) for x in values), entry.get("tail_mass"), entry.get("rows"),
                                        entry.get("residual_vs_paper"), cov)
         out[str(name)] = parsed
@@ -133,7 +148,8 @@ def from_json(d) -> AlphaTable:
     if not isinstance(settings, dict):
         raise _bad("'settings' must be an object")
     checks = {"density": spec.check_density, "block_size": spec.check_block_size, "mode": spec.check_mode,
-              "covariance_aware": lambda x: spec.check_flag("covariance_aware", x)}
+              "covariance_aware": lambda x: spec.check_flag("covariance_aware", x),
+              "precision": spec.check_precision, "scale": spec.check_scale, "query_block": _check_query_block}
     for key, check in checks.items():  # the settings the weights were fitted under, compared with a run's
         if key in settings:
             try:

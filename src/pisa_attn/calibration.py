@@ -173,10 +173,11 @@ class AlphaStats:
             raise ValueError(f"cannot pool AlphaStats of {self.cr.numel()} and {other.cr.numel()} heads")
         return AlphaStats(self.cr + other.cr, self.cc + other.cc, self.rr + other.rr, self.n + other.n)
 
-    def alpha(self, over: str = "head", default: float = 1.0, bounds: tuple[float, float] | None = None) -> Tensor:
+    def alpha(self, over: str = "head", default=1.0, bounds: tuple[float, float] | None = None) -> Tensor:
         """The least-squares weight: ``[H]`` per head (``over="head"``) or a 0-d tensor shared by all
         heads (``"layer"``), clamped to ``bounds`` when given. A head whose correction is zero on
-        every fitted row (no tail) does not constrain it: it gets ``default`` (not clamped)."""
+        every fitted row (no tail) does not constrain it: it gets ``default`` (not clamped), a float
+        or one value per head (then the result is ``[H]`` for ``"layer"`` too)."""
         if over not in FIT_OVER:
             raise ValueError(f"over must be one of {FIT_OVER}, got {over!r}")
         cr, cc = (self.cr, self.cc) if over == "head" else (self.cr.sum(), self.cc.sum())
@@ -188,7 +189,11 @@ class AlphaStats:
         w = cr / cc.clamp_min(tiny)
         if bounds is not None:
             w = w.clamp(*bounds)
-        return torch.where(cc > tiny, w, torch.full_like(cc, float(default)))
+        d = torch.as_tensor(default, dtype=cc.dtype, device=cc.device)
+        if d.ndim > 1 or d.numel() not in (1, self.cr.numel()):
+            raise ValueError(f"default must be a float or one value per head ({self.cr.numel()}), "
+                             f"got {d.numel()} values")
+        return torch.where(cc > tiny, w, d.reshape(()) if d.numel() == 1 else d)
 
     def residual(self, alpha) -> Tensor:
         """``Σ‖r − alpha·c‖²`` per head for a scalar or per-head ``alpha`` (0 is zeroth, 1 the paper)."""

@@ -48,9 +48,17 @@ def as_int(name: str, x, what: str) -> int:
 
 
 def as_float(name: str, x, what: str) -> float:
-    """A real number (Python or numpy int/float), not a bool or a tensor; TypeError naming ``name``."""
+    """A real number (Python or numpy int/float), not a bool or a tensor; TypeError naming ``name``
+    (ValueError for an int too large for a float). A numpy float narrower than 64 bits is read as
+    the decimal it prints as: ``np.float32(0.35)`` is 0.35, not 0.3499999940…, which would select
+    one block fewer wherever ``0.35·N`` rounds at one half."""
     if isinstance(x, numbers.Real) and not isinstance(x, bool) and not _is_numpy_bool(x):
-        return float(x)
+        if type(x).__module__ == "numpy" and not isinstance(x, numbers.Integral) and x.itemsize < 8:
+            return float(str(x))
+        try:
+            return float(x)
+        except OverflowError:
+            raise ValueError(f"{name} must be {what}, got an int too large for a float") from None
     raise TypeError(f"{name} must be {what}, got {x!r} ({_type_name(x)})")
 
 
@@ -146,8 +154,8 @@ class PisaSettings:
             if isinstance(self.scale, bool) or not isinstance(self.scale, numbers.Real) or _is_numpy_bool(self.scale):
                 raise ValueError(f"scale must be None or a positive finite float, got {self.scale!r} "
                                  f"({_type_name(self.scale)})")
-            put(self, "scale", float(self.scale))
             spec.check_scale(self.scale)
+            put(self, "scale", as_float("scale", self.scale, "None or a positive finite float"))
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
@@ -214,19 +222,23 @@ default). With ``settings=``, any other value of one of them is an error, even o
 default: the caller passed it, and ``settings`` would silently win."""
 
 
-def _passed(v) -> bool:
-    return v is not None and not isinstance(v, _Unpassed)
+def _passed(name: str, v) -> bool:
+    # None stands for "not passed" only where None is the keyword's own default; ``layout=None``
+    # or ``density=None`` is a value, and PisaSettings refuses it (never the default in silence).
+    if isinstance(v, _Unpassed):
+        return False
+    return v is not None or name in UNPASSED
 
 
 def from_loose(**loose) -> PisaSettings:
     """The settings of an entry point's loose keywords (the defaults for those not passed)."""
-    return PisaSettings(**{n: v for n, v in loose.items() if _passed(v)})
+    return PisaSettings(**{n: v for n, v in loose.items() if _passed(n, v)})
 
 
 def check_not_both(**loose) -> None:
     """ValueError when an entry point got ``settings=`` and also loose settings arguments (one
     would silently win)."""
-    given = sorted(n for n, v in loose.items() if _passed(v))
+    given = sorted(n for n, v in loose.items() if _passed(n, v))
     if given:
         raise ValueError(f"pass the settings either as settings= or as keyword arguments, not both "
                          f"(got settings= and {', '.join(given)})")

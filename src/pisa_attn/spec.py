@@ -16,6 +16,7 @@ the tools all take these names from here.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -125,23 +126,29 @@ def check_mode(mode) -> None:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
+def _is_bool(x) -> bool:
+    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"))
+
+
 def check_density(density) -> None:
-    if isinstance(density, bool) or not isinstance(density, (int, float)):
+    # numbers.Real takes numpy scalars; comparing without float() takes any int (no OverflowError)
+    if _is_bool(density) or not isinstance(density, numbers.Real):
         raise TypeError(f"density must be a float in (0, 1], got {type(density).__name__}")
-    if not (0.0 < float(density) <= 1.0):  # also rejects NaN
+    if not (0 < density <= 1):  # also rejects NaN
         raise ValueError(f"density must be in (0, 1], got {density}")
 
 
 def check_block_size(block_size) -> None:
-    ok = isinstance(block_size, int) and not isinstance(block_size, bool)
-    if not ok or block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
+    ok = isinstance(block_size, numbers.Integral) and not _is_bool(block_size)
+    if not ok or block_size < MIN_BLOCK_SIZE or int(block_size) & (int(block_size) - 1):
         raise ValueError(f"block_size must be a power of two >= {MIN_BLOCK_SIZE}, got {block_size!r}")
 
 
 def check_scale(scale) -> None:
     if scale is None:
         return
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    ok = isinstance(scale, numbers.Real) and not _is_bool(scale)
+    if not ok or scale <= 0 or not (isinstance(scale, numbers.Integral) or math.isfinite(scale)):
         raise ValueError(f"scale must be None or a positive finite float, got {scale!r}")
 
 

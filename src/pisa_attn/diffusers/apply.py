@@ -193,7 +193,7 @@ def _install_for(name: str, transformer, settings: dict, table: at.AlphaTable | 
     check_no_tensor_parallel(transformer)
     config = _config(adapter, transformer, **settings)
     modules = _managed_modules(transformer, adapter)
-    if isinstance(config.alpha, tuple):
+    if isinstance(config.alpha, tuple) and len(config.alpha) > 1:  # one value is every head's
         bad = sorted({_heads(m) for _, m in modules} - {len(config.alpha)})
         if bad:
             raise ValueError(f"alpha has {len(config.alpha)} values but {type(transformer).__name__} has attention "
@@ -401,7 +401,8 @@ def apply_pisa(
             state = PisaState(tr, inst.adapter, inst.config, tracker, blocks=inst.blocks, alphas=inst.alphas,
                               rules=inst.rules)
             if inst.calibration is not None:
-                default = inst.config.alpha if isinstance(inst.config.alpha, float) else spec.DEFAULT_ALPHA
+                a = inst.config.alpha
+                default = spec.DEFAULT_ALPHA if a is None else a[0] if isinstance(a, tuple) and len(a) == 1 else a
                 state.calibrator = Calibrator(inst.calibration, inst.config.schedule, default)
             new.append(state)
             _install(state)

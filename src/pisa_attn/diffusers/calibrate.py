@@ -123,10 +123,11 @@ def as_config(value) -> CalibrationConfig | None:
 class Calibrator:
     """Per-layer fits of one transformer's warm-up calls (see the module docstring)."""
 
-    def __init__(self, config: CalibrationConfig, schedule: Schedule, default: float = spec.DEFAULT_ALPHA):
+    def __init__(self, config: CalibrationConfig, schedule: Schedule, default=spec.DEFAULT_ALPHA):
         self.config = config
         self.schedule = schedule
-        self.default = float(default)
+        # the weight of a head no fitted row gives a tail: the run's alpha (a float or one per head)
+        self.default = tuple(float(x) for x in default) if isinstance(default, tuple) else float(default)
         self.rng = random.Random(config.seed)
         # layer -> [rules, 4, H] running sums (cal.SUMS) on the device, rows, elements
         self._sums: dict[int, list] = {}
