@@ -585,3 +585,25 @@ def test_calibrate_says_when_an_expert_saw_no_warm_up_call():
         with torch.no_grad():
             pipe(**prompt_kwargs("wan"), num_inference_steps=6)
     pd.remove_pisa(pipe)
+
+
+def test_the_second_expert_reports_nothing_of_the_last_generation_before_its_first_call():
+    """Wan2.2: mid-generation, before the second expert runs, its stats and fits are not the last
+    generation's (its first call would forget them; a read does too)."""
+    pipe = _two_experts()
+    pd.apply_pisa(pipe, calibrate=True, **{**SPARSE, "dense_steps": 4})
+    with torch.no_grad():
+        pipe(**prompt_kwargs("wan", seed=0), num_inference_steps=6)
+    assert pd.stats(pipe.transformer_2) and pd.alpha_table(pipe).layers("transformer_2")
+    seen = {}
+
+    def mid(p, i, t, kw):
+        if i == 0:
+            seen["stats"], seen["table"] = pd.stats(p.transformer_2), pd.alpha_table(p)
+        return kw
+
+    with torch.no_grad():
+        pipe(**prompt_kwargs("wan", seed=5), num_inference_steps=6, callback_on_step_end=mid)
+    assert seen["stats"] == {} and seen["table"].layers("transformer_2") == {}
+    assert pd.stats(pipe.transformer_2)  # it ran later in the generation
+    pd.remove_pisa(pipe)

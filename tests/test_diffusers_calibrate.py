@@ -378,3 +378,54 @@ def test_calibrate_keeps_the_runs_alpha_for_heads_without_a_tail():
         pd.apply_pisa(tr, calibrate=True, alpha=alpha, **RUN)
         assert pd.pisa_state(tr).calibrator.default == default
         pd.remove_pisa(tr)
+
+
+def test_an_alpha_table_object_gets_the_checks_a_file_gets():
+    tr = tiny_transformer("wan")
+    bad = [
+        (at.AlphaTable({"transformer": {0: at.LayerAlpha((float("nan"), 0.5))}}, dict(RUN_SETTINGS)), "finite"),
+        (at.AlphaTable({"transformer": {-1: at.LayerAlpha((0.1, 0.5))}}, dict(RUN_SETTINGS)), "layer keys"),
+        (at.AlphaTable({"transformer": {0: at.LayerAlpha((0.1, 0.5), covariance_aware="no")}}, dict(RUN_SETTINGS)),
+         "covariance_aware"),
+        (at.AlphaTable({"transformer": {0: at.LayerAlpha((0.1, 0.5))}}, dict(RUN_SETTINGS), fit="bogus"), "fit"),
+    ]
+    for table, match in bad:
+        with pytest.raises(ValueError, match=match):
+            pd.apply_pisa(tr, alpha_table=table, **RUN)
+        assert pd.pisa_state(tr) is None
+
+
+def test_calibrate_fits_layers_whose_padded_keys_run_sparse():
+    """HunyuanVideo pads its text: a layer runs sparse on the padded key count, so the fit decides
+    on it too (not on a row's valid keys, which may be fewer than min_kv_len)."""
+    pipe = tiny_pipeline("hunyuan")
+    seen = []
+    remove = None
+    for min_kv in (0, None):
+        if min_kv is None:  # between the row's valid and padded key counts
+            lens = {c.meta["key_lens"][0] for c in seen}
+            n = {c.k.shape[2] for c in seen}
+            assert len(lens) == 1 and len(n) == 1 and min(lens) < min(n)
+            min_kv = min(n)
+        pd.apply_pisa(pipe, calibrate=True, **{**RUN, "min_kv_len": min_kv})
+        remove = pd.hooks.add_observer(pipe.transformer, seen.append)
+        _generate(pipe, "hunyuan")
+        frozen = pd.pisa_state(pipe.transformer).calibrator.frozen
+        assert frozen is not None and sorted(frozen) == sorted({c.layer for c in seen if not c.dense})
+        remove()
+        pd.remove_pisa(pipe)
+
+
+def test_an_explicit_selection_rule_is_kept_by_calibrate():
+    pipe = tiny_pipeline("flux")
+    for cov in (False, True):
+        pd.apply_pisa(pipe, calibrate=True, covariance_aware=cov, **RUN)
+        _generate(pipe, "flux")
+        st = pd.pisa_state(pipe.transformer)
+        assert {st.covariance_for(i) for i in st.calibrator.frozen} == {cov}
+        pd.remove_pisa(pipe)
+    with pytest.raises(ValueError, match="choose_selection"):
+        pd.apply_pisa(pipe, calibrate=pd.CalibrationConfig(choose_selection=True), covariance_aware=True, **RUN)
+    assert pd.pisa_state(pipe.transformer) is None
+    pd.apply_pisa(pipe, calibrate=pd.CalibrationConfig(choose_selection=False), covariance_aware=True, **RUN)
+    pd.remove_pisa(pipe)

@@ -266,3 +266,22 @@ def test_managed_sequence_gathers_when_a_rank_cannot_tell_the_sequences_apart():
     for rank in (0, 1):
         assert _managed_sequence(run, 7, rank, 2) == (lay.image_only, (7, 7))
         assert _managed_sequence(run, 8, rank, 2) == (lay.joint, (8, 8))
+
+
+def test_observers_under_context_parallelism_are_refused_by_apply():
+    """calibrate=True and telemetry cannot run under context parallelism: apply_pisa says so when the
+    transformer is already parallel (not at the first attention call) and leaves it as it was."""
+    import pisa_attn.diffusers as pd
+    from diffusers_tiny import TILE_BLOCK, tiny_transformer
+
+    tr = tiny_transformer("wan")
+    cp = SimpleNamespace(ring_degree=2, ulysses_degree=1)
+    tr._parallel_config = SimpleNamespace(context_parallel_config=cp, tensor_parallel_config=None)
+    run = dict(density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=1)
+    for extra in (dict(calibrate=True), dict(telemetry=True)):
+        with pytest.raises(ValueError, match="context parallelism"):
+            pd.apply_pisa(tr, **run, **extra)
+        assert pd.pisa_state(tr) is None
+    pd.apply_pisa(tr, **run)
+    pd.remove_pisa(tr)
+    tr._parallel_config = None

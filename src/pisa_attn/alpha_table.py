@@ -164,8 +164,12 @@ def from_json(d) -> AlphaTable:
 
 def load(table) -> AlphaTable:
     """An :class:`AlphaTable` from a path to a JSON file, its parsed dict, or a table."""
-    if isinstance(table, AlphaTable):
-        return table
+    if isinstance(table, AlphaTable):  # one built in code gets the checks a file gets
+        try:
+            d = table.to_json()
+        except (AttributeError, TypeError) as e:
+            raise _bad(f"object is malformed ({e})") from None
+        return from_json(d)
     if isinstance(table, dict):
         return from_json(table)
     if isinstance(table, (str, os.PathLike)):

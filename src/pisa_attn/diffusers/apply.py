@@ -9,6 +9,7 @@ modules). Nothing in diffusers (classes, enums, pipeline methods) is changed, an
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import math
@@ -29,7 +30,7 @@ from .backend import check_diffusers
 from .calibrate import CalibrationConfig, Calibrator
 from .calibrate import as_config as calibration_config
 from .models import ModelAdapter, adapter_for, transformers_of
-from .parallel import check_no_tensor_parallel
+from .parallel import check_no_tensor_parallel, context_parallel_config
 from .processors import PROCESSORS, PisaProcessor, check_replaceable
 from .schedule import DEFAULT_MIN_KV_LEN, Schedule, StepTracker
 from .state import PisaConfig, PisaState, set_alive
@@ -61,6 +62,7 @@ def stats(transformer) -> dict[str, int]:
             state = pisa_state(found[0][1])
     if state is None:
         raise ValueError("transformer is not managed by apply_pisa")
+    state.catch_up()
     return dict(state.stats)
 
 
@@ -73,13 +75,16 @@ def _transformers(obj) -> tuple[list, object | None]:
 def alpha_table(pipe_or_transformer) -> at.AlphaTable:
     """The per-layer first-order weights of the managed transformer(s), with their fit information:
     the calibrated ones (the fits of this generation's warm-up so far), else the loaded ones.
-    ``.save(path)`` writes the file ``apply_pisa(..., alpha_table=path)`` loads."""
+    ``.save(path)`` writes the file ``apply_pisa(..., alpha_table=path)`` loads. A layer with no
+    weights of its own (not fitted, e.g. an expert without warm-up steps) is not in the table: it
+    runs ``apply_pisa``'s ``alpha``, so pass the same ``alpha`` with the table to run as this run did."""
     found, _ = transformers_of(pipe_or_transformer)
     out, settings, model, fit = {}, {}, None, "head"
     for name, tr in found:
         state = pisa_state(tr)
         if state is None:
             raise ValueError("transformer is not managed by apply_pisa")
+        state.catch_up()  # a second expert not yet called this generation has no fits of it
         model = state.adapter.name
         cfg = state.config
         mine = {"density": cfg.density, "mode": cfg.mode, "covariance_aware": cfg.covariance_aware,
@@ -333,7 +338,9 @@ def apply_pisa(
         tile: token tile, ``(h, w)`` / ``(t, h, w)`` of ``block_size`` tokens (one tile per block);
             default 8x8 / 4x4x4.
         mode: ``"hybrid"``, ``"zeroth"``, ``"first"`` or ``"drop"``.
-        covariance_aware: covariance-aware block selection.
+        covariance_aware: covariance-aware block selection; None: the model family's default,
+            or with ``calibrate=True`` each layer's rule chosen by the fit (an explicit value is
+            kept: the fit then runs under it alone).
         block_size: tokens per query/key block.
         min_kv_len: calls with fewer keys run dense (too few tokens for sparsity to pay).
         telemetry: passed to ``pisa_attn.diffusers.telemetry.attach`` when not None.
@@ -369,6 +376,11 @@ def apply_pisa(
     transformers = [t for _, t in found]
     tel = None if telemetry is None else tm.as_config(telemetry)
     calibration = calibration_config(calibrate)
+    if calibration is not None and covariance_aware is not None and calibration.choose_selection:
+        if calibrate is not True:
+            raise ValueError("calibrate=CalibrationConfig(choose_selection=True) chooses each layer's selection rule "
+                             "and covariance_aware= fixes it: pass one of them (or choose_selection=False)")
+        calibration = dataclasses.replace(calibration, choose_selection=False)  # the rule given is kept
     table = None if alpha_table is None else at.load(alpha_table)
     if calibration is not None and table is not None:
         raise ValueError("give calibrate or alpha_table, not both (calibrate fits the weights alpha_table would set)")
@@ -386,6 +398,10 @@ def apply_pisa(
     if table is not None and pipe is None and len(table.transformers) > 1:
         raise ValueError(f"alpha_table holds weights for {sorted(table.transformers)}: pass the pipeline (each "
                          "transformer takes its own entry), or a table of one transformer")
+    if (calibration is not None or tel is not None) and any(context_parallel_config(t) is not None for t in transformers):
+        # enabled after apply_pisa, the first call refuses them (parallel_attention)
+        raise ValueError("attention observers (calibrate=True, telemetry) are not supported under context "
+                         "parallelism: calibrate offline (pisa-attn calibrate) and pass alpha_table=")
     installs = [_install_for(name, tr, settings, table, calibration, len(found)) for name, tr in found]
 
     saved = [_Saved(tr, _TRANSFORMER_KEYS) for tr in transformers]

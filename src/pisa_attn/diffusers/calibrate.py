@@ -184,8 +184,9 @@ class Calibrator:
         fitted = 0
         for b in range(call.q.shape[0]):
             n = call.k.shape[2] if not lens else int(lens[b])
-            # A layer that never runs sparse (a dense layer, too few keys) needs no weight.
-            if self.schedule.dense_reason(block, 1 << 62, n) is not None:
+            # A layer that never runs sparse (a dense layer, too few keys) needs no weight. The sparse
+            # calls decide on the padded key count, so this does too (not on the row's valid keys).
+            if self.schedule.dense_reason(block, 1 << 62, call.k.shape[2]) is not None:
                 continue
             # An all-False mask selects as None does: no device read to find out.
             keep = None if call.keep_blocks is None else call.keep_blocks[: spec.num_blocks(n, bs)]

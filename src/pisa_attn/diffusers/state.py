@@ -198,6 +198,13 @@ class PisaState:
         if self.calibrator is not None:
             self.calibrator.reset()
 
+    def catch_up(self) -> None:
+        """Start the tracker's generation if this transformer has not yet: its first call does, and so
+        does a read of its stats or fits (Wan2.2's second expert is not called before the first's
+        steps are done, and its numbers until then are the last generation's)."""
+        if self.generation != self.tracker.generation:
+            self.new_generation()
+
     def alpha_for(self, layer: int, freeze: bool = True):
         """The first-order weight of managed layer ``layer``: its calibrated weights (``freeze``:
         fitting them now if this generation has not yet; a sparse call needs them), else its

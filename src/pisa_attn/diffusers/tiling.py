@@ -93,8 +93,7 @@ def begin_forward(state: PisaState, timestep: Tensor, shape: list[int], grid_ids
     t = timestep_value(timestep)
     close_run(state)  # left open by a compiled forward that raised (an eager one closes it on exit)
     step = state.tracker.observe(t)
-    if state.generation != state.tracker.generation:  # the first call of a new generation
-        state.new_generation()
+    state.catch_up()  # the first call of a new generation starts it
     run = Run(state, step, CallInfo(grid, text_len, t), layouts)
     open_run(run)
     return run
