@@ -571,3 +571,62 @@ def test_rel_l1_needs_one_shape_and_a_zero_reference_reads_inf():
     zero = torch.zeros_like(a)
     assert metrics.rel_l1(a, zero) == float("inf") and metrics.rel_l1(zero, zero) == 0.0
     assert metrics.rel_l1_per_head(zero, zero).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors need Triton's interpreter (set without a GPU); "
+                    "tests/gpu/test_gpu_calibration.py checks the kernel")
+@pytest.mark.parametrize("outlier", [50.0, 100.0, 125.0])
+def test_fit_kernel_keeps_the_tail_under_a_far_outlier_token(outlier):
+    """One key token scoring ``outlier`` (natural units) above everything PISA sees (its block in
+    the tail, its centroid low): PISA's sums are shifted by their own maximum, not the dense one,
+    or every term of the rule underflows in float32 (the fit then read 'no tail')."""
+    from pisa_attn.ops.triton import fit as tfit
+
+    lq, lk, d = 64, 256, 32
+    g = torch.Generator().manual_seed(1)
+    q = torch.zeros(1, 1, lq, d)
+    q[..., 0] = 4.0
+    q += 0.01 * torch.randn(q.shape, generator=g)
+    k = 0.1 * torch.randn(1, 1, lk, d, generator=g)
+    v = torch.randn(1, 1, lk, d, generator=g)
+    k[0, 0, 192:200, 0], k[0, 0, 201:256, 0] = -70.0, -10.0
+    k[0, 0, 200, 0] = outlier * d**0.5 / 4.0
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    plan = cal.row_plan(lq, 64, [0, 1, 2, 3])
+    qb, qr = plan.gather(q)
+    kw = dict(density=0.25, rules=(False, True), scale=d**-0.5, block_size=64)
+    want = cal._fit_sums(qb, qr, plan.which(q.device), k, v, None, mode="hybrid", **kw)
+    got = tfit.fit_sums(q, torch.tensor(plan.pos, dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                        plan.which(q.device), k, v, None, **kw)
+    assert want[:, 1].min() > 1.0  # a real first-order term
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+
+
+def test_fit_inputs_are_checked_where_they_enter():
+    q, k, v = (torch.randn(1, 2, 130, 16) for _ in range(3))
+    kw = dict(density=0.25, block_size=64)
+    for keep, exc in ((torch.ones(3, dtype=torch.int64), TypeError), (torch.ones(2, 3, dtype=torch.bool), ValueError),
+                      (torch.ones(5, dtype=torch.bool), ValueError)):
+        with pytest.raises(exc, match="keep_blocks"):
+            cal.fit_rows(q, k, v, keep_blocks=keep, **kw)
+        with pytest.raises(exc, match="keep_blocks"):
+            cal.tail_terms(q, k, v, keep_blocks=keep, **kw)
+    mask = torch.zeros(130, dtype=torch.bool)
+    mask[[3, 70, 129]] = True
+    assert cal.row_plan(130, 64, mask).pos == (3, 70, 129)  # a bool mask is the rows it marks
+    assert cal.fit_rows(q, k, v, rows=mask, **kw).rows == cal.fit_rows(q, k, v, rows=[3, 70, 129], **kw).rows == 3
+    for rows, exc in (([5, 500], ValueError), ([-1], ValueError), (torch.tensor([2.7]), TypeError),
+                      (torch.ones(7, dtype=torch.bool), ValueError)):
+        with pytest.raises(exc, match="rows"):
+            cal.fit_rows(q, k, v, rows=rows, **kw)
+    for sel in (torch.ones(1, 2, 3, 3, dtype=torch.uint8), torch.ones(1, 2, 5, 3, dtype=torch.bool),
+                torch.ones(1, 2, 3, 4, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="selected"):
+            cal.tail_terms(q, k, v, selected=sel, block_size=64)
+    terms = cal.tail_terms(q, k, v, **kw)
+    assert torch.equal(terms.output(torch.tensor([0.5])), terms.output(0.5))  # one value: every head's
+    dense = torch.softmax(q @ k.transpose(-1, -2) / 4.0, -1) @ v
+    bad = dense.clone()
+    bad[0, 0, 5, 0] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        cal.fit_alpha_l1(terms, bad)

@@ -103,8 +103,22 @@ def _validate_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
 def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int, device) -> tuple[Tensor | None, int]:
     """Validate ``keep_blocks``; return it as bool [B|1, H|1, Nk] on ``device`` and the largest
     number of kept blocks in any row (read on the host: free for a CPU mask, one sync otherwise)."""
-    if keep_blocks is None:
+    keep = check_keep_blocks(keep_blocks, batch, heads, n_kv_blocks, device)
+    if keep is None:
         return None, 0
+    if torch.compiler.is_compiling() or (keep.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # No host read while tracing or capturing: the static bound (every block) sizes the index list.
+        n_keep_max = n_kv_blocks
+    else:
+        n_keep_max = int(keep.sum(-1).max())
+    return keep.to(device, non_blocking=True), n_keep_max
+
+
+def check_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int, device) -> Tensor | None:
+    """Validate ``keep_blocks`` (TypeError/ValueError naming it) and return it as a bool
+    ``[B|1, H|1, Nk]`` view, where it is (no copy, no host read)."""
+    if keep_blocks is None:
+        return None
     if not isinstance(keep_blocks, Tensor):
         raise TypeError(f"keep_blocks must be a bool tensor or None, got {type(keep_blocks).__name__}")
     if keep_blocks.dtype != torch.bool:
@@ -120,13 +134,7 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
             f"keep_blocks must have shape [{n_kv_blocks}] or broadcastable [{batch}, {heads}, {n_kv_blocks}] "
             f"(one flag per key block), got {shape}"
         )
-    keep = keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks
-    if torch.compiler.is_compiling() or (keep.is_cuda and torch.cuda.is_current_stream_capturing()):
-        # No host read while tracing or capturing: the static bound (every block) sizes the index list.
-        n_keep_max = n_kv_blocks
-    else:
-        n_keep_max = int(keep.sum(-1).max())
-    return keep.to(device, non_blocking=True), n_keep_max
+    return keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks
 
 
 def get_backend(name: str) -> Backend:

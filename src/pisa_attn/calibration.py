@@ -69,8 +69,10 @@ def _alpha_tensor(alpha, heads: int, like: Tensor) -> Tensor:
     """``alpha`` as a tensor broadcasting over ``[B, H, L, D]``; ValueError/TypeError naming it."""
     if not isinstance(alpha, Tensor):  # a number or a sequence, checked as a call's alpha is
         alpha = torch.tensor(tail_weight.host_values(alpha, heads), dtype=torch.float64)
+    if isinstance(alpha, Tensor) and not alpha.is_floating_point():
+        raise TypeError(f"alpha must be a floating-point tensor, got {alpha.dtype}")
     a = torch.as_tensor(alpha, dtype=like.dtype, device=like.device)
-    if a.dim() == 0:
+    if a.dim() == 0 or (a.dim() == 1 and a.numel() == 1):  # one value broadcasts, as a float does
         a = a.reshape(1)
     elif a.dim() != 1 or a.numel() != heads:
         raise ValueError(f"alpha must be a scalar or have shape [{heads}] (one per query head), got {tuple(a.shape)}")
@@ -112,12 +114,23 @@ def tail_terms(
     metrics.check_call(q, k, v, density=1.0 if density is None else density, block_size=block_size, mode=mode,
                        covariance_aware=covariance_aware, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    nq, nk = spec.num_blocks(q.shape[2], block_size), spec.num_blocks(k.shape[2], block_size)
+    keep_blocks = _check_keep(keep_blocks, q, nk)
+    if selected is not None:
+        ok = (isinstance(selected, Tensor) and selected.dtype == torch.bool and selected.dim() == 4
+              and selected.shape[0] in (1, q.shape[0]) and selected.shape[1] in (1, q.shape[1])
+              and tuple(selected.shape[2:]) == (nq, nk))
+        if not ok:
+            got = (f"{selected.dtype} {tuple(selected.shape)}" if isinstance(selected, Tensor)
+                   else type(selected).__name__)
+            raise ValueError(f"selected must be a bool mask [B|1, H|1, {nq}, {nk}] (query blocks x key blocks), "
+                             f"got {got}")
+        selected = selected.to(q.device)
     given = stats
     if stats is None or (covariance_aware and stats.hdev is None):
         stats = ref.prepare(q, k, v, block_size, with_hdev=covariance_aware)  # the prepare stage
     if selected is None:
         qmean = stats.qmean if stats is not given else ref.block_means(q, block_size, stats.kmean.dtype)
-        nk = stats.kmean.shape[2]
         keep = None if keep_blocks is None else keep_blocks.to(q.device)
         selected = ref.select(qmean, stats.kmean, n_select=spec.num_selected(density, nk), scale=scale,
                               hdev=stats.hdev if covariance_aware else None, keep=keep).to_mask(nk)
@@ -233,6 +246,9 @@ def fit_alpha_l1(terms: TailTerms, dense: Tensor, *, over: str = "head", rows=No
     if over not in FIT_OVER:
         raise ValueError(f"over must be one of {FIT_OVER}, got {over!r}")
     c, r = _corr_and_residual(terms, dense, rows)
+    if not bool(torch.isfinite(c).all() and torch.isfinite(r).all()):
+        raise ValueError("the fit's terms are not finite (non-finite q/k/v, scale or dense output); no weight "
+                         "can be fitted")
     heads = c.shape[1]
     c = c.transpose(0, 1).reshape(heads, -1)
     r = r.transpose(0, 1).reshape(heads, -1)
@@ -289,8 +305,10 @@ def fit_rows(
 ) -> RowFit:
     """Fit statistics of query ``rows`` of ``q`` against dense attention, in float32 (float64 for
     float64 inputs) whatever the inputs' dtype: :func:`fit_rules` for one selection rule."""
+    if not isinstance(covariance_aware, bool):
+        raise TypeError(f"covariance_aware must be True or False, got {covariance_aware!r}")
     return fit_rules(q, k, v, density=density, rows=rows, measured=measured, block_size=block_size, mode=mode,
-                     rules=(covariance_aware,), scale=scale, keep_blocks=keep_blocks)[bool(covariance_aware)]
+                     rules=(covariance_aware,), scale=scale, keep_blocks=keep_blocks)[covariance_aware]
 
 
 def fit_rules(
@@ -324,11 +342,19 @@ def fit_rules(
     _check_mode(mode)
     rules = tuple(dict.fromkeys(_check_rules(rules)))
     metrics.check_call(q, k, v, density=density, block_size=block_size, mode=mode, scale=scale)
+    keep_blocks = _check_keep(keep_blocks, q, spec.num_blocks(k.shape[2], block_size))
     plan = row_plan(q.shape[2], block_size, rows, measured)
     b, h, _, d = q.shape
     sums = _fit_sums(*plan.gather(q), plan.which(q.device), k, v, keep_blocks, density=density, rules=rules,
                      mode=mode, scale=d**-0.5 if scale is None else scale, block_size=block_size)
     return row_fits(sums, rules, rows=b * len(plan.pos), elems=b * len(plan.pos) * d)
+
+
+def _check_keep(keep_blocks, q: Tensor, nk: int) -> Tensor | None:
+    """``keep_blocks`` checked as a call's is (bool, ``[Nk]`` or ``[B|1, H|1, Nk]``), as a 3-D view."""
+    from .attention import check_keep_blocks  # the one check of a call's kept blocks
+
+    return check_keep_blocks(keep_blocks, q.shape[0], q.shape[1], nk, q.device)
 
 
 def _check_rules(rules) -> tuple[bool, ...]:
@@ -377,8 +403,21 @@ def row_plan(lq: int, block_size: int, rows=None, measured: tuple[int, int] | No
     ValueError when none is left."""
     bs = block_size
     lo, hi = (0, lq) if measured is None else measured
-    pool = range(lo, hi) if rows is None else torch.as_tensor(rows).reshape(-1).tolist()
-    pos = sorted({int(r) for r in pool if lo <= int(r) < hi and 0 <= int(r) < lq})
+    if rows is None:
+        pool = range(lo, hi)
+    else:
+        t = torch.as_tensor(rows)
+        if t.dtype == torch.bool:  # a mask of the rows, as alpha_stats takes one
+            if t.dim() != 1 or t.numel() != lq:
+                raise ValueError(f"rows as a mask must be bool [{lq}], got {tuple(t.shape)}")
+            t = t.nonzero().reshape(-1)
+        elif t.is_floating_point() or t.is_complex():
+            raise TypeError(f"rows must be row positions (ints) or a bool mask, got {t.dtype}")
+        pool = t.reshape(-1).tolist()
+        bad = [r for r in pool if not 0 <= r < lq]
+        if bad:
+            raise ValueError(f"rows must lie in [0, {lq}), got {bad[:4]}")
+    pos = sorted({int(r) for r in pool if lo <= int(r) < hi})
     if not pos:
         raise ValueError(f"rows {rows!r} hold no query row of [0, {lq}) inside measured={measured!r}")
     # Whole blocks in ascending order: a ragged last block comes last, so the concatenation is

@@ -144,3 +144,32 @@ def test_side_stream_fits_equal_the_same_stream_fits():
         assert len(fits) == 3
     for i in range(3):
         assert torch.equal(sums[True][i], sums[False][i]), i
+
+
+@pytest.mark.parametrize("outlier", [60.0, 120.0])
+def test_fast_fit_keeps_the_tail_under_a_far_outlier_token(outlier):
+    """B1-H4-L4096-D128: in every head one key token scores ``outlier`` above all the tokens and
+    centroids PISA sees (its block in the tail); the kernel's sums are those of the float64
+    reference (shifted by the dense maximum, they underflowed to 'no tail')."""
+    from pisa_attn.ops.triton import fit as tfit
+
+    h, lk, d = 4, 4096, 128
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = 0.3 * torch.randn(1, h, lk, d, generator=g, device="cuda")
+    q[..., 0] = 4.0
+    k = 0.3 * torch.randn(1, h, lk, d, generator=g, device="cuda")
+    v = torch.randn(1, h, lk, d, generator=g, device="cuda")
+    blk = 40  # its block: the other keys far below, so its centroid stays in the tail
+    k[:, :, blk * 64 : (blk + 1) * 64, 0] = -40.0
+    k[:, :, blk * 64 + 7, 0] = outlier * d**0.5 / 4.0
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    rows = list(range(0, lk, 128))
+    plan = cal.row_plan(lk, 64, rows)
+    kw = dict(density=0.125, rules=(False, True), scale=d**-0.5, block_size=64)
+    got = tfit.fit_sums(q, torch.tensor(plan.pos, dtype=torch.int32, device="cuda"),
+                        torch.tensor([a for a, _ in plan.spans], dtype=torch.int32, device="cuda"),
+                        plan.which(q.device), k, v, None, **kw)
+    want = cal._fit_sums(*plan.gather(q.double()), plan.which(q.device), k.double(), v.double(), None,
+                         mode="hybrid", **kw)
+    assert want[:, 1].min() > 0.1  # a first-order term to fit
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=0)

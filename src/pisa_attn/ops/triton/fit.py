@@ -129,6 +129,23 @@ def _rule_bits(mask_ptr, row_off, j, rmask):
     return tl.load(mask_ptr + row_off + j, mask=rmask, other=0) != 0
 
 
+@triton.jit
+def _rule_step(n, den, asum, mr, e, pv, psum, bm, cj, vs, nj):
+    """One key block into a rule's zeroth-order sums, shifted by the rule's own running maximum
+    ``mr`` (its exact tokens' and tail centroids' scores), not the dense one: a token far above
+    everything PISA sees would otherwise underflow every term of the rule. ``pv``/``psum`` are
+    relative to the block's maximum ``bm``."""
+    top = tl.where(e, bm, cj)  # the block's largest term in PISA: its tokens' maximum, or its centroid
+    mr_new = tl.maximum(mr, top)
+    beta = tl.exp2(mr - mr_new)
+    g = tl.exp2(tl.minimum(bm - mr_new, 0.0))  # <= 1 where the block is exact (its only use)
+    a = tl.exp2(tl.minimum(cj - mr_new, 0.0))  # <= 1 where it is in the tail
+    n = n * beta[:, None] + tl.where(e[:, None], pv * g[:, None], a[:, None] * vs[None, :])
+    den = den * beta + tl.where(e, psum * g, nj * a)
+    asum = asum * beta + tl.where(e, 0.0, a)
+    return n, den, asum, mr_new
+
+
 @triton.jit(do_not_specialize=["H", "HK", "R", "LK", "NK", "NBLK", "RULE_STRIDE", "PER", "CHUNKS", "RTILES", "RP"])
 def _rows_kernel(
     q_ptr, pos_ptr, k_ptr, v_ptr, vbar_ptr, mask_ptr, which_ptr, pv_ptr, ps_ptr,
@@ -163,10 +180,12 @@ def _rows_kernel(
     den0 = tl.zeros([RT], tl.float32)
     a0 = tl.zeros([RT], tl.float32)
     t0 = tl.zeros([RT], tl.float32)
+    m0 = tl.full([RT], float("-inf"), tl.float32)
     n1 = tl.zeros([RT, D], tl.float32)
     den1 = tl.zeros([RT], tl.float32)
     a1 = tl.zeros([RT], tl.float32)
     t1 = tl.zeros([RT], tl.float32)
+    m1 = tl.full([RT], float("-inf"), tl.float32)
     j0 = c * PER
     for j in range(j0, tl.minimum(NK, j0 + PER)):
         r = tl.arange(0, BS)
@@ -182,45 +201,44 @@ def _rows_kernel(
         nj = tl.minimum(LK - j * BS, BS).to(tl.float32)
         cj = tl.sum(tl.where(kval[None, :], s, 0.0), axis=1) / nj  # the centroid score: the tokens' mean
         s = tl.where(kval[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        bm = tl.max(s, axis=1)  # the block's maximum: its P·V serves the dense and every rule's sums
+        p = tl.exp2(s - bm[:, None])
         psum = tl.sum(p, axis=1)
         pv = tl.dot(p.to(vt.dtype), vt)
-        acc = acc * alpha[:, None] + pv
-        z = z * alpha + psum
-        a = tl.exp2(cj - m_new)  # a centroid score is at most the row maximum: no overflow
+        m_new = tl.maximum(m, bm)
+        alpha = tl.exp2(m - m_new)
+        f = tl.exp2(bm - m_new)
+        acc = acc * alpha[:, None] + pv * f[:, None]
+        z = z * alpha + psum * f
         vs = tl.load(vbar_base + j * D + offs_d).to(tl.float32) * nj
-        tv = a[:, None] * vs[None, :]
         e = _rule_bits(mask_ptr, blk_off, j, rmask)
-        n0 = n0 * alpha[:, None] + tl.where(e[:, None], pv, tv)
-        den0 = den0 * alpha + tl.where(e, psum, nj * a)
-        a0 = a0 * alpha + tl.where(e, 0.0, a)
-        t0 = t0 * alpha + tl.where(e, 0.0, psum)
+        n0, den0, a0, m0 = _rule_step(n0, den0, a0, m0, e, pv, psum, bm, cj, vs, nj)
+        t0 = t0 * alpha + tl.where(e, 0.0, psum * f)  # the dense mass on the tail: the dense shift
         if NR == 2:
             e = _rule_bits(mask_ptr + RULE_STRIDE, blk_off, j, rmask)
-            n1 = n1 * alpha[:, None] + tl.where(e[:, None], pv, tv)
-            den1 = den1 * alpha + tl.where(e, psum, nj * a)
-            a1 = a1 * alpha + tl.where(e, 0.0, a)
-            t1 = t1 * alpha + tl.where(e, 0.0, psum)
+            n1, den1, a1, m1 = _rule_step(n1, den1, a1, m1, e, pv, psum, bm, cj, vs, nj)
+            t1 = t1 * alpha + tl.where(e, 0.0, psum * f)
         m = m_new
-    # partials: scalars [BH, CHUNKS, RP, 2 + 3·NR] (m, z, then den, Σa, tail per rule) and vectors
-    # [BH, CHUNKS, RP, 1 + NR, D] (dense numerator, then N⁰ per rule)
-    NS: tl.constexpr = 2 + 3 * NR
+    # partials: scalars [BH, CHUNKS, RP, 2 + 4·NR] (m, z, then per rule its maximum, den, Σa under
+    # it, and the tail mass under m) and vectors [BH, CHUNKS, RP, 1 + NR, D] (dense numerator, then
+    # N⁰ per rule)
+    NS: tl.constexpr = 2 + 4 * NR
     row_at = (bh.to(tl.int64) * CHUNKS + c) * RP + rows
     sp = ps_ptr + row_at * NS
     tl.store(sp, m, mask=rmask)
     tl.store(sp + 1, z, mask=rmask)
-    tl.store(sp + 2, den0, mask=rmask)
-    tl.store(sp + 3, a0, mask=rmask)
-    tl.store(sp + 4, t0, mask=rmask)
+    tl.store(sp + 2, m0, mask=rmask)
+    tl.store(sp + 3, den0, mask=rmask)
+    tl.store(sp + 4, a0, mask=rmask)
+    tl.store(sp + 5, t0, mask=rmask)
     vp = pv_ptr + row_at[:, None] * ((1 + NR) * D) + offs_d[None, :]
     tl.store(vp, acc, mask=rmask[:, None])
     tl.store(vp + D, n0, mask=rmask[:, None])
     if NR == 2:
-        tl.store(sp + 5, den1, mask=rmask)
-        tl.store(sp + 6, a1, mask=rmask)
-        tl.store(sp + 7, t1, mask=rmask)
+        tl.store(sp + 6, m1, mask=rmask)
+        tl.store(sp + 7, den1, mask=rmask)
+        tl.store(sp + 8, a1, mask=rmask)
+        tl.store(sp + 9, t1, mask=rmask)
         tl.store(vp + 2 * D, n1, mask=rmask[:, None])
 
 
@@ -254,15 +272,21 @@ def _merge_kernel(
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     hk = h // (H // HK)
-    NS: tl.constexpr = 2 + 3 * NR
+    NS: tl.constexpr = 2 + 4 * NR
     rows = t * RT + tl.arange(0, RT)
     rmask = rows < R
     offs_d = tl.arange(0, D)
     cols = g * DS + tl.arange(0, DS)
     base = bh.to(tl.int64) * CHUNKS * RP + rows  # row_at of chunk 0
     mx = tl.full([RT], float("-inf"), tl.float32)
+    mx0 = tl.full([RT], float("-inf"), tl.float32)
+    mx1 = tl.full([RT], float("-inf"), tl.float32)
     for c in range(CHUNKS):
-        mx = tl.maximum(mx, tl.load(ps_ptr + (base + c * RP) * NS, mask=rmask, other=0.0))
+        sp = ps_ptr + (base + c * RP) * NS
+        mx = tl.maximum(mx, tl.load(sp, mask=rmask, other=0.0))
+        mx0 = tl.maximum(mx0, tl.load(sp + 2, mask=rmask, other=0.0))
+        if NR == 2:
+            mx1 = tl.maximum(mx1, tl.load(sp + 6, mask=rmask, other=0.0))
     z = tl.zeros([RT], tl.float32)
     acc = tl.zeros([RT, DS], tl.float32)
     n0 = tl.zeros([RT, DS], tl.float32)
@@ -280,15 +304,17 @@ def _merge_kernel(
         vp = pv_ptr + at[:, None] * ((1 + NR) * D) + cols[None, :]
         z += w * tl.load(sp + 1, mask=rmask, other=0.0)
         acc += w[:, None] * tl.load(vp, mask=rmask[:, None], other=0.0)
-        den0 += w * tl.load(sp + 2, mask=rmask, other=1.0)
-        a0 += w * tl.load(sp + 3, mask=rmask, other=0.0)
-        t0 += w * tl.load(sp + 4, mask=rmask, other=0.0)
-        n0 += w[:, None] * tl.load(vp + D, mask=rmask[:, None], other=0.0)
+        w0 = tl.exp2(tl.load(sp + 2, mask=rmask, other=0.0) - mx0)
+        den0 += w0 * tl.load(sp + 3, mask=rmask, other=1.0)
+        a0 += w0 * tl.load(sp + 4, mask=rmask, other=0.0)
+        t0 += w * tl.load(sp + 5, mask=rmask, other=0.0)
+        n0 += w0[:, None] * tl.load(vp + D, mask=rmask[:, None], other=0.0)
         if NR == 2:
-            den1 += w * tl.load(sp + 5, mask=rmask, other=1.0)
-            a1 += w * tl.load(sp + 6, mask=rmask, other=0.0)
-            t1 += w * tl.load(sp + 7, mask=rmask, other=0.0)
-            n1 += w[:, None] * tl.load(vp + 2 * D, mask=rmask[:, None], other=0.0)
+            w1 = tl.exp2(tl.load(sp + 6, mask=rmask, other=0.0) - mx1)
+            den1 += w1 * tl.load(sp + 7, mask=rmask, other=1.0)
+            a1 += w1 * tl.load(sp + 8, mask=rmask, other=0.0)
+            t1 += w * tl.load(sp + 9, mask=rmask, other=0.0)
+            n1 += w1[:, None] * tl.load(vp + 2 * D, mask=rmask[:, None], other=0.0)
     zi = 1.0 / tl.where(rmask, z, 1.0)
     dense = acc * zi[:, None]
     # s·q·H̄ on this channel slice (float32 H̄; TF32 products on a GPU)
@@ -355,6 +381,11 @@ def select_masks(q: Tensor, starts: Tensor, kmean: Tensor, hdev: Tensor | None, 
         raise ValueError("hdev: a covariance-aware rule needs the blocks' ||H_j - H̄||")
     mask = torch.empty(nr, b, h, nblk, nk, device=dev, dtype=torch.uint8)
     if keep_blocks is not None:
+        kshape = tuple(keep_blocks.shape)
+        if keep_blocks.dtype != torch.bool or not (kshape == (nk,) or (
+                len(kshape) == 3 and kshape[0] in (1, b) and kshape[1] in (1, h) and kshape[2] == nk)):
+            # its bytes are read as flags: any other dtype or shape would be read wrongly, not refused
+            raise ValueError(f"keep_blocks must be bool [{nk}] or [B|1, H|1, {nk}], got {keep_blocks.dtype} {kshape}")
         keep = keep_blocks.to(dev, non_blocking=True)
         keep = (keep.reshape(1, 1, -1) if keep.dim() == 1 else keep).view(torch.uint8)
         keep = keep if keep.stride(-1) == 1 else keep.contiguous()
@@ -416,7 +447,7 @@ def fit_sums(q: Tensor, rows: Tensor, starts: Tensor, which: Tensor, k: Tensor, 
     rp = rtiles * rt
     per, chunks = chunking(b * h, rtiles, nk, dev)
     f32 = dict(device=dev, dtype=torch.float32)
-    ps = torch.empty(b * h * chunks * rp * (2 + 3 * nr), **f32)
+    ps = torch.empty(b * h * chunks * rp * (2 + 4 * nr), **f32)
     pv = torch.empty(b * h * chunks * rp * (1 + nr) * d, **f32)
     rows = rows.to(torch.int32) if rows.dtype != torch.int32 else rows
     which = which.to(torch.int32) if which.dtype != torch.int32 else which
