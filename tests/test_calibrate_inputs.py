@@ -113,6 +113,15 @@ def test_choose_rules_refuses_a_head_without_tail_unless_told():
     ("nostep", json.dumps({"step0.layer0": {"layer": 0}}), "'step'"),
     ("badlayer", json.dumps({"step0.layer0": {"step": 0, "layer": "x"}}), "'layer'"),
     ("notobj", json.dumps({"step0.layer0": [0, 0]}), "info object"),
+    # Infinity is valid JSON to Python's reader: a malformed layout, not an OverflowError traceback
+    ("text-inf", json.dumps({"step0.layer0": {"step": 0, "layer": 0,
+                                              "token_layout": {"segments": [{"text": float("inf")}]}}}), "text"),
+    ("offset-inf", json.dumps({"step0.layer0": {"step": 0, "layer": 0, "token_layout": {
+        "segments": [{"grid": [8, 16]}], "tile": [4, 8], "offset": float("inf")}}}), "offset"),
+    ("text-float", json.dumps({"step0.layer0": {"step": 0, "layer": 0,
+                                                "token_layout": {"segments": [{"text": 64.7}]}}}), "text"),
+    # a [B, L, H, D] file whose entry records [B, H, L, D]: it would load as L heads
+    ("shape", json.dumps({"step0.layer0": {"step": 0, "layer": 0, "shape": [1, 128, 2, 16]}}), "shape"),
 ])
 def test_bad_metadata_is_refused(tmp_path, capsys, no_fit, case, entries, match):
     path = _write(tmp_path / f"{case}.safetensors", meta_entries=entries)
@@ -211,3 +220,28 @@ def test_non_finite_statistics_are_no_weight():
         cal.AlphaStats(nan, nan, nan, one).alpha(default=0.75)
     with pytest.raises(ValueError, match="not finite"):
         cal.AlphaStats(nan, nan, nan, one).alpha(over="layer")
+
+
+def test_calibrate_file_checks_its_arguments(tmp_path):
+    path = _write(tmp_path / "a.safetensors")
+    for kw, exc, match in ((dict(rows=-1), ValueError, "rows"), (dict(rows=1.5), ValueError, "rows"),
+                           (dict(steps=0), TypeError, "steps"), (dict(steps=["0"]), TypeError, "steps"),
+                           (dict(choose_selection="no"), TypeError, "choose_selection")):
+        with pytest.raises(exc, match=match):
+            bc.calibrate_file(path, block_size=32, **kw)
+
+
+def test_study_checks_a_partner_entry_it_does_not_study(tmp_path):
+    """The calibrated variant fits on the same layer at another step: that entry is checked as a
+    studied one is (an int32 partner once ran and reported weights of 1)."""
+    from pisa_attn.bench.study import StudyConfig, run_study
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"step{s}.layer0.{p}": torch.randn(1, 2, 128, 16, generator=g) for s in (0, 1) for p in "qkv"}
+    for p in "qkv":
+        tensors[f"step1.layer0.{p}"] = tensors[f"step1.layer0.{p}"].mul(100).to(torch.int32)
+    path = _write(tmp_path / "p.safetensors", tensors, {"step0.layer0": _entry(0), "step1.layer0": _entry(1)})
+    cfg = StudyConfig(source=path, size="tiny", entries=("step0.layer0",), block_size=32, plots=False,
+                      densities=(0.25,), modes=("hybrid",), covariance=False, tiling_modes=("hybrid",))
+    with pytest.raises(ValueError, match="step1.layer0.*floating"):
+        run_study(cfg, progress=False)

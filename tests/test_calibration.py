@@ -259,6 +259,11 @@ def test_sample_rows_are_runs_in_distinct_blocks():
         blocks = [r // bs for r in rows]
         assert all(blocks.count(x) <= min(CHUNK, bs) for x in set(blocks))
         assert len(rows) <= max(n, min(CHUNK, bs)) and rows
+    # too few blocks for the rows in runs of CHUNK: longer runs (DINOv2: 22 blocks, 512 rows asked
+    # once gave 352), all rows when asked for as many
+    rows = sample_rows(rng, 1, 1370, 64, 512)
+    assert len(rows) >= 500 and rows == sorted(set(rows))
+    assert sample_rows(rng, 1, 1370, 64, 5000) == list(range(1, 1370))
 
 
 def test_fit_bounds_clamp():

@@ -203,3 +203,32 @@ def test_capture_counts_the_steps_of_an_expert_it_manages_with_the_users(tmp_pat
     steps = {(e.name.startswith("transformer_2"), e.step) for e in read_qkv_file(path).entries}
     assert steps == {(False, 0), (False, 1), (True, 2), (True, 3)}, steps
     pd.remove_pisa(pipe)
+
+
+def test_a_second_capture_is_refused_while_one_that_applied_pisa_is_open(tmp_path):
+    """Closing the first would remove PISA from under the second (which would then record nothing);
+    the model is left as it was: no empty observer list behind."""
+    pipe = tiny_pipeline("flux")
+    a = capture_qkv(pipe, path=tmp_path / "a.safetensors")
+    with pytest.raises(ValueError, match="another capture_qkv is open"):
+        capture_qkv(pipe, path=tmp_path / "b.safetensors")
+    pipe(**prompt_kwargs("flux"), num_inference_steps=1)
+    a.close()
+    assert pd.pisa_state(pipe.transformer) is None and hooks.ATTR not in vars(pipe.transformer)
+    b = capture_qkv(pipe, path=tmp_path / "b.safetensors")  # after the first closed: fine
+    pipe(**prompt_kwargs("flux"), num_inference_steps=1)
+    b.close()
+
+
+def test_one_head_captures_are_copies(tmp_path):
+    """SD3 with one head under CFG (batch 2): a row's [1, 1, L, D] slice is a contiguous view; stored
+    as is, it kept the whole batch alive (max_bytes counted half) and aliased the model's tensor."""
+    from diffusers_tiny import tiny_transformer
+
+    tr = tiny_transformer("sd3", num_attention_heads=1, attention_head_dim=32)
+    pipe = tiny_pipeline("sd3", transformer=tr)
+    with capture_qkv(pipe, layers=[0], steps=[0], path=tmp_path / "c.safetensors") as cap:
+        pipe(**prompt_kwargs("sd3"), num_inference_steps=1)
+    assert cap.tensors
+    for x in cap.tensors.values():
+        assert x.untyped_storage().nbytes() == x.numel() * x.element_size()

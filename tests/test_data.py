@@ -132,6 +132,13 @@ def test_bad_arguments(kwargs, name):
 def test_bad_types():
     with pytest.raises(TypeError, match="dtype"):
         dit_qkv((2, 8, 8), heads=1, dtype=torch.int32)
+    with pytest.raises(TypeError, match="dtype"):  # floating, but no isfinite: refused at the argument
+        dit_qkv((2, 8, 8), heads=1, dtype=torch.float8_e4m3fn)
+    for kw in (dict(text_tokens=2), dict(outlier_channels=2)):  # scaled by a std one token lacks
+        with pytest.raises(ValueError, match="two image tokens"):
+            dit_qkv((1, 1), heads=1, head_dim=8, **kw)
+    with pytest.raises(ValueError, match="q and k"):
+        describe(torch.randn(1, 4, 128, 16), torch.randn(1, 2, 128, 16))
     with pytest.raises(TypeError, match="heads"):
         dit_qkv((2, 8, 8), heads=2.0)
 

@@ -457,3 +457,13 @@ def test_huge_inputs_give_no_nan(density):
     if density == 1.0:
         dense = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
         assert ((out.double() - dense).abs().sum() / dense.abs().sum()).item() < 1e-5
+
+
+def test_tail_weight_resolve_checks_mode_and_heads():
+    from pisa_attn import tail_weight
+
+    with pytest.raises(ValueError, match="mode"):
+        tail_weight.resolve(None, mode="bogus", heads=2, device="cpu")
+    for heads in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="heads"):
+            tail_weight.resolve(0.5, mode="hybrid", heads=heads, device="cpu")

@@ -219,12 +219,16 @@ def dit_qkv(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if text_position not in ("before", "after"):
         raise ValueError(f"text_position must be 'before' or 'after', got {text_position!r}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
     if sink_keys > g.num_tokens:
         raise ValueError(f"sink_keys ({sink_keys}) must not exceed the grid's {g.num_tokens} tokens")
     if outlier_channels > head_dim:
         raise ValueError(f"outlier_channels ({outlier_channels}) must not exceed head_dim ({head_dim})")
+    if g.num_tokens * batch < 2 and (text_tokens or outlier_channels):
+        # their scale is the image tokens' standard deviation, which one token does not have
+        raise ValueError(f"text_tokens and outlier_channels need at least two image tokens (grid x batch), "
+                         f"got {g.num_tokens * batch}")
     floats = dict(sharpness=sharpness, content=content, content_band=content_band, detail=detail,
                   detail_value=detail_value, noise=noise, diagonal=diagonal, sink_strength=sink_strength,
                   outlier_scale=outlier_scale, text_strength=text_strength)
@@ -272,6 +276,9 @@ def describe(q: Tensor, k: Tensor, *, block_size: int = 64, density: float = 0.1
     spec.check_block_size(block_size)
     if isinstance(query_blocks, bool) or not isinstance(query_blocks, int) or query_blocks < 1:
         raise ValueError(f"query_blocks must be a positive int, got {query_blocks!r}")
+    if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[1] != q.shape[1] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"q and k must be [B, H, L, D] of one batch, head count and head dim, got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
     b, h, length, d = q.shape
     nk = length // block_size
     if nk < 1 or k.shape[2] != length:

@@ -35,13 +35,20 @@ def layout_to_json(layout: TokenOrder) -> dict:
     return out
 
 
+def _json_int(x, what: str) -> int:
+    # a JSON number that is an integer: 64.7 or Infinity is a malformed file, not 64 or a crash
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{what} must be an integer, got {x!r}")
+    return x
+
+
 def layout_from_json(d: dict) -> TokenOrder:
     try:
-        segs = tuple(Text(int(s["text"]), s.get("name", "text")) if "text" in s else Grid(tuple(s["grid"]))
-                     for s in d["segments"])
-        tile = tuple(d["tile"]) if d.get("tile") else None
-        return TokenOrder(segs, tile, d.get("order", "compact"), int(d.get("offset", 0)))
-    except (KeyError, TypeError) as e:
+        segs = tuple(Text(_json_int(s["text"], "text"), s.get("name", "text")) if "text" in s
+                     else Grid(tuple(_json_int(g, "grid") for g in s["grid"])) for s in d["segments"])
+        tile = tuple(_json_int(t, "tile") for t in d["tile"]) if d.get("tile") else None
+        return TokenOrder(segs, tile, d.get("order", "compact"), _json_int(d.get("offset", 0), "offset"))
+    except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"malformed token layout description {d!r}: {e}") from None
 
 
@@ -177,6 +184,9 @@ def check_entry(e: QKVEntry) -> None:
             raise ValueError(f"{where}: {part} is empty, shape {tuple(x.shape)}")
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{where}: {part} holds NaN or infinite values")
+    shape = e.info.get("shape")
+    if shape is not None and list(q.shape) != shape:  # e.g. a [B, L, H, D] file: it would load as 'L heads'
+        raise ValueError(f"{where}: q has shape {tuple(q.shape)}, its entry records {shape!r}")
     if k.shape != v.shape:
         raise ValueError(f"{where}: k and v must have one shape (key lengths), got k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:

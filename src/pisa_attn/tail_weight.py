@@ -81,6 +81,9 @@ def resolve(alpha, *, mode: str, heads: int, device, dtype: torch.dtype = torch.
     first-order term (``"zeroth"``, ``"drop"``).
     """
     device = torch.device(device)
+    spec.check_mode(mode)
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+        raise ValueError(f"heads must be a positive int, got {heads!r}")
     if mode not in spec.FIRST_ORDER_MODES:
         check(alpha, mode, heads)
         return None

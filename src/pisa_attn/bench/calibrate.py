@@ -57,14 +57,23 @@ def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", co
     (None: all); ``covariance_aware`` None: the capture's model's default selection;
     ``choose_selection``: fit under both selection rules (top-k and covariance-aware) and keep,
     per layer, the one whose fitted weights leave the smaller squared error (stored per layer)."""
-    import torch
-
     from .. import alpha_table, calibration, spec
     from ..diffusers.calibrate import sample_rows
     from ..layout import block_floor
     from ..qkv_file import check_entry, read_qkv_file
 
     spec.check_settings(density=density, block_size=block_size, mode=mode)
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"rows must be an int >= 0 (0: all), got {rows!r}")
+    if not isinstance(choose_selection, bool):
+        raise TypeError(f"choose_selection must be True or False, got {choose_selection!r}")
+    if steps is not None:
+        try:
+            steps = [int(s) if not isinstance(s, bool) and isinstance(s, int) else None for s in steps]
+        except TypeError:
+            raise TypeError(f"steps must be None or an iterable of ints, got {type(steps).__name__}") from None
+        if None in steps:
+            raise TypeError("steps must be None or an iterable of ints")
     if mode not in spec.FIRST_ORDER_MODES:
         raise ValueError(f"mode must be one of {spec.FIRST_ORDER_MODES} (a mode with a first-order term), got {mode!r}")
     device = check_device(device)

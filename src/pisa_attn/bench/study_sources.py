@@ -230,8 +230,7 @@ class _CapturedPartners:
             match = [c for c in other.entries if c.layer == e.layer and _prefix(c.name) == _prefix(e.name)
                      and (calib_path or c.step != e.step)]
             if match:
-                if calib_path:  # another file: its partners are checked as the studied entries are
-                    check_entry(match[0])
+                check_entry(match[0])  # checked as the studied entries are (it may not be one of them)
                 self._entries[e.name] = match[0]
 
     def partner(self, sample: Sample) -> Sample | None:

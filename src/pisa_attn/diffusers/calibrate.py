@@ -97,9 +97,12 @@ GRAPHS = cal.FitGraphs()
 
 def sample_rows(rng: random.Random, lo: int, hi: int, block_size: int, rows: int) -> list[int]:
     """About ``rows`` positions in ``[lo, hi)``: runs of up to :data:`CHUNK` consecutive rows, each
-    in its own query block (blocks of ``block_size`` rows counted from 0), blocks drawn at random."""
-    chunk = min(CHUNK, block_size)
+    in its own query block (blocks of ``block_size`` rows counted from 0), blocks drawn at random;
+    longer runs where there are too few blocks for ``rows`` in runs of :data:`CHUNK`."""
+    if rows >= hi - lo:
+        return list(range(lo, hi))
     first, last = lo // block_size, (hi - 1) // block_size
+    chunk = min(block_size, max(CHUNK, -(-rows // (last - first + 1))))
     blocks = rng.sample(range(first, last + 1), min(last - first + 1, -(-rows // chunk)))
     out = []
     for i in sorted(blocks):

@@ -78,6 +78,10 @@ class QKVCapture:
         # dense (the model's own exact attention): observers get the valid keys per row of dense
         # calls too, which is what drops padded text keys. Density 1 is what the entries record.
         exact = dict(density=1.0, dense_steps=sys.maxsize)
+        if any(pisa_state(tr) is not None and pisa_state(tr).capture_owned for _, tr in found):
+            # the open one would remove PISA on close, from under this one
+            raise ValueError("another capture_qkv is open on this model: close it first, or apply_pisa "
+                             "yourself and open the captures under it")
         if not isinstance(pipe, torch.nn.Module) and all(pisa_state(tr) is None for _, tr in found):
             self._applied.append(apply_pisa(pipe, **exact))  # one step tracker for both experts
         else:
@@ -88,6 +92,10 @@ class QKVCapture:
                     if managed:  # one count of denoising steps with the user's managed expert
                         pisa_state(tr).tracker = managed[0].tracker
         self._applied_any = bool(self._applied)
+        for _, tr in found:
+            if self._applied_any and pisa_state(tr) is not None and any(
+                    obj is tr or obj is pipe for obj in self._applied):
+                pisa_state(tr).capture_owned = True
         for prefix, tr in found:
             self._removers.append(hooks.add_observer(tr, self._observer(prefix)))
 
@@ -120,7 +128,8 @@ class QKVCapture:
         parts = {}
         for p, x in (("q", call.q), ("k", call.k), ("v", call.v)):
             x = x[b : b + 1, :, :n].detach()
-            parts[p] = x.to(device="cpu", dtype=self.dtype or x.dtype).contiguous()
+            # a copy: a contiguous view (one head) would keep the model's whole batch alive
+            parts[p] = x.to(device="cpu", dtype=self.dtype or x.dtype, copy=True).contiguous()
         size = sum(x.numel() * x.element_size() for x in parts.values())
         if self.max_bytes is not None and self.nbytes + size > self.max_bytes:
             self._full = True

@@ -63,6 +63,9 @@ def add_observer(model, fn: Observer) -> Callable[[], None]:
     def remove() -> None:
         if fn in obs:
             obs.remove(fn)
+        owner = getattr(model, "_orig_mod", model).__dict__
+        if not obs and owner.get(ATTR) is obs:  # the last one: the model as it was before
+            del owner[ATTR]
 
     return remove
 

@@ -167,6 +167,7 @@ class PisaState:
     variants: dict = field(default_factory=dict)  # (covariance_aware, scale) -> settings (see settings_for)
     processors: tuple = ()  # (module, its PISA processor) of each managed layer, in layer order
     replaced: int = 0  # how many of them had another processor when that was last warned about
+    capture_owned: bool = False  # applied by an open capture_qkv, which removes it on close
 
     def __post_init__(self) -> None:
         self.handle = next(_HANDLES)
