@@ -53,7 +53,7 @@ a weight like 1e30 gives a finite but meaningless output that overflows the next
 def check_alpha_values(values, alpha) -> None:
     """ValueError naming ``alpha`` unless every one of ``values`` is finite and within
     :data:`ALPHA_LIMIT`."""
-    if not all(math.isfinite(x) and abs(x) <= ALPHA_LIMIT for x in values):
+    if not all(x == x and abs(x) <= ALPHA_LIMIT for x in values):
         raise ValueError(f"alpha must be finite and within ±{ALPHA_LIMIT:g} (a weight of the first-order "
                          f"term; calibrated weights lie in [0, 1]), got {alpha!r}")
 
@@ -148,7 +148,7 @@ def check_scale(scale) -> None:
     if scale is None:
         return
     ok = isinstance(scale, numbers.Real) and not _is_bool(scale)
-    if not ok or scale <= 0 or not (isinstance(scale, numbers.Integral) or math.isfinite(scale)):
+    if not ok or scale <= 0 or not (isinstance(scale, numbers.Integral) or (scale == scale and scale != math.inf)):
         raise ValueError(f"scale must be None or a positive finite float, got {scale!r}")
 
 
