@@ -27,8 +27,7 @@ def _type_name(x) -> str:
     return type(x).__name__
 
 
-def _is_numpy_bool(x) -> bool:
-    return type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_")
+_is_numpy_bool = spec.is_numpy_bool
 
 
 def as_bool(name: str, x) -> bool:

@@ -126,8 +126,12 @@ def check_mode(mode) -> None:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
+def is_numpy_bool(x) -> bool:
+    return type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_")
+
+
 def _is_bool(x) -> bool:
-    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"))
+    return isinstance(x, bool) or is_numpy_bool(x)
 
 
 def check_density(density) -> None:

@@ -69,10 +69,10 @@ def calibrate_file(path: str, *, density: float = 0.15, mode: str = "hybrid", co
         raise TypeError(f"choose_selection must be True or False, got {choose_selection!r}")
     if steps is not None:
         try:
-            steps = [int(s) if not isinstance(s, bool) and isinstance(s, int) else None for s in steps]
+            steps = list(steps)
         except TypeError:
-            raise TypeError(f"steps must be None or an iterable of ints, got {type(steps).__name__}") from None
-        if None in steps:
+            steps = [None]  # not iterable
+        if any(isinstance(s, bool) or not isinstance(s, int) for s in steps):
             raise TypeError("steps must be None or an iterable of ints")
     if mode not in spec.FIRST_ORDER_MODES:
         raise ValueError(f"mode must be one of {spec.FIRST_ORDER_MODES} (a mode with a first-order term), got {mode!r}")
