@@ -395,6 +395,25 @@ def test_alpha_under_torch_compile_is_an_input_not_a_constant(monkeypatch):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_float_alpha_and_scale_change_under_torch_compile_fullgraph(backend):
+    """A Python float alpha or scale that changes between compiled calls becomes a symbolic float
+    after the first change: its checks must trace (no math.isfinite on it) and the values must reach
+    the kernels (the result follows them)."""
+    torch._dynamo.reset()
+    dtype = torch.float16 if backend == "triton" else torch.float32  # the kernels take half precision
+    q, k, v = make_qkv(1, 2, 2, 128, 128, 32, dtype=dtype, seed=25)
+    kw = dict(density=0.25, block_size=32, backend=backend)
+    fn = torch.compile(lambda q, k, v, a, s: pisa_attention(q, k, v, alpha=a, scale=s, **kw),
+                       fullgraph=True, backend="eager")
+    outs = []
+    for a, s in ((0.3, 0.2), (0.7, 0.2), (0.7, 0.11), (0.45, 0.15)):
+        got = fn(q, k, v, a, s)
+        torch.testing.assert_close(got, pisa_attention(q, k, v, alpha=a, scale=s, **kw), rtol=1e-5, atol=1e-5)
+        outs.append(got)
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+
+
 def _compiled_keep_blocks_matches_eager(backend: str) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 300, 32) for _ in range(3))
