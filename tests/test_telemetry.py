@@ -207,8 +207,11 @@ def test_bad_config_and_missing_telemetry():
         tm.TelemetryConfig(max_records=0)
     with pytest.raises(TypeError, match="telemetry"):
         tm.as_config("often")
-    with pytest.raises(ValueError, match="sample_rate"):
+    with pytest.raises(ValueError, match="telemetry must be"):  # the argument the user wrote
         tm.as_config(1.5)
+    for name in ("drop", "include_dense"):
+        with pytest.raises(TypeError, match=name):
+            tm.TelemetryConfig(**{name: "no"})
     pipe = tiny_pipeline("flux")
     with pytest.raises(ValueError, match="no telemetry"):
         tm.report(pipe)
@@ -238,6 +241,36 @@ def test_measure_follows_the_backend_when_the_image_starts_mid_block():
         as_dense = tm.measure(hooks.AttentionCall(**{**call.__dict__, "dense": True}))
         for key in ("tail_mass", "rel_l1_pisa", "rel_l1_drop"):
             assert sparse[key] == pytest.approx(as_dense[key], rel=1e-5), key
+
+
+def test_measure_recomputes_with_the_calls_backend_and_precision(monkeypatch):
+    """A dense call's "what PISA would give" and the drop run use the backend and precision the
+    sparse calls run with (an fp8 model's telemetry must not report bf16 errors)."""
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((kw["backend"], kw["precision"]))
+        return pisa_attention(*args, **{**kw, "backend": "reference", "precision": "input"})
+
+    monkeypatch.setattr(tm, "pisa_attention", spy)
+    call, *_ = _call(dense=True)
+    call = hooks.AttentionCall(**{**call.__dict__, "backend": "hopper", "precision": "fp8"})
+    tm.measure(call)
+    assert seen == [("hopper", "fp8")] * 2  # PISA and drop
+
+
+def test_managed_calls_report_their_backend_and_precision():
+    tr = tiny_transformer("flux")
+    calls = []
+    pd.apply_pisa(tr, density=0.25, block_size=16, min_kv_len=0, dense_layers=0, dense_steps=0, backend="reference")
+    remove = hooks.add_observer(tr, calls.append)
+    try:
+        with torch.no_grad():
+            tr(**forward_inputs("flux"))
+    finally:
+        remove()
+        pd.remove_pisa(tr)
+    assert calls and all((c.backend, c.precision) == ("reference", "input") for c in calls)
 
 
 def test_measure_reports_the_selection_rule_and_the_signed_bias():

@@ -214,6 +214,8 @@ def _notify(run: Run, seq: Sequence, layer: int, reason, lens, scale, q, k, v, o
         covariance_aware=state.covariance_for(layer, freeze=False),
         block_size=cfg.block_size,
         query_block=cfg.query_block,
+        backend=cfg.call_settings.backend,
+        precision=cfg.call_settings.precision,
         keep_blocks=seq.keep,
         scale=scale,  # None (the processors' default) becomes 1/sqrt(D), what SDPA and PISA used
         alpha=state.alpha_values(layer, q.shape[2]),

@@ -43,6 +43,8 @@ class AttentionCall:
     scale: float | None = None  # a float after construction (see the class docstring)
     alpha: tuple[float, ...] | None = None
     query_block: int | None = None  # rows per selection (None: block_size), as the sparse calls select
+    backend: str = "auto"  # the sparse calls' backend and precision: recomputing PISA must match them
+    precision: str = "input"
 
     def __post_init__(self):
         self.scale = float(self.q.shape[-1] ** -0.5 if self.scale is None else self.scale)

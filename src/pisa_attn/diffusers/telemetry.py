@@ -22,6 +22,7 @@ import torch
 from ..attention import pisa_attention
 from .. import metrics, spec
 from ..layout import block_floor
+from ..settings import as_bool
 from . import hooks
 from .models import transformers_of
 from .paths import check_output_path
@@ -49,6 +50,8 @@ class TelemetryConfig:
     max_records: int = 10_000
 
     def __post_init__(self):
+        for name in ("drop", "include_dense"):  # a truthy string such as "no" must not read as True
+            object.__setattr__(self, name, as_bool(name, getattr(self, name)))
         r = self.sample_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < float(r) <= 1.0:
             raise ValueError(f"sample_rate must be a float in (0, 1], got {r!r}")
@@ -68,6 +71,8 @@ def as_config(cfg) -> TelemetryConfig:
     if cfg is True:
         return TelemetryConfig()
     if isinstance(cfg, (int, float)) and not isinstance(cfg, bool):
+        if not 0.0 < float(cfg) <= 1.0:  # named as the caller wrote it, not as the config field
+            raise ValueError(f"telemetry must be True, a sampling rate in (0, 1] or a TelemetryConfig, got {cfg!r}")
         return TelemetryConfig(sample_rate=float(cfg))
     raise TypeError(f"telemetry must be True, a sampling rate in (0, 1] or a TelemetryConfig, got {cfg!r}")
 
@@ -157,14 +162,15 @@ def measure(call: hooks.AttentionCall, drop: bool = True) -> dict:
                   scale=call.scale, query_block=call.query_block)
         sel = metrics.select(q, k, v, **kw)
         dense = metrics.dense_pass(q, k, v, block_size=bs, masks=(sel.selected,), scale=call.scale)
+        run_kw = dict(kw, backend=call.backend, precision=call.precision)  # as the sparse calls run
         if call.dense:  # what PISA would have given here (with the weight the layer has now)
             alpha = None if call.alpha is None else torch.tensor(call.alpha, dtype=torch.float64)
-            pisa = pisa_attention(q, k, v, mode=call.mode, alpha=alpha, **kw)[:, :, cut:]
+            pisa = pisa_attention(q, k, v, mode=call.mode, alpha=alpha, **run_kw)[:, :, cut:]
         else:
             pisa = call.out.index_select(0, idx)[:, :, lo:hi]
         outs = {"pisa": pisa}
         if drop:
-            outs["drop"] = pisa if call.mode == "drop" else pisa_attention(q, k, v, mode="drop", **kw)[:, :, cut:]
+            outs["drop"] = pisa if call.mode == "drop" else pisa_attention(q, k, v, mode="drop", **run_kw)[:, :, cut:]
         d = dense.out[:, :, cut:].double()
         for name, o in outs.items():
             err[name][0] += float((o.double() - d).abs().sum())
