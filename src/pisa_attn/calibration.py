@@ -35,6 +35,7 @@ from torch import Tensor
 
 from . import metrics, spec, tail_weight
 from .ops import reference as ref
+from .ops.selection import check_keep_blocks
 
 CORRECTION_MODES = spec.FIRST_ORDER_MODES
 FIT_OVER = ("head", "layer")
@@ -352,8 +353,6 @@ def fit_rules(
 
 def _check_keep(keep_blocks, q: Tensor, nk: int) -> Tensor | None:
     """``keep_blocks`` checked as a call's is (bool, ``[Nk]`` or ``[B|1, H|1, Nk]``), as a 3-D view."""
-    from .attention import check_keep_blocks  # the one check of a call's kept blocks
-
     return check_keep_blocks(keep_blocks, q.shape[0], q.shape[1], nk, q.device)
 
 

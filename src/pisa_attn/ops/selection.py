@@ -109,3 +109,26 @@ def bits_to_mask(bits: Tensor, n_kv_blocks: int) -> Tensor:
     lanes = torch.arange(32, device=bits.device, dtype=torch.int32)
     m = ((bits[..., None] >> lanes) & 1).bool()
     return m.reshape(*bits.shape[:-1], bits.shape[-1] * 32)[..., :n_kv_blocks]
+
+
+def check_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int, device) -> Tensor | None:
+    """Validate ``keep_blocks`` (TypeError/ValueError naming it) and return it as a bool
+    ``[B|1, H|1, Nk]`` view, where it is (no copy, no host read)."""
+    if keep_blocks is None:
+        return None
+    if not isinstance(keep_blocks, Tensor):
+        raise TypeError(f"keep_blocks must be a bool tensor or None, got {type(keep_blocks).__name__}")
+    if keep_blocks.dtype != torch.bool:
+        raise TypeError(f"keep_blocks must have dtype torch.bool, got {keep_blocks.dtype}")
+    if keep_blocks.device != device and keep_blocks.device.type != "cpu":
+        raise ValueError(f"keep_blocks must be on the CPU or on q's device ({device}), got {keep_blocks.device}")
+    shape = tuple(keep_blocks.shape)
+    ok = (len(shape) == 1 and shape[0] == n_kv_blocks) or (
+        len(shape) == 3 and shape[0] in (1, batch) and shape[1] in (1, heads) and shape[2] == n_kv_blocks
+    )
+    if not ok:
+        raise ValueError(
+            f"keep_blocks must have shape [{n_kv_blocks}] or broadcastable [{batch}, {heads}, {n_kv_blocks}] "
+            f"(one flag per key block), got {shape}"
+        )
+    return keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks

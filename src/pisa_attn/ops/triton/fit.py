@@ -42,6 +42,7 @@ from torch import Tensor
 from ... import spec
 from ...spec import COV_EPS
 from ..launch import Launcher, spec_class
+from ..selection import check_keep_blocks
 from . import prepare as tprep
 from ._common import LOG2E, check_token_strides, compile_sm90, interpreting, next_pow2, sm_count
 
@@ -380,14 +381,10 @@ def select_masks(q: Tensor, starts: Tensor, kmean: Tensor, hdev: Tensor | None, 
     if any(rules) and hdev is None:
         raise ValueError("hdev: a covariance-aware rule needs the blocks' ||H_j - H̄||")
     mask = torch.empty(nr, b, h, nblk, nk, device=dev, dtype=torch.uint8)
+    # its bytes are read as flags: any other dtype or shape would be read wrongly, not refused
+    keep_blocks = check_keep_blocks(keep_blocks, b, h, nk, dev)
     if keep_blocks is not None:
-        kshape = tuple(keep_blocks.shape)
-        if keep_blocks.dtype != torch.bool or not (kshape == (nk,) or (
-                len(kshape) == 3 and kshape[0] in (1, b) and kshape[1] in (1, h) and kshape[2] == nk)):
-            # its bytes are read as flags: any other dtype or shape would be read wrongly, not refused
-            raise ValueError(f"keep_blocks must be bool [{nk}] or [B|1, H|1, {nk}], got {keep_blocks.dtype} {kshape}")
-        keep = keep_blocks.to(dev, non_blocking=True)
-        keep = (keep.reshape(1, 1, -1) if keep.dim() == 1 else keep).view(torch.uint8)
+        keep = keep_blocks.to(dev, non_blocking=True).view(torch.uint8)
         keep = keep if keep.stride(-1) == 1 else keep.contiguous()
         ksb = keep.stride(0) if keep.shape[0] > 1 else 0
         ksh = keep.stride(1) if keep.shape[1] > 1 else 0
