@@ -234,3 +234,110 @@ def test_the_no_attention_forward_runs_no_attention(stage):
         with torch.no_grad():
             out = model(**inputs).sample
     assert not calls and not torch.equal(out, dense)
+
+
+def _rec(pisa_calls=None, cold=(), pisa_backend="hopper"):
+    rec = {
+        "forward_ms": {n: {"ms": ms} for n, ms in
+                       (("dense", 100.0), ("pisa", 60.0), ("no_attention", 50.0), ("no_attention_pisa_hooks", 51.0))},
+        "attention_call": {"speedup": 7.0, "pisa_ms": 10.0, "pisa_dense_path_ms": 72.0, "dense_backend": "cudnn",
+                           "dense_ms": {"cudnn": 70.0}, "pisa_backend": pisa_backend, "cold_only": list(cold)},
+    }  # fmt: skip
+    if pisa_calls is not None:
+        rec["pisa_calls"] = pisa_calls
+        rec["pisa_config"] = {"min_kv_len": 8192}
+    return rec
+
+
+def _results(rec, case_key="flux-1024"):
+    full = dc.CASES[case_key]
+    crec = dict(rec, case=case_key, blocks=stages.blocks_info(full, full), paper=report.paper_numbers(full),
+                image_tokens=full.image_tokens, joint_text_tokens=full.joint_text, dense_backend="_native_cudnn")
+    crec["derived"] = report.derive(rec, full, full, stages.parse_args([]))
+    return {"env": {"device": "cuda", "torch": "2"}, "stages": [{"stage": "flux", "status": "done", "compiled": False,
+                                                                  "cases": [crec]}]}  # fmt: skip
+
+
+def test_derive_gives_no_sparse_estimate_when_no_call_went_sparse():
+    """With the default min_kv_len a 1024^2 FLUX forward runs every call dense: no Amdahl bound,
+    share or schedule as if it were sparse, and the table says why."""
+    full = dc.CASES["flux-1024"]
+    args = stages.parse_args([])
+    d = report.derive(_rec({"dense": 57, "too_short": 57}), full, full, args)
+    assert d["pisa_ran_dense"] and "no PISA call went sparse" in d["dense_note"]
+    assert not {"amdahl_bound", "share_of_bound", "schedule"} & set(d)
+    out = report.table(_results(_rec({"dense": 57, "too_short": 57})))
+    assert "no PISA call went sparse" in out
+    assert "all dense" in next(line for line in out.splitlines() if line.startswith("flux "))
+    sparse = report.derive(_rec({"sparse": 57}), full, full, args)
+    assert {"amdahl_bound", "share_of_bound", "schedule"} <= set(sparse) and "pisa_ran_dense" not in sparse
+
+
+def test_schedule_estimate_never_exceeds_the_bound_with_attention_free():
+    full = dc.CASES["wan14b-720p"]  # 10 dense steps of 50, 1 dense layer of 40
+    rec = _rec({"sparse": 40})
+    rec["forward_ms"]["pisa"] = {"ms": 10.0}
+    rec["attention_call"].update(pisa_ms=68.0, pisa_dense_path_ms=69.0)  # warm steps estimated far below dense
+    d = report.derive(rec, full, full, stages.parse_args(["--tiny"]))
+    assert d["ideal_bound"] == pytest.approx(2.0)
+    assert d["schedule"]["speedup"] is None and d["schedule"]["estimate"] > 2.0 and "exceeds" in d["schedule"]["note"]
+
+
+def test_warmup_only_attention_call_is_flagged_in_derived_and_table():
+    rec = _rec({"sparse": 57}, cold=("cudnn", "pisa"))
+    out = report.table(_results(rec))
+    assert "attention call (cudnn, pisa) timed by its warm-up only" in out
+    row = next(line for line in out.splitlines() if line.startswith("flux "))
+    assert "~" in row
+    assert _results(rec)["stages"][0]["cases"][0]["derived"]["attention_call_cold_only"] == ["cudnn", "pisa"]
+
+
+def test_attention_calls_flag_warmup_only_timings(monkeypatch):
+    pytest.importorskip("diffusers")
+    from pisa_attn.bench.e2e.runner import Stage
+
+    stage = Stage("t", 100, 1e18, torch.device("cpu"), lambda: None, {})
+
+    def cold_measure(fn, **kw):
+        return {"ms": 1.0, "times_ms": [1.0], "warmup_ms": [1.0], "cold_only": True}, fn()
+
+    monkeypatch.setattr(stage, "measure", cold_measure)
+    case = dc.tiny(dc.CASES["flux-1024"])
+    a = measure.attention_calls(stage, case, True, stages.parse_args(["--tiny"]), ("_native_math",))
+    assert a["cold_only"] == ["_native_math", "pisa", "pisa_dense_path"]
+
+
+def test_table_names_the_pisa_backend_that_ran():
+    out = report.table(_results(_rec({"sparse": 57}, pisa_backend="reference")))
+    assert "PISA be" in out
+    assert "reference" in next(line for line in out.splitlines() if line.startswith("flux "))
+
+
+def test_min_kv_len_is_honoured_under_tiny():
+    from pisa_attn.bench.e2e.backends import pisa_settings
+
+    case = dc.tiny(dc.CASES["flux-1024"])
+    assert pisa_settings(case, stages.parse_args(["--tiny", "--min-kv-len", "300"]))["min_kv_len"] == 300
+    assert pisa_settings(case, stages.parse_args(["--tiny"]))["min_kv_len"] == 0
+    assert pisa_settings(case, stages.parse_args([]))["min_kv_len"] is None  # the library default
+
+
+def test_environment_records_the_pisa_attn_version(monkeypatch):
+    import types
+
+    import pisa_attn
+
+    monkeypatch.setitem(sys.modules, "diffusers", types.SimpleNamespace(__version__="0.0-test"))
+    env = report.environment(torch.device("cpu"))
+    assert env["pisa_attn"] == pisa_attn.__version__ and env["diffusers"] == "0.0-test"
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--steps", "0"), ("--warmup", "-1"), ("--max-iters", "0"), ("--measure-s", "0"), ("--total-budget-s", "-5"),
+    ("--block-size", "0"), ("--block-size", "-16"), ("--flux-sweep", "0"), ("--flux-sweep", "-4"),
+    ("--density", "0"), ("--min-kv-len", "-1"), ("--measure-s", "nan"),
+])  # fmt: skip
+def test_nonpositive_arguments_are_refused_naming_the_argument(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        stages.parse_args([flag, value])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

@@ -4,6 +4,7 @@ result says so (the multi-rank run is in test_parallel_diffusers)."""
 
 import time
 
+import pytest
 import torch
 
 from pisa_attn.bench import context_parallel
@@ -50,3 +51,21 @@ def test_a_cut_is_recorded_and_printed():
     shape = dict(rows=[mod._row("pisa 1 GPU", times, limits=limits)])
     (note,) = mod.limit_notes(shape)
     assert note.startswith("pisa 1 GPU: 1 of 3 timed forwards, the run's budget")
+
+
+def test_versions_are_recorded():
+    import pisa_attn
+
+    v = context_parallel._versions(torch.device("cpu"))
+    assert v["pisa_attn"] == pisa_attn.__version__ and v["torch"] == torch.__version__
+    assert {"diffusers", "cuda", "cudnn", "nccl", "triton"} <= set(v)
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--iters", "0"), ("--warmup", "-1"), ("--layers", "1"), ("--density", "0"), ("--density", "1.5"),
+    ("--stage-limit", "0"), ("--total-limit", "-1"), ("--world", "0"), ("--world", "1"), ("--mode", "bogus"),
+])  # fmt: skip
+def test_bad_arguments_are_refused_naming_the_argument(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        context_parallel.parse_args(["--tiny", flag, value])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err

@@ -515,6 +515,8 @@ def test_readme_context_parallel_example_runs_as_written(tmp_path):
         (["--cases", "2-16-128:abc:0.1"], ["--cases items look like", "abc"]),
         (["--query-block", "100"], ["--query-block", "invalid choice"]),
         (["--rep-ms", "0"], ["--rep-ms must be a positive finite number"]),
+        (["--no-flex", "--flex-dynamic"], ["--flex-dynamic", "--no-flex"]),
+        (["--no-flex", "--flex-lengths", "4096"], ["--flex-lengths", "--no-flex"]),
         (["--out", "/nonexistent_dir_pisa/r.json"], ["--out", "does not exist"]),
     ],
     ids=lambda x: x[0].lstrip("-") if isinstance(x, list) else None,
@@ -659,3 +661,20 @@ def test_plot_formats_are_those_written_without_external_programs():
     with pytest.raises(argparse.ArgumentTypeError, match="'pgf' is not one of"):
         argtypes.plot_file("/tmp/plot.pgf")  # needs TeX, found only after the work
     assert argtypes.plot_file("/tmp/plot.svg") == "/tmp/plot.svg"
+
+
+def test_bench_dense_keeps_the_eager_time_when_graph_capture_fails(monkeypatch):
+    """The CUDA-graph column is timed on its own: a capture that fails is reported as such and
+    leaves cuDNN's eager time in the row."""
+    from pisa_attn.bench import kernels
+
+    def no_graph(fn, rep_ms):
+        raise RuntimeError("capture failed\nsecond line")
+
+    monkeypatch.setattr(kernels, "_inputs", lambda *a, **kw: (None, None, None))
+    monkeypatch.setattr(kernels, "_sdpa", lambda backend: lambda q, k, v: None)
+    monkeypatch.setattr(kernels, "bench_ms", lambda fn, rep_ms: 1.5)
+    monkeypatch.setattr(kernels, "graph_ms", no_graph)
+    row = kernels.bench_dense(kernels.Config.parse("2-16-128"), 4096, torch.bfloat16, "bhsd", 10.0, graphs=True)
+    assert row["sdpa_cudnn"] == 1.5 and row["sdpa_flash"] == 1.5
+    assert row["sdpa_cudnn_graph"] is None and row["sdpa_cudnn_graph_error"] == "capture failed"

@@ -38,6 +38,17 @@ def int_at_least(low: int):
     return parse
 
 
+@_accepts("a finite number > 0")
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 @_accepts("a number in (0, 1]")
 def density(text: str) -> float:
     try:

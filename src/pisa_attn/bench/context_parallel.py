@@ -64,6 +64,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import spec
+from . import argtypes as at
 from .model_configs import WAN_1_3B, WAN_14B, WAN_TINY
 
 # name -> (diffusers config, latent (frames, height, width), text tokens)
@@ -84,17 +86,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shapes", default=None,
                    help=f"comma list of {sorted(SHAPES)}; default: wan1.3b-480p on 2 GPUs, wan14b-720p on 4+")
     p.add_argument("--kinds", default=None, help="comma list of ulysses, ring, unified (default: all that fit N)")
-    p.add_argument("--layers", type=int, default=None, help="transformer blocks to build (default: the model's)")
+    p.add_argument("--layers", type=at.int_at_least(2), default=None, help="transformer blocks to build, >= 2: the first is PISA's dense warm-up layer (default: the model's)")
     p.add_argument("--dense", action="store_true", help="also dense attention on 1 GPU and under diffusers' Ulysses")
-    p.add_argument("--density", type=float, default=0.15)
-    p.add_argument("--mode", default="hybrid")
-    p.add_argument("--iters", type=int, default=3, help="timed forwards per configuration")
-    p.add_argument("--warmup", type=int, default=1, help="untimed forwards first (Triton compile, autotune)")
+    p.add_argument("--density", type=at.density, default=0.15)
+    p.add_argument("--mode", default="hybrid", choices=spec.MODES)
+    p.add_argument("--iters", type=at.int_at_least(1), default=3, help="timed forwards per configuration")
+    p.add_argument("--warmup", type=at.int_at_least(0), default=1, help="untimed forwards first (Triton compile, autotune)")
     p.add_argument("--no-phases", action="store_true", help="skip the extra forward that splits the time")
     p.add_argument("--no-split", action="store_true", help="skip the one-GPU kernel split (1 attend vs N shards)")
-    p.add_argument("--stage-limit", type=float, default=180.0, help="seconds per stage (cuts timed iterations)")
-    p.add_argument("--total-limit", type=float, default=540.0, help="seconds for the whole run (skips stages)")
-    p.add_argument("--world", type=int, default=2, help="ranks to spawn with --tiny outside torchrun")
+    p.add_argument("--stage-limit", type=at.positive_float, default=180.0, help="seconds per stage (cuts timed iterations)")
+    p.add_argument("--total-limit", type=at.positive_float, default=540.0, help="seconds for the whole run (skips stages)")
+    p.add_argument("--world", type=at.int_at_least(2), default=2, help="ranks to spawn with --tiny outside torchrun")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for bench_parallel.json")
     args = p.parse_args(argv)
     if args.shapes is not None:
@@ -107,10 +109,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [k for k in args.kinds if k not in KINDS]
         if bad or not args.kinds:
             p.error(f"--kinds must name some of {KINDS}, got {args.kinds}")
-    if args.iters < 1 or args.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
-    if args.layers is not None and args.layers < 2:
-        p.error("--layers must be >= 2 (the first layer is PISA's dense warm-up layer)")
     return args
 
 
@@ -433,7 +431,7 @@ def bench_rank(rank: int, world: int, args) -> dict | None:
         benchmark="bench_parallel", world=world, dtype=str(dtype).replace("torch.", ""), density=args.density,
         mode=args.mode, iters=args.iters, warmup=args.warmup,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__, triton=_triton_version(), nccl_env={k: os.environ.get(k) for k in NVLS_SWITCHES},
+        **_versions(device), nccl_env={k: os.environ.get(k) for k in NVLS_SWITCHES},
         shapes=[],
     )  # fmt: skip
 
@@ -446,6 +444,24 @@ def bench_rank(rank: int, world: int, args) -> dict | None:
         if rank == 0:
             _write(res, args)
     return res if rank == 0 else None
+
+
+def _versions(device) -> dict:
+    """The versions a result depends on (None where this machine has none)."""
+    import pisa_attn
+
+    try:
+        import diffusers
+    except ImportError:  # recorded as absent; the forwards themselves need it
+        diffusers = None
+    cuda = device.type == "cuda"
+    nccl = torch.cuda.nccl.version() if cuda and dist.is_nccl_available() else None
+    return dict(
+        torch=torch.__version__, triton=_triton_version(), pisa_attn=pisa_attn.__version__,
+        diffusers=diffusers and diffusers.__version__, cuda=torch.version.cuda if cuda else None,
+        cudnn=torch.backends.cudnn.version() if cuda else None,
+        nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+    )  # fmt: skip
 
 
 def _triton_version() -> str | None:

@@ -224,11 +224,16 @@ def bench_dense(cfg: Config, length: int, dtype, layout: str, rep_ms: float, gra
         fn = _sdpa(backend)
         try:
             row[name] = bench_ms(lambda: fn(q, k, v), rep_ms)
-            if graphs and name == "sdpa_cudnn":
-                row["sdpa_cudnn_graph"] = graph_ms(lambda: fn(q, k, v), rep_ms)
         except RuntimeError as e:  # backend unavailable for this shape / build
             row[name] = None
             row[name + "_error"] = str(e).splitlines()[0][:200]
+            continue
+        if graphs and name == "sdpa_cudnn":
+            try:  # its own try: a capture that fails must not discard the eager time above
+                row["sdpa_cudnn_graph"] = graph_ms(lambda: fn(q, k, v), rep_ms)
+            except RuntimeError as e:
+                row["sdpa_cudnn_graph"] = None
+                row["sdpa_cudnn_graph_error"] = str(e).splitlines()[0][:200]
     return row
 
 
@@ -517,6 +522,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             cases = grid_cases([Config.parse(c) for c in parse_list(args.configs, str, "configs")],
                                parse_list(args.lengths, int, "lengths"), parse_list(args.densities, float, "densities"))
+        if args.no_flex and (args.flex_dynamic or args.flex_lengths is not None):
+            used = "--flex-dynamic" if args.flex_dynamic else "--flex-lengths"
+            raise ValueError(f"{used} times FlexAttention, which --no-flex skips: pass one of them")
         flex_lengths = None if args.flex_lengths is None else set(parse_list(args.flex_lengths, int, "flex-lengths"))
         if any(not (0 < d <= 1) or n < 1 for _, n, d in cases):
             raise ValueError("densities must be in (0, 1] and lengths positive")

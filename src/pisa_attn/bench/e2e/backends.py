@@ -108,7 +108,9 @@ def dense_backend(model, name: str):
 def pisa_settings(case: dc.Case, args) -> dict:
     return dict(
         density=case.density, mode=args.mode, dense_layers=0, dense_steps=0, block_size=args.block_size,
-        min_kv_len=0 if args.tiny else args.min_kv_len, precision=args.precision,
+        # --tiny defaults to 0: its short sequences would otherwise all stay dense
+        min_kv_len=(0 if args.tiny else None) if args.min_kv_len is None else args.min_kv_len,
+        precision=args.precision,
     )  # fmt: skip
 
 

@@ -117,6 +117,7 @@ def main(argv=None) -> int:
         "env": environment(device),
         "argv": sys.argv[1:] if argv is None else list(argv),
         "settings": {"mode": args.mode, "precision": args.precision, "block_size": args.block_size, "steps": args.steps, "warmup": args.warmup,
+                     "min_kv_len": args.min_kv_len,
                      "compile_backend": args.compile_backend, "dense_backends_tried": DENSE_BACKENDS[device.type]},
         "estimate_s": {n: round(estimate_seconds(n, args)) for n in args.stage_list},
         "planning": {},  # measured / estimated compile time, once a compile ran

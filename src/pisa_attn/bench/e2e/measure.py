@@ -37,7 +37,7 @@ def attention_calls(stage: Stage, case: dc.Case, cov: bool, args, dense_names) -
     q, k, v = (torch.randn(1, seq.length, case.heads, case.head_dim, generator=g).to(dev, dtype) for _ in range(3))
     mask = dc.self_attention_mask(case, dev)
     kw = dict(warmup=1 if dev.type == "cuda" else 0, min_iters=3, max_iters=20, target_s=0.3)
-    dense = {}
+    dense, cold = {}, []  # cold: what only warm-up calls timed (compile and autotune included)
     reg = ad._AttentionBackendRegistry
     for name in dense_names:
         member = ad.AttentionBackendName(name)
@@ -49,6 +49,8 @@ def attention_calls(stage: Stage, case: dc.Case, cov: bool, args, dense_names) -
         try:
             m, _ = stage.measure(lambda fn=fn, call=call: fn(**call), **kw)
             dense[name] = m["ms"]
+            if m["cold_only"]:
+                cold.append(name)
         except Exception as e:  # a backend this machine lacks (package, GPU arch, mask support)
             dense[name] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
     timed = {n: t for n, t in dense.items() if isinstance(t, float)}
@@ -62,7 +64,9 @@ def attention_calls(stage: Stage, case: dc.Case, cov: bool, args, dense_names) -
     plans: dict = {}  # planned once, as apply_pisa does per call shape
     pisa, _ = stage.measure(lambda: sparse_attention(q, k, v, seq, lens, settings, plans=plans), **kw)
     path, _ = stage.measure(lambda: dense_attention(q, k, v, mask, None, False), **kw)
+    cold += [n for n, m in (("pisa", pisa), ("pisa_dense_path", path)) if m["cold_only"]]
     return {
+        "cold_only": cold,
         "tokens": seq.length,
         "dense_ms": dense,
         "dense_backend": best,
@@ -361,7 +365,8 @@ def min_kv_sweep(stage: Stage, args, dense_names, rec: dict) -> None:
             break
         best = a["dense_ms"][a["dense_backend"]]
         rows.append({"image_tokens": n, "keys": a["tokens"], "dense_ms": best, "dense_backend": a["dense_backend"],
-                     "pisa_ms": a["pisa_ms"], "speedup": a["speedup"]})  # fmt: skip
+                     "pisa_ms": a["pisa_ms"], "speedup": a["speedup"],
+                     "cold_only": bool({a["dense_backend"], "pisa"} & set(a["cold_only"]))})  # fmt: skip
     faster = [r["speedup"] > 1 for r in rows]
     crossover = None
     for i in range(len(rows)):

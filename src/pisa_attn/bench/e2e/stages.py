@@ -9,6 +9,7 @@ import os
 from dataclasses import replace
 
 from ... import spec
+from .. import argtypes as at
 from .. import dit_cases as dc
 from .. import e2e_estimates as est
 
@@ -64,24 +65,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stages", default=None, help=f"comma-separated stages, overrides --part: {', '.join(STAGES)}")
     p.add_argument("--budget-s", default=None,
                    help="per-stage time budget: seconds for every stage, or stage=seconds,... over the defaults")
-    p.add_argument("--total-budget-s", type=float, default=540.0, help="the whole run (default 540 of a 600 s call)")
+    p.add_argument("--total-budget-s", type=at.positive_float, default=540.0, help="the whole run (default 540 of a 600 s call)")
     p.add_argument("--fraction", default=None,
                    help="share of the blocks to build: a number for every stage, or stage=share,... "
                         "(default: all blocks eager; the cases' compile fraction compiled)")  # fmt: skip
-    p.add_argument("--density", type=float, default=None, help="override every case's density")
+    p.add_argument("--density", type=at.density, default=None, help="override every case's density")
     p.add_argument("--mode", default="hybrid", choices=("hybrid", "zeroth", "first", "drop"))
     p.add_argument("--precision", default="input", choices=spec.PRECISIONS,
                    help="the exact blocks' precision (the low ones: the Hopper kernel only)")
-    p.add_argument("--min-kv-len", type=int, default=None,
+    p.add_argument("--min-kv-len", type=at.int_at_least(0), default=None,
                    help="apply_pisa's min_kv_len for the PISA forwards (default: the library's; 0 runs every "
                         "managed call sparse)")
-    p.add_argument("--block-size", type=int, default=None, help="default 64 (16 with --tiny)")
-    p.add_argument("--steps", type=int, default=50, help="denoising steps of the schedule estimate")
+    p.add_argument("--block-size", type=at.block_size, default=None, help="default 64 (16 with --tiny)")
+    p.add_argument("--steps", type=at.int_at_least(1), default=50, help="denoising steps of the schedule estimate")
     p.add_argument("--compile-backend", default="inductor")
-    p.add_argument("--warmup", type=int, default=1, help="untimed forwards before the timed ones")
-    p.add_argument("--measure-s", type=float, default=2.0, help="timed forwards continue while under this many seconds")
-    p.add_argument("--max-iters", type=int, default=5, help="most timed forwards per measurement")
-    p.add_argument("--flux-sweep", default=None, help="image-token counts of the min_kv_len attention sweep")
+    p.add_argument("--warmup", type=at.int_at_least(0), default=1, help="untimed forwards before the timed ones")
+    p.add_argument("--measure-s", type=at.positive_float, default=2.0, help="timed forwards continue while under this many seconds")
+    p.add_argument("--max-iters", type=at.int_at_least(1), default=5, help="most timed forwards per measurement")
+    p.add_argument("--flux-sweep", type=at.comma_list(at.int_at_least(1)), default=None, help="image-token counts of the min_kv_len attention sweep")
     p.add_argument("--estimate", action="store_true", help="print the stages' estimated device time and exit")
     p.add_argument("--out", default=os.environ.get("OUT", "./out"))
     p.add_argument("--name", default="bench_e2e", help="JSON file stem")
@@ -93,26 +94,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.stage_list = names
     args.budgets = _per_stage(p, "--budget-s", args.budget_s, dict(BUDGET_S), float, lambda v: v > 0)
     args.fractions = _per_stage(p, "--fraction", args.fraction, {}, float, lambda v: 0 < v <= 1)
-    if args.min_kv_len is not None and args.min_kv_len < 0:
-        p.error(f"--min-kv-len must be >= 0, got {args.min_kv_len}")
-    if args.density is not None and not 0 < args.density <= 1:
-        p.error(f"--density must be in (0, 1], got {args.density}")
     if args.block_size is None:
         args.block_size = 16 if args.tiny else 64
-    if args.steps < 1 or args.warmup < 0 or args.max_iters < 1:
-        p.error("--steps and --max-iters must be >= 1, --warmup >= 0")
     default_sweep = FLUX_SWEEP_TINY if args.tiny else FLUX_SWEEP
-    args.flux_sweep = default_sweep if args.flux_sweep is None else _ints(p, "--flux-sweep", args.flux_sweep)
+    args.flux_sweep = default_sweep if args.flux_sweep is None else args.flux_sweep
     if any(math.isqrt(n) ** 2 != n for n in args.flux_sweep):
         p.error("--flux-sweep token counts must be squares (square images)")
     return args
-
-
-def _ints(p, flag, text) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        p.error(f"{flag} must be comma-separated ints, got {text!r}")
 
 
 def _per_stage(p, flag, text, defaults: dict, conv, ok) -> dict:
