@@ -110,6 +110,9 @@ def test_alpha_values_per_head_count_checked():
 
 def test_np_float32_density_selects_the_decimal_count():
     assert spec.num_selected(PisaSettings(density=np.float32(0.35)).density, 10) == 4
+    # the rule itself, for callers that pass the user's number straight through (the fits)
+    assert spec.num_selected(np.float32(0.53), 50) == spec.num_selected(0.53, 50) == 27
+    assert spec.num_selected(np.float16(0.5), 3) == 2 and spec.num_selected(np.float64(0.29), 50) == 15
 
 
 @pytest.mark.parametrize("name", ["density", "block_size", "mode", "backend", "layout", "precision"])

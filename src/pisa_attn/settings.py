@@ -49,13 +49,10 @@ def as_int(name: str, x, what: str) -> int:
 def as_float(name: str, x, what: str) -> float:
     """A real number (Python or numpy int/float), not a bool or a tensor; TypeError naming ``name``
     (ValueError for an int too large for a float). A numpy float narrower than 64 bits is read as
-    the decimal it prints as: ``np.float32(0.35)`` is 0.35, not 0.3499999940…, which would select
-    one block fewer wherever ``0.35·N`` rounds at one half."""
+    the decimal it prints as (:func:`pisa_attn.spec.decimal_value`)."""
     if isinstance(x, numbers.Real) and not isinstance(x, bool) and not _is_numpy_bool(x):
-        if type(x).__module__ == "numpy" and not isinstance(x, numbers.Integral) and x.itemsize < 8:
-            return float(str(x))
         try:
-            return float(x)
+            return float(spec.decimal_value(x))
         except OverflowError:
             raise ValueError(f"{name} must be {what}, got an int too large for a float") from None
     raise TypeError(f"{name} must be {what}, got {x!r} ({_type_name(x)})")

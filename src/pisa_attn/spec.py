@@ -94,8 +94,18 @@ def num_selected(density: float, n_kv_blocks: int) -> int:
 
     The product is rounded as the decimal density reads (0.29 · 50 = 14.5 gives 15, though the
     float product is 14.4999...): a margin of 1e-9 far above the product's rounding error and far
-    below any density's step."""
-    return max(1, min(n_kv_blocks, int(math.floor(density * n_kv_blocks + 0.5 + 1e-9))))
+    below any density's step. A numpy float narrower than 64 bits is read as its decimal
+    (:func:`decimal_value`): its own rounding error is larger than the margin."""
+    return max(1, min(n_kv_blocks, int(math.floor(decimal_value(density) * n_kv_blocks + 0.5 + 1e-9))))
+
+
+def decimal_value(x):
+    """``x``, or for a numpy float narrower than 64 bits the decimal it prints as: ``np.float32(0.35)``
+    is 0.35, not 0.3499999940…, which would select one block fewer wherever ``0.35·N`` rounds at one
+    half."""
+    if type(x).__module__ == "numpy" and not isinstance(x, numbers.Integral) and getattr(x, "itemsize", 8) < 8:
+        return float(str(x))
+    return x
 
 
 def selection_width(n_kv_blocks: int, n_select: int, n_keep_max: int = 0) -> int:
