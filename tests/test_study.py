@@ -299,12 +299,12 @@ def test_a_calibration_capture_of_another_family_is_not_used(tmp_path):
     for fam in ("flux", "sd3"):
         pipe = tiny_pipeline(fam)
         paths[fam] = str(tmp_path / f"{fam}.safetensors")
-        with torch.no_grad(), capture_qkv(pipe, layers=[0], steps=range(1), path=paths[fam]):
+        with torch.no_grad(), capture_qkv(pipe, layers=[0], steps=range(2), path=paths[fam]):
             pipe(**prompt_kwargs(fam), num_inference_steps=2)
     src = CapturedSource(paths["flux"], dtype=torch.float32, device="cpu")
     (sample,) = src.fixed()[:1]
     assert src.calibration(paths["sd3"]).partner(sample) is None
-    assert src.calibration(paths["flux"]).partner(sample) is not None
+    assert src.calibration(paths["flux"]).partner(sample) is not None  # another step of the same file
 
 
 def test_metrics_select_checks_keep_blocks_as_pisa_attention_does():
@@ -319,3 +319,116 @@ def test_metrics_select_checks_keep_blocks_as_pisa_attention_does():
     keep = torch.tensor([True, False, False, False])
     sel = metrics.select(q, k, v, density=0.25, block_size=64, keep_blocks=keep)
     assert sel.selected[..., 0].all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(covariance="no"), "covariance must be a bool"),
+        (dict(plots="false"), "plots must be a bool"),
+        (dict(fp8=1), "fp8 must be a bool"),
+        (dict(source=3), "source must be a str"),
+        (dict(dtype=["float32"]), "dtype must be a str or None"),
+        (dict(size=1), "size must be a str or None"),
+        (dict(device=0), "device must be a str"),
+        (dict(calib_source=b"x"), "calib_source must be a str or None"),
+        (dict(entries="step0.layer0"), "entries must be a list or tuple"),  # not its characters
+        (dict(entries=(3,)), "entries must be entry names"),
+        (dict(lengths=256), "lengths must be a list or tuple"),
+        (dict(modes="hybrid"), "modes must be a list or tuple"),
+    ],
+)
+def test_config_field_types_are_checked_by_name(kwargs, word):
+    """A string where a bool is expected is truthy and a string where a list is expected is a list
+    of its characters: both are refused by name, not taken."""
+    with pytest.raises(TypeError, match=word):
+        StudyConfig(**kwargs).resolved()
+
+
+def _write_capture(path, steps=(0, 1), image_range=None, lengths=(256, 256)):
+    """A capture of random q/k/v without token layout, one layer at ``steps`` (of ``lengths`` tokens)."""
+    from pisa_attn.qkv_file import write_qkv_file
+
+    tensors, info = {}, {}
+    for step, length in zip(steps, lengths):
+        name = f"step{step}.layer0"
+        g = torch.Generator().manual_seed(step)
+        for part in "qkv":
+            tensors[f"{name}.{part}"] = torch.randn(1, 2, length, 32, generator=g)
+        info[name] = {"step": step, "layer": 0, "image_range": image_range}
+    write_qkv_file(str(path), tensors, info, model="test", dtype="float32")
+    return str(path)
+
+
+def test_calib_source_naming_the_studied_file_stays_held_out(tmp_path):
+    """The studied file as calib_source (by another spelling of its path too) calibrates on another
+    step, as without calib_source; a copy of it, which holds the studied q/k/v, is not used."""
+    pytest.importorskip("safetensors")
+    import os
+    import shutil
+
+    from pisa_attn.bench.study_sources import CapturedSource
+
+    path = _write_capture(tmp_path / "cap.safetensors")
+    src = CapturedSource(path, dtype=torch.float32, device="cpu")
+    first = src.fixed()[0]
+    assert first.name == "step0.layer0"
+    other_spelling = os.path.join(str(tmp_path), ".", "cap.safetensors")
+    for calib in (path, other_spelling):
+        partners = src.calibration(calib)
+        assert partners.partner(first).name == "step1.layer0"  # before: step0.layer0, the evaluated input
+        assert "another captured step" in partners.note
+    copy = shutil.copy(path, tmp_path / "copy.safetensors")
+    assert src.calibration(str(copy)).partner(first) is None
+    r = run_study(StudyConfig(source=path, calib_source=path, size="tiny", modes=("hybrid",), covariance=False,
+                              weights=("calibrated",), densities=(0.25,), plots=False), progress=False)
+    assert r["calibration"]["partners"] == {"step0.layer0": "step1.layer0", "step1.layer0": "step0.layer0"}
+
+
+def test_a_capture_without_layout_runs_the_queries_of_its_image_range(tmp_path):
+    """A layout-less capture's image_range is where PISA ran (the text queries ran densely): the
+    study measures those rows, not every row."""
+    pytest.importorskip("safetensors")
+    from pisa_attn.bench.study import _Study
+    from pisa_attn.bench.study_sources import CapturedSource
+
+    path = _write_capture(tmp_path / "cap.safetensors", steps=(0,), image_range=[40, 256])
+    (sample,) = CapturedSource(path, dtype=torch.float32, device="cpu").fixed()
+    assert sample.layout is None and sample.query_range() == (40, 256)
+    assert sample.query_rows(16) == (slice(32, 256), slice(8, 224))
+    study = _Study(StudyConfig(size="tiny", block_size=16).resolved(), progress=False)
+    got = study.evaluate(sample, [0.25], ["zeroth"], (False,))["rel_l1"]["zeroth"][0]
+    q, k, v = sample.q, sample.k, sample.v
+    out = pisa_attention(q[:, :, 32:], k, v, density=0.25, block_size=16, mode="zeroth", covariance_aware=False,
+                         backend="reference")
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert got == pytest.approx(metrics.rel_l1(out[:, :, 8:], dense[:, :, 40:]), rel=1e-5)
+
+
+def test_summary_keeps_samples_of_different_lengths_apart(tmp_path):
+    """Entries of 256 and 1024 tokens: the summary gives each length its own tail mass and error
+    (a mean over both would compare nothing), and says which lengths it holds."""
+    pytest.importorskip("safetensors")
+    from pisa_attn.bench.study import print_summary
+
+    path = _write_capture(tmp_path / "cap.safetensors", lengths=(256, 1024))
+    r = run_study(StudyConfig(source=path, size="tiny", modes=("drop",), covariance=False, weights=(),
+                              densities=(0.25,), density=0.25, plots=False), progress=False)
+    s = r["summary"]
+    assert s["length"] == [256, 1024]
+    by_len = r["tail_mass"]["mean_by_length"]["topk"]
+    assert set(s["tail_mass"]) == {"topk L=256", "topk L=1024"}
+    assert s["tail_mass"]["topk L=256"] == by_len["256"] != by_len["1024"] == s["tail_mass"]["topk L=1024"]
+    per = r["density_sweep"]["rel_l1_per_sample"]
+    assert s["rel_l1"] == {"drop L=256": per["step0.layer0"]["drop"][0], "drop L=1024": per["step1.layer0"]["drop"][0]}
+    print_summary(r)
+
+
+def test_synthetic_source_reuses_fixed_sample_with_text_tokens():
+    """Lengths count image tokens: with text on top the fixed sample is still reused, not drawn
+    again (and then evaluated again by the length sweep)."""
+    src = SyntheticSource(heads=2, head_dim=32, seed=0, text_tokens=100, dtype=torch.float32, device="cpu")
+    (fixed,) = src.fixed(256)
+    assert src.fixed(256)[0] is fixed and fixed.length == 356
+    sweep = dict(src.sweep((128, 256)))
+    assert sweep[256][0] is fixed and sweep[128][0].length == 228

@@ -18,14 +18,27 @@ from .ops import reference as ref
 _SLAB = 1 << 24
 
 
+def _check_tensor(name: str, x) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
 def _same_shape(out: Tensor, dense: Tensor) -> None:
+    _check_tensor("out", out)
+    _check_tensor("dense", dense)
     if out.shape != dense.shape:  # broadcasting would give a plausible number for the wrong rows
         raise ValueError(f"out and dense must have one shape, got {tuple(out.shape)} and {tuple(dense.shape)}")
+    if dense.numel() == 0:  # a mean over nothing is no error measurement
+        raise ValueError(f"out and dense must not be empty, got shape {tuple(dense.shape)}")
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den``; a zero reference gives 0 where the output equals it, else inf."""
-    return torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, float("inf"), 0.0))
+    """``num / den``; a zero reference gives 0 where the output equals it, else inf; NaN where
+    either is NaN (a NaN reference is no evidence of a small error)."""
+    _check_tensor("num", num)
+    _check_tensor("den", den)
+    r = torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, float("inf"), 0.0))
+    return torch.where(num.isnan() | den.isnan(), float("nan"), r)
 
 
 def rel_l1(out: Tensor, dense: Tensor) -> float:
@@ -38,7 +51,7 @@ def rel_l1(out: Tensor, dense: Tensor) -> float:
 def rel_l1_per_head(out: Tensor, dense: Tensor) -> Tensor:
     """Relative L1 error per head of ``[B, H, L, D]`` tensors: ``[H]`` float64 (batch, tokens and
     channels pooled)."""
-    _same_shape(out, dense)
+    _same_shape(out, dense)  # also refuses an empty pair, whose means would be NaN or 0 per head
     if dense.dim() != 4:
         raise ValueError(f"rel_l1_per_head needs [B, H, L, D] tensors, got shape {tuple(dense.shape)}")
     d = dense.double()
@@ -86,6 +99,8 @@ def select(
     check_call(q, k, v, density=density, block_size=block_size, covariance_aware=covariance_aware, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qb = spec.query_block_factor(query_block, block_size) * block_size
+    if stats is not None:
+        _check_stats(stats, k, block_size)
     given = stats
     if stats is None or (covariance_aware and stats.hdev is None):
         stats = ref.prepare(q, k, v, block_size, with_hdev=covariance_aware, query_block=qb)  # the prepare stage
@@ -100,6 +115,24 @@ def select(
                      hdev=stats.hdev if covariance_aware else None, keep=keep, repeat=qb // block_size, n_q_blocks=nq)
     scores = ref.selection_scores(qmean, stats.kmean, scale).repeat_interleave(qb // block_size, dim=2)[:, :, :nq]
     return ExactSet(sel.to_mask(nk), scores)
+
+
+def _check_stats(stats, k: Tensor, block_size: int) -> None:
+    """``stats`` must be k's block statistics at ``block_size`` (another input's would select
+    plausible blocks for the wrong keys)."""
+    if not isinstance(stats, ref.BlockStats):
+        raise TypeError(f"stats must be a reference.BlockStats (ref.block_stats of k and v), got {type(stats).__name__}")
+    b, hk, lk, d = k.shape
+    want = (b, hk, spec.num_blocks(lk, block_size), d)
+    if not isinstance(stats.kmean, Tensor) or tuple(stats.kmean.shape) != want:
+        got = tuple(stats.kmean.shape) if isinstance(stats.kmean, Tensor) else type(stats.kmean).__name__
+        raise ValueError(f"stats must be the block statistics of k at block_size={block_size}: stats.kmean must "
+                         f"have shape {want}, got {got}")
+    if stats.kmean.device != k.device:
+        raise ValueError(f"stats must be on k's device {k.device}, got stats.kmean on {stats.kmean.device}")
+    if stats.hdev is not None and (not isinstance(stats.hdev, Tensor) or tuple(stats.hdev.shape) != want[:3]):
+        raise ValueError(f"stats.hdev must have shape {want[:3]}, got "
+                         f"{tuple(stats.hdev.shape) if isinstance(stats.hdev, Tensor) else stats.hdev!r}")
 
 
 @dataclass
@@ -135,6 +168,7 @@ def dense_pass(
     (and its 0th-order estimate when ``kmean``, the ``[B, Hk, Nk, D]`` key-block means, is given).
     ``row_blocks`` (``[Lq]`` long): the mask row of each query row (default: ``row // block_size``),
     for rows sampled out of order."""
+    _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, lq, d = q.shape
@@ -173,6 +207,47 @@ def dense_pass(
             if approx is not None:
                 estimates[i][:, :, r0:r1] = approx.masked_fill(sel, 0.0).sum(-1)
     return DensePass(out, tails, estimates)
+
+
+def _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks) -> None:
+    """:func:`dense_pass`'s checks: a mismatch fails here by name, not as a broadcasting or
+    indexing error deep in the pass (or a silently broadcast mask). Shapes only, no read of
+    values (the calibration's fits capture the pass as a CUDA graph); q may differ in dtype from
+    k/v (the fits convert k/v to their arithmetic's dtype once)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be a [B, H, L, D] tensor, got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    b, h, lq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or k.shape[1] < 1 or h % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} (batch, heads a multiple of k's, head dim)")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    nk = spec.num_blocks(k.shape[2], block_size)
+    if row_blocks is not None:
+        _check_tensor("row_blocks", row_blocks)
+        if row_blocks.dtype not in (torch.long, torch.int32) or tuple(row_blocks.shape) != (lq,):
+            raise ValueError(f"row_blocks must be an integer tensor of shape ({lq},) (one mask row per query row), "
+                             f"got {row_blocks.dtype} of shape {tuple(row_blocks.shape)}")
+    if not isinstance(masks, (tuple, list)):
+        raise TypeError(f"masks must be a tuple of bool tensors, got {type(masks).__name__}")
+    for i, m in enumerate(masks):
+        _check_tensor(f"masks[{i}]", m)
+        if m.dtype != torch.bool:
+            raise TypeError(f"masks[{i}] must have dtype torch.bool, got {m.dtype}")
+        if m.dim() != 4 or tuple(m.shape[:2]) != (b, h) or m.shape[3] != nk:
+            raise ValueError(f"masks[{i}] must have shape [{b}, {h}, Nq, {nk}] (key blocks of {block_size}), "
+                             f"got {tuple(m.shape)}")
+        if row_blocks is None and m.shape[2] < spec.num_blocks(lq, block_size):
+            raise ValueError(f"masks[{i}] has {m.shape[2]} query-block rows, q's {lq} rows need "
+                             f"{spec.num_blocks(lq, block_size)}")
+    if kmean is not None:
+        _check_tensor("kmean", kmean)
+        want = (b, k.shape[1], nk, d)
+        if tuple(kmean.shape) != want:
+            raise ValueError(f"kmean must be the key-block means [B, Hk, Nk, D] = {want}, got {tuple(kmean.shape)}")
 
 
 def token_scores(

@@ -66,7 +66,8 @@ class StudyConfig:
     modes: tuple[str, ...] = MODES
     covariance: bool = True  # also run covariance-aware selection
     weights: tuple[str, ...] = WEIGHTS  # weighted hybrid variants (with "hybrid" in modes)
-    calib_source: str | None = None  # capture file the calibrated variant fits on (captured sources)
+    calib_source: str | None = None  # capture file the calibrated variant fits on (captured sources; the
+    # studied file itself means the default: another step of it, never the evaluated input)
     tiling_modes: tuple[str, ...] = ("drop", "zeroth", "hybrid")
     heads: int | None = None
     head_dim: int = 64
@@ -90,6 +91,7 @@ class StudyConfig:
 
     def resolved(self) -> StudyConfig:
         """Presets filled in and every field validated (ValueError/TypeError naming the field)."""
+        self._check_types()
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         cuda = str(self.device).startswith("cuda")
@@ -116,6 +118,24 @@ class StudyConfig:
         )
         c._validate()
         return c
+
+    def _check_types(self) -> None:
+        """The types presets and later checks rely on: a string where a bool is expected would be
+        truthy, a string where a list is expected a list of its characters."""
+        for name in ("covariance", "plots", "fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name, optional in (("source", False), ("device", False), ("size", True), ("dtype", True),
+                               ("calib_source", True)):
+            v = getattr(self, name)
+            if not (isinstance(v, str) or (optional and v is None)):
+                raise TypeError(f"{name} must be a str{' or None' if optional else ''}, got {v!r} ({type(v).__name__})")
+        for name in ("lengths", "densities", "modes", "weights", "tiling_modes", "entries", "precisions"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (list, tuple)):
+                raise TypeError(f"{name} must be a list or tuple, got {v!r} ({type(v).__name__})")
+        if self.entries is not None and any(not isinstance(e, str) for e in self.entries):
+            raise TypeError(f"entries must be entry names (str), got {self.entries!r}")
 
     def _validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -322,7 +342,7 @@ class _Study:
             "density_sweep": self._density_section(fixed, fixed_evals),
             "length_sweep": self._length_section(sweep_evals, [ss for _, ss in sweep]),
             "scores": scores,
-            "tail_mass": self._tail_section(fixed_evals),
+            "tail_mass": self._tail_section(fixed, fixed_evals),
             "tiling": tiling,
             "timings_s": {"density_sweep": t1 - t0, "length_sweep": t2 - t1, "tiling": t3 - t2, "scores": t4 - t3},
         }
@@ -369,6 +389,7 @@ class _Study:
         return {
             "length": fixed[0].length,
             "samples": [s.name for s in fixed],
+            "sample_lengths": [s.length for s in fixed],  # "length" is the first's; summarize keeps them apart
             "densities": list(cfg.densities),
             "rel_l1": _mean_dicts([e["rel_l1"] for e in evals]),
             "rel_l1_per_sample": {s.name: e["rel_l1"] for s, e in zip(fixed, evals)},
@@ -394,11 +415,16 @@ class _Study:
         return {"density": cfg.density, "lengths": [n for n, _ in sweep_evals],
                 "tokens": [ss[0].length if ss else None for ss in samples], "rel_l1": rel, "tail_mass": tail}
 
-    def _tail_section(self, evals) -> dict:
+    def _tail_section(self, fixed, evals) -> dict:
         d = self.cfg.density
         per_head = {_selection_name(c): _mean_lists([e["tail"][(d, c)] for e in evals]) for c in self.covs}
         est = {_selection_name(c): _mean_lists([e["estimate"][(d, c)] for e in evals]) for c in self.covs}
-        return {"density": d, "per_head": per_head, "estimate_per_head": est,
+        lengths = sorted({s.length for s in fixed})
+        # The tail mass grows with the length at one density: a mean over lengths compares nothing.
+        by_length = {_selection_name(c): {str(n): _mean([_mean(e["tail"][(d, c)]) for s, e in zip(fixed, evals)
+                                                         if s.length == n]) for n in lengths} for c in self.covs}
+        return {"density": d, "per_head": per_head, "estimate_per_head": est, "lengths": lengths,
+                "mean_by_length": by_length,
                 "mean": {k: _mean(v) for k, v in per_head.items()},
                 "max_head": {k: max(v) for k, v in per_head.items()},
                 # Share of the tail mass the block centroids recover (PISA's 0th-order term; 1 = all).
@@ -566,10 +592,25 @@ def run_study(config: StudyConfig | None = None, out: str | None = None, progres
 
 
 def summarize(result: dict) -> dict:
-    """Key numbers: every variant's rel-L1 at the study density (fixed length) and the mean ρ_t."""
+    """Key numbers: every variant's rel-L1 at the study density (fixed length) and the mean ρ_t.
+    Studied samples of several lengths (a capture's entries) are summarised per length, keys
+    ``"<name> L=<tokens>"``: error and tail mass at one density depend on the length."""
     ds = result["density_sweep"]
     d = result["config"]["density"]
-    out = {"density": d, "length": ds["length"], "tail_mass": result["tail_mass"]["mean"]}
+    tm = result["tail_mass"]
+    lengths = sorted(set(ds.get("sample_lengths") or [ds["length"]]))
+    if len(lengths) > 1:
+        out = {"density": d, "length": lengths,
+               "tail_mass": {f"{k} L={n}": v for k, per in tm["mean_by_length"].items() for n, v in per.items()}}
+        if d in ds["densities"]:
+            i = ds["densities"].index(d)
+            per_sample = [(n, ds["rel_l1_per_sample"][name]) for n, name in zip(ds["sample_lengths"], ds["samples"])]
+            out["rel_l1"] = {f"{v} L={n}": _mean(r[v][i] for m, r in per_sample if m == n)
+                             for v in ds["rel_l1"] for n in lengths}
+        else:  # the length sweep needs one length (it is skipped) and the density sweep skips d
+            out["rel_l1"] = {}
+        return out
+    out = {"density": d, "length": ds["length"], "tail_mass": tm["mean"]}
     if d in ds["densities"]:
         i = ds["densities"].index(d)
         out["rel_l1"] = {v: ds["rel_l1"][v][i] for v in ds["rel_l1"]}
@@ -601,7 +642,8 @@ def print_summary(result: dict) -> None:
     from rich.table import Table
 
     s = result["summary"]
-    t = Table(title=f"rel-L1 vs dense, density {s['density']:g}, {s['length']} tokens",
+    tokens = "/".join(map(str, s["length"])) if isinstance(s["length"], list) else s["length"]
+    t = Table(title=f"rel-L1 vs dense, density {s['density']:g}, {tokens} tokens",
               caption=f"mean tail mass ρ: {', '.join(f'{k} {v:.3f}' for k, v in s['tail_mass'].items())}")
     t.add_column("variant")
     t.add_column("rel-L1", justify="right")
@@ -638,7 +680,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-weights", dest="weights", action="store_const", const=(), help="no weighted variants")
     p.add_argument("--calib-source", type=at.existing_file, default=None,
                    help="capture file (another input of the same model) the calibrated variant fits on; default: "
-                        "the same layer at another captured step")
+                        "the same layer at another captured step. The studied file itself (by any path) keeps that "
+                        "default, and a partner holding the studied q/k/v (a copy) is not used: the fit stays held out")
     p.add_argument("--heads", type=at.int_at_least(1), default=None)
     p.add_argument("--head-dim", type=at.head_dim, default=d.head_dim, help="even, 16-256")
     p.add_argument("--text-tokens", type=at.int_at_least(0), default=d.text_tokens,

@@ -7,6 +7,7 @@ when a capture file carries no layout: tiling and length analyses are then skipp
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,9 @@ class Sample:
     v: Tensor
     layout: lay.TokenOrder | None  # the order q/k/v are in (tiled, unless it is a raster layout)
     origin: str | None = None  # the captured entry (or synthetic draw) a crop was cut from
+    # [lo, hi): the query rows PISA ran on, as a capture records them; read when there is no layout
+    # to derive them from (the diffusers backend runs text queries densely)
+    image_range: tuple[int, int] | None = None
 
     @property
     def length(self) -> int:
@@ -38,6 +42,9 @@ class Sample:
         """The queries PISA runs on: the image tokens when they are one contiguous run (the
         diffusers backend's joint layout, whose text queries attend densely), else all."""
         n = self.q.shape[2]
+        if self.layout is None and self.image_range is not None:
+            lo, hi = self.image_range
+            return int(lo), int(hi)
         if self.layout is None or self.layout.num_text_tokens == 0:
             return 0, n
         image = torch.nonzero(~self.layout.text_mask_tokens()).squeeze(1)
@@ -118,14 +125,18 @@ class SyntheticSource:
         self._head_types = list(g.head_types)
         return Sample(f"synthetic {'x'.join(map(str, grid))} seed {self.seed}", g.q, g.k, g.v, g.token_layout)
 
+    def _image_tokens(self, sample: Sample) -> int:
+        return sample.length - self.text_tokens  # lengths here count image tokens (text comes on top)
+
     def fixed(self, length: int) -> list[Sample]:
-        if self._fixed is None or self._fixed.length != length:
+        if self._fixed is None or self._image_tokens(self._fixed) != length:
             self._fixed = self._make(length)
         return [self._fixed]
 
     def sweep(self, lengths, min_tokens: int = 0) -> list[tuple[int, list[Sample]]]:
         same = self._fixed is not None
-        return [(n, [self._fixed] if same and n == self._fixed.length else [self._make(n)]) for n in lengths]
+        return [(n, [self._fixed] if same and n == self._image_tokens(self._fixed) else [self._make(n)])
+                for n in lengths]
 
     def calibration(self):
         """Where a calibrated variant fits its weights: another draw of the generator (seed + 1)."""
@@ -188,7 +199,8 @@ class CapturedSource:
             # Every study quantity (selection, softmax, token scores) depends on scale·q only, and
             # the study uses the default scale: fold the captured call's scale into q.
             q = q * (scale * q.shape[-1] ** 0.5)
-        return Sample(entry.name, q, k, v, entry.layout)
+        rng = entry.info.get("image_range")  # checked by check_entry: [lo, hi) inside q's rows
+        return Sample(entry.name, q, k, v, entry.layout, image_range=None if rng is None else tuple(rng))
 
     def fixed(self, length: int | None = None) -> list[Sample]:
         return [self._sample(e) for e in self.entries]  # the source decides the length
@@ -217,9 +229,15 @@ class _CapturedPartners:
         from ..qkv_file import check_entry, read_qkv_file
 
         self.source = source
-        other = read_qkv_file(calib_path) if calib_path else source.file
-        self.note = (f"the same layer in {calib_path}" if calib_path
-                     else "the same layer at another captured step of the same file")
+        # The studied file named as calib_path: fitting on it would be in-sample, so it keeps the
+        # held-out rule of the default (the same layer at another step).
+        same = calib_path is not None and _same_file(calib_path, source.path)
+        other = read_qkv_file(calib_path) if calib_path and not same else source.file
+        self.note = (f"the same layer in {calib_path}" if calib_path and not same
+                     else "the same layer at another captured step of the same file"
+                     + (" (calib_source is the studied file)" if same else ""))
+        if same:
+            calib_path = None
         self._entries = {}
         self._full: dict[str, Sample] = {}
         mine, theirs = source.file.meta.get("model"), other.meta.get("model")
@@ -247,15 +265,30 @@ class _CapturedPartners:
                 len(full.layout.grid_shape) != len(sample.layout.grid_shape):  # an image model for a video one
             return None
         if sample.origin is None:  # an entry itself
-            return full
+            return _held_out(full, sample)
         grid = sample.layout.grid_shape  # a crop of an entry: the same crop of the partner
         if full.layout is None or len(full.layout.grids) != 1:
             return None
         if grid == full.layout.grid_shape:
-            return full
+            return _held_out(full, sample)
         if any(a > b for a, b in zip(grid, full.layout.grid_shape)):
             return None
-        return full.crop(grid)
+        return _held_out(full.crop(grid), sample)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them is gone: compare the spelled paths
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _held_out(partner: Sample, sample: Sample) -> Sample | None:
+    """``partner`` unless it holds the studied sample's own q/k/v (a copy of the studied file as
+    calib_source): a fit on them would be in-sample."""
+    same = partner.q.shape == sample.q.shape and partner.k.shape == sample.k.shape and \
+        torch.equal(partner.q, sample.q) and torch.equal(partner.k, sample.k) and torch.equal(partner.v, sample.v)
+    return None if same else partner
 
 
 def _prefix(name: str) -> str:
