@@ -607,3 +607,19 @@ def test_the_second_expert_reports_nothing_of_the_last_generation_before_its_fir
     assert seen["stats"] == {} and seen["table"].layers("transformer_2") == {}
     assert pd.stats(pipe.transformer_2)  # it ran later in the generation
     pd.remove_pisa(pipe)
+
+
+@pytest.mark.parametrize("family", ["flux", "wan"])
+def test_forwards_under_inference_mode_and_no_grad_agree(family):
+    """Pipelines run under torch.inference_mode() too: FLUX's ids (no version counter there) and
+    the calibration's running sums, made in one mode and updated in the other, must work."""
+    tr = tiny_transformer(family)
+    pd.apply_pisa(tr, density=0.25, block_size=16, min_kv_len=0, dense_layers=0, dense_steps=1, calibrate=True)
+    try:
+        outs = []
+        for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+            with mode():
+                outs.append(tr(**forward_inputs(family)).sample)
+    finally:
+        pd.remove_pisa(tr)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -149,11 +149,14 @@ def _error_cases(rank, world):
     y = torch.randn(1, 2, 32, d)
     res["ranks-disagree"] = _expect_error(lambda: ring_pisa_attention(y, y, y, block_size=16))
     z = torch.randn(1, 2, 32, 16, requires_grad=True)
+    t = torch.randn(1, 2, 32, 16)
     res["needs-grad"] = _expect_error(lambda: ring_pisa_attention(z, z, z, block_size=16))
+    a = torch.tensor([0.3, 0.6], requires_grad=True)  # its gradient would stop at the collectives
+    res["alpha-needs-grad"] = _expect_error(lambda: ring_pisa_attention(t, t, t, block_size=16, alpha=a))
+    res["ulysses-alpha-needs-grad"] = _expect_error(lambda: ulysses_pisa_attention(t, t, t, block_size=16, alpha=a))
     # errors of one rank, or settings that differ: every rank raises (none is left in a collective)
     u = torch.randn(1, 2, 32 if rank == 0 else 0, 16)
     res["one-rank-empty"] = _expect_error(lambda: ring_pisa_attention(u, u, u, block_size=16))
-    t = torch.randn(1, 2, 32, 16)
     res["settings-disagree"] = _expect_error(lambda: ring_pisa_attention(t, t, t, block_size=16,
                                                                          density=0.3 if rank == 0 else 0.5))
     # a setting one rank refuses (a density out of range, low precision on sharded keys): every rank raises
@@ -253,9 +256,29 @@ def _settings_alpha_float64(rank, world):
     return float((ulysses_pisa_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], settings=s) - one).abs().max())
 
 
+def _orders_made_in_inference_mode(rank, world):
+    """perm and q_perm made under torch.inference_mode() (as inside a pipeline call): inference
+    tensors have no version counter, so the order caches key them by value; equal to one process."""
+    res = {}
+    with torch.inference_mode():
+        g = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(3))
+        perm = torch.randperm(64, generator=g)
+        kw = dict(block_size=16, density=0.3, backend="reference")
+        want = torch.empty_like(q)
+        want[:, :, perm] = pisa_attention(q[:, :, perm], k[:, :, perm], v[:, :, perm], **kw)
+        sl = slice(32 * rank, 32 * rank + 32)
+        for name, fn in (("ring", ring_pisa_attention), ("ulysses", ulysses_pisa_attention)):
+            for _ in range(2):  # the second call reads the cache
+                out = fn(q[:, :, sl], k[:, :, sl], v[:, :, sl], perm=perm, **kw)
+            res[name] = float((out - want[:, :, sl]).abs().max())
+    return res
+
+
 def _worker(rank, world, cases, with_errors):
     res = {name: _run_case(rank, world, spec) for name, spec in cases.items()}
     if with_errors:
+        res["inference-orders"] = _orders_made_in_inference_mode(rank, world)
         res["settings-alpha-f64"] = _settings_alpha_float64(rank, world)
         res["errors"] = _error_cases(rank, world)
         if INTERPRETED:
@@ -286,6 +309,8 @@ def test_two_ranks_equal_single_process(two_ranks, name):
         ("heads-not-divisible", "divisible by the group size"),
         ("ranks-disagree", "every rank must hold the same"),
         ("needs-grad", "inference-only"),
+        ("alpha-needs-grad", "alpha requires grad"),
+        ("ulysses-alpha-needs-grad", "alpha requires grad"),
         ("bad-perm", "permutation"),
         ("ring-bad-perm", "one entry per global token"),
         ("one-rank-empty", "empty input|rank 1 refused its inputs"),
@@ -326,6 +351,11 @@ def test_ring_shard_fields_written_on_every_rank(two_ranks):
     for rank, res in enumerate(two_ranks):
         err, kmax_err, attends = res["ring-shard-fields"]
         assert attends == 2 and kmax_err == 0.0 and err < 4e-3, (rank, err, kmax_err, attends)
+
+
+def test_orders_made_in_inference_mode(two_ranks):
+    for res in two_ranks:
+        assert max(res["inference-orders"].values()) < 1e-6, res["inference-orders"]
 
 
 def test_settings_alpha_keeps_float64(two_ranks):

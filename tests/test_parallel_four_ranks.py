@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pisa_attn.parallel.launch import run_local
-from test_parallel_core import INTERPRETED, TOL, _check, _run_case, spec
+from test_parallel_core import INTERPRETED, _check, _run_case, spec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,6 +61,10 @@ def _core(rank, world):
     uly = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     ring = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     three = dist.new_group([0, 1, 2])
+    uly_again = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the Ulysses groups' ranks, other objects
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]  # ring peers at other Ulysses positions
+    singles = [dist.new_group([r]) for r in range(world)]
+    pair = dist.new_group([0, 1])
     groups = {"ulysses_group": uly[rank // 2], "ring_group": ring[rank % 2]}
     res = {}
     for name, c in CASES4.items():
@@ -70,10 +74,28 @@ def _core(rank, world):
     if INTERPRETED:
         res["ring4-triton-empty-shard"] = _ring_triton_empty_shard(rank, world)
     res["unified-errors"] = _unified_errors(rank, groups)
+    res["unified-errors"]["same-ranks"] = _unified_errors(
+        rank, {"ulysses_group": uly[rank // 2], "ring_group": uly_again[rank // 2]}, only="empty")
+    res["unified-errors"]["crossed"] = _unified_errors(
+        rank, {"ulysses_group": uly[rank // 2], "ring_group": crossed[0 if rank in (0, 3) else 1]}, only="empty")
+    # a 1 x 2 grid on ranks 0 and 1 of four (ranks 2 and 3 take no part): a grid of a subset
+    res["unified-subset"] = _unified_subset(rank, singles[rank], pair) if rank < 2 else None
     return res
 
 
-def _unified_errors(rank, groups):
+def _unified_subset(rank, single, pair):
+    from pisa_attn import pisa_attention
+    from pisa_attn.parallel import unified_pisa_attention
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    kw = dict(density=0.3, block_size=16, backend="reference")
+    sl = slice(32 * rank, 32 * rank + 32)
+    out = unified_pisa_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], ulysses_group=single, ring_group=pair, **kw)
+    return float((out - pisa_attention(q, k, v, **kw)[:, :, sl]).abs().max())
+
+
+def _unified_errors(rank, groups, only=None):
     """Input one rank refuses (an empty shard, grad, a setting), a malformed seq_lens, settings that
     differ between the ranks of one Ulysses group and a batch that differs between two ranks of
     one Ulysses group: every rank of the grid raises (none waits in a
@@ -93,6 +115,8 @@ def _unified_errors(rank, groups):
     empty = x[:, :, :0] if rank == 3 else x
     grad = x.clone().requires_grad_(rank == 0)
     kw = dict(block_size=16, backend="reference", **groups)
+    if only == "empty":  # valid input: what the groups alone make of it
+        return run(lambda: unified_pisa_attention(x, x, x, **kw))
     return {
         "empty": run(lambda: unified_pisa_attention(empty, empty, empty, **kw)),
         "grad": run(lambda: unified_pisa_attention(grad, x, x, **kw)),
@@ -155,7 +179,9 @@ def test_ring_on_the_kernels_with_an_empty_shard(four_ranks):
                                          ("seq-lens", "seq_lens must list 4 positive ints"),
                                          ("settings", "same settings"),
                                          ("shape", "same batch/heads"),
-                                         ("one-bad-setting", "density must be in|another rank refused")])
+                                         ("one-bad-setting", "density must be in|another rank refused"),
+                                         ("same-ranks", "may share only this rank"),
+                                         ("crossed", "same position in its Ulysses group")])
 def test_unified_errors_reach_every_rank(four_ranks, case, words):
     import re
 
@@ -170,3 +196,8 @@ def test_diffusers_four_ranks_equal_single_process(four_ranks, family, kind):
     from test_parallel_diffusers import check_equal
 
     check_equal([r["diffusers"] for r in four_ranks], family, kind)
+
+
+def test_unified_on_a_grid_of_some_ranks(four_ranks):
+    for rank in (0, 1):
+        assert four_ranks[rank]["core"]["unified-subset"] < 1e-6

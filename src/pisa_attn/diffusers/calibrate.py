@@ -163,6 +163,7 @@ class Calibrator:
         self._last_step = -1
 
     @torch.no_grad()
+    @torch.inference_mode(False)  # its sums and graphs outlive the call: plain tensors under either mode
     def observe(self, call: hooks.AttentionCall) -> None:
         if call.step < self._last_step:  # a generation the pipeline hook did not announce
             self.reset()

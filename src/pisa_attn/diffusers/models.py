@@ -110,6 +110,8 @@ class _IdsGrid:
         self._grid: tuple[int, int] | None = None
 
     def __call__(self, ids: Tensor) -> tuple[int, int]:
+        if ids.is_inference():  # made under torch.inference_mode(): no version counter, read it each time
+            return _raster_ids_grid(ids)
         if self._ref is not None and self._ref() is ids and self._version == ids._version:
             return self._grid
         grid = _raster_ids_grid(ids)

@@ -254,6 +254,11 @@ def _orders(seq: Sequence, lens, block_size: int) -> tuple[Tensor, Tensor | None
 
 @functools.lru_cache(maxsize=32)
 def _orders_cached(layout, image_lo: int, image_hi: int, lens: tuple[int, ...], block_size: int):
+    with torch.inference_mode(False):  # cached past this call: plain tensors, with version counters
+        return _make_orders(layout, image_lo, image_hi, lens, block_size)
+
+
+def _make_orders(layout, image_lo: int, image_hi: int, lens: tuple[int, ...], block_size: int):
     perm = _pisa_order(layout, image_lo, image_hi, lens)
     start = block_floor(image_lo, block_size)
     q_perm = None if start == 0 and image_hi == layout.num_tokens else perm[start:image_hi].clone()
@@ -268,6 +273,11 @@ def pisa_order(seq: Sequence, lens: tuple[int, ...]) -> Tensor:
 
 @functools.lru_cache(maxsize=32)
 def _pisa_order(layout, image_lo: int, image_hi: int, lens: tuple[int, ...]) -> Tensor:
+    with torch.inference_mode(False):  # cached past this call: a plain tensor, with a version counter
+        return _make_pisa_order(layout, image_lo, image_hi, lens)
+
+
+def _make_pisa_order(layout, image_lo: int, image_hi: int, lens: tuple[int, ...]) -> Tensor:
     total, world = layout.num_tokens, len(lens)
     runs = _runs(image_lo, image_hi, total)
     chunks = [torch.arange(a, b).tensor_split(world) for a, b in runs]  # diffusers: even split per stream

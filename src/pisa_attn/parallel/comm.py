@@ -233,3 +233,12 @@ def all_gather_packed(tensors: list[Tensor], shapes: list[list[tuple[int, ...]]]
             row.append(recv[base + off : base + off + n].view(dt).view(shape))
         out.append(row)
     return out
+
+
+def order_key(t: Tensor):
+    """Cache key of an order tensor (``perm``, ``q_perm``, ``exact_queries``): its identity and
+    in-place version; an inference tensor (made under ``torch.inference_mode()``) has no version
+    counter, so its contents are the key (one host copy per call)."""
+    if t.is_inference():
+        return (id(t), tuple(t.shape), str(t.dtype), t.detach().cpu().numpy().tobytes())
+    return (id(t), t._version)

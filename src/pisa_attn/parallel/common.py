@@ -83,6 +83,9 @@ def local_check(q, k, v, s: PisaSettings, *, what: str, return_lse, alpha, defer
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
             # The collectives here are not autograd-aware; a silently missing gradient is worse than an error.
             raise ValueError(f"{what} is inference-only: call it under torch.no_grad() (q/k/v require grad)")
+        if torch.is_grad_enabled() and isinstance(alpha, torch.Tensor) and alpha.requires_grad:
+            raise ValueError(f"{what} is inference-only: call it under torch.no_grad() (alpha requires grad; "
+                             "its gradient would not cross the collectives)")
         return views, None
     except (TypeError, ValueError) as e:
         if not defer or not isinstance(q, torch.Tensor):

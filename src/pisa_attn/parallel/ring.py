@@ -20,8 +20,9 @@ The steps use only the stage contract (:mod:`pisa_attn.ops.stages`), so any back
 the kernels on CUDA). The result equals single-process ``pisa_attention`` on the whole sequence
 (same selection, float tolerance: float16/bfloat16 partials are rounded to the input dtype, merged
 in float32 and rounded again, so the output is within two roundings of one process's; float32 and
-float64 partials keep their dtype, weighted through float32 log-sum-exps, so a float64 output is
-within ~1e-7 relative of one process's). Global blocks must not straddle ranks: when the shards are not
+float64 partials keep their dtype, weighted through float32 log-sum-exps (the stage contract's
+dtype), so a float64 output's relative error is about 1e-7 per unit of the rows' ``|lse|``: ~1e-7 at
+unit-scale logits, ~1e-4 at ``|lse|`` near 1 500). Global blocks must not straddle ranks: when the shards are not
 block aligned (or a token permutation is asked for), tokens are first redistributed to
 block-aligned shards with one all-to-all, and the output is sent back the same way. Shards of
 whole blocks are balanced to within one block; with fewer blocks than ranks some ranks hold none
@@ -52,6 +53,7 @@ from .comm import (
     balanced_block_bounds,
     bounds_of,
     check_permutation,
+    order_key,
     to_device,
 )
 from .common import Shards, check_inputs, entry_settings, to_layout
@@ -185,7 +187,7 @@ _MAX_ROUTES = 64
 def _tensor_key(t, name: str):
     if t is not None and not isinstance(t, torch.Tensor):  # check_permutation's own message, before the cache
         check_permutation(t, 1, name)
-    return None if t is None else (id(t), t._version)
+    return None if t is None else order_key(t)
 
 
 def _ring_route(perm, q_perm, exact, sh: Shards, block_size: int, query_block: int) -> _RingRoute:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..attention import pisa_attention
 from ..spec import expand_kv_heads
-from .comm import check_permutation, inverse_permutation, to_device
+from .comm import check_permutation, inverse_permutation, order_key, to_device
 from ..settings import UNPASSED as _U
 from ..settings import PisaSettings
 from .common import Shards, check_inputs, entry_settings, to_layout
@@ -158,7 +158,7 @@ def _device_order(perm: Tensor, total: int, device) -> tuple[Tensor, Tensor]:
     version), not per call."""
     if not isinstance(perm, Tensor):  # check_permutation's own message, before the cache
         check_permutation(perm, total)
-    key = (id(perm), perm._version, total, str(device))
+    key = (order_key(perm), total, str(device))
     hit = _ORDERS.get(key)
     if hit is not None and hit[0] is perm:
         return hit[1], hit[2]

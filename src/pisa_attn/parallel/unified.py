@@ -75,9 +75,7 @@ def unified_pisa_attention(
                                      query_block=query_block)
     u_rank, u = group_info(ulysses_group)
     r_rank, r = group_info(ring_group)
-    if dist.get_world_size() % (u * r) or (u > 1 and r > 1 and ulysses_group == ring_group):
-        raise ValueError(f"ulysses_group ({u} ranks) and ring_group ({r} ranks) must be two groups forming a "
-                         f"ring x ulysses grid of the ranks (got {'one group twice' if ulysses_group == ring_group else 'sizes that do not divide the world'})")
+    _check_crossing(ulysses_group, ring_group, u, r)
     u_lens = ring_lens = None
     if seq_lens is not None:
         lens = checked_lens(seq_lens, u * r, "local lengths of the ring x ulysses ranks")
@@ -88,7 +86,8 @@ def unified_pisa_attention(
                                      defer=seq_lens is None, pre_error=error)
     if seq_lens is None:
         shape = [0] * 4 if local_error is not None else [*views[0].shape[:2], views[1].shape[1], views[0].shape[3]]
-        _agree_on_grid(local_error, settings_fingerprint(s, q.dtype), shape, ulysses_group, ring_group, q.device)
+        _agree_on_grid(local_error, settings_fingerprint(s, q.dtype), shape, ulysses_group, ring_group, q.device,
+                       u_rank)
     layout = s.layout
     heads = q.shape[1 if layout == "bhsd" else 2]
     keep = local_keep(keep_blocks, heads, slice(u_rank * heads // u, (u_rank + 1) * heads // u))
@@ -106,20 +105,37 @@ def unified_pisa_attention(
     return (out, lse) if return_lse else out
 
 
-def _agree_on_grid(local_error, fingerprint: int, shape: list[int], ulysses_group, ring_group, device) -> None:
+def _check_crossing(ulysses_group, ring_group, u: int, r: int) -> None:
+    """The two groups must cross in this rank alone (its Ulysses peers are not its ring peers);
+    read from the groups on the host, no exchange. That every ring peer sits at this rank's
+    Ulysses position is checked by :func:`_agree_on_grid` (trusted with ``seq_lens``)."""
+    world = dist.group.WORLD
+    mine = set(dist.get_process_group_ranks(ulysses_group or world))
+    ring = set(dist.get_process_group_ranks(ring_group or world))
+    if mine & ring != {dist.get_rank()}:
+        raise ValueError(f"ulysses_group ({u} ranks) and ring_group ({r} ranks) must be two groups forming a "
+                         f"ring x ulysses grid: they may share only this rank, but share ranks {sorted(mine & ring)}")
+
+
+def _agree_on_grid(local_error, fingerprint: int, shape: list[int], ulysses_group, ring_group, device,
+                   u_rank: int) -> None:
     """Raise on every rank of the grid when any rank refused its inputs, called with other settings
-    or dtype, or holds another ``[B, H, Hk, D]``: the Ulysses group's verdict, then the ring group's
-    over those (every rank shares a Ulysses group with one rank of each ring group), two small
-    gathers."""
+    or dtype, holds another ``[B, H, Hk, D]``, or its ring peers sit at other positions of their
+    Ulysses groups (no grid: their heads differ): the Ulysses group's verdict, then the ring
+    group's over those (every rank shares a Ulysses group with one rank of each ring group), two
+    small gathers."""
     facts = gather_ints([int(local_error is not None), fingerprint, *shape], ulysses_group, device)
     shapes = {tuple(f[2:]) for f in facts if not f[0]}
     group_verdict = [int(any(f[0] for f in facts)), int(len({f[1] for f in facts}) > 1 or len(shapes) > 1),
-                     facts[0][1], *(next(iter(shapes)) if shapes else [0] * 4)]
+                     facts[0][1], *(next(iter(shapes)) if shapes else [0] * 4), u_rank]
     verdicts = gather_ints(group_verdict, ring_group, device)
     if local_error is not None:
         raise local_error
     if any(v[0] for v in verdicts):
         raise ValueError("unified_pisa_attention: another rank refused its inputs (its error says why)")
-    if any(v[1] for v in verdicts) or len({v[2] for v in verdicts}) > 1 or len({tuple(v[3:]) for v in verdicts}) > 1:
+    if len({v[7] for v in verdicts}) > 1:
+        raise ValueError("ulysses_group and ring_group must form a ring x ulysses grid: every rank of a ring group "
+                         f"must hold the same position in its Ulysses group (positions {[v[7] for v in verdicts]})")
+    if any(v[1] for v in verdicts) or len({v[2] for v in verdicts}) > 1 or len({tuple(v[3:7]) for v in verdicts}) > 1:
         raise ValueError("unified_pisa_attention: every rank must call with the same settings and dtype and hold the "
                          f"same batch/heads/kv_heads/head_dim (this rank: [B, H, Hk, D] = {shape})")
