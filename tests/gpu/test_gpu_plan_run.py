@@ -169,3 +169,22 @@ def test_row_without_exact_blocks_past_16k_keys_B1_H2_Lq1024_Lk16384_D128(mode, 
     # the low precisions against float64 PISA within their documented bounds (tests/gpu/test_gpu_fuzz.py)
     assert rel_l1(out, o64) < {"input": 1e-2, "int8": 4e-2, "fp8": 1.5e-1}[precision]
     assert (lse.double() - l64).abs().max().item() < (1e-2 if precision == "input" else 0.6)
+
+
+@pytest.mark.parametrize("precision", ["input", "int8"])
+@pytest.mark.parametrize("backend", KERNELS)
+def test_a_plan_serves_inference_mode_and_no_grad_alike_B1_H4_L4096_D128(backend, precision):
+    """A plan's workspace made under torch.inference_mode() (a pipeline call) and run later under
+    no_grad, and the reverse: the same output each time."""
+    if precision != "input" and backend != "hopper":
+        pytest.skip("low precision runs on the hopper backend")
+    q, k, v = qkv(1, 4, 4, 4096, 4096, 128, torch.bfloat16, "bhsd", seed=6)
+    s = PisaSettings(density=0.125, backend=backend, precision=precision)
+    for first, second in ((torch.inference_mode, torch.no_grad), (torch.no_grad, torch.inference_mode)):
+        with first():
+            p = plan(q, k, s)
+            a = run(p, q, k, v).clone()
+        with second():
+            b = run(p, q, k, v)
+            c = pisa_attention(q, k, v, settings=s)
+        assert torch.equal(a, b) and torch.equal(a, c)
