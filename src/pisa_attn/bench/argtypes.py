@@ -38,26 +38,24 @@ def int_at_least(low: int):
     return parse
 
 
-@_accepts("a finite number > 0")
-def positive_float(text: str) -> float:
+def _number(text: str, ok, why: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < float("inf"):  # nan fails both comparisons
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{why}, got {text}")
     return value
+
+
+@_accepts("a finite number > 0")
+def positive_float(text: str) -> float:
+    return _number(text, lambda x: 0 < x < float("inf"), "must be a finite number > 0")  # nan fails both
 
 
 @_accepts("a number in (0, 1]")
 def density(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"density must be in (0, 1], got {text}")
-    return value
+    return _number(text, lambda x: 0.0 < x <= 1.0, "density must be in (0, 1]")
 
 
 @_accepts("a power of two >= 16")
