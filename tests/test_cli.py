@@ -678,3 +678,19 @@ def test_bench_dense_keeps_the_eager_time_when_graph_capture_fails(monkeypatch):
     row = kernels.bench_dense(kernels.Config.parse("2-16-128"), 4096, torch.bfloat16, "bhsd", 10.0, graphs=True)
     assert row["sdpa_cudnn"] == 1.5 and row["sdpa_flash"] == 1.5
     assert row["sdpa_cudnn_graph"] is None and row["sdpa_cudnn_graph_error"] == "capture failed"
+
+
+def test_bench_times_the_lean_call_on_a_planned_workspace():
+    """The timed PISA call is run(plan, q, k, v, out=) on a plan with its workspace: the result
+    of pisa_attention, written into one output buffer on every call."""
+    from pisa_attn import pisa_attention
+    from pisa_attn.bench import kernels
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 32, generator=g).half() for _ in range(3))
+    p, call = kernels._timed_call(q, k, v, 0.25, "hybrid", "triton")
+    assert p.workspace is not None
+    first = call()
+    assert call() is first
+    torch.testing.assert_close(first, pisa_attention(q, k, v, density=0.25, block_size=64, covariance_aware=False,
+                                                     backend="triton"), rtol=0, atol=0)

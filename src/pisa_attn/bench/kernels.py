@@ -5,7 +5,8 @@ random``: Gaussian q/k/v, whose block selections are nearly independent between 
 ``--data dit``: the DiT-like generator of :mod:`pisa_attn.data` on a ``(L/1024, 32, 32)`` grid,
 whose neighbouring query blocks share most of their exact blocks, as in real DiTs):
 cuDNN SDPA, flash SDPA, FlexAttention keep-or-drop over the SAME blocks PISA selects (64x64,
-compiled), PISA ``drop`` and PISA ``hybrid`` (total time: prepare + selection + attention), the
+compiled), PISA ``drop`` and PISA ``hybrid`` (the whole call, prepare + selection + attention, as
+``run(plan, q, k, v, out=)`` on a plan that owns its workspace), the
 phase breakdown of the hybrid call, and the peak extra memory of one PISA call beyond q, k, v, o.
 Writes JSON (and optionally a PNG plot and a markdown table).
 
@@ -154,10 +155,24 @@ def _plan(q, k, density, mode, block_size=64, backend="auto", query_block=None, 
 
 
 def _pisa_call(q, k, v, plan):
+    """One call on a workspace-less plan: every buffer allocated by the call (what its peak
+    memory beyond q, k, v and out is measured on)."""
     from pisa_attn.attention import get_backend
 
     forward = get_backend(plan.backend).forward
     return lambda: forward(q, k, v, plan)
+
+
+def _timed_call(q, k, v, density, mode, backend, query_block=None, precision="input"):
+    """``(plan, call)``: the lean call a user times, ``run(plan, q, k, v, out=)`` on a plan that
+    owns its workspace (eager: no allocation, launches replayed; capturable in a CUDA graph)."""
+    from pisa_attn import plan, run
+
+    s = PisaSettings(density=density, block_size=64, mode=mode, covariance_aware=False, backend=backend,
+                     query_block=query_block, precision=precision)
+    p = plan(q, k, s)
+    out = torch.empty_like(q)
+    return p, lambda: run(p, q, k, v, out=out)
 
 
 def pair_overlap(sel, n_kv_blocks: int) -> float:
@@ -247,14 +262,12 @@ def bench_case(cfg: Config, length: int, density: float, dtype, layout: str, rep
     row: dict = {}
     if query_block:  # the same call with selection per query_block rows (shared by 2 or 4 blocks)
         for mode in ("drop", "hybrid"):
-            fn = _pisa_call(q, k, v, _plan(q, k, density, mode, backend=backend, query_block=query_block,
-                                           precision=precision))
+            _, fn = _timed_call(q, k, v, density, mode, backend, query_block, precision)
             fn()
             row[f"pisa_{mode}_qb{query_block}"] = bench_ms(fn, rep_ms)
     for mode in ("drop", "hybrid"):
-        plan = _plan(q, k, density, mode, backend=backend, precision=precision)
+        plan, fn = _timed_call(q, k, v, density, mode, backend, precision=precision)
         row["backend"] = plan.backend
-        fn = _pisa_call(q, k, v, plan)
         fn()  # compile + autotune outside the timed region
         row[f"pisa_{mode}"] = bench_ms(fn, rep_ms)
         if graphs:
