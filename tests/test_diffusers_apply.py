@@ -78,7 +78,7 @@ def _non_dispatching(tr):
 
 
 BAD = [
-    (dict(telemetry=2.0), ValueError, "sample_rate"),
+    (dict(telemetry=2.0), ValueError, "telemetry must be"),
     (dict(telemetry="yes"), TypeError, "telemetry"),
     (dict(density=2.0), ValueError, "density"),
     (dict(mode="fast"), ValueError, "mode"),
