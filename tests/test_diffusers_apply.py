@@ -623,3 +623,12 @@ def test_forwards_under_inference_mode_and_no_grad_agree(family):
     finally:
         pd.remove_pisa(tr)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_telemetry_false_is_off_as_calibrate_false_is():
+    tr = tiny_transformer("wan")
+    pd.apply_pisa(tr, telemetry=False, calibrate=False, **SPARSE)
+    try:
+        assert tm.get(tr) is None and pd.pisa_state(tr).calibrator is None
+    finally:
+        pd.remove_pisa(tr)

@@ -109,6 +109,10 @@ def test_calibration_chooses_the_selection_rule_per_layer_and_sparse_calls_use_i
     assert {i: x.covariance_aware for i, x in table.layers().items()} == rules
     calls.remove()
     pd.remove_pisa(pipe)
+    clash = not rules[min(rules)]  # an explicit rule one fitted layer contradicts: refused, nothing installed
+    with pytest.raises(ValueError, match=f"covariance_aware={clash}.*layers"):
+        pd.apply_pisa(pipe, alpha_table=table.to_json(), covariance_aware=clash, **RUN)
+    assert pd.pisa_state(pipe.transformer) is None
     pd.apply_pisa(pipe, alpha_table=table.to_json(), **RUN)
     assert pd.pisa_state(pipe.transformer).rules == rules
     torch.testing.assert_close(_generate(pipe, "flux"), out, rtol=0, atol=0)

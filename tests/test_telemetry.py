@@ -190,6 +190,10 @@ def test_remove_pisa_detaches_but_keeps_records(every_call):
     pipe(**prompt_kwargs("flux"), num_inference_steps=1)
     assert len(tm.get(pipe.transformer).records) == n
     assert tm.report(pipe, console=_quiet())["transformer"]["records"] == n
+    # removed, the transformer saves as any model does (its kept records included)
+    import pickle
+
+    assert len(pickle.loads(pickle.dumps(pipe.transformer)).__dict__[tm.ATTR].records) == n
 
 
 def _quiet():

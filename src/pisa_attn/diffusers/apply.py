@@ -223,6 +223,13 @@ def _install_for(name: str, transformer, settings: dict, table: at.AlphaTable | 
             alphas[layer] = torch.tensor(entry.alpha, dtype=torch.float64)
             if entry.covariance_aware is not None:
                 rules[layer] = entry.covariance_aware
+        # The table's weights were fitted under its per-layer rules: an explicit rule that differs
+        # is neither silently overridden nor run with weights fitted for another selection.
+        given = settings["cov"]
+        clash = sorted(layer for layer, rule in rules.items() if given is not None and rule != given)
+        if clash:
+            raise ValueError(f"covariance_aware={given!r} contradicts the selection rule alpha_table fitted layers "
+                             f"{clash} under: pass covariance_aware=None to run the table's rules, or refit")
     return _Install(transformer, adapter, config, modules, alphas, rules, calibration)
 
 
@@ -340,10 +347,12 @@ def apply_pisa(
         mode: ``"hybrid"``, ``"zeroth"``, ``"first"`` or ``"drop"``.
         covariance_aware: covariance-aware block selection; None: the model family's default,
             or with ``calibrate=True`` each layer's rule chosen by the fit (an explicit value is
-            kept: the fit then runs under it alone).
+            kept: the fit then runs under it alone), or with ``alpha_table`` the rule each layer was
+            fitted under (an explicit value that contradicts one is a ValueError).
         block_size: tokens per query/key block.
         min_kv_len: calls with fewer keys run dense (too few tokens for sparsity to pay).
-        telemetry: passed to ``pisa_attn.diffusers.telemetry.attach`` when not None.
+        telemetry: passed to ``pisa_attn.diffusers.telemetry.attach``; None or False: off (as
+            ``calibrate=False``).
         alpha: weight of the first-order tail term (``pisa_attention``'s ``alpha``): a float or a
             CPU tensor of one value per head; None: :data:`pisa_attn.spec.DEFAULT_ALPHA`. The
             weight of layers that ``calibrate`` / ``alpha_table`` give none.
@@ -374,7 +383,7 @@ def apply_pisa(
     check_diffusers()
     found, pipe = transformers_of(pipe_or_transformer)
     transformers = [t for _, t in found]
-    tel = None if telemetry is None else tm.as_config(telemetry)
+    tel = None if telemetry is None or telemetry is False else tm.as_config(telemetry)
     calibration = calibration_config(calibrate)
     if calibration is not None and covariance_aware is not None and calibration.choose_selection:
         if calibrate is not True:

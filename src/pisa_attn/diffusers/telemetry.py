@@ -125,6 +125,7 @@ def detach(transformer) -> Telemetry | None:
     tel = get(transformer)
     if tel is not None and tel.active:
         tel._remove()
+        tel._remove = None  # a closure over the hooks: the detached records must stay picklable
         tel.active = False
     return tel
 
