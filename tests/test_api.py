@@ -407,7 +407,7 @@ def test_float_alpha_and_scale_change_under_torch_compile_fullgraph(backend):
     fn = torch.compile(lambda q, k, v, a, s: pisa_attention(q, k, v, alpha=a, scale=s, **kw),
                        fullgraph=True, backend="eager")
     outs = []
-    for a, s in ((0.3, 0.2), (0.7, 0.2), (0.7, 0.11), (0.45, 0.15)):
+    for a, s in ((0.3, 0.2), (0.7, 0.2), (0.7, 0.11)):  # alpha changes, then scale
         got = fn(q, k, v, a, s)
         torch.testing.assert_close(got, pisa_attention(q, k, v, alpha=a, scale=s, **kw), rtol=1e-5, atol=1e-5)
         outs.append(got)

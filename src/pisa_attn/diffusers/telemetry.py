@@ -91,6 +91,11 @@ class Telemetry:
     _rng: random.Random = field(default=None, repr=False)
     _remove: object = field(default=None, repr=False)
 
+    def __getstate__(self) -> dict:
+        # A copy (pickle, deepcopy, torch.save of its transformer) holds the records, not the hook:
+        # the removal closure does not pickle, and a copy is attached to nothing.
+        return {**self.__dict__, "_remove": None, "active": False}
+
     def observe(self, call: hooks.AttentionCall) -> None:
         self.calls += 1
         cfg = self.config
@@ -125,7 +130,6 @@ def detach(transformer) -> Telemetry | None:
     tel = get(transformer)
     if tel is not None and tel.active:
         tel._remove()
-        tel._remove = None  # a closure over the hooks: the detached records must stay picklable
         tel.active = False
     return tel
 
