@@ -168,9 +168,7 @@ def _timed_call(q, k, v, density, mode, backend, query_block=None, precision="in
     owns its workspace (eager: no allocation, launches replayed; capturable in a CUDA graph)."""
     from pisa_attn import plan, run
 
-    s = PisaSettings(density=density, block_size=64, mode=mode, covariance_aware=False, backend=backend,
-                     query_block=query_block, precision=precision)
-    p = plan(q, k, s)
+    p = plan(q, k, _plan(q, k, density, mode, backend=backend, query_block=query_block, precision=precision).settings)
     out = torch.empty_like(q)
     return p, lambda: run(p, q, k, v, out=out)
 

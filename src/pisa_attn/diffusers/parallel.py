@@ -252,13 +252,11 @@ def _orders(seq: Sequence, lens, block_size: int) -> tuple[Tensor, Tensor | None
     return _orders_cached(seq.layout, seq.image_lo, seq.image_hi, tuple(lens), block_size)
 
 
+# Cached past the call that made them (maybe under torch.inference_mode()): plain tensors, whose
+# version counters the ring's and Ulysses' caches read.
 @functools.lru_cache(maxsize=32)
+@torch.inference_mode(False)
 def _orders_cached(layout, image_lo: int, image_hi: int, lens: tuple[int, ...], block_size: int):
-    with torch.inference_mode(False):  # cached past this call: plain tensors, with version counters
-        return _make_orders(layout, image_lo, image_hi, lens, block_size)
-
-
-def _make_orders(layout, image_lo: int, image_hi: int, lens: tuple[int, ...], block_size: int):
     perm = _pisa_order(layout, image_lo, image_hi, lens)
     start = block_floor(image_lo, block_size)
     q_perm = None if start == 0 and image_hi == layout.num_tokens else perm[start:image_hi].clone()
@@ -272,12 +270,8 @@ def pisa_order(seq: Sequence, lens: tuple[int, ...]) -> Tensor:
 
 
 @functools.lru_cache(maxsize=32)
+@torch.inference_mode(False)  # as _orders_cached
 def _pisa_order(layout, image_lo: int, image_hi: int, lens: tuple[int, ...]) -> Tensor:
-    with torch.inference_mode(False):  # cached past this call: a plain tensor, with a version counter
-        return _make_pisa_order(layout, image_lo, image_hi, lens)
-
-
-def _make_pisa_order(layout, image_lo: int, image_hi: int, lens: tuple[int, ...]) -> Tensor:
     total, world = layout.num_tokens, len(lens)
     runs = _runs(image_lo, image_hi, total)
     chunks = [torch.arange(a, b).tensor_split(world) for a, b in runs]  # diffusers: even split per stream
