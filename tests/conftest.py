@@ -7,6 +7,10 @@ import torch
 # any kernel module is imported (triton.jit reads it at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        import interpreter_patch
+
+        interpreter_patch.install()
 
 
 @pytest.fixture(autouse=True, scope="session")

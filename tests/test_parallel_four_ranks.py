@@ -37,6 +37,11 @@ CASES3 = {
 }
 
 
+# The two-rank tests run every kind on both families; four ranks add the 2 x 2 grid (both families)
+# and the ring and Ulysses degrees of four, each on one family.
+DIFFUSERS4 = {"flux": ("ulysses", "unified", "ring-uneven"), "wan": ("ring", "unified")}
+
+
 def _ring_triton_empty_shard(rank, world):
     """Kernels (interpreter), bfloat16, 3 key blocks on 4 ranks: prepare on an empty K/V shard and
     select with no local query block must run; equal to one process on the kernels."""
@@ -134,13 +139,14 @@ def _diffusers(world):
 
     from diffusers import ContextParallelConfig
 
-    runs = [
-        ("ulysses", _config("ulysses", world), True, False),
-        ("ring", _config("ring", world), False, False),
-        ("unified", ContextParallelConfig(ulysses_degree=2, ring_degree=2), True, False),
-        ("ring-uneven", _config("ring", world, anything=True), True, True),
-    ]
-    return {family: cp_results(family, runs, heads=4) for family in ("flux", "wan")}
+    runs = {
+        "ulysses": ("ulysses", _config("ulysses", world), True, False),
+        "ring": ("ring", _config("ring", world), False, False),
+        "unified": ("unified", ContextParallelConfig(ulysses_degree=2, ring_degree=2), True, False),
+        "ring-uneven": ("ring-uneven", _config("ring", world, anything=True), True, True),
+    }
+    return {family: cp_results(family, [runs[kind] for kind in kinds], heads=4)
+            for family, kinds in DIFFUSERS4.items()}
 
 
 def _worker(rank, world):
@@ -190,8 +196,8 @@ def test_unified_errors_reach_every_rank(four_ranks, case, words):
         assert msg.startswith("ValueError") and re.search(words, msg), (rank, msg)
 
 
-@pytest.mark.parametrize("family", ["flux", "wan"])
-@pytest.mark.parametrize("kind", ["ulysses", "ring", "unified", "ring-uneven"])
+@pytest.mark.parametrize("family, kind", [(f, k) for f, kinds in DIFFUSERS4.items() for k in kinds],
+                         ids=lambda x: x)
 def test_diffusers_four_ranks_equal_single_process(four_ranks, family, kind):
     from test_parallel_diffusers import check_equal
 

@@ -512,6 +512,6 @@ def test_compiled_call_follows_a_new_key_length():
     torch._dynamo.reset()
     f = torch.compile(lambda q, k, v: pisa_attention(q, k, v, block_size=16, density=0.4), fullgraph=True,
                       backend="eager")
-    for n in (48, 40, 72):
+    for n in (48, 40):  # the second, ragged length is traced symbolically
         x = torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(n))
         torch.testing.assert_close(f(x, x, x), pisa_attention(x, x, x, block_size=16, density=0.4), rtol=0, atol=0)
