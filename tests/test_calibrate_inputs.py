@@ -120,6 +120,9 @@ def test_choose_rules_refuses_a_head_without_tail_unless_told():
         "segments": [{"grid": [8, 16]}], "tile": [4, 8], "offset": float("inf")}}}), "offset"),
     ("text-float", json.dumps({"step0.layer0": {"step": 0, "layer": 0,
                                                 "token_layout": {"segments": [{"text": 64.7}]}}}), "text"),
+    # a list is no name: the layout would be unhashable, a TypeError traceback when first used
+    ("text-label", json.dumps({"step0.layer0": {"step": 0, "layer": 0, "token_layout": {
+        "segments": [{"grid": [8, 15]}, {"text": 8, "name": ["suffix"]}], "tile": [4, 8]}}}), "name"),
     # a [B, L, H, D] file whose entry records [B, H, L, D]: it would load as L heads
     ("shape", json.dumps({"step0.layer0": {"step": 0, "layer": 0, "shape": [1, 128, 2, 16]}}), "shape"),
 ])
@@ -127,6 +130,18 @@ def test_bad_metadata_is_refused(tmp_path, capsys, no_fit, case, entries, match)
     path = _write(tmp_path / f"{case}.safetensors", meta_entries=entries)
     err = _run(capsys, path, "--out", tmp_path / "a.json")
     assert match in err
+
+
+@pytest.mark.parametrize("version", ["true", "1.0"])
+def test_a_version_that_only_equals_one_is_refused(tmp_path, version):
+    # the alpha table's reader refuses these too: a format version is an integer
+    from pisa_attn.qkv_file import read_qkv_file
+
+    path = str(tmp_path / "v.safetensors")
+    meta = {"format": "pisa-attn-qkv", "version": version, "entries": json.dumps({"step0.layer0": _entry()})}
+    save_file({f"step0.layer0.{p}": torch.zeros(1, 2, 128, 16) for p in "qkv"}, path, metadata=meta)
+    with pytest.raises(ValueError, match="version"):
+        read_qkv_file(path)
 
 
 def test_bad_image_range_and_scale(tmp_path, capsys, no_fit):
@@ -185,6 +200,24 @@ def test_table_refuses_empty_layer_maps_and_bad_rules():
                        ({"transformer": {"0": {"alpha": [0.5], "covariance_aware": "yes"}}}, "covariance_aware")):
         with pytest.raises(ValueError, match=match):
             at.from_json({**good, "transformers": bad})
+
+
+def test_save_refuses_a_table_load_would_refuse_and_leaves_the_file(tmp_path):
+    path = tmp_path / "alpha.json"
+    good = at.AlphaTable({"transformer": {0: at.LayerAlpha((0.5, 0.25))}}, {"density": 0.15})
+    good.save(path)
+    before = path.read_text()
+    assert at.load(str(path)).layers()[0].alpha == (0.5, 0.25)
+    # not JSON: the file was truncated mid-write; NaN: written as a file load refuses
+    unserialisable = at.AlphaTable({"transformer": {0: at.LayerAlpha((0.5,))}}, {"density": 0.15, "note": torch.ones(1)})
+    nan = at.AlphaTable({"transformer": {0: at.LayerAlpha((float("nan"),))}})
+    for bad, error, match in ((unserialisable, TypeError, "not JSON serializable"), (nan, ValueError, "alpha_table")):
+        with pytest.raises(error, match=match):
+            bad.save(path)
+        assert path.read_text() == before
+    with pytest.raises(ValueError, match="alpha_table"):
+        nan.save(tmp_path / "new.json")
+    assert not (tmp_path / "new.json").exists()
 
 
 def test_a_non_finite_fit_is_an_error_not_a_table():

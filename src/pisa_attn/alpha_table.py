@@ -84,8 +84,13 @@ class AlphaTable:
                                  for t, ls in self.transformers.items()}}
 
     def save(self, path) -> str:
+        """Write the table as JSON; a table :func:`load` would refuse is refused here (ValueError
+        naming ``alpha_table``), and a failure leaves an existing file as it was."""
+        d = self.to_json()
+        from_json(d)
+        text = json.dumps(d, indent=1, allow_nan=False)  # whole before the file is opened
         with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
+            f.write(text)
         return str(path)
 
 

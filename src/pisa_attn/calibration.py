@@ -27,6 +27,7 @@ centroid exponentials the reference's docstring calls ``α_tj``.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -194,6 +195,7 @@ class AlphaStats:
         or one value per head (then the result is ``[H]`` for ``"layer"`` too)."""
         if over not in FIT_OVER:
             raise ValueError(f"over must be one of {FIT_OVER}, got {over!r}")
+        bounds = _check_bounds(bounds)
         cr, cc = (self.cr, self.cc) if over == "head" else (self.cr.sum(), self.cc.sum())
         if not bool(torch.isfinite(cr).all() and torch.isfinite(cc).all()):
             # NaN would fail the test below and pass for a head without a tail: the default
@@ -207,6 +209,8 @@ class AlphaStats:
         if d.ndim > 1 or d.numel() not in (1, self.cr.numel()):
             raise ValueError(f"default must be a float or one value per head ({self.cr.numel()}), "
                              f"got {d.numel()} values")
+        if not bool(torch.isfinite(d).all()):  # it is the weight of every head without a tail
+            raise ValueError(f"default must be finite, got {default!r}")
         return torch.where(cc > tiny, w, d.reshape(()) if d.numel() == 1 else d)
 
     def residual(self, alpha) -> Tensor:
@@ -215,10 +219,57 @@ class AlphaStats:
         return self.rr - 2 * a * self.cr + a * a * self.cc
 
 
+def _check_bounds(bounds) -> tuple[float, float] | None:
+    """``bounds`` as ``(lo, hi)`` with ``lo <= hi`` (infinite ends allowed); ValueError/TypeError
+    naming it: ``clamp`` would make every weight ``hi`` for ``lo > hi`` and NaN for a NaN end."""
+    if bounds is None:
+        return None
+    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+        raise TypeError(f"bounds must be None or a pair (lo, hi) of numbers, got {bounds!r}")
+    try:
+        lo, hi = (float(x) for x in bounds)
+    except (TypeError, ValueError):
+        raise TypeError(f"bounds must be None or a pair (lo, hi) of numbers, got {bounds!r}") from None
+    if not lo <= hi:  # also NaN
+        raise ValueError(f"bounds must be (lo, hi) with lo <= hi, got {bounds!r}")
+    return lo, hi
+
+
+def _check_rows(rows, lq: int):
+    """``rows`` (a slice, row positions or a bool mask ``[Lq]``) as an index into ``Lq``, holding
+    at least one row; ValueError/TypeError naming it. No rows would fit every head to the default."""
+    if isinstance(rows, slice):
+        if not range(lq)[rows]:
+            raise ValueError(f"rows {rows!r} holds no query row of [0, {lq})")
+        return rows
+    try:
+        t = torch.as_tensor(rows)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"rows must be a slice, row positions (ints) or a bool mask, got {rows!r}") from None
+    if t.numel() == 0:  # torch.as_tensor([]) is float
+        raise ValueError(f"rows holds no query row of [0, {lq})")
+    if t.dtype == torch.bool:
+        if t.dim() != 1 or t.numel() != lq:
+            raise ValueError(f"rows as a mask must be bool [{lq}], got {tuple(t.shape)}")
+        t = t.nonzero().reshape(-1)
+    elif t.is_floating_point() or t.is_complex():
+        raise TypeError(f"rows must be a slice, row positions (ints) or a bool mask, got {t.dtype}")
+    t = t.reshape(-1).long()
+    if t.numel() == 0:  # an all-False mask
+        raise ValueError(f"rows holds no query row of [0, {lq})")
+    if bool(((t < 0) | (t >= lq)).any()):
+        raise ValueError(f"rows must lie in [0, {lq}), got {t[(t < 0) | (t >= lq)][:4].tolist()}")
+    return t
+
+
 def _corr_and_residual(terms: TailTerms, dense: Tensor, rows) -> tuple[Tensor, Tensor]:
     """The correction ``c`` and the residual ``dense − o⁰`` in float64, over query ``rows``."""
     if dense.shape != terms.base.shape:
         raise ValueError(f"dense must have the shape of the PISA output {tuple(terms.base.shape)}, got {tuple(dense.shape)}")
+    if rows is not None:
+        rows = _check_rows(rows, terms.base.shape[2])
+        if isinstance(rows, Tensor):
+            rows = rows.to(terms.base.device)
     c, o0, d = terms.corr.double(), terms.base.double(), dense.double()
     if rows is not None:
         c, o0, d = (x[:, :, rows] for x in (c, o0, d))
@@ -401,7 +452,7 @@ def row_plan(lq: int, block_size: int, rows=None, measured: tuple[int, int] | No
     """The :class:`RowPlan` of query ``rows`` (None: all) of ``lq`` rows inside ``measured``;
     ValueError when none is left."""
     bs = block_size
-    lo, hi = (0, lq) if measured is None else measured
+    lo, hi = (0, lq) if measured is None else _check_measured(measured, lq)
     if rows is None:
         pool = range(lo, hi)
     else:
@@ -682,6 +733,19 @@ def _check_fittable(st: AlphaStats, over: str, where: str) -> None:
         raise ValueError(f"{where}: the first-order term is zero on every fitted row{which}: no tail (every key "
                          "block exact at this density) or H̄ = 0, so no weight can be fitted; fit at the density "
                          "you run with, on calls with more key blocks")
+
+
+def _check_measured(measured, lq: int) -> tuple[int, int]:
+    # rows outside [0, lq) would make a plan of rows q does not have
+    try:
+        if not isinstance(measured, (tuple, list)) or len(measured) != 2 or any(isinstance(x, bool) for x in measured):
+            raise TypeError
+        lo, hi = (operator.index(x) for x in measured)
+    except TypeError:
+        raise TypeError(f"measured must be None or a pair (lo, hi) of ints, got {measured!r}") from None
+    if not 0 <= lo <= hi <= lq:
+        raise ValueError(f"measured must be a range [lo, hi) inside the {lq} query rows, got {tuple(measured)!r}")
+    return lo, hi
 
 
 def _runs(pos: list[int], bs: int) -> list[tuple[int, int]]:

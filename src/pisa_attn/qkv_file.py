@@ -42,9 +42,16 @@ def _json_int(x, what: str) -> int:
     return x
 
 
+def _json_str(x, what: str) -> str:
+    # a list or object would make the layout unhashable: a TypeError wherever it is first cached
+    if not isinstance(x, str):
+        raise TypeError(f"{what} must be a string, got {x!r}")
+    return x
+
+
 def layout_from_json(d: dict) -> TokenOrder:
     try:
-        segs = tuple(Text(_json_int(s["text"], "text"), s.get("name", "text")) if "text" in s
+        segs = tuple(Text(_json_int(s["text"], "text"), _json_str(s.get("name", "text"), "name")) if "text" in s
                      else Grid(tuple(_json_int(g, "grid") for g in s["grid"])) for s in d["segments"])
         tile = tuple(_json_int(t, "tile") for t in d["tile"]) if d.get("tile") else None
         return TokenOrder(segs, tile, d.get("order", "compact"), _json_int(d.get("offset", 0), "offset"))
@@ -143,7 +150,7 @@ def read_qkv_file(path: str) -> QKVFile:
         meta = {k: v if k == "format" else json.loads(v) for k, v in raw.items()}
     except json.JSONDecodeError as e:
         raise ValueError(f"capture {str(path)!r} has malformed metadata: {e}") from None
-    if meta.get("version") != VERSION:
+    if type(meta.get("version")) is not int or meta.get("version") != VERSION:  # not 1.0 or true
         raise ValueError(f"capture {str(path)!r} has format version {meta.get('version')!r}, "
                          f"this reader needs {VERSION}")
     listed = meta.get("entries")
