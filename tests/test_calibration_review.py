@@ -89,3 +89,22 @@ def test_alpha_stats_rows_forms_agree(terms_and_dense):
     for rows in (mask, torch.arange(64, 128), list(range(64, 128))):
         st = cal.alpha_stats(t, dense, rows=rows)
         assert torch.equal(st.cr, ref.cr) and torch.equal(st.cc, ref.cc) and torch.equal(st.n, ref.n)
+
+
+def test_tail_terms_refuses_a_selection_rule_beside_a_mask_and_foreign_stats():
+    # keep_blocks / covariance_aware beside selected= were ignored; stats of another block size or
+    # key length failed deep inside the reference.
+    from pisa_attn.ops import reference as ref
+
+    q, k, v = _qkv()
+    sel = cal.tail_terms(q, k, v, density=0.25, block_size=64).selected
+    keep = torch.tensor([True, False, False, False])  # one flag per key block
+    for extra in (dict(keep_blocks=keep), dict(covariance_aware=True)):
+        with pytest.raises(ValueError, match="with selected= the mask names the exact blocks"):
+            cal.tail_terms(q, k, v, selected=sel, block_size=64, **extra)
+    with pytest.raises(ValueError, match=r"stats must hold k's and v's blocks at block_size=64"):
+        cal.tail_terms(q, k, v, density=0.25, block_size=64, stats=ref.prepare(q, k, v, 32))
+    with pytest.raises(TypeError, match="stats must be the reference's BlockStats"):
+        cal.tail_terms(q, k, v, density=0.25, block_size=64, stats={"kmean": None})
+    given = cal.tail_terms(q, k, v, density=0.25, block_size=64, stats=ref.prepare(q, k, v, 64))
+    assert torch.equal(given.base, cal.tail_terms(q, k, v, density=0.25, block_size=64).base)

@@ -358,3 +358,7 @@ def test_mask_to_tiled_moves_masks_with_the_tokens():
         lay.mask_to_tiled(torch.ones(2, n - 1, dtype=torch.bool), 2)
     with pytest.raises(ValueError, match="does not cover"):
         lay.mask_to_tiled(torch.ones(1, 1, 7, n, dtype=torch.bool), 1)
+    # a batch of n: [n, n] could be key padding or queries x keys (only the keys were moved)
+    with pytest.raises(ValueError, match="ambiguous"):
+        lay.mask_to_tiled(torch.ones(n, n, dtype=torch.bool), n)
+    torch.testing.assert_close(lay.mask_to_tiled(full[0, 0], 2), full[0, 0][perm][:, perm], rtol=0, atol=0)

@@ -106,7 +106,8 @@ def tail_terms(
     """Split PISA's reference output on ``[B, H, L, D]`` tensors into ``o⁰`` and ``c``.
 
     Give either ``density`` (the reference's selection, with ``covariance_aware``/``keep_blocks``)
-    or an exact-set mask ``selected`` ``[B, H, Nq, Nk]``. Both parts are the reference's own
+    or an exact-set mask ``selected`` ``[B, H, Nq, Nk]``. ``stats``: this k/v's
+    :func:`pisa_attn.ops.reference.prepare` at ``block_size`` (None: computed here). Both parts are the reference's own
     (:func:`pisa_attn.ops.reference.row_terms`): one pass, the numerator terms, denominator and
     max shift shared (use float64 inputs for a float64 fit).
     """
@@ -127,7 +128,18 @@ def tail_terms(
                    else type(selected).__name__)
             raise ValueError(f"selected must be a bool mask [B|1, H|1, {nq}, {nk}] (query blocks x key blocks), "
                              f"got {got}")
+        # the mask already names the exact blocks: a selection rule beside it would be ignored
+        if keep_blocks is not None or covariance_aware:
+            raise ValueError("keep_blocks and covariance_aware choose the density selection; with selected= "
+                             "the mask names the exact blocks (put kept blocks in it)")
         selected = selected.to(q.device)
+    if stats is not None:
+        want = (k.shape[0], k.shape[1], nk, k.shape[3])
+        if not isinstance(stats, ref.BlockStats):
+            raise TypeError(f"stats must be the reference's BlockStats, got {type(stats).__name__}")
+        if tuple(stats.kmean.shape) != want or tuple(stats.vsum.shape) != want:
+            raise ValueError(f"stats must hold k's and v's blocks at block_size={block_size} (kmean and vsum "
+                             f"{list(want)}), got kmean {list(stats.kmean.shape)}")
     given = stats
     if stats is None or (covariance_aware and stats.hdev is None):
         stats = ref.prepare(q, k, v, block_size, with_hdev=covariance_aware)  # the prepare stage

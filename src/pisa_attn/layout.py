@@ -258,6 +258,9 @@ class TokenOrder:
         if not isinstance(mask, Tensor):
             raise TypeError(f"attention mask must be a tensor, got {type(mask).__name__}")
         n = self.num_tokens
+        if mask.dim() == 2 and batch == n and mask.shape[0] == n:  # key padding or query x key?
+            raise ValueError(f"attention mask of shape {tuple(mask.shape)} is ambiguous for a batch of {batch}: "
+                             f"give key padding as [{batch}, 1, 1, {n}] or a query x key mask as [1, 1, {n}, {n}]")
         if mask.dim() == 2 and tuple(mask.shape) == (batch, n):  # key padding (diffusers' 2-D form)
             return self.to_tiled(mask, 1)
         if mask.dim() < 1 or mask.shape[-1] != n or (mask.dim() >= 2 and mask.shape[-2] not in (1, n)):
