@@ -348,8 +348,8 @@ def test_row_plan_keys_by_layout_not_position():
 # block + two batch rows; one rule (covariance-aware), float16, per-head kept blocks, D 16, 70 rows
 # (two row tiles of 64).
 FIT_KERNEL_CASES = [
-    (1, 2, 2, 256, 640, 64, torch.bfloat16, None, (False, True), [3, 4, 5, 70, 71, 130, 199]),
-    (2, 2, 1, 200, 700, 32, torch.bfloat16, "shared", (False, True), [3, 4, 5, 70, 71, 130, 199]),
+    (1, 2, 2, 128, 384, 64, torch.bfloat16, None, (False, True), [3, 4, 5, 62, 63, 64, 65, 100]),
+    (2, 2, 1, 200, 444, 32, torch.bfloat16, "shared", (False, True), [3, 4, 5, 70, 71, 130, 199]),
     (1, 2, 1, 192, 300, 16, torch.float16, "per-head", (True,), list(range(0, 30)) + list(range(64, 84))
      + list(range(140, 160))),
 ]

@@ -61,6 +61,8 @@ def test_triple_union_matches_torch(nq, nk):
 @pytest.mark.parametrize("nq,nk", [(13, 70), (16, 40), (1, 5), (9, 129)],
                          ids=["Nq13-Nk70", "Nq16-Nk40", "Nq1-Nk5", "Nq9-Nk129"])
 def test_pair_match_matches_torch(nq, nk, group):
+    """The matching against its PyTorch statement, and the pair-union stream built on it (a given
+    ``qpair``): one order per group, so each shape's stream is checked in both orders."""
     g = torch.Generator().manual_seed(nq * 100 + nk + group)
     mask = _local_mask(1, 2, nq, nk, g)
     bits, w = _bits(mask)
@@ -73,7 +75,7 @@ def test_pair_match_matches_torch(nq, nk, group):
         for h in range(2):
             got = sorted(x for x in flat[b, h].tolist() if x != nq)
             assert got == list(range(nq))
-    for order in ("owners", "ascending"):
+    for order in ("owners",) if group == 4 else ("ascending",):
         uidx, ucnt = pair_union(bits, nk, w, qpair=qpair, order=order)
         ref_idx, ref_cnt = pair_union_torch(bits, nk, w, qpair=ref, order=order)
         assert torch.equal(ucnt, ref_cnt)

@@ -387,8 +387,9 @@ def test_returned_selections_pass_the_check_with_keep_blocks_and_spare_width(bac
     # nothing, and a plan's spare keep width leaves many
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
-    q, k, v = (x.bfloat16() for x in make_qkv(1, 2, 2, 700, 700, 64, torch.float32))
+    q, k, v = (x.bfloat16() for x in make_qkv(1, 2, 2, 400, 400, 64, torch.float32))  # 7 blocks of 64
     p = plan(q, k, PisaSettings(density=0.15, backend=backend), max_keep=64)
+    assert p.width - (p.n_select + 1) >= 4  # width 7 (all blocks), 2 used with the kept one: 5 spare
     keep = torch.zeros(p.n_kv_blocks, dtype=torch.bool)
     keep[0] = True
     want, s = run(p, q, k, v, keep_blocks=keep, return_selection=True)
@@ -407,9 +408,9 @@ def test_a_one_value_alpha_is_the_same_in_every_entry_point():
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _qkv16(lk=128, seed=0, dtype=torch.float16):
+def _qkv16(lk=128, seed=0, dtype=torch.float16, lq=64):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, 2, 64, 16, generator=g).to(dtype),
+    return (torch.randn(1, 2, lq, 16, generator=g).to(dtype),
             *(torch.randn(1, 2, lk, 16, generator=g).to(dtype) for _ in range(2)))
 
 
@@ -417,7 +418,7 @@ def _qkv16(lk=128, seed=0, dtype=torch.float16):
 def test_a_keep_mask_seen_before_reaches_the_kernels_checked():
     """A CPU mask found by value takes the plan's checked copy on every call, also once recording
     gives up (the kernels once received the caller's 1-D mask there)."""
-    q, k, v = _qkv16()
+    q, k, v = _qkv16(lq=32)  # one query block is enough: the mask's path is what is checked
     keep = torch.zeros(4, dtype=torch.bool)
     keep[3] = True
     outs = [pisa_attention(q, k, v, density=0.25, block_size=32, keep_blocks=keep, backend="triton")

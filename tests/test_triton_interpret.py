@@ -16,7 +16,7 @@ from pisa_attn.attention import make_plan  # noqa: E402
 from pisa_attn.ops import reference as ref  # noqa: E402
 from pisa_attn.ops.selection import Selection, bits_to_mask  # noqa: E402
 from selection_masks import idx_to_mask  # noqa: E402
-from pisa_attn.ops.stages import run_plan  # noqa: E402
+from pisa_attn.ops.stages import forward_width, run_plan  # noqa: E402
 from pisa_attn.ops.triton import op  # noqa: E402
 from pisa_attn.ops.merge import merge  # noqa: E402
 from pisa_attn.ops.reference import BACKEND as REF  # noqa: E402
@@ -51,6 +51,15 @@ def ref_with_selection(q, k, v, selection, mode, scale, bs):
 
 def plan_for(q, k, density, bs, mode, cov=False):
     return make_plan(q, k, density, bs, mode, cov, None, "triton")
+
+
+def prepare_and_select(be, q, k, v, p, keep=None, n_keep_max=0):
+    """run_plan's prepare and select stages, without its attend stage: ``(stats, selection)``."""
+    stats = be.prepare(q, k, v, p.block_size, with_hdev=p.covariance_aware, query_block=p.query_block)
+    sel = be.select(stats.qmean, stats.kmean, n_select=p.n_select, width=forward_width(p, keep, n_keep_max),
+                    scale=p.scale, hdev=stats.hdev, keep=keep, scratch_elems=be.score_scratch(q, k),
+                    repeat=spec.query_block_factor(p.query_block, p.block_size), n_q_blocks=p.n_q_blocks)
+    return stats, sel
 
 
 def check_selection(s: Selection, nk: int):
@@ -88,8 +97,7 @@ def test_attention_matches_reference_under_same_selection(case, mode):
 def test_prepare_matches_reference_ragged_gqa():
     b, h, hk, l, d, bs = 2, 2, 1, 203, 32, 32
     q, k, v = make_qkv(b, h, hk, l, l, d, layout="bshd", seed=3)
-    p = plan_for(q, k, 0.3, bs, "hybrid", cov=True)
-    stats, _, _ = run_plan(TRITON, q, k, v, p)
+    stats = TRITON.prepare(q, k, v, bs, with_hdev=True)  # run_plan's prepare stage (cov=True)
     rs = ref.block_stats(k.double(), v.double(), bs, with_hdev=True)
     counts = rs.counts[:, None]
     torch.testing.assert_close(stats.qmean.double(), ref.block_means(q.double(), bs, torch.float64), rtol=1e-5, atol=1e-5)
@@ -107,8 +115,8 @@ def test_prepare_matches_reference_ragged_gqa():
 def test_tail_scan_far_outside_float16_range(q_mag, k_mag):
     """Centroids and queries are rescaled by powers of two before the float16 tail product: inputs
     whose values overflow or underflow float16 still give the reference's answer."""
-    b, h, l, d, bs = 1, 2, 160, 32, 16
-    q, k, v = make_qkv(b, h, h, l, l, d, seed=5)
+    b, h, lq, l, d, bs = 1, 2, 48, 160, 32, 16  # 3 query blocks against 10 key blocks
+    q, k, v = make_qkv(b, h, h, lq, l, d, seed=5)
     q, k = (q.float() * q_mag).bfloat16(), (k.float() * k_mag).bfloat16()
     p = plan_for(q, k, 0.25, bs, "hybrid")
     _, s, (out, lse) = run_plan(TRITON, q, k, v, p)
@@ -129,7 +137,7 @@ def test_selection_matches_topk_with_keep_blocks_cov():
     keep[0, 1, 19] = True
     keep = keep.to(DEV)
     p = plan_for(q, k, 0.2, bs, "hybrid", cov=cov)
-    stats, s, _ = run_plan(TRITON, q, k, v, p, keep, n_keep_max=2)
+    stats, s = prepare_and_select(TRITON, q, k, v, p, keep, n_keep_max=2)
     idx, cnt = s.idx, s.cnt
     mask = check_selection(s, nk)
     rs = ref.block_stats(k.double(), v.double(), bs, with_hdev=cov)
@@ -206,10 +214,10 @@ def test_sharded_keys_merge_to_the_unsharded_call(backend, mode):
     re-based per shard and the global H̄: the merged partials equal the unsharded attend stage."""
     be = REF if backend == "reference" else TRITON
     dtype = torch.float64 if backend == "reference" else torch.bfloat16
-    b, h, hk, lq, lk, d, bs = 1, 2, 2, 96, 230, 32, 16  # 15 key blocks, the last of 6 tokens; Hk > 1
+    b, h, hk, lq, lk, d, bs = 1, 2, 2, 32, 230, 32, 16  # 15 key blocks, the last of 6 tokens; Hk > 1
     q, k, v = make_qkv(b, h, hk, lq, lk, d, dtype=dtype, seed=31)
     p = make_plan(q, k, 0.2, bs, mode, False, None, backend)
-    stats, sel, _ = run_plan(be, q, k, v, p)
+    stats, sel = prepare_and_select(be, q, k, v, p)
     whole = be.attend(q, k, v, stats, sel, mode=mode, scale=p.scale, block_size=bs, n_select=p.n_select,
                       out_dtype=torch.float32)
     parts = []
@@ -284,10 +292,12 @@ def test_float16_hbar_past_its_range_is_exact(density, mag):
     from pisa_attn import PisaSettings, plan, run
 
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 128, 16, generator=g) for _ in range(3))
-    c = torch.randn(1, 2, 128, generator=g) * mag
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+    c = torch.randn(1, 2, 64, generator=g) * mag
     k[..., 0], v[..., 0] = c, c
     q, k, v = q.half(), k.half(), v.half()
+    hbar = ref.block_stats(k.double(), v.double(), 16).hbar.abs().amax(dim=(-2, -1))
+    assert (hbar > 65504).all()  # past float16's range in every head
     s = PisaSettings(density=density, block_size=16, backend="triton")
     out, sel = run(plan(q, k, s), q, k, v, return_selection=True)
     assert torch.isfinite(out).all()
@@ -326,8 +336,8 @@ def test_batch_times_heads_past_the_grid_limit_is_refused():
 # --- the weight alpha of the first-order term (per query head) ------------------------------------
 ALPHA_CASES = [
     # id, (B, H, Hk, Lq, Lk, D, bs, layout, density): GQA (4 query heads on 1 kv head), ragged blocks
-    pytest.param((1, 4, 1, 150, 230, 32, 32, "bshd", 0.3), id="B1-H4-Hk1-Lq150-Lk230-D32-bs32-bshd-gqa"),
-    pytest.param((2, 2, 2, 96, 96, 64, 16, "bhsd", 0.25), id="B2-H2-L96-D64-bs16-bhsd"),
+    pytest.param((1, 4, 1, 80, 166, 32, 32, "bshd", 0.3), id="B1-H4-Hk1-Lq80-Lk166-D32-bs32-bshd-gqa"),
+    pytest.param((2, 2, 2, 64, 64, 64, 16, "bhsd", 0.25), id="B2-H2-L64-D64-bs16-bhsd"),
 ]
 
 
@@ -341,7 +351,7 @@ def test_alpha_per_query_head_matches_reference(case):
     # H̄ must matter: give the values a component along the keys' deviations.
     v = (v.float() + 2.0 * k.float()).to(v.dtype)
     p = plan_for(q, k, density, bs, "hybrid")
-    stats, sel, _ = run_plan(TRITON, q, k, v, p)
+    stats, sel = prepare_and_select(TRITON, q, k, v, p)
     w = torch.tensor([0.0, 1.0, 0.5, -0.75][:h], dtype=torch.float32, device=DEV)
     kw = dict(scale=p.scale, block_size=bs, n_select=p.n_select)
     out_w, lse_w = TRITON.attend(q, k, v, stats, sel, mode="hybrid", alpha=w, **kw)
@@ -366,7 +376,7 @@ def test_alpha_per_query_head_matches_reference(case):
 def test_alpha_through_the_public_api_and_default():
     """pisa_attention(alpha=...) on the kernels agrees with the reference backend; the default is
     spec.DEFAULT_ALPHA, a per-head tensor may live on the CPU or the device."""
-    q, k, v = make_qkv(1, 4, 2, 130, 130, 32, seed=43)
+    q, k, v = make_qkv(1, 4, 2, 80, 80, 32, seed=43)  # 3 blocks of 32, the last ragged
     v = (v.float() + 2.0 * k.float()).to(v.dtype)
     kw = dict(density=0.3, block_size=32)
     w = torch.tensor([0.2, 0.9, 0.0, 1.3])
