@@ -278,3 +278,12 @@ def test_study_checks_a_partner_entry_it_does_not_study(tmp_path):
                       densities=(0.25,), modes=("hybrid",), covariance=False, tiling_modes=("hybrid",))
     with pytest.raises(ValueError, match="step1.layer0.*floating"):
         run_study(cfg, progress=False)
+
+
+def test_a_layer_without_a_rule_reads_the_settings_rule_or_the_library_default():
+    from pisa_attn import spec
+
+    layers = {"transformer": {0: at.LayerAlpha((0.5,)), 1: at.LayerAlpha((0.5,), covariance_aware=False)}}
+    assert at.AlphaTable(layers, {"density": 0.15}).covariance_aware(0) is spec.DEFAULT_COVARIANCE_AWARE
+    assert at.AlphaTable(layers, {"covariance_aware": False}).covariance_aware(0) is False
+    assert at.AlphaTable(layers, {}).covariance_aware(1) is False

@@ -68,7 +68,7 @@ class AlphaTable:
         x = self.layers(name).get(layer)
         if x is not None and x.covariance_aware is not None:
             return x.covariance_aware
-        return bool(self.settings.get("covariance_aware", False))
+        return bool(self.settings.get("covariance_aware", spec.DEFAULT_COVARIANCE_AWARE))  # the library default
 
     def to_json(self) -> dict:
         def layer(x: LayerAlpha) -> dict:
