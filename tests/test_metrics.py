@@ -86,3 +86,19 @@ def test_dense_pass_checks_its_arguments_by_name():
         metrics.dense_pass(q, k, v, block_size=64, masks=(sel,), row_blocks=torch.zeros(3, dtype=torch.long))
     dp = metrics.dense_pass(q, k, v, block_size=64, masks=(sel,), kmean=ref.block_stats(k, v, 64).kmean)
     assert dp.tail_mass[0].shape == (1, 2, 256)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
+def test_dense_pass_refuses_a_bad_scale(scale):
+    # the reference of every error measurement: a NaN or inf scale made it NaN without a word
+    q, k, v = _qkv(length=64)
+    with pytest.raises(ValueError, match="scale"):
+        metrics.dense_pass(q, k, v, block_size=64, scale=scale)
+
+
+def test_select_takes_a_numpy_query_block():
+    # pisa_attention (PisaSettings) takes np.int64(128); the measurement of its selection must too
+    q, k, v = _qkv()
+    a = metrics.select(q, k, v, density=0.5, block_size=64, query_block=np.int64(128))
+    b = metrics.select(q, k, v, density=0.5, block_size=64, query_block=128)
+    assert torch.equal(a.selected, b.selected)

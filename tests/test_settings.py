@@ -75,6 +75,7 @@ BAD = [
     ("alpha-huge", dict(alpha=(0.5, 1e30)), ValueError, "alpha.*within"),
     ("alpha-str", dict(alpha="1"), TypeError, "alpha"),
     ("alpha-empty", dict(alpha=()), ValueError, "alpha"),
+    ("alpha-empty-tensor", dict(alpha=torch.empty(0)), ValueError, "alpha"),  # as an empty sequence is
     ("alpha-int-tensor", dict(alpha=torch.ones(2, dtype=torch.int64)), TypeError, "alpha"),
     ("alpha-requires-grad", dict(alpha=torch.ones(2, requires_grad=True)), TypeError, "alpha.*per call"),
     ("alpha-meta", dict(alpha=torch.ones(2, device="meta")), TypeError, "alpha.*per call"),

@@ -168,7 +168,7 @@ def dense_pass(
     (and its 0th-order estimate when ``kmean``, the ``[B, Hk, Nk, D]`` key-block means, is given).
     ``row_blocks`` (``[Lq]`` long): the mask row of each query row (default: ``row // block_size``),
     for rows sampled out of order."""
-    _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks)
+    _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, lq, d = q.shape
@@ -209,7 +209,7 @@ def dense_pass(
     return DensePass(out, tails, estimates)
 
 
-def _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks) -> None:
+def _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks, scale=None) -> None:
     """:func:`dense_pass`'s checks: a mismatch fails here by name, not as a broadcasting or
     indexing error deep in the pass (or a silently broadcast mask). Shapes only, no read of
     values (the calibration's fits capture the pass as a CUDA graph); q may differ in dtype from
@@ -225,6 +225,7 @@ def _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks) -> None:
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} (batch, heads a multiple of k's, head dim)")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    spec.check_scale(scale)  # a NaN or inf scale would make the reference itself NaN
     nk = spec.num_blocks(k.shape[2], block_size)
     if row_blocks is not None:
         _check_tensor("row_blocks", row_blocks)

@@ -78,6 +78,8 @@ def normalize_alpha(alpha, mode: str):
             raise ValueError(f"alpha must be a float or have shape [H] (one value per query head), got shape "
                              f"{tuple(alpha.shape)}")
         values = tuple(float(x) for x in alpha.reshape(-1).tolist())
+        if not values:
+            raise ValueError("alpha must not be an empty tensor (one value per query head)")
         value = values[0] if alpha.dim() == 0 else values
     elif isinstance(alpha, (list, tuple)):
         value = tuple(as_float("alpha", x, "a float or a sequence of floats (one per query head)") for x in alpha)

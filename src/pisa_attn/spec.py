@@ -171,12 +171,12 @@ def query_block_factor(query_block, block_size: int) -> int:
     ``m`` is one of :data:`QUERY_BLOCK_FACTORS`."""
     if query_block is None:
         return 1
-    ok = isinstance(query_block, int) and not isinstance(query_block, bool)
+    ok = isinstance(query_block, numbers.Integral) and not _is_bool(query_block)  # numpy ints too
     if not ok or query_block % block_size or query_block // block_size not in QUERY_BLOCK_FACTORS:
         allowed = ", ".join(str(f * block_size) for f in QUERY_BLOCK_FACTORS)
         raise ValueError(f"query_block must be None or one of {allowed} (block_size times {QUERY_BLOCK_FACTORS}), "
                          f"got {query_block!r}")
-    return query_block // block_size
+    return int(query_block) // int(block_size)
 
 
 def check_precision(precision) -> None:
