@@ -269,8 +269,9 @@ def _check_rows(rows, lq: int):
     t = t.reshape(-1).long()
     if t.numel() == 0:  # an all-False mask
         raise ValueError(f"rows holds no query row of [0, {lq})")
-    if bool(((t < 0) | (t >= lq)).any()):
-        raise ValueError(f"rows must lie in [0, {lq}), got {t[(t < 0) | (t >= lq)][:4].tolist()}")
+    bad = [r for r in t.tolist() if not 0 <= r < lq]  # on the host: the fits' row plans read nothing back
+    if bad:
+        raise ValueError(f"rows must lie in [0, {lq}), got {bad[:4]}")
     return t
 
 
@@ -468,17 +469,8 @@ def row_plan(lq: int, block_size: int, rows=None, measured: tuple[int, int] | No
     if rows is None:
         pool = range(lo, hi)
     else:
-        t = torch.as_tensor(rows)
-        if t.dtype == torch.bool:  # a mask of the rows, as alpha_stats takes one
-            if t.dim() != 1 or t.numel() != lq:
-                raise ValueError(f"rows as a mask must be bool [{lq}], got {tuple(t.shape)}")
-            t = t.nonzero().reshape(-1)
-        elif t.is_floating_point() or t.is_complex():
-            raise TypeError(f"rows must be row positions (ints) or a bool mask, got {t.dtype}")
-        pool = t.reshape(-1).tolist()
-        bad = [r for r in pool if not 0 <= r < lq]
-        if bad:
-            raise ValueError(f"rows must lie in [0, {lq}), got {bad[:4]}")
+        t = _check_rows(rows, lq)  # the rows alpha_stats takes
+        pool = range(lq)[t] if isinstance(t, slice) else t.tolist()
     pos = sorted({int(r) for r in pool if lo <= int(r) < hi})
     if not pos:
         raise ValueError(f"rows {rows!r} hold no query row of [0, {lq}) inside measured={measured!r}")
