@@ -16,7 +16,7 @@ from pisa_attn.attention import make_plan  # noqa: E402
 from pisa_attn.ops import reference as ref  # noqa: E402
 from pisa_attn.ops.selection import Selection, bits_to_mask  # noqa: E402
 from selection_masks import idx_to_mask  # noqa: E402
-from pisa_attn.ops.stages import forward_width, run_plan  # noqa: E402
+from pisa_attn.ops.stages import run_plan, select_plan  # noqa: E402
 from pisa_attn.ops.triton import op  # noqa: E402
 from pisa_attn.ops.merge import merge  # noqa: E402
 from pisa_attn.ops.reference import BACKEND as REF  # noqa: E402
@@ -51,15 +51,6 @@ def ref_with_selection(q, k, v, selection, mode, scale, bs):
 
 def plan_for(q, k, density, bs, mode, cov=False):
     return make_plan(q, k, density, bs, mode, cov, None, "triton")
-
-
-def prepare_and_select(be, q, k, v, p, keep=None, n_keep_max=0):
-    """run_plan's prepare and select stages, without its attend stage: ``(stats, selection)``."""
-    stats = be.prepare(q, k, v, p.block_size, with_hdev=p.covariance_aware, query_block=p.query_block)
-    sel = be.select(stats.qmean, stats.kmean, n_select=p.n_select, width=forward_width(p, keep, n_keep_max),
-                    scale=p.scale, hdev=stats.hdev, keep=keep, scratch_elems=be.score_scratch(q, k),
-                    repeat=spec.query_block_factor(p.query_block, p.block_size), n_q_blocks=p.n_q_blocks)
-    return stats, sel
 
 
 def check_selection(s: Selection, nk: int):
@@ -137,7 +128,7 @@ def test_selection_matches_topk_with_keep_blocks_cov():
     keep[0, 1, 19] = True
     keep = keep.to(DEV)
     p = plan_for(q, k, 0.2, bs, "hybrid", cov=cov)
-    stats, s = prepare_and_select(TRITON, q, k, v, p, keep, n_keep_max=2)
+    stats, s = select_plan(TRITON, q, k, v, p, keep, n_keep_max=2)
     idx, cnt = s.idx, s.cnt
     mask = check_selection(s, nk)
     rs = ref.block_stats(k.double(), v.double(), bs, with_hdev=cov)
@@ -217,7 +208,7 @@ def test_sharded_keys_merge_to_the_unsharded_call(backend, mode):
     b, h, hk, lq, lk, d, bs = 1, 2, 2, 32, 230, 32, 16  # 15 key blocks, the last of 6 tokens; Hk > 1
     q, k, v = make_qkv(b, h, hk, lq, lk, d, dtype=dtype, seed=31)
     p = make_plan(q, k, 0.2, bs, mode, False, None, backend)
-    stats, sel = prepare_and_select(be, q, k, v, p)
+    stats, sel = select_plan(be, q, k, v, p)
     whole = be.attend(q, k, v, stats, sel, mode=mode, scale=p.scale, block_size=bs, n_select=p.n_select,
                       out_dtype=torch.float32)
     parts = []
@@ -351,7 +342,7 @@ def test_alpha_per_query_head_matches_reference(case):
     # H̄ must matter: give the values a component along the keys' deviations.
     v = (v.float() + 2.0 * k.float()).to(v.dtype)
     p = plan_for(q, k, density, bs, "hybrid")
-    stats, sel = prepare_and_select(TRITON, q, k, v, p)
+    stats, sel = select_plan(TRITON, q, k, v, p)
     w = torch.tensor([0.0, 1.0, 0.5, -0.75][:h], dtype=torch.float32, device=DEV)
     kw = dict(scale=p.scale, block_size=bs, n_select=p.n_select)
     out_w, lse_w = TRITON.attend(q, k, v, stats, sel, mode="hybrid", alpha=w, **kw)

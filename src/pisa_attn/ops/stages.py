@@ -122,16 +122,33 @@ def run_stages(
     :func:`pisa_attn.spec.query_block_factor`); the selection has one row per ``block_size``
     query block all the same.
     """
-    factor = spec.query_block_factor(query_block, block_size)
-    stats = be.prepare(q, k, v, block_size, with_hdev=covariance_aware, lean=lean, query_block=query_block)
-    sel = be.select(stats.qmean, stats.kmean, n_select=n_select, width=width, scale=scale, hdev=stats.hdev,
-                    keep=keep, scratch_elems=be.score_scratch(q, k), repeat=factor,
-                    n_q_blocks=spec.num_blocks(q.shape[2], block_size))
+    stats, sel = select_stages(be, q, k, v, block_size=block_size, n_select=n_select, width=width, scale=scale,
+                               covariance_aware=covariance_aware, keep=keep, lean=lean, query_block=query_block)
     if lean:
         stats = stats.for_attend()  # query means and selection-only terms die before attend allocates
     res = be.attend(q, k, v, stats, sel, mode=mode, scale=scale, block_size=block_size, n_select=n_select,
                     alpha=alpha)
     return stats, sel, res
+
+
+def select_stages(be: Backend, q: Tensor, k: Tensor, v: Tensor, *, block_size: int, n_select: int, width: int,
+                  scale: float, covariance_aware: bool = False, keep: Tensor | None = None, lean: bool = False,
+                  query_block: int | None = None):
+    """:func:`run_stages`' prepare -> select, without attend: ``(stats, selection)``."""
+    stats = be.prepare(q, k, v, block_size, with_hdev=covariance_aware, lean=lean, query_block=query_block)
+    sel = be.select(stats.qmean, stats.kmean, n_select=n_select, width=width, scale=scale, hdev=stats.hdev,
+                    keep=keep, scratch_elems=be.score_scratch(q, k),
+                    repeat=spec.query_block_factor(query_block, block_size),
+                    n_q_blocks=spec.num_blocks(q.shape[2], block_size))
+    return stats, sel
+
+
+def select_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None,
+                n_keep_max: int = 0):
+    """:func:`run_plan`'s prepare -> select, without attend: ``(stats, selection)``."""
+    return select_stages(be, q, k, v, block_size=plan.block_size, n_select=plan.n_select,
+                         width=forward_width(plan, keep, n_keep_max), scale=plan.scale,
+                         covariance_aware=plan.covariance_aware, keep=keep, query_block=plan.query_block)
 
 
 def run_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
