@@ -287,3 +287,22 @@ def test_a_layer_without_a_rule_reads_the_settings_rule_or_the_library_default()
     assert at.AlphaTable(layers, {"density": 0.15}).covariance_aware(0) is spec.DEFAULT_COVARIANCE_AWARE
     assert at.AlphaTable(layers, {"covariance_aware": False}).covariance_aware(0) is False
     assert at.AlphaTable(layers, {}).covariance_aware(1) is False
+
+
+def test_table_model_source_settings_and_names_are_type_checked(tmp_path):
+    """'model' and 'source' are strings or null, 'settings' an object or null (not a falsy [] or 0 read as
+    none), transformer names strings: anything else is a ValueError naming the field."""
+    good = {"format": at.FORMAT, "version": at.VERSION, "transformers": {"transformer": {"0": {"alpha": [0.5]}}}}
+    table = at.from_json({**good, "model": "wan", "source": "qkv.safetensors", "settings": None})
+    assert (table.model, table.source, table.settings) == ("wan", "qkv.safetensors", {})
+    for change, match in (({"model": 3}, "'model' must be a string or null"),
+                          ({"model": ["wan"]}, "'model' must be a string or null"),
+                          ({"source": {"path": "x"}}, "'source' must be a string or null"),
+                          ({"settings": []}, "'settings' must be an object or null"),
+                          ({"settings": 0}, "'settings' must be an object or null"),
+                          ({"transformers": {0: {"0": {"alpha": [0.5]}}}}, "transformer names must be strings")):
+        with pytest.raises(ValueError, match=f"alpha_table {match}"):
+            at.from_json({**good, **change})
+    with pytest.raises(ValueError, match="'model' must be a string"):  # save refuses what load would
+        at.AlphaTable({"transformer": {0: at.LayerAlpha((0.5,))}}, model=7).save(tmp_path / "t.json")
+    assert not (tmp_path / "t.json").exists()

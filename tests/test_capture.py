@@ -232,3 +232,21 @@ def test_one_head_captures_are_copies(tmp_path):
     assert cap.tensors
     for x in cap.tensors.values():
         assert x.untyped_storage().nbytes() == x.numel() * x.element_size()
+
+
+def test_trim_layout_to_no_tokens_is_none_and_n_is_checked():
+    """n = 0 gives None for every layout (a layout holds at least one segment: none describes an empty
+    prefix; a text-only layout raised an error about segments); n must be a non-negative int."""
+    import numpy as np
+
+    from pisa_attn.layout import Text, TokenOrder
+
+    text_only = TokenOrder((Text(5),), None, "raster")
+    for layout in (text_only, raster((4, 4), text_after=3), make_layout((4, 4), tile=(2, 2), text_after=3)):
+        assert trim_layout(layout, 0) is None
+    assert trim_layout(text_only, np.int64(3)) == TokenOrder((Text(3),), None, "raster")
+    assert trim_layout(text_only, 9) == text_only
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        trim_layout(text_only, -1)  # would slice from the end
+    with pytest.raises(TypeError, match="n must be an int"):
+        trim_layout(text_only, 2.5)

@@ -1,5 +1,6 @@
 """Synthetic DiT-like q/k/v: determinism, layouts, options, and that it looks like DiT attention."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,3 +148,28 @@ def test_bad_types():
 def test_parameters_that_overflow_are_refused(kw):
     with pytest.raises(ValueError, match="non-finite"):
         dit_qkv((4, 8), heads=2, head_dim=16, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(heads=np.int64(2)), dict(sharpness=np.float64(3.0)), dict(sharpness=np.float32(3.0)),
+                                dict(sharpness=np.int64(3)), dict(seed=np.int32(0)), dict(rope_theta=np.float32(1e4)),
+                                dict(grid=(np.int64(4), np.int64(8))), dict(sink_keys=np.int16(0))])
+def test_numpy_scalars_are_taken_as_python_numbers(kw):
+    """numpy ints and floats are accepted wherever Python ones are, and give the same tensors."""
+    py = {k: (tuple(int(x) for x in v) if k == "grid" else v.item()) for k, v in kw.items()}
+    base = dict(grid=(4, 8), heads=2, head_dim=16)
+    a, b = dit_qkv(**(base | kw)), dit_qkv(**(base | py))
+    assert all(torch.equal(x, y) for x, y in zip((a.q, a.k, a.v), (b.q, b.k, b.v)))
+    assert a.head_types == b.head_types
+
+
+@pytest.mark.parametrize("kw,exc,name", [
+    (dict(sharpness=True), TypeError, "sharpness"), (dict(sharpness=np.bool_(True)), TypeError, "sharpness"),
+    (dict(noise="0.1"), TypeError, "noise"), (dict(content=np.float64("inf")), ValueError, "content"),
+    (dict(detail=10**400), ValueError, "detail"), (dict(heads=np.bool_(True)), TypeError, "heads"),
+    (dict(heads=np.float64(2.0)), TypeError, "heads"), (dict(batch=np.int64(0)), ValueError, "batch"),
+])
+def test_bad_numbers_are_refused_by_name(kw, exc, name):
+    """Bools, strings, non-integral counts and non-finite numbers (numpy's too) are refused naming the
+    argument; an int too large for a float is a ValueError, not an OverflowError."""
+    with pytest.raises(exc, match=name):
+        dit_qkv(**(dict(grid=(4, 8), heads=2, head_dim=16) | kw))

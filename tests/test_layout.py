@@ -3,6 +3,7 @@
 import math
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -362,3 +363,24 @@ def test_mask_to_tiled_moves_masks_with_the_tokens():
     with pytest.raises(ValueError, match="ambiguous"):
         lay.mask_to_tiled(torch.ones(n, n, dtype=torch.bool), n)
     torch.testing.assert_close(lay.mask_to_tiled(full[0, 0], 2), full[0, 0][perm][:, perm], rtol=0, atol=0)
+
+
+def test_block_floor_checks_its_arguments():
+    """block_floor rounds down to a block boundary; a non-positive block_size (was ZeroDivisionError),
+    a negative position or a non-int is refused naming the argument; numpy ints are taken."""
+    assert L.block_floor(77, 64) == 64 and L.block_floor(0, 16) == 0 and L.block_floor(64, 64) == 64
+    assert L.block_floor(np.int64(77), np.int64(64)) == 64
+    for args, exc, name in (((5, 0), ValueError, "block_size"), ((5, -64), ValueError, "block_size"),
+                            ((-1, 64), ValueError, "position"), ((5, 64.0), TypeError, "block_size"),
+                            ((5.0, 64), TypeError, "position"), ((5, True), TypeError, "block_size")):
+        with pytest.raises(exc, match=name):
+            L.block_floor(*args)
+
+
+def test_numpy_ints_are_taken_and_stored_as_python_ints():
+    """Sizes given as numpy ints build the same layout as Python ints (and store Python ints)."""
+    a = L.make_layout((np.int64(4), np.int64(6)), tile=(np.int32(2), np.int32(2)), text_before=np.int64(3),
+                      order="compact_inplace", offset=np.int64(1))
+    b = L.make_layout((4, 6), tile=(2, 2), text_before=3, order="compact_inplace", offset=1)
+    assert a == b and torch.equal(a.perm, b.perm)
+    assert type(a.segments[0].n) is int and type(a.offset) is int

@@ -102,3 +102,43 @@ def test_select_takes_a_numpy_query_block():
     a = metrics.select(q, k, v, density=0.5, block_size=64, query_block=np.int64(128))
     b = metrics.select(q, k, v, density=0.5, block_size=64, query_block=128)
     assert torch.equal(a.selected, b.selected)
+
+
+def test_token_scores_checks_its_arguments_by_name():
+    """token_scores checks what dense_pass checks (tensors, shapes, block_size, scale) and its own
+    selected mask and rows, by name; a negative row (which would wrap to q's end) is refused."""
+    q, k, v = _qkv()
+    sel = metrics.select(q, k, v, density=0.5, block_size=64).selected  # [1, 2, 4, 4]
+    rows = torch.tensor([0, 70, 255])
+    for kw, exc, match in (
+        (dict(q=q.numpy()), TypeError, "q must be a torch.Tensor"),
+        (dict(k=k[0]), ValueError, r"k must be a \[B, H, L, D\] tensor"),
+        (dict(k=k[..., :16]), ValueError, "does not fit k"),
+        (dict(block_size=0), ValueError, "block_size must be a positive int"),
+        (dict(block_size=64.0), TypeError, "block_size"),
+        (dict(scale=float("nan")), ValueError, "scale"),
+        (dict(selected=sel.float()), TypeError, "selected must have dtype torch.bool"),
+        (dict(selected=sel[:, :1]), ValueError, r"selected must have shape \[1, 2, Nq, 4\]"),
+        (dict(selected=sel[:, :, :2]), ValueError, "selected has 2 query-block rows"),
+        (dict(rows=[0, 1]), TypeError, "rows must be a torch.Tensor"),
+        (dict(rows=rows.float()), ValueError, "rows must be a 1-D integer tensor"),
+        (dict(rows=torch.tensor([-1])), ValueError, r"rows must lie in \[0, 256\)"),
+        (dict(rows=torch.tensor([256])), ValueError, r"rows must lie in \[0, 256\)"),
+    ):
+        args = dict(q=q, k=k, selected=sel, block_size=64, rows=rows) | kw
+        with pytest.raises(exc, match=match):
+            metrics.token_scores(args.pop("q"), args.pop("k"), args.pop("selected"), **args)
+    s, exact = metrics.token_scores(q, k, sel, block_size=np.int64(64), rows=rows)
+    assert s.shape == exact.shape == (1, 2, 3, 256)
+    assert torch.equal(exact[:, :, 1], sel[:, :, 1].repeat_interleave(64, dim=-1))
+
+
+def test_dense_pass_takes_a_block_longer_than_the_keys():
+    """A valid block_size far past the sequence (one block) is not padded to its length."""
+    q, k, v = _qkv(length=50)
+    sel = metrics.select(q, k, v, density=0.5, block_size=64).selected  # 50 tokens: one block at either size
+    kmean = ref.block_stats(k, v, 64).kmean
+    dp = metrics.dense_pass(q, k, v, block_size=2**40, masks=(~sel,), kmean=kmean)
+    want = metrics.dense_pass(q, k, v, block_size=64, masks=(~sel,), kmean=kmean)
+    assert torch.equal(dp.out, want.out) and torch.equal(dp.tail_mass[0], want.tail_mass[0])
+    assert torch.allclose(dp.tail_estimate[0], want.tail_estimate[0])

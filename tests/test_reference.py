@@ -467,3 +467,20 @@ def test_tail_weight_resolve_checks_mode_and_heads():
     for heads in (0, -1, 2.0):
         with pytest.raises(ValueError, match="heads"):
             tail_weight.resolve(0.5, mode="hybrid", heads=heads, device="cpu")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_block_longer_than_the_sequence_is_not_padded(mode):
+    """A valid block_size (a power of two >= 16, as pisa_attention accepts) far past the sequence is one
+    block: the reference gives what a block just covering it gives, with no 2**40-token padding."""
+    q, k, v = make_qkv(1, 2, 1, 40, 50, 16)
+    for cov in (False, True):
+        big = ref.pisa_reference(q, k, v, density=0.5, block_size=2**40, mode=mode, covariance_aware=cov)
+        want = ref.pisa_reference(q, k, v, density=0.5, block_size=64, mode=mode, covariance_aware=cov)
+        assert all(torch.equal(a, b) for a, b in zip(big, want))
+        via_api = pisa_attention(q, k, v, density=0.5, block_size=2**40, mode=mode, covariance_aware=cov,
+                                 backend="reference")
+        assert torch.equal(via_api, pisa_attention(q, k, v, density=0.5, block_size=64, mode=mode,
+                                                   covariance_aware=cov, backend="reference"))
+    kcov = ref.block_stats(k, v, 2**40, with_kcov=True).kcov
+    assert torch.equal(kcov, ref.block_stats(k, v, 64, with_kcov=True).kcov)

@@ -120,6 +120,8 @@ def from_json(d) -> AlphaTable:
         raise _bad("has no 'transformers' with weights")
     out: dict[str, dict[int, LayerAlpha]] = {}
     for name, layers in ts.items():
+        if not isinstance(name, str):  # JSON's keys are; 0 and "0" would both become "0"
+            raise _bad(f"transformer names must be strings, got {name!r}")
         if not isinstance(layers, dict):  # empty: a transformer without fitted layers (its default weight)
             raise _bad(f"entry {name!r} must map layer indices to weights (an object), got {layers!r}")
         parsed = {}
@@ -146,12 +148,13 @@ def from_json(d) -> AlphaTable:
                                f"got {entry[extra]!r}")
             parsed[index] = LayerAlpha(tuple(float(x) for x in values), entry.get("tail_mass"), entry.get("rows"),
                                        entry.get("residual_vs_paper"), cov)
-        out[str(name)] = parsed
+        out[name] = parsed
     if not any(out.values()):
         raise _bad("has no weights (every transformer's entry is empty)")
-    settings = d.get("settings") or {}
+    settings = d.get("settings")
+    settings = {} if settings is None else settings  # not `or {}`: that would take [], 0 or "" as no settings
     if not isinstance(settings, dict):
-        raise _bad("'settings' must be an object")
+        raise _bad(f"'settings' must be an object or null, got {settings!r}")
     checks = {"density": spec.check_density, "block_size": spec.check_block_size, "mode": spec.check_mode,
               "covariance_aware": lambda x: spec.check_flag("covariance_aware", x),
               "precision": spec.check_precision, "scale": spec.check_scale, "query_block": _check_query_block}
@@ -164,6 +167,9 @@ def from_json(d) -> AlphaTable:
     fit = d.get("fit", "head")
     if fit not in cal.FIT_OVER:
         raise _bad(f"'fit' must be one of {cal.FIT_OVER}, got {fit!r}")
+    for key in ("model", "source"):  # model is compared with the pipeline's name, so a non-string never matches
+        if d.get(key) is not None and not isinstance(d[key], str):
+            raise _bad(f"{key!r} must be a string or null, got {d[key]!r}")
     return AlphaTable(out, settings, fit, d.get("model"), d.get("source"))
 
 

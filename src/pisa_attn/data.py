@@ -42,6 +42,7 @@ from torch import Tensor
 
 from . import layout as lay
 from . import spec
+from .settings import as_float
 from .spec import num_selected
 
 HEAD_TYPES = ("spatial", "temporal", "mixed", "global")
@@ -209,10 +210,12 @@ def dit_qkv(
     """
     g = lay.Grid(lay._check_shape("grid", grid))
     rank = len(g.shape)
-    for name, value, low in (("heads", heads, 1), ("batch", batch, 1), ("text_tokens", text_tokens, 0),
-                             ("seed", seed, 0), ("content_rank", content_rank, 1), ("sink_keys", sink_keys, 0),
-                             ("outlier_channels", outlier_channels, 0), ("head_dim", head_dim, 2 * rank)):
+    # numpy ints are taken and read as Python ints from here on
+    heads, batch, text_tokens, seed, content_rank, sink_keys, outlier_channels, head_dim = (
         lay._check_int(name, value, low)
+        for name, value, low in (("heads", heads, 1), ("batch", batch, 1), ("text_tokens", text_tokens, 0),
+                                 ("seed", seed, 0), ("content_rank", content_rank, 1), ("sink_keys", sink_keys, 0),
+                                 ("outlier_channels", outlier_channels, 0), ("head_dim", head_dim, 2 * rank)))
     if head_dim % 2:
         raise ValueError(f"head_dim must be even (rotary pairs), got {head_dim}")
     if layout not in LAYOUTS:
@@ -302,7 +305,8 @@ def describe(q: Tensor, k: Tensor, *, block_size: int = 64, density: float = 0.1
 
 
 def _check_float(name: str, value, minimum: float = 0.0, strict: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    value = as_float(name, value, "a finite number")  # numpy ints/floats too; TypeError for a bool or str
+    if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     if value < minimum or (strict and value == minimum):
         raise ValueError(f"{name} must be {'>' if strict else '>='} {minimum}, got {value}")

@@ -58,13 +58,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .settings import as_int
+
 ORDERS = ("compact", "compact_inplace", "tiles", "raster")
 DEFAULT_TILES = {2: (8, 8), 3: (4, 4, 4)}
 
 
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = as_int(name, value, "an int")  # numpy ints too, returned as a Python int
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
@@ -88,7 +89,7 @@ class Text:
     name: str = "text"
 
     def __post_init__(self):
-        _check_int("n", self.n, 1)
+        object.__setattr__(self, "n", _check_int("n", self.n, 1))
 
     @property
     def num_tokens(self) -> int:
@@ -175,7 +176,7 @@ class TokenOrder:
             object.__setattr__(self, "tile", tile)
         else:
             object.__setattr__(self, "tile", None)
-        _check_int("offset", self.offset, 0)
+        object.__setattr__(self, "offset", _check_int("offset", self.offset, 0))
         if self.offset and self.order != "compact_inplace":
             raise ValueError(f"offset applies to order='compact_inplace' only, got order={self.order!r}")
         # Only the phase within a block steers the placement: equal orders compare and hash equal.
@@ -332,6 +333,8 @@ def block_floor(position: int, block_size: int) -> int:
     put on block boundaries; cut at ``lo``, every query block would straddle two tiles. The extra
     rows before ``lo`` are computed and dropped.
     """
+    position = _check_int("position", position, 0)
+    block_size = _check_int("block_size", block_size, 1)  # 0 would divide by zero
     return position - position % block_size
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import spec
 from .ops import reference as ref
+from .settings import as_int
 
 # Elements of one [B, H, rows, Lk] score slab a dense pass holds at once (~64 MB in fp32).
 _SLAB = 1 << 24
@@ -169,6 +170,7 @@ def dense_pass(
     ``row_blocks`` (``[Lq]`` long): the mask row of each query row (default: ``row // block_size``),
     for rows sampled out of order."""
     _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks, scale)
+    block_size = int(block_size)  # a numpy int is taken
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, lq, d = q.shape
@@ -178,7 +180,8 @@ def dense_pass(
     km = None if kmean is None else spec.expand_kv_heads(kmean, h).to(dtype)
     counts = spec.block_counts(lk, block_size, q.device, dtype)
     nk = counts.numel()
-    pad = nk * block_size - lk
+    width = lk if nk == 1 else block_size  # one block is not padded to a block_size far past Lk
+    pad = nk * width - lk
     out = torch.empty(b, h, lq, d, dtype=dtype, device=q.device)
     tails = [torch.empty(b, h, lq, dtype=dtype, device=q.device) for _ in masks]
     estimates = [torch.empty(b, h, lq, dtype=dtype, device=q.device) for _ in masks] if km is not None else []
@@ -196,7 +199,7 @@ def dense_pass(
             continue
         if pad:
             p = torch.nn.functional.pad(p, (0, pad))
-        block_mass = p.reshape(b, h, r1 - r0, nk, block_size).sum(-1)  # [B, H, rows, Nk]
+        block_mass = p.reshape(b, h, r1 - r0, nk, width).sum(-1)  # [B, H, rows, Nk]
         # A centroid score is a mean of its block's token scores, so exp(c - m) <= 1: no overflow.
         approx = None if km is None else counts * torch.exp(torch.einsum("bhrd,bhjd->bhrj", qc, km) * scale - m) / z
         row_block = (torch.arange(r0, r1, device=q.device) // block_size if row_blocks is None
@@ -209,23 +212,30 @@ def dense_pass(
     return DensePass(out, tails, estimates)
 
 
+def _check_qk(q, k, block_size, scale, v=None) -> None:
+    """The checks :func:`dense_pass` and :func:`token_scores` share: ``[B, H, L, D]`` tensors, q's
+    heads a multiple of k's, a positive int ``block_size`` (numpy's too), a valid ``scale``."""
+    for name, x in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
+        _check_tensor(name, x)
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be a [B, H, L, D] tensor, got shape {tuple(x.shape)}")
+    if v is not None and k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    b, h, lq, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or k.shape[1] < 1 or h % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} (batch, heads a multiple of k's, head dim)")
+    if as_int("block_size", block_size, "a positive int") < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    spec.check_scale(scale)  # a NaN or inf scale would make the reference itself NaN
+
+
 def _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks, scale=None) -> None:
     """:func:`dense_pass`'s checks: a mismatch fails here by name, not as a broadcasting or
     indexing error deep in the pass (or a silently broadcast mask). Shapes only, no read of
     values (the calibration's fits capture the pass as a CUDA graph); q may differ in dtype from
     k/v (the fits convert k/v to their arithmetic's dtype once)."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x)
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be a [B, H, L, D] tensor, got shape {tuple(x.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    _check_qk(q, k, block_size, scale, v=v)
     b, h, lq, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d or k.shape[1] < 1 or h % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)} (batch, heads a multiple of k's, head dim)")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    spec.check_scale(scale)  # a NaN or inf scale would make the reference itself NaN
     nk = spec.num_blocks(k.shape[2], block_size)
     if row_blocks is not None:
         _check_tensor("row_blocks", row_blocks)
@@ -255,7 +265,33 @@ def token_scores(
     q: Tensor, k: Tensor, selected: Tensor, *, block_size: int, rows: Tensor, scale: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """Per-token pre-softmax scores ``s·q_t·k_n`` of the sampled query ``rows``: (scores
-    ``[B, H, rows, Lk]`` float32, bool mask of the keys in each row's selected blocks)."""
+    ``[B, H, rows, Lk]`` float32, bool mask of the keys in each row's selected blocks).
+    ``selected``: bool ``[B, H, Nq, Nk]`` (:attr:`ExactSet.selected` at ``block_size``); ``rows``:
+    integer ``[R]`` indices of q's rows."""
+    _check_qk(q, k, block_size, scale)
+    block_size = int(block_size)
+    b, h, lq, _ = q.shape
+    nk = spec.num_blocks(k.shape[2], block_size)
+    _check_tensor("selected", selected)
+    if selected.dtype != torch.bool:
+        raise TypeError(f"selected must have dtype torch.bool, got {selected.dtype}")
+    if selected.dim() != 4 or tuple(selected.shape[:2]) != (b, h) or selected.shape[3] != nk:
+        raise ValueError(f"selected must have shape [{b}, {h}, Nq, {nk}] (key blocks of {block_size}), "
+                         f"got {tuple(selected.shape)}")
+    if selected.shape[2] < spec.num_blocks(lq, block_size):
+        raise ValueError(f"selected has {selected.shape[2]} query-block rows, q's {lq} rows need "
+                         f"{spec.num_blocks(lq, block_size)}")
+    _check_tensor("rows", rows)
+    if rows.dtype not in (torch.long, torch.int32) or rows.dim() != 1:
+        raise ValueError(f"rows must be a 1-D integer tensor of q's row indices, got {rows.dtype} of shape "
+                         f"{tuple(rows.shape)}")
+    # a negative row would wrap around to the end of q and pick another row's mask
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= lq):
+        raise ValueError(f"rows must lie in [0, {lq}) (q's rows), got values in "
+                         f"[{int(rows.min())}, {int(rows.max())}]")
+    if selected.device != q.device or rows.device != q.device or k.device != q.device:
+        raise ValueError(f"q, k, selected and rows must be on one device, got {q.device}, {k.device}, "
+                         f"{selected.device} and {rows.device}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kx = spec.expand_kv_heads(k, q.shape[1]).float()
     s = torch.einsum("bhrd,bhld->bhrl", q[:, :, rows].float(), kx) * scale

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import spec
-from .layout import Grid, Text, TokenOrder
+from .layout import Grid, Text, TokenOrder, _check_int
 
 FORMAT = "pisa-attn-qkv"
 VERSION = 1
@@ -61,10 +61,14 @@ def layout_from_json(d: dict) -> TokenOrder:
 
 def trim_layout(layout: TokenOrder, n: int) -> TokenOrder | None:
     """Layout of the first ``n`` tiled tokens when the rest are the tail of one text segment
-    (masked padding text keys), else None."""
+    (masked padding text keys), else None (also for ``n = 0``: a layout holds at least one
+    segment, so none describes an empty prefix)."""
+    n = _check_int("n", n, 0)  # a negative n would slice from the end
     length = layout.num_tokens
     if n >= length:
         return layout
+    if n == 0:
+        return None
     seg_ids = layout.segment_ids(tiled=True)
     tail = seg_ids[n:]
     s = int(tail[0])

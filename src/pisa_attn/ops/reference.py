@@ -97,13 +97,16 @@ class BlockStats:
 
 
 def _pad_to_blocks(x: Tensor, block_size: int) -> Tensor:
-    """[B, H, L, D] -> [B, H, N, block, D], zero-padded past L."""
+    """[B, H, L, D] -> [B, H, N, block, D], zero-padded past L. A sequence of one block is not
+    padded (``block`` is then L): a valid block_size may be far longer than the sequence (2**40),
+    and the padding of that one block would be a multi-terabyte tensor of zeros."""
     b, h, length, d = x.shape
     n = num_blocks(length, block_size)
-    pad = n * block_size - length
+    width = length if n == 1 else block_size
+    pad = n * width - length
     if pad:
         x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    return x.reshape(b, h, n, block_size, d)
+    return x.reshape(b, h, n, width, d)
 
 
 def block_means(x: Tensor, block_size: int, dtype=torch.float32) -> Tensor:
@@ -144,7 +147,7 @@ def block_stats(k: Tensor, v: Tensor, block_size: int, *, with_hdev: bool = Fals
         hdev = _block_h_deviation(kb, vb, kmean, hbar, counts)
     kcov = None
     if with_kcov:
-        valid = (torch.arange(block_size, device=k.device)[None, :] < counts[:, None]).to(dtype)  # [N, bs]
+        valid = (torch.arange(kb.shape[3], device=k.device)[None, :] < counts[:, None]).to(dtype)  # [N, bs]
         kc = kc * valid[:, :, None]
         kcov = torch.einsum("bhnsd,bhnse->bhnde", kc, kc) / counts[:, None, None]
     return BlockStats(kmean=kmean, vsum=vsum, counts=counts, hbar=hbar, hdev=hdev,
