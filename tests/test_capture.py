@@ -86,6 +86,8 @@ def test_padded_text_keys_are_trimmed(tmp_path):
         assert e.info["key_len"] == n_grid + 5  # 5 valid of 8 text tokens
         assert e.q.shape[2] == e.k.shape[2] == n_grid + 5 and e.q.dtype == torch.bfloat16
         assert e.layout.num_tokens == n_grid + 5 and e.layout.num_text_tokens == 5
+        assert e.info["text_len"] == 5  # the text tokens the entry holds (it said the call's 8)
+    assert f.meta["text_len"] == 5
 
 
 def test_captured_scale_reaches_the_study(tmp_path):
@@ -250,3 +252,40 @@ def test_trim_layout_to_no_tokens_is_none_and_n_is_checked():
         trim_layout(text_only, -1)  # would slice from the end
     with pytest.raises(TypeError, match="n must be an int"):
         trim_layout(text_only, 2.5)
+
+
+def test_capture_arguments_take_numpy_ints(tmp_path):
+    """layers, steps, batch and max_bytes take numpy integers (as PisaSettings and apply_pisa do);
+    they were refused with messages calling np.int64(1) not an int."""
+    import numpy as np
+
+    pipe = tiny_pipeline("flux")
+    path = tmp_path / "np.safetensors"
+    with capture_qkv(pipe, layers=np.arange(2), steps=np.int64(0), path=path, batch=np.int64(0),
+                     max_bytes=np.int64(10**9)) as cap:
+        pipe(**prompt_kwargs("flux"), num_inference_steps=1)
+    assert cap.names == ["step0.layer0", "step0.layer1"] and type(cap.batch) is int
+    with pytest.raises(ValueError, match="layers"):
+        capture_qkv(pipe, layers=np.int64(-1), path=path)
+    with pytest.raises(TypeError, match="batch"):
+        capture_qkv(pipe, batch=np.float32(0), path=path)
+    assert pd.pisa_state(pipe.transformer) is None
+
+
+def test_closing_a_capture_keeps_the_pisa_the_user_applied_while_it_was_open(tmp_path):
+    """The capture applied PISA (density 1) and the user applied their own settings under it: close
+    removed the user's PISA (the model then ran native attention), and the entries said the capture's
+    dense PISA ran the calls that ran the user's sparse one."""
+    pipe = tiny_pipeline("flux")
+    cap = capture_qkv(pipe, layers=0, path=tmp_path / "u.safetensors")
+    pipe(**prompt_kwargs("flux"), num_inference_steps=1)  # step 0 under the capture's own PISA
+    pd.apply_pisa(pipe, density=0.5, block_size=16, min_kv_len=0, dense_layers=0, dense_steps=0)
+    mine = pd.pisa_state(pipe.transformer)
+    pipe(**prompt_kwargs("flux"), num_inference_steps=2)  # steps 0 (already recorded) and 1
+    cap.close()
+    assert pd.pisa_state(pipe.transformer) is mine and mine.config.density == 0.5
+    info = {e.name: e.info for e in read_qkv_file(str(tmp_path / "u.safetensors")).entries}
+    assert info["step0.layer0"]["pisa_applied_by_capture"] is True and info["step0.layer0"]["density"] == 1.0
+    assert info["step1.layer0"]["pisa_applied_by_capture"] is False and info["step1.layer0"]["density"] == 0.5
+    assert info["step1.layer0"]["dense"] is False
+    pd.remove_pisa(pipe)

@@ -465,6 +465,47 @@ def test_precision_lowp_refused_off_hopper(precision):
 
 
 @pytest.mark.parametrize("precision", LOWP)
+def test_precision_lowp_refuses_mode_first_without_pointing_at_the_reference(precision):
+    """mode='first' has no low-precision kernel: the error says so (the input kernels' reason read
+    "so it runs on the PyTorch reference", which a low precision never does)."""
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
+    for call in (lambda: pisa_attention(q, q, q, precision=precision, mode="first"),
+                 lambda: plan(q, q, PisaSettings(precision=precision, mode="first"))):
+        with pytest.raises(ValueError, match=f"precision='{precision}'.*mode='first' has no low-precision kernel") as e:
+            call()
+        assert "reference" not in str(e.value)
+
+
+def test_quantisation_pass_checks_its_inputs_against_k(monkeypatch):
+    """The standalone pass indexes v, kbar and kscale by k's shape: another shape is refused by name
+    (the kernels read past them); a strided view of the centroids or their scales gives the mean of
+    those centroids (the kernel read the view's storage as contiguous); a workspace that is not
+    one is a TypeError naming it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from pisa_attn.ops.triton.quantize import checked, quantize
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 2, 130, 64, generator=g).bfloat16()
+    v = torch.randn(2, 2, 130, 64, generator=g).bfloat16()
+    kbar = torch.randn(2, 2, 3, 64, generator=g).half()
+    kscale = torch.tensor([[1.0, 2.0], [4.0, 8.0]])
+    for bad, match in (((v[:, :, :64], kbar, kscale), "v must have shape"),
+                       ((v, kbar[:1], kscale), "kbar must have shape"),
+                       ((v, kbar[:, :, :2], kscale), "kbar must have shape"),
+                       ((v, kbar, kscale[:, :1]), "kscale must have shape")):
+        with pytest.raises(ValueError, match=match):
+            quantize(k, *bad, 64, precision="int8")
+    wide = torch.randn(2, 2, 6, 64, generator=g).half()
+    kst = kscale.t().contiguous().t()  # [B, Hk] with transposed strides
+    assert not wide[:, :, :3].is_contiguous() and not kst.is_contiguous()
+    qz = quantize(k, v, wide[:, :, :3], kst, 64, precision="int8")
+    assert torch.equal(qz.mu, quant.head_key_mean(wide[:, :, :3], kst))
+    assert torch.equal(qz.k8, quant.quantize_k(k, qz.mu, 64, "int8")[0])
+    with pytest.raises(TypeError, match="ws must be a quant_workspace"):
+        checked(object(), k, 64, "int8")
+
+
+@pytest.mark.parametrize("precision", LOWP)
 def test_precision_lowp_refused_by_the_ring(precision):
     """Sharded keys merge float32 partial outputs, which the low-precision kernel does not write."""
     from pisa_attn.parallel import ring_pisa_attention

@@ -29,6 +29,11 @@ def test_defaults_match_pisa_attention():
     # read as the decimal it prints: 0.35 of 10 blocks is 4 (half up), 0.3499999940 would give 3
     ("density", np.float32(0.35), 0.35),
     ("density", np.float16(0.35), 0.35),
+    # numpy's strings (from a config array, say) are stored as str: they were kept as np.str_
+    ("mode", np.str_("drop"), "drop"),
+    ("backend", np.str_("reference"), "reference"),
+    ("layout", np.str_("bshd"), "bshd"),
+    ("precision", np.str_("input"), "input"),
 ])
 def test_numpy_scalars_are_normalised_to_python(field, value, expected):
     s = PisaSettings(**{field: value})

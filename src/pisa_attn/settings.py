@@ -131,6 +131,7 @@ class PisaSettings:
         put = object.__setattr__  # frozen: normalised values are written once, here
         if not isinstance(self.mode, str) or self.mode not in spec.MODES:
             raise ValueError(f"mode must be one of {spec.MODES}, got {self.mode!r}")
+        put(self, "mode", str(self.mode))  # a numpy string (np.str_) as the str it equals
         put(self, "density", as_float("density", self.density, "a float in (0, 1]"))
         spec.check_density(self.density)
         bs = self.block_size
@@ -160,6 +161,8 @@ class PisaSettings:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         put(self, "alpha", normalize_alpha(self.alpha, self.mode))
         spec.check_precision(self.precision)
+        for name in ("backend", "layout", "precision"):
+            put(self, name, str(getattr(self, name)))
         if self.precision != "input" and self.backend not in ("auto", "hopper"):
             raise ValueError(f"precision={self.precision!r} runs on the hopper backend only, "
                              f"got backend={self.backend!r}")

@@ -10,6 +10,7 @@ The file format lives in :mod:`pisa_attn.qkv_file`.
 
 from __future__ import annotations
 
+import numbers
 import sys
 import warnings
 
@@ -17,6 +18,8 @@ import torch
 from torch import Tensor
 
 from ..qkv_file import layout_to_json, trim_layout, write_qkv_file
+from ..settings import as_int
+from ..spec import is_numpy_bool
 from . import hooks
 from .models import adapter_for, transformers_of
 from .paths import check_output_path
@@ -24,17 +27,21 @@ from .paths import check_output_path
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and not is_numpy_bool(x)  # numpy's ints too
+
+
 def _index_set(name: str, value) -> frozenset[int] | None:
     if value is None:
         return None
-    items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    items = [value] if _is_int(value) else value
     try:
         items = list(items)
     except TypeError:
         raise TypeError(f"{name} must be None, an int or an iterable of ints, got {type(value).__name__}") from None
-    if not items or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in items):
+    if not items or any(not _is_int(i) or i < 0 for i in items):
         raise ValueError(f"{name} must be None or non-negative ints, got {value!r}")
-    return frozenset(items)
+    return frozenset(int(i) for i in items)
 
 
 def _transformers(obj) -> list[tuple[str, torch.nn.Module]]:
@@ -54,12 +61,15 @@ class QKVCapture:
         from .apply import apply_pisa, pisa_state
 
         self.layers, self.steps = _index_set("layers", layers), _index_set("steps", steps)
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+        batch = as_int("batch", batch, "a non-negative int (the batch row to record)")
+        if batch < 0:
             raise ValueError(f"batch must be a non-negative int (the batch row to record), got {batch!r}")
         if dtype is not None and dtype not in _DTYPES.values():
             raise TypeError(f"dtype must be None, torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}")
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-            raise ValueError(f"max_bytes must be None or a positive int, got {max_bytes!r}")
+        if max_bytes is not None:
+            max_bytes = as_int("max_bytes", max_bytes, "None or a positive int")
+            if max_bytes < 1:
+                raise ValueError(f"max_bytes must be None or a positive int, got {max_bytes!r}")
         self.path = check_output_path(path, "path")
         self.batch, self.dtype, self.max_bytes = batch, dtype, max_bytes
         self.tensors: dict[str, Tensor] = {}
@@ -69,6 +79,7 @@ class QKVCapture:
         self._full = False
         self._pipe = pipe
         self._applied = []  # what this capture applied PISA to (the pipeline, or transformers)
+        self._owned = []  # (transformer, the state this capture applied to it), removed on close
         self._removers = []
         self._closed = False
         found = _transformers(pipe)
@@ -91,19 +102,20 @@ class QKVCapture:
                     self._applied.append(apply_pisa(tr, **exact))
                     if managed:  # one count of denoising steps with the user's managed expert
                         pisa_state(tr).tracker = managed[0].tracker
-        self._applied_any = bool(self._applied)
         for _, tr in found:
-            if self._applied_any and pisa_state(tr) is not None and any(
-                    obj is tr or obj is pipe for obj in self._applied):
+            if pisa_state(tr) is not None and any(obj is tr or obj is pipe for obj in self._applied):
                 pisa_state(tr).capture_owned = True
+                self._owned.append((tr, pisa_state(tr)))
         for prefix, tr in found:
-            self._removers.append(hooks.add_observer(tr, self._observer(prefix)))
+            self._removers.append(hooks.add_observer(tr, self._observer(prefix, tr)))
 
     @property
     def names(self) -> list[str]:
         return list(self.entries)
 
-    def _observer(self, prefix: str):
+    def _observer(self, prefix: str, transformer):
+        from .apply import pisa_state
+
         def observe(call: hooks.AttentionCall) -> None:
             if self._full or (self.layers is not None and call.layer not in self.layers):
                 return
@@ -112,11 +124,12 @@ class QKVCapture:
             name = f"{prefix}step{call.step}.layer{call.layer}"
             if name in self.entries:  # first call wins (Wan's cond before uncond, first generation)
                 return
-            self._record(name, call)
+            # the capture's own PISA ran the call, not one the user applied since it opened
+            self._record(name, call, any(pisa_state(transformer) is s for _, s in self._owned))
 
         return observe
 
-    def _record(self, name: str, call: hooks.AttentionCall) -> None:
+    def _record(self, name: str, call: hooks.AttentionCall, applied: bool) -> None:
         b = self.batch
         if b >= call.q.shape[0]:
             raise ValueError(f"capture batch={b} but the attention call has only {call.q.shape[0]} batch rows")
@@ -146,11 +159,12 @@ class QKVCapture:
             "dense_reason": call.meta.get("dense_reason"), "density": call.density, "mode": call.mode,
             "covariance_aware": call.covariance_aware, "block_size": call.block_size, "scale": call.scale,
             "grid": list(call.meta["grid"]) if call.meta.get("grid") is not None else None,
-            "text_len": call.meta.get("text_len"),
+            # the text tokens recorded: padded text keys trimmed off are not among them
+            "text_len": layout.num_text_tokens if layout is not None else call.meta.get("text_len"),
             "image_range": [int(image[0]), min(int(image[1]), n)] if image is not None else None,
             "key_len": n, "batch_index": b, "shape": list(parts["q"].shape),
             "token_layout": layout_to_json(layout) if layout is not None else None,
-            "pisa_applied_by_capture": self._applied_any,
+            "pisa_applied_by_capture": applied,
         }
 
     def close(self) -> str:
@@ -181,12 +195,13 @@ class QKVCapture:
     def _detach(self) -> None:
         for remove in self._removers:
             remove()
-        if self._applied:
-            from .apply import remove_pisa
+        if self._owned:
+            from .apply import pisa_state, remove_pisa
 
-            for obj in self._applied:
-                remove_pisa(obj)
-        self._removers, self._applied = [], []
+            for tr, state in self._owned:
+                if pisa_state(tr) is state:  # PISA the user applied since the capture opened stays
+                    remove_pisa(tr)
+        self._removers, self._applied, self._owned = [], [], []
 
 
 def _check_layers(layers: frozenset[int], transformers) -> None:

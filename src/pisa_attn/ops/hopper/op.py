@@ -135,6 +135,8 @@ BACKEND = _fused.register(
 # --------------------------------------------- precision="fp8", "int8-fp8", "int8-int8", "int8"
 def fp8_unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
     """None when the low-precision pair kernel handles this call, else why not."""
+    if mode == "first":  # not the input kernels' reason: that one sends the call to the reference
+        return "mode='first' has no low-precision kernel: use 'hybrid', 'zeroth' or 'drop', or precision='input'"
     reason = unsupported_reason(q, mode, block_size)
     if reason is None and q.shape[-1] not in _fp8.HEAD_DIMS:
         reason = f"head dim {q.shape[-1]} (the low-precision kernel is built for head dims {_fp8.HEAD_DIMS})"

@@ -236,6 +236,8 @@ def checked(ws: Quantized, k: Tensor, block_size: int, precision: str, name: str
     """``ws`` if its buffers are those of ``[B, Hk, Lk, D]`` keys ``k`` in ``precision``, else a
     ValueError naming ``name``."""
     b, hk, lk, d = k.shape
+    if not isinstance(ws, Quantized):
+        raise TypeError(f"{name} must be a quant_workspace (Quantized), got {type(ws).__name__}")
     if any(getattr(ws, f).shape != shape or getattr(ws, f).dtype != dtype
            for f, (shape, dtype) in _buffers(b, hk, lk, d, block_size, precision).items()):
         raise ValueError(f"{name}: a quant_workspace made for other shapes or another precision than {precision!r}")
@@ -286,6 +288,13 @@ def quantize(k: Tensor, v: Tensor, kbar: Tensor, kscale: Tensor, block_size: int
     _check_precision(precision)
     b, hk, lk, d = k.shape
     nk = -(-lk // block_size)
+    # the kernels index v, kbar and kscale by k's shape: another shape reads past them
+    for name, x, shape in (("v", v, k.shape), ("kbar", kbar, (b, hk, nk, d)), ("kscale", kscale, (b, hk))):
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)} for k of shape {tuple(k.shape)} and block_size "
+                             f"{block_size}, got {tuple(x.shape)}")
+    # μ's pass reads the centroids and their scales as contiguous arrays (a view would give another mean)
+    kbar, kscale = kbar.contiguous(), kscale.contiguous()
     if ws is None:
         ws = quant_workspace(b, hk, lk, d, block_size, k.device, precision)
     checked(ws, k, block_size, precision)
