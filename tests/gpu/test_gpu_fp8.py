@@ -243,6 +243,36 @@ def test_int8_exact_fixed_maximum(name, data):
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "drop"])
+def test_int8_bound_holds_for_the_quantised_scores(mode):
+    """``int8`` under the bound of its scores: the bound is the quantised scores' (the codes'
+    rounding included), not the unquantised ``s·Σ|q_d|·max|k_d − μ_d|``. Each query row is one
+    entry of 127 code steps beside entries of half a step, which round up to twice their value;
+    the keys ±8 in every channel (μ = 0, no rounding): the quantised score runs 259 (base 2) past
+    the unquantised bound, where exp2 overflowed to an inf output."""
+    from pisa_attn.ops.hopper import fp8 as _fp8
+
+    b, h, l, d = 1, 2, 2048, 128
+    q = torch.full((b, h, l, d), 2.0, device="cuda", dtype=torch.bfloat16)
+    q[..., 0] = 508.0  # σ_q = 4: code 127, the others 0.5 -> 1
+    sign = 1.0 - 2.0 * (torch.arange(l, device="cuda") % 2)
+    k = (8.0 * sign)[None, None, :, None].expand(b, h, l, d).to(torch.bfloat16).contiguous()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    v = torch.randn(b, h, l, d, device="cuda", generator=g).to(torch.bfloat16)
+    p, _, sel = fp8_run(q, k, v, mode, precision="int8")
+    st = get_backend("hopper_int8").prepare(q, k, v, 64)
+    oq, _ = references(q, k, v, p, sel, "int8")
+    outs = []
+    for exact_max in ("bound", "online"):
+        out, lse = _fp8.attention(q, st.quant, *st.tail(), *sel, mode=mode, scale=p.scale, block_size=64, lk=l, v=v,
+                                  kbound=st.kbound, alpha=p.alpha, exact_max=exact_max)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), exact_max
+        assert rel_l1(out, oq) < QREF_TOL, (exact_max, rel_l1(out, oq))
+        outs.append((out, lse))
+    assert (outs[0][1] - outs[1][1]).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "drop"])
 def test_int8_planned_call_from_16k_keys_takes_the_bound(mode, monkeypatch):
     """A planned ``int8`` call from 16K keys runs its exact loop under the bound (``"auto"``), with
     the bound's channel maxima from the plan's prepare: within the bounds of the quantised

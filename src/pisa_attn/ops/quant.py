@@ -149,7 +149,9 @@ def quantize_k(k: Tensor, mu: Tensor, block_size: int, fmt: str = "e4m3") -> tup
 
 def smoothed_key_maxima(k: Tensor, mu: Tensor) -> Tensor:
     """``max_n |k_nd − μ_d|`` per channel ``[B, Hk, D]`` float32 over the head's ``[B, Hk, Lk, D]``
-    keys: with P·V in the input dtype the exact loop bounds its scores by ``s·Σ_d |q_d|·this``."""
+    keys: with P·V in the input dtype the exact loop bounds its scores by ``s·σ_q·Σ_d |y_d|·(c_d +
+    max c / 127)``, ``c`` this, ``y`` a row's int8 codes and ``σ_q`` their scale (the codes' rounding
+    included)."""
     return (k.float() - mu.float()[:, :, None, :]).abs().amax(2)
 
 

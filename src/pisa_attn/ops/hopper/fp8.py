@@ -447,11 +447,16 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, alp
     m_i = gl.full([BS], float("-inf"), gl.float32, layout=row8)
     if EXACT_SLACK >= 0:
         # P in the input dtype: the exact loop's maximum may be fixed at a per-row bound of its
-        # scores, s·Σ_d |q_d|·max_n |k_nd − μ_d| (the smoothed keys' per-channel maxima, from the
-        # quantisation pass), in the loop's frame (without s·q·μ). Until the first owned block m_i
-        # holds it (``fx`` 0); that block decides (:func:`.attention._exact_step_fx`).
+        # quantised scores, in the loop's frame (without s·q·μ): s·σ_q·Σ_d |y_d|·(c_d + max c / 127),
+        # y the query's codes, c_d = max_n |k_nd − μ_d| (the smoothed keys' per-channel maxima, from
+        # the quantisation pass; a key's code is off by at most half its block's scale, ≤ max c / 254).
+        # The unquantised s·Σ_d |q_d|·c_d is no bound: rounding may double a small entry, and a row
+        # of such entries beside one large one scored past it by hundreds (exp2 overflowed). Until
+        # the first owned block m_i holds it (``fx`` 0); that block decides
+        # (:func:`.attention._exact_step_fx`).
         kc = gl.load(kcmax_ptr + bhk * D + gl.arange(0, D, layout=gl.SliceLayout(0, qrow_layout)))
-        m_i = gl.convert_layout(gl.sum(gl.abs(qf) * kc[None, :], axis=1) * qk_scale, row8)
+        kc = kc + gl.max(kc, axis=0) * (1.0 / 127.0)
+        m_i = gl.convert_layout(gl.sum(gl.abs(y) * kc[None, :], axis=1) * q_rs, row8)
     l_i = gl.zeros([BS], gl.float32, layout=row8)
     acc = gl.zeros([BS, D], gl.float32, layout=o8_layout)
     if PV_HALVES:
