@@ -73,6 +73,9 @@ BAD_INPUTS = [
     ("block-bool", _with(block_size=True), ValueError, "block_size"),
     ("scale-negative", _with(scale=-1.0), ValueError, "scale"),
     ("scale-inf", _with(scale=float("inf")), ValueError, "scale"),
+    # finite, but inf in float32 (the kernels' arithmetic): every output NaN
+    ("scale-past-float32", _with(scale=1e39), ValueError, "scale"),
+    ("scale-huge-int", _with(scale=10**400), ValueError, "scale"),
     ("keep-wrong-length", _with(keep_blocks=torch.ones(3, dtype=torch.bool)), ValueError, "keep_blocks"),
     ("keep-wrong-rank", _with(keep_blocks=torch.ones(1, 4, dtype=torch.bool)), ValueError, "keep_blocks"),
     ("keep-wrong-heads", _with(keep_blocks=torch.ones(1, 3, 1, dtype=torch.bool)), ValueError, "keep_blocks"),

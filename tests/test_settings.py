@@ -86,7 +86,8 @@ BAD = [
     ("alpha-meta", dict(alpha=torch.ones(2, device="meta")), TypeError, "alpha.*per call"),
     ("alpha-rank2", dict(alpha=torch.ones(2, 2)), ValueError, "alpha"),
     ("density-huge-int", dict(density=10**400), ValueError, "density.*too large"),
-    ("scale-huge-int", dict(scale=10**400), ValueError, "scale.*too large"),
+    ("scale-huge-int", dict(scale=10**400), ValueError, "scale.*float32's largest"),
+    ("scale-past-float32", dict(scale=1e39), ValueError, "scale.*float32's largest"),
     ("alpha-huge-int", dict(alpha=10**400), ValueError, "alpha"),
 ]
 
@@ -145,6 +146,8 @@ def test_spec_checks_take_numpy_numbers_and_huge_ints():
     spec.check_density(np.float32(0.3))
     spec.check_block_size(np.int64(64))
     spec.check_scale(np.float64(0.1))
-    spec.check_scale(10**400)  # finite, positive: PisaSettings refuses it as too large for a float
+    spec.check_scale(np.float32(3e38))
+    with pytest.raises(ValueError, match="scale"):  # finite, but inf in the kernels' float32
+        spec.check_scale(10**400)
     with pytest.raises(ValueError, match="density"):
         spec.check_density(10**400)

@@ -21,6 +21,8 @@ import numbers
 import torch
 from torch import Tensor
 
+FLOAT32_MAX = torch.finfo(torch.float32).max  # the kernels' arithmetic
+
 MODES = ("hybrid", "zeroth", "first", "drop")
 """``hybrid``: exact + block-wise 0th order + one global 1st-order term with H̄ (the paper's method);
 ``zeroth``: no 1st-order term; ``first``: exact block-wise 1st order (the accuracy bound);
@@ -162,8 +164,10 @@ def check_scale(scale) -> None:
     if scale is None:
         return
     ok = isinstance(scale, numbers.Real) and not _is_bool(scale)
-    if not ok or scale <= 0 or not (isinstance(scale, numbers.Integral) or (scale == scale and scale != math.inf)):
-        raise ValueError(f"scale must be None or a positive finite float, got {scale!r}")
+    # NaN fails the comparison; past float32's largest value the kernels' scale is inf (NaN outputs)
+    if not ok or not 0 < scale <= FLOAT32_MAX:
+        raise ValueError(f"scale must be None or a positive finite float (at most {FLOAT32_MAX:.4g}, float32's "
+                         f"largest), got {scale!r}")
 
 
 def query_block_factor(query_block, block_size: int) -> int:
