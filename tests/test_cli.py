@@ -70,6 +70,15 @@ def test_run_demo_text_tokens_use_keep_blocks():
     assert not torch.allclose(plain, kept)
 
 
+def test_run_demo_float64_is_measured_against_float64_dense():
+    """A float64 run's reference is float64 dense: a float32 one would put its own rounding into
+    every row (dense included) as if it were the method's error."""
+    result = demo.run_demo(tiny_config(dtype="float64", densities=(1.0,), modes=("hybrid",)))
+    dense, full = result.rows
+    assert dense.rel_l1 == 0.0 and dense.max_abs == 0.0
+    assert full.rel_l1 < 1e-12 and full.max_abs < 1e-12  # density 1: exact up to float64 rounding
+
+
 def tiny_text_qkv():
     d = dit_qkv((2, 8, 8), heads=2, head_dim=32, text_tokens=20)
     return d.q, d.k, d.v
@@ -104,6 +113,7 @@ def test_grid_for_length_is_close_to_request(length):
         (dict(backend="cuda"), "backend"),
         (dict(device="tpu"), "device"),
         (dict(text_tokens=-1), "text_tokens"),
+        (dict(grid=(8, 8), image=True), "image"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
@@ -518,6 +528,9 @@ def test_readme_context_parallel_example_runs_as_written(tmp_path):
         (["--no-flex", "--flex-dynamic"], ["--flex-dynamic", "--no-flex"]),
         (["--no-flex", "--flex-lengths", "4096"], ["--flex-lengths", "--no-flex"]),
         (["--out", "/nonexistent_dir_pisa/r.json"], ["--out", "does not exist"]),
+        (["--cases", "2-16-128:4096:0.1", "--lengths", "8192"], ["--lengths", "--cases"]),
+        (["--cases", "2-16-128:4096:0.1", "--densities", "0.5"], ["--densities", "--cases"]),
+        (["--cases", "2-16-128:4096:0.1", "--configs", "1-2-64"], ["--configs", "--cases"]),
     ],
     ids=lambda x: x[0].lstrip("-") if isinstance(x, list) else None,
 )
@@ -694,3 +707,19 @@ def test_bench_times_the_lean_call_on_a_planned_workspace():
     assert call() is first
     torch.testing.assert_close(first, pisa_attention(q, k, v, density=0.25, block_size=64, covariance_aware=False,
                                                      backend="triton"), rtol=0, atol=0)
+
+
+def test_bench_case_refuses_to_time_the_reference_as_pisa(monkeypatch):
+    """A case the kernels cannot run (auto falls back to the PyTorch reference: here CPU tensors,
+    on a GPU a head dim like 96) is an error of that case, not the reference's time reported as
+    PISA's latency beside the dense baselines."""
+    from pisa_attn.bench import kernels
+
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(1, 2, 256, 32, generator=g) for _ in range(3)]
+    monkeypatch.setattr(kernels, "_inputs", lambda *a, **kw: qkv)
+    monkeypatch.setattr(kernels, "bench_ms", lambda fn, rep_ms=60.0: 1.0)
+    monkeypatch.setattr(kernels, "peak_extra_bytes", lambda fn, out_bytes: 0)
+    with pytest.raises(ValueError, match="reference"):
+        kernels.bench_case(kernels.Config(1, 2, 32), 256, 0.25, torch.float32, "bhsd", 10.0, with_flex=False,
+                           phases=False)

@@ -432,3 +432,14 @@ def test_synthetic_source_reuses_fixed_sample_with_text_tokens():
     assert src.fixed(256)[0] is fixed and fixed.length == 356
     sweep = dict(src.sweep((128, 256)))
     assert sweep[256][0] is fixed and sweep[128][0].length == 228
+
+
+def test_summary_from_the_length_sweep_takes_its_tail_mass_at_the_same_length():
+    """A density sweep without the study density: the summary's errors are the length sweep's
+    longest point, and so is its tail mass (not the density sweep's, at another length)."""
+    r = run_study(StudyConfig(size="tiny", modes=("drop",), covariance=False, weights=(), densities=(0.5,),
+                              density=0.25, length=256, lengths=(256, 512), heads=2), progress=False)
+    s, ls = r["summary"], r["length_sweep"]
+    assert s["length"] == 512 and s["rel_l1"] == {"drop": ls["rel_l1"]["drop"][-1]}
+    assert s["tail_mass"] == {"topk": ls["tail_mass"]["topk"][-1]}
+    assert ls["tail_mass"]["topk"][0] != ls["tail_mass"]["topk"][-1]  # the lengths differ in tail mass

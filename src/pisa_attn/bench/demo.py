@@ -3,7 +3,7 @@
 Generates seeded DiT-like q/k/v (:func:`pisa_attn.data.dit_qkv`, tokens in tiled order), runs dense
 attention (``scaled_dot_product_attention``) and PISA's ``drop``, ``zeroth``, ``hybrid`` and
 ``first`` modes at a few densities, and reports the relative L1 error and max abs error against a
-float32 dense result, plus the median wall time.
+float32 dense result (float64 for float64 inputs), plus the median wall time.
 
 The modes, from plain block sparsity to the accuracy bound:
   drop    the selected key blocks only (keep-or-drop block sparsity)
@@ -77,6 +77,9 @@ class DemoConfig:
         if isinstance(self.text_tokens, bool) or not isinstance(self.text_tokens, int) or self.text_tokens < 0:
             raise ValueError(f"text_tokens must be an int >= 0, got {self.text_tokens!r}")
         if self.grid is not None:
+            if self.image:  # image picks the grid from length: beside an explicit grid it would do nothing
+                raise ValueError(f"image picks an (h, w) grid from length; grid={tuple(self.grid)} gives the grid "
+                                 "itself (two numbers for an image): pass one of them")
             if len(self.grid) not in (2, 3):
                 raise ValueError(f"grid must be (h, w) or (t, h, w), got {tuple(self.grid)}")
             for i, g in enumerate(self.grid):
@@ -216,8 +219,10 @@ def run_demo(cfg: DemoConfig, on_step: Callable[[str], None] | None = None) -> D
 
     repeats = cfg.resolved_repeats()
     dense, dense_ms = _timed(lambda: F.scaled_dot_product_attention(q, k, v), device, repeats)
-    # Errors are measured against float32 dense, so a low-precision dense row shows its own rounding.
-    truth = dense.float() if dtype == torch.float32 else F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    # Errors are measured against float32 dense, so a low-precision dense row shows its own rounding
+    # (float64 dense for float64 inputs: a float32 reference would add its rounding to every row).
+    wide = torch.promote_types(dtype, torch.float32)
+    truth = dense if dtype == wide else F.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide))
     rows = [_row("dense", None, "all", dense, truth, dense_ms, "sdpa")]
     step("dense")
     for density in cfg.densities:
@@ -244,7 +249,7 @@ def check_backend(cfg: DemoConfig) -> None:
 
 
 def _row(method, density, exact, out, truth, ms, backend) -> DemoRow:
-    max_abs = float((out.float() - truth).abs().max())
+    max_abs = float((out.to(truth.dtype) - truth).abs().max())
     return DemoRow(method, density, exact, rel_l1(out, truth), max_abs, ms, backend)
 
 

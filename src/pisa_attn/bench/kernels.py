@@ -169,6 +169,11 @@ def _timed_call(q, k, v, density, mode, backend, query_block=None, precision="in
     from pisa_attn import plan, run
 
     p = plan(q, k, _plan(q, k, density, mode, backend=backend, query_block=query_block, precision=precision).settings)
+    if p.backend == "reference":  # auto's fallback: its time is PyTorch's, not a PISA kernel's latency
+        from pisa_attn.attention import _reason
+
+        raise ValueError(f"the kernels do not run this case (backend {backend!r} falls back to the PyTorch "
+                         f"reference: {_reason('triton', q, mode, 64)}); it is not timed")
     out = torch.empty_like(q)
     return p, lambda: run(p, q, k, v, out=out)
 
@@ -529,6 +534,12 @@ def run(args: argparse.Namespace) -> int:
     """Every value, path and dependency is checked before the GPU is: a misuse reads the same anywhere."""
     try:
         if args.cases:
+            # the cases replace the grid: a grid flag beside them would be silently ignored
+            for flag, value, default in (("configs", args.configs, DEFAULT_CONFIGS),
+                                         ("lengths", args.lengths, DEFAULT_LENGTHS),
+                                         ("densities", args.densities, DEFAULT_DENSITIES)):
+                if value != default:
+                    raise ValueError(f"--{flag} sets the grid that --cases replaces: pass one of them")
             cases = parse_cases(args.cases)
         else:
             cases = grid_cases([Config.parse(c) for c in parse_list(args.configs, str, "configs")],

@@ -618,6 +618,8 @@ def summarize(result: dict) -> dict:
         ls = result["length_sweep"]
         out["length"] = (ls.get("tokens") or ls["lengths"])[-1]  # tokens: the density sweep's unit
         out["rel_l1"] = {v: ls["rel_l1"][v][-1] for v in ls["rel_l1"]}
+        # the tail mass of that same point: the density sweep's is at another length
+        out["tail_mass"] = {k: v[-1] for k, v in ls["tail_mass"].items()}
     else:  # a capture without layout and a density sweep that skips the study density
         out["rel_l1"] = {}
     return out
