@@ -173,7 +173,7 @@ def _timed_call(q, k, v, density, mode, backend, query_block=None, precision="in
         from pisa_attn.attention import _reason
 
         raise ValueError(f"the kernels do not run this case (backend {backend!r} falls back to the PyTorch "
-                         f"reference: {_reason('triton', q, mode, 64)}); it is not timed")
+                         f"reference: {_reason('triton', q, mode, p.block_size)}); it is not timed")
     out = torch.empty_like(q)
     return p, lambda: run(p, q, k, v, out=out)
 
