@@ -20,7 +20,6 @@ signature that does not match the plan never finds a recording, so it meets the 
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -255,7 +254,7 @@ def _shape_of(name: str, x) -> tuple[int, ...]:
         _check_tensor(name, x)
         return tuple(x.shape)
     if isinstance(x, torch.Size) or (isinstance(x, (tuple, list)) and all(
-            isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in x)):
+            spec.is_int(n) for n in x)):
         shape = tuple(int(n) for n in x)
         if len(shape) != 4:
             raise ValueError(f"{name} must have rank 4 ([B, H, L, D] or [B, L, H, D]), got shape {shape}")

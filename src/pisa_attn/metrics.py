@@ -169,8 +169,7 @@ def dense_pass(
     (and its 0th-order estimate when ``kmean``, the ``[B, Hk, Nk, D]`` key-block means, is given).
     ``row_blocks`` (``[Lq]`` long): the mask row of each query row (default: ``row // block_size``),
     for rows sampled out of order."""
-    _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks, scale)
-    block_size = int(block_size)  # a numpy int is taken
+    block_size = _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, lq, d = q.shape
@@ -180,7 +179,7 @@ def dense_pass(
     km = None if kmean is None else spec.expand_kv_heads(kmean, h).to(dtype)
     counts = spec.block_counts(lk, block_size, q.device, dtype)
     nk = counts.numel()
-    width = lk if nk == 1 else block_size  # one block is not padded to a block_size far past Lk
+    width = ref.block_width(lk, block_size)
     pad = nk * width - lk
     out = torch.empty(b, h, lq, d, dtype=dtype, device=q.device)
     tails = [torch.empty(b, h, lq, dtype=dtype, device=q.device) for _ in masks]
@@ -212,9 +211,10 @@ def dense_pass(
     return DensePass(out, tails, estimates)
 
 
-def _check_qk(q, k, block_size, scale, v=None) -> None:
+def _check_qk(q, k, block_size, scale, v=None) -> int:
     """The checks :func:`dense_pass` and :func:`token_scores` share: ``[B, H, L, D]`` tensors, q's
-    heads a multiple of k's, a positive int ``block_size`` (numpy's too), a valid ``scale``."""
+    heads a multiple of k's, a positive int ``block_size`` (numpy's too; returned as an int), a
+    valid ``scale``."""
     for name, x in (("q", q), ("k", k)) + ((("v", v),) if v is not None else ()):
         _check_tensor(name, x)
         if x.dim() != 4:
@@ -227,14 +227,15 @@ def _check_qk(q, k, block_size, scale, v=None) -> None:
     if as_int("block_size", block_size, "a positive int") < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     spec.check_scale(scale)  # a NaN or inf scale would make the reference itself NaN
+    return int(block_size)
 
 
-def _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks, scale=None) -> None:
+def _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks, scale=None) -> int:
     """:func:`dense_pass`'s checks: a mismatch fails here by name, not as a broadcasting or
     indexing error deep in the pass (or a silently broadcast mask). Shapes only, no read of
     values (the calibration's fits capture the pass as a CUDA graph); q may differ in dtype from
     k/v (the fits convert k/v to their arithmetic's dtype once)."""
-    _check_qk(q, k, block_size, scale, v=v)
+    block_size = _check_qk(q, k, block_size, scale, v=v)
     b, h, lq, d = q.shape
     nk = spec.num_blocks(k.shape[2], block_size)
     if row_blocks is not None:
@@ -259,6 +260,7 @@ def _check_dense_args(q, k, v, block_size, masks, kmean, row_blocks, scale=None)
         want = (b, k.shape[1], nk, d)
         if tuple(kmean.shape) != want:
             raise ValueError(f"kmean must be the key-block means [B, Hk, Nk, D] = {want}, got {tuple(kmean.shape)}")
+    return block_size
 
 
 def token_scores(
@@ -268,8 +270,7 @@ def token_scores(
     ``[B, H, rows, Lk]`` float32, bool mask of the keys in each row's selected blocks).
     ``selected``: bool ``[B, H, Nq, Nk]`` (:attr:`ExactSet.selected` at ``block_size``); ``rows``:
     integer ``[R]`` indices of q's rows."""
-    _check_qk(q, k, block_size, scale)
-    block_size = int(block_size)
+    block_size = _check_qk(q, k, block_size, scale)
     b, h, lq, _ = q.shape
     nk = spec.num_blocks(k.shape[2], block_size)
     _check_tensor("selected", selected)

@@ -41,7 +41,7 @@ def as_bool(name: str, x) -> bool:
 
 def as_int(name: str, x, what: str) -> int:
     """An integer (Python or numpy), not a bool, not a float; TypeError naming ``name`` otherwise."""
-    if isinstance(x, numbers.Integral) and not isinstance(x, bool) and not _is_numpy_bool(x):
+    if spec.is_int(x):
         return int(x)
     raise TypeError(f"{name} must be {what}, got {x!r} ({_type_name(x)})")
 
@@ -135,7 +135,7 @@ class PisaSettings:
         put(self, "density", as_float("density", self.density, "a float in (0, 1]"))
         spec.check_density(self.density)
         bs = self.block_size
-        if not isinstance(bs, numbers.Integral) or isinstance(bs, bool) or _is_numpy_bool(bs):
+        if not spec.is_int(bs):
             raise ValueError(f"block_size must be a power of two >= {spec.MIN_BLOCK_SIZE} (an int), got {bs!r} "
                              f"({_type_name(bs)})")
         bs = int(bs)
@@ -143,7 +143,7 @@ class PisaSettings:
         put(self, "block_size", bs)
         if self.query_block is not None:
             qb = self.query_block
-            if not isinstance(qb, numbers.Integral) or isinstance(qb, bool) or _is_numpy_bool(qb):
+            if not spec.is_int(qb):
                 raise ValueError(f"query_block must be None or an int multiple of block_size, got {qb!r} "
                                  f"({_type_name(qb)})")
             put(self, "query_block", int(qb))

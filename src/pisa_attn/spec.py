@@ -146,6 +146,11 @@ def _is_bool(x) -> bool:
     return isinstance(x, bool) or is_numpy_bool(x)
 
 
+def is_int(x) -> bool:
+    """A Python or numpy integer that is not a bool (numpy's bool is not Integral, but be explicit)."""
+    return isinstance(x, numbers.Integral) and not _is_bool(x)
+
+
 def check_density(density) -> None:
     # numbers.Real takes numpy scalars; comparing without float() takes any int (no OverflowError)
     if _is_bool(density) or not isinstance(density, numbers.Real):
@@ -155,7 +160,7 @@ def check_density(density) -> None:
 
 
 def check_block_size(block_size) -> None:
-    ok = isinstance(block_size, numbers.Integral) and not _is_bool(block_size)
+    ok = is_int(block_size)
     if not ok or block_size < MIN_BLOCK_SIZE or int(block_size) & (int(block_size) - 1):
         raise ValueError(f"block_size must be a power of two >= {MIN_BLOCK_SIZE}, got {block_size!r}")
 
@@ -175,7 +180,7 @@ def query_block_factor(query_block, block_size: int) -> int:
     ``m`` is one of :data:`QUERY_BLOCK_FACTORS`."""
     if query_block is None:
         return 1
-    ok = isinstance(query_block, numbers.Integral) and not _is_bool(query_block)  # numpy ints too
+    ok = is_int(query_block)  # numpy ints too
     if not ok or query_block % block_size or query_block // block_size not in QUERY_BLOCK_FACTORS:
         allowed = ", ".join(str(f * block_size) for f in QUERY_BLOCK_FACTORS)
         raise ValueError(f"query_block must be None or one of {allowed} (block_size times {QUERY_BLOCK_FACTORS}), "

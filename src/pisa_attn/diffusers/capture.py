@@ -10,7 +10,6 @@ The file format lives in :mod:`pisa_attn.qkv_file`.
 
 from __future__ import annotations
 
-import numbers
 import sys
 import warnings
 
@@ -19,7 +18,7 @@ from torch import Tensor
 
 from ..qkv_file import layout_to_json, trim_layout, write_qkv_file
 from ..settings import as_int
-from ..spec import is_numpy_bool
+from ..spec import is_int
 from . import hooks
 from .models import adapter_for, transformers_of
 from .paths import check_output_path
@@ -27,19 +26,15 @@ from .paths import check_output_path
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and not is_numpy_bool(x)  # numpy's ints too
-
-
 def _index_set(name: str, value) -> frozenset[int] | None:
     if value is None:
         return None
-    items = [value] if _is_int(value) else value
+    items = [value] if is_int(value) else value
     try:
         items = list(items)
     except TypeError:
         raise TypeError(f"{name} must be None, an int or an iterable of ints, got {type(value).__name__}") from None
-    if not items or any(not _is_int(i) or i < 0 for i in items):
+    if not items or any(not is_int(i) or i < 0 for i in items):
         raise ValueError(f"{name} must be None or non-negative ints, got {value!r}")
     return frozenset(int(i) for i in items)
 

@@ -96,13 +96,18 @@ class BlockStats:
         return self
 
 
+def block_width(length: int, block_size: int) -> int:
+    """Tokens per block of a sequence padded to whole blocks: ``block_size``, or ``length`` where
+    the sequence is one block (a valid block_size may be far longer than the sequence, 2**40, and
+    padding that one block would be a multi-terabyte tensor of zeros)."""
+    return length if num_blocks(length, block_size) == 1 else block_size
+
+
 def _pad_to_blocks(x: Tensor, block_size: int) -> Tensor:
-    """[B, H, L, D] -> [B, H, N, block, D], zero-padded past L. A sequence of one block is not
-    padded (``block`` is then L): a valid block_size may be far longer than the sequence (2**40),
-    and the padding of that one block would be a multi-terabyte tensor of zeros."""
+    """[B, H, L, D] -> [B, H, N, block, D], zero-padded past L (``block``: :func:`block_width`)."""
     b, h, length, d = x.shape
     n = num_blocks(length, block_size)
-    width = length if n == 1 else block_size
+    width = block_width(length, block_size)
     pad = n * width - length
     if pad:
         x = torch.nn.functional.pad(x, (0, 0, 0, pad))
