@@ -443,3 +443,21 @@ def test_summary_from_the_length_sweep_takes_its_tail_mass_at_the_same_length():
     assert s["length"] == 512 and s["rel_l1"] == {"drop": ls["rel_l1"]["drop"][-1]}
     assert s["tail_mass"] == {"topk": ls["tail_mass"]["topk"][-1]}
     assert ls["tail_mass"]["topk"][0] != ls["tail_mass"]["topk"][-1]  # the lengths differ in tail mass
+
+
+@pytest.mark.parametrize("flags, given", [(["--heads", "8"], "heads"), (["--head-dim", "64"], "head_dim"),
+                                          (["--text-tokens", "0"], "text_tokens")])
+def test_a_capture_refuses_the_synthetic_sources_shape(tmp_path, capsys, flags, given):
+    """Heads, head dim and text tokens describe the synthetic generator: beside a capture (which has
+    its own) they are refused, even at their default values, instead of silently ignored."""
+    pytest.importorskip("safetensors")
+    path = _write_capture(tmp_path / "cap.safetensors")
+    assert main(["--source", path, "--size", "tiny", "--out", str(tmp_path / "o"), "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert given in err and "synthetic source" in err
+    with pytest.raises(ValueError, match=given):
+        StudyConfig(source=path, **{given: int(flags[1])}).resolved()
+    c = StudyConfig(source=path, size="tiny").resolved()  # a capture's own: none written as the preset's
+    assert (c.heads, c.head_dim, c.text_tokens) == (None, None, None)
+    s = StudyConfig(size="tiny").resolved()
+    assert (s.heads, s.head_dim, s.text_tokens) == (4, 64, 0)

@@ -69,9 +69,9 @@ class StudyConfig:
     calib_source: str | None = None  # capture file the calibrated variant fits on (captured sources; the
     # studied file itself means the default: another step of it, never the evaluated input)
     tiling_modes: tuple[str, ...] = ("drop", "zeroth", "hybrid")
-    heads: int | None = None
-    head_dim: int = 64
-    text_tokens: int = 0
+    heads: int | None = None  # heads, head_dim, text_tokens: the synthetic source's (a capture has its own)
+    head_dim: int | None = None  # None: 64
+    text_tokens: int | None = None  # None: 0
     seed: int = 0
     block_size: int = 64
     entries: tuple[str, ...] | None = None  # captured entries ("step0.layer3"); None: the first few
@@ -101,6 +101,11 @@ class StudyConfig:
         if size not in SIZES:
             raise ValueError(f"size must be one of {SIZES}, got {size!r}")
         p = PRESETS[size]
+        synthetic = self.source == "synthetic"
+        given = [n for n in ("heads", "head_dim", "text_tokens") if getattr(self, n) is not None]
+        if not synthetic and given:
+            raise ValueError(f"{', '.join(given)} describe the synthetic source; a capture ({self.source!r}) "
+                             "carries its own heads, head dim and text tokens: leave them out")
         c = replace(
             self,
             size=size,
@@ -108,7 +113,10 @@ class StudyConfig:
             length=self.length if self.length is not None else p["length"],
             lengths=tuple(self.lengths) if self.lengths is not None else p["lengths"],
             densities=tuple(self.densities) if self.densities is not None else p["densities"],
-            heads=self.heads if self.heads is not None else p["heads"],
+            # a capture's are its own: None in the resolved config (and the study's JSON)
+            heads=self.heads if self.heads is not None or not synthetic else p["heads"],
+            head_dim=self.head_dim if self.head_dim is not None or not synthetic else 64,
+            text_tokens=self.text_tokens if self.text_tokens is not None or not synthetic else 0,
             token_rows=self.token_rows if self.token_rows is not None else p["token_rows"],
             modes=tuple(self.modes),
             weights=tuple(self.weights),
@@ -140,17 +148,21 @@ class StudyConfig:
     def _validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        synthetic = self.source == "synthetic"  # heads, head_dim, text_tokens: None for a capture
         for name in ("length", "heads", "head_dim", "block_size", "max_entries", "token_rows", "bins"):
             v = getattr(self, name)
+            if v is None and not synthetic and name in ("heads", "head_dim"):
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 16, got {self.block_size!r}")
-        if not 16 <= self.head_dim <= 256 or self.head_dim % 2:
+        if synthetic and (not 16 <= self.head_dim <= 256 or self.head_dim % 2):
             raise ValueError(f"head_dim must be even and in [16, 256], got {self.head_dim!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
-        if isinstance(self.text_tokens, bool) or not isinstance(self.text_tokens, int) or self.text_tokens < 0:
+        if (synthetic or self.text_tokens is not None) and (
+                isinstance(self.text_tokens, bool) or not isinstance(self.text_tokens, int) or self.text_tokens < 0):
             raise ValueError(f"text_tokens must be a non-negative int, got {self.text_tokens!r}")
         if not self.densities or any(not _is_density(d) for d in self.densities):
             raise ValueError(f"densities must be a non-empty list of floats in (0, 1], got {self.densities!r}")
@@ -684,10 +696,12 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="capture file (another input of the same model) the calibrated variant fits on; default: "
                         "the same layer at another captured step. The studied file itself (by any path) keeps that "
                         "default, and a partner holding the studied q/k/v (a copy) is not used: the fit stays held out")
-    p.add_argument("--heads", type=at.int_at_least(1), default=None)
-    p.add_argument("--head-dim", type=at.head_dim, default=d.head_dim, help="even, 16-256")
-    p.add_argument("--text-tokens", type=at.int_at_least(0), default=d.text_tokens,
-                   help="text tokens of the synthetic source")
+    p.add_argument("--heads", type=at.int_at_least(1), default=None,
+                   help="heads of the synthetic source (default: the size preset's)")
+    p.add_argument("--head-dim", type=at.head_dim, default=None, help="of the synthetic source: even, 16-256 "
+                                                                        "(default 64)")
+    p.add_argument("--text-tokens", type=at.int_at_least(0), default=None,
+                   help="text tokens of the synthetic source (default 0)")
     p.add_argument("--seed", type=at.int_at_least(0), default=d.seed)
     p.add_argument("--block-size", type=at.block_size, default=d.block_size, help="a power of two >= 16")
     p.add_argument("--entries", type=at.comma_list(str), default=None,
