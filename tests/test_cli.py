@@ -666,6 +666,32 @@ def test_bench_values_are_checked_before_the_gpu(args, words, capsys, monkeypatc
     assert_clear_error(rc, err, *words)
 
 
+@pytest.mark.parametrize("args, words", [([], ["2-4-32", "reference", "not timed"]),
+                                         (["--backend", "hopper"], ["2-4-32", "hopper"]),
+                                         (["--precision", "int8"], ["2-4-32", "int8"])])
+def test_bench_refuses_configs_no_kernel_runs_before_the_gpu_works(args, words, capsys, monkeypatch):
+    """A config whose calls the kernels cannot run (a head dim the forced backend or precision does
+    not take, or auto falling back to the reference) is one error before anything is timed, not an
+    error row per case after the dense baselines ran. CPU tensors stand in for the device's: no
+    kernel backend takes them without the interpreter."""
+    from pisa_attn.bench import kernels
+
+    check = kernels.check_kernels_run
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "check_kernels_run", lambda *a, **k: check(*a, **k, device="cpu"))
+    monkeypatch.setattr(kernels, "run_bench", lambda *a, **k: pytest.fail("the benchmark started"))
+    rc, err = run_cli(["bench", "--configs", "2-4-32", "--lengths", "4096", *args], capsys)
+    assert_clear_error(rc, err, *words)
+
+
+def test_bench_check_passes_what_a_kernel_runs(monkeypatch):
+    pytest.importorskip("triton")
+    from pisa_attn.bench import kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels take CPU tensors
+    kernels.check_kernels_run({kernels.Config(2, 4, 32)}, torch.float16, "triton", "input", None, device="cpu")
+
+
 def test_plot_formats_are_those_written_without_external_programs():
     import argparse
 

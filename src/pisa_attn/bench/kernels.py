@@ -178,6 +178,26 @@ def _timed_call(q, k, v, density, mode, backend, query_block=None, precision="in
     return p, lambda: run(p, q, k, v, out=out)
 
 
+def check_kernels_run(configs, dtype, backend: str, precision: str, query_block: int | None,
+                      device="cuda") -> None:
+    """ValueError naming the config, before anything is timed, where PISA's kernels would not run
+    its calls: a head dim the forced backend or precision does not take, or ``auto`` falling back
+    to the PyTorch reference (whose time is not a kernel's)."""
+    from pisa_attn.attention import _reason, backend_for
+
+    for cfg in sorted(configs, key=str):
+        q = torch.empty(1, 1, 64, cfg.head_dim, dtype=dtype, device=device)  # a stand-in of the calls' queries
+        for mode in ("hybrid", "drop"):
+            s = PisaSettings(block_size=64, mode=mode, backend=backend, precision=precision, query_block=query_block)
+            try:
+                name = backend_for(s, q)
+            except ValueError as e:
+                raise ValueError(f"config {cfg}: {e}") from None
+            if name == "reference":
+                raise ValueError(f"config {cfg}: the kernels do not run its calls (backend {backend!r} falls "
+                                 f"back to the PyTorch reference, which is not timed: {_reason('triton', q, mode, 64)})")
+
+
 def pair_overlap(sel, n_kv_blocks: int) -> float:
     """Mean share of a query block's exact blocks that its pair neighbour also computes exactly
     (what the Hopper kernel reads once for both)."""
@@ -566,10 +586,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--plot needs matplotlib, which is not installed: pip install 'pisa-attn[plot]'")
         if not torch.cuda.is_available():
             raise ValueError("needs a CUDA GPU (use pisa-attn demo on a CPU)")
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+        check_kernels_run({c for c, _, _ in cases}, dtype, args.backend, args.precision, args.query_block)
     except ValueError as e:
         print(f"pisa-attn bench: error: {e}", file=sys.stderr)
         return 2
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
 
     def save(result):
         if args.out:
