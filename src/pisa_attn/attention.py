@@ -28,6 +28,7 @@ from torch import Tensor
 
 from . import spec, tail_weight
 from ._log import log_once
+from .lru import LRU
 from .ops import fused as _fused
 from .ops.selection import Selection, check_keep_blocks
 from .ops.stages import Backend, run_planned
@@ -730,7 +731,10 @@ def _run(p: PisaPlan, q: Tensor, k: Tensor, v: Tensor, out, lse, keep, weights, 
 
 
 # ---------------------------------------------------------------- the registered op's implementation
-_OP_PLANS: dict = {}
+# Plans hold their workspaces (clear_plans): the recent shapes' only; settings and kept-block
+# counts are small.
+_PLAN_LIMIT, _SETTINGS_LIMIT = 64, 256
+_OP_PLANS = LRU(_PLAN_LIMIT)
 
 
 def _op_run(be: Backend, q, k, v, keep, alpha, n_select, width, mode, scale, block_size, covariance_aware,
@@ -743,8 +747,6 @@ def _op_run(be: Backend, q, k, v, keep, alpha, n_select, width, mode, scale, blo
     p = _OP_PLANS.get(key)
     if p is None:
         p = _op_plan(be, q, k, n_select, width, mode, scale, block_size, covariance_aware, query_block)
-        if len(_OP_PLANS) >= _PLAN_LIMIT:
-            _OP_PLANS.clear()
         _OP_PLANS[key] = p
     res = _bound_run(p, q, k, v, None, None, alpha, True, keep)
     if res is None:
@@ -777,14 +779,14 @@ _fused.set_planned(_op_run)
 
 
 # ---------------------------------------------------------------- pisa_attention
-_PLANS: dict = {}
-_PLAN_LIMIT = 256
+_PLANS = LRU(_PLAN_LIMIT)
 
 
 def clear_plans() -> None:
     """Drop :func:`pisa_attention`'s cached plans and their workspaces (memory is held per planned
-    shape until then: 8 MiB at 4K tokens, 116 MiB at 64K for B2-H16-D128 bf16 on the Triton
-    backend, element counts of its buffers); the registered op's plans too."""
+    shape until then, for the 64 most recently used shapes: 8 MiB at 4K tokens, 116 MiB at 64K for
+    B2-H16-D128 bf16 on the Triton backend, element counts of its buffers); the registered op's
+    plans too."""
     _PLANS.clear()
     _OP_PLANS.clear()
     _KEEP_COUNTS.clear()
@@ -893,8 +895,6 @@ def pisa_attention(
         if settings is None:
             settings = _settings(key[:9])
             if cache:
-                if len(_SETTINGS) >= _PLAN_LIMIT:
-                    _SETTINGS.clear()
                 _SETTINGS[key] = settings
     else:
         if not isinstance(settings, PisaSettings):
@@ -909,8 +909,6 @@ def pisa_attention(
             if base is None:
                 base = settings.replace(alpha=None)
                 if not compiling:
-                    if len(_WITHOUT_ALPHA) >= _PLAN_LIMIT:
-                        _WITHOUT_ALPHA.clear()
                     _WITHOUT_ALPHA[settings] = base
             settings = base
     p = pkey = None
@@ -930,8 +928,6 @@ def pisa_attention(
             keep_blocks, n_keep = normalize_keep_blocks(keep_blocks, qh.shape[0], qh.shape[1],
                                                         spec.num_blocks(kh.shape[2], settings.block_size), q.device)
             if kval is not None:
-                if len(_KEEP_COUNTS) >= _PLAN_LIMIT:
-                    _KEEP_COUNTS.clear()
                 _KEEP_COUNTS[kval] = n_keep
             if not compiling:
                 pkey = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, settings,
@@ -940,8 +936,6 @@ def pisa_attention(
         if p is None:
             p = _make_plan(settings, tuple(q.shape), tuple(k.shape), qh, kh, n_keep, not compiling)
             if not compiling:
-                if len(_PLANS) >= _PLAN_LIMIT:
-                    _PLANS.clear()
                 _PLANS[pkey] = p
     weights = _weights(p, alpha)
     _check_inference_only(p.backend, (q, k, v, weights))
@@ -962,9 +956,9 @@ def pisa_attention(
     return (out, lse) if return_lse else out
 
 
-_SETTINGS: dict = {}
-_WITHOUT_ALPHA: dict = {}
-_KEEP_COUNTS: dict = {}  # kept blocks per row of CPU keep masks seen, by value (see _keep_value)
+_SETTINGS = LRU(_SETTINGS_LIMIT)
+_WITHOUT_ALPHA = LRU(_SETTINGS_LIMIT)
+_KEEP_COUNTS = LRU(_SETTINGS_LIMIT)  # kept blocks per row of CPU keep masks seen, by value (see _keep_value)
 
 
 def _settings(values) -> PisaSettings:

@@ -21,10 +21,13 @@ import torch
 from torch import Tensor
 
 from .. import spec
+from ..lru import LRU
 from ..settings import PisaSettings
 from ..layout import TokenOrder
 from .models import CallInfo, ModelAdapter
 from .schedule import Schedule, StepTracker
+
+LAYOUT_LIMIT = 16  # token layouts kept per managed transformer (one per resolution and text length)
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,8 @@ class PisaState:
     restore: list = field(default_factory=list)  # callables undoing what apply_pisa did, in order
     scheduler: Any = None  # the pipeline scheduler this state hooked when applied (None: none)
     pipe_scheduler: Any = None  # the scheduler of the pipeline it was applied with (kept when applied again alone)
-    layouts: dict = field(default_factory=dict)  # (grid, text_len) -> Layouts
+    # (grid, text_len) -> Layouts, the recent ones (their index tensors live on the device)
+    layouts: LRU = field(default_factory=lambda: LRU(LAYOUT_LIMIT))
     read_cache: dict = field(default_factory=dict)  # the adapter's read_grid cache
     stats: Counter = field(default_factory=Counter)  # calls per outcome since the last generation start
     runs: list = field(default_factory=list)  # (context token, run) of forwards in progress
