@@ -157,7 +157,8 @@ def _reason(name: str, q: Tensor, mode: str, block_size: int) -> str | None:
         return str(e)
 
 
-def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int, precision: str = "input") -> str:
+def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int, precision: str = "input",
+                    warn: bool = True) -> str:
     if precision != "input":  # the low-precision kernel or an error, never another precision
         if backend not in ("auto", "hopper"):
             raise ValueError(f"precision={precision!r} runs on the hopper backend only, got backend={backend!r}")
@@ -183,14 +184,16 @@ def _choose_backend(backend: str, q: Tensor, mode: str, block_size: int, precisi
     reason = _reason("triton", q, mode, block_size)
     if reason is None:
         return "triton"
-    log_once(f"pisa_attention: using the PyTorch reference on CUDA because {reason}", logging.WARNING)
+    if warn:
+        log_once(f"pisa_attention: using the PyTorch reference on CUDA because {reason}", logging.WARNING)
     return "reference"
 
 
-def backend_for(settings: PisaSettings, q: Tensor) -> str:
+def backend_for(settings: PisaSettings, q: Tensor, warn: bool = True) -> str:
     """The backend a call with ``settings`` on ``[B, H, L, D]`` queries like ``q`` runs (``"auto"``
-    resolved); ValueError when a forced backend cannot serve it."""
-    return _choose_backend(settings.backend, q, settings.mode, settings.block_size, settings.precision)
+    resolved); ValueError when a forced backend cannot serve it. ``warn``: log (once) when auto
+    falls back to the reference on CUDA, as a call does."""
+    return _choose_backend(settings.backend, q, settings.mode, settings.block_size, settings.precision, warn)
 
 
 def _check_inference_only(backend: str, tensors) -> None:
