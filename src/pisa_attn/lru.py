@@ -17,9 +17,10 @@ class LRU(OrderedDict):
         self.limit = limit
 
     def get(self, key, default=None):
-        if key not in self:
+        try:  # one lookup on a hit (the call path's case)
+            self.move_to_end(key)
+        except KeyError:
             return default
-        self.move_to_end(key)
         return self[key]
 
     def __setitem__(self, key, value) -> None:
