@@ -14,6 +14,7 @@ every element finite.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -26,7 +27,9 @@ from pisa_attn.attention import get_backend  # noqa: E402
 from test_gpu_fp8 import BACKENDS, references  # noqa: E402
 from test_gpu_kernels import KERNELS, rel_l1  # noqa: E402
 
-N_CASES = 64
+# More cases or other seeds for a longer search: PISA_ATTN_FUZZ_CASES=320 PISA_ATTN_FUZZ_SEED=7000
+N_CASES = int(os.environ.get("PISA_ATTN_FUZZ_CASES", 64))
+FUZZ_SEED = int(os.environ.get("PISA_ATTN_FUZZ_SEED", 1000))
 LENGTHS = (37, 64, 200, 1000, 2061, 4096, 5000, 8229, 12295)
 # bf16 and fp16 outputs against float64 (the feature tests' bounds).
 TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3}
@@ -34,13 +37,20 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3}
 # as its rounding goes, which grows with the logits' spread for the 8-bit scores (Gaussian q/k at
 # 4x magnitude, int8: up to 3.1e-2 rel-L1, |LSE| ~14-43 off by up to 0.53; notes/fp8.md) and is
 # larger with e4m3 probabilities (3 mantissa bits on a flat softmax: fp8 up to 1.0e-1).
-TOL_QUANT = 5e-3
+# The kernel against the quantised math: e4m3 probabilities are rounded against the kernel's
+# running maximum and the reference's final one (fp8 up to 5.2e-3 over 320 more seeds, the others
+# up to 2.9e-3).
+TOL_QUANT = {"int8": 5e-3, "int8-int8": 5e-3, "int8-fp8": 5e-3, "fp8": 1e-2}
 TOL_LOWP = {"int8": 4e-2, "int8-int8": 4e-2, "int8-fp8": 6e-2, "fp8": 1.5e-1}
-LSE_TOL, LSE_TOL_LOWP = 2e-2, 5e-2  # low precision: relative to |LSE|
+# Low precision: relative to |LSE|. A peaked row's LSE moves with its largest score's rounding,
+# three mantissa bits for e4m3 scores: fp8 up to 7.0e-2 at 4x magnitude (LSE 50-110; its kernel
+# within 7.5e-4 of the quantised math's LSE), the int8 scores up to 2.3e-2.
+LSE_TOL = 2e-2
+LSE_TOL_LOWP = {"int8": 5e-2, "int8-int8": 5e-2, "int8-fp8": 5e-2, "fp8": 1e-1}
 
 
 def _draw(i: int) -> dict:
-    r = random.Random(1000 + i)
+    r = random.Random(FUZZ_SEED + i)
     hk = r.choice((1, 2, 3))
     lk = r.choice(LENGTHS)
     c = {
@@ -157,9 +167,9 @@ def test_random_configuration_matches_fp64_reference(case, backend):
         got_h = out if c["layout"] == "bhsd" else out.transpose(1, 2)
         err_q = rel_l1(got_h, oq)
         print(f"[{backend} {_id(c)}] rel-L1 to the quantised math {err_q:.2e}")
-        assert err_q < TOL_QUANT
+        assert err_q < TOL_QUANT[s.precision]
     assert err < tol
-    assert lse_err < (LSE_TOL_LOWP if lowp else LSE_TOL)
+    assert lse_err < (LSE_TOL_LOWP[s.precision] if lowp else LSE_TOL)
     if keep is not None:  # the kept blocks are in every row's selection
         rows = sel.to_mask(p.n_kv_blocks)
         assert rows[..., keep.to(rows.device)].all()
