@@ -94,3 +94,20 @@ def test_masked_text_keys_keep_prefix_blocks():
 def test_layout_helpers_name_their_bad_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_layout_helpers_take_numpy_ints_and_refuse_non_ints():
+    """Sizes given as numpy ints build the same layouts as Python ints (as make_layout does); a
+    float, bool or string is a TypeError naming the argument."""
+    np = pytest.importorskip("numpy")
+    assert default_tile(np.int64(3), np.int32(16)) == default_tile(3, 16) == (2, 2, 4)
+    a = build_layouts((np.int64(6), np.int64(8)), np.int64(13), "before", (np.int64(4), np.int64(4)), np.int64(16))
+    b = build_layouts((6, 8), 13, "before", (4, 4), 16)
+    assert a.image == b.image and a.joint.layout == b.joint.layout and torch.equal(a.joint.keep, b.joint.keep)
+    for call, name in [(lambda: build_layouts((4, 4), 3.0, "before", (4, 4), 16), "text_len"),
+                       (lambda: build_layouts((4, 4), True, "before", (4, 4), 16), "text_len"),
+                       (lambda: build_layouts((4, 4), 3, "before", (4, 4), 16.0), "block_size"),
+                       (lambda: default_tile(2.0, 16), "ndim"), (lambda: default_tile(2, "64"), "block_size"),
+                       (lambda: default_tile(True, 16), "ndim")]:
+        with pytest.raises(TypeError, match=name):
+            call()

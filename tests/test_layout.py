@@ -384,3 +384,17 @@ def test_numpy_ints_are_taken_and_stored_as_python_ints():
     b = L.make_layout((4, 6), tile=(2, 2), text_before=3, order="compact_inplace", offset=1)
     assert a == b and torch.equal(a.perm, b.perm)
     assert type(a.segments[0].n) is int and type(a.offset) is int
+
+
+def test_dim_takes_numpy_ints_and_refuses_non_ints_with_type_error():
+    """to_tiled/from_tiled take a numpy int dim like an int; a bool or float dim is a TypeError
+    naming ``dim`` (not a ValueError claiming an in-range int is out of range)."""
+    lay = L.grid2d(5, 6, tile=(4, 4), text_before=3)
+    x = torch.arange(2 * lay.num_tokens).reshape(2, -1)
+    assert torch.equal(lay.to_tiled(x, np.int64(1)), lay.to_tiled(x, 1))
+    assert torch.equal(lay.from_tiled(lay.to_tiled(x, np.int32(-1)), np.int64(1)), x)
+    for dim in (True, 1.0, "1"):
+        with pytest.raises(TypeError, match="dim"):
+            lay.to_tiled(x, dim)
+    with pytest.raises(ValueError, match="dim"):
+        lay.to_tiled(x, np.int64(2))

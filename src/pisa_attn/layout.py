@@ -242,7 +242,8 @@ class TokenOrder:
     def _apply(self, x: Tensor, dim: int, inverse: bool) -> Tensor:
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        dim = as_int("dim", dim, "an int")  # numpy ints too; a bool or float is a TypeError
+        if not -x.dim() <= dim < x.dim():
             raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}")
         if x.shape[dim] != self.num_tokens:
             raise ValueError(f"x has {x.shape[dim]} tokens along dim {dim}, the layout has {self.num_tokens}")

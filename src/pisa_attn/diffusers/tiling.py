@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..layout import TokenOrder, make_layout
+from ..settings import as_int
 from .models import CallInfo, timestep_value
 from .parallel import check_no_tensor_parallel, check_token_split, tokens_stay_in_model_order
 from .state import Layouts, PisaState, Run, Sequence, close_run, open_run, state_of
@@ -33,9 +34,11 @@ from .state import Layouts, PisaState, Run, Sequence, close_run, open_run, state
 def default_tile(ndim: int, block_size: int) -> tuple[int, ...]:
     """A tile of ``block_size`` tokens (powers of two spread over the axes, width first):
     64 -> 8x8 / 4x4x4, 16 -> 4x4 / 2x2x4."""
-    if isinstance(ndim, bool) or not isinstance(ndim, int) or ndim < 1:
+    ndim = as_int("ndim", ndim, "an int (axes of the token grid)")  # numpy ints too
+    if ndim < 1:
         raise ValueError(f"ndim must be an int >= 1 (axes of the token grid), got {ndim!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+    block_size = as_int("block_size", block_size, "a power of two")
+    if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size!r}")
     bits = block_size.bit_length() - 1
     exp = [0] * ndim
@@ -58,11 +61,13 @@ def build_layouts(grid: tuple[int, ...], text_len: int, text: str, tile: tuple[i
     if text not in ("before", "after", "none"):
         raise ValueError(f"text must be 'before', 'after' or 'none' (where the model puts its text tokens), "
                          f"got {text!r}")
-    if isinstance(text_len, bool) or not isinstance(text_len, int) or text_len < 0:
+    text_len = as_int("text_len", text_len, "an int >= 0")  # numpy ints too
+    if text_len < 0:
         raise ValueError(f"text_len must be an int >= 0, got {text_len!r}")
     if text == "none" and text_len:
         raise ValueError(f"text_len must be 0 when text='none' (no text tokens), got {text_len}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    block_size = as_int("block_size", block_size, "an int >= 1")
+    if block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     before = text_len if text == "before" else 0
     after = text_len if text == "after" else 0
