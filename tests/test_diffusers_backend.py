@@ -336,3 +336,32 @@ def test_per_query_mask_of_other_calls_follows_the_image_tokens():
         pd.remove_pisa(tr)
     expect = image.to_tiled(pisa_calls.dense_attention(q, k, v, mask, None, False), 1)
     torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)
+
+
+def test_a_forwards_mask_cache_tells_a_transposed_view_and_keeps_its_masks_alive():
+    """A run reorders each attention mask once per forward, found again by where it lives: a
+    transposed view of a square mask shares its address and shape but not its contents' order, and
+    a mask freed within the forward must not leave its address to a new mask's cache hit."""
+    import gc
+    import weakref
+
+    from pisa_attn.diffusers.models import CallInfo
+    from pisa_attn.diffusers.state import Run
+
+    tr, inputs = tiny_transformer("hunyuan"), forward_inputs("hunyuan")
+    with torch.no_grad():
+        pd.apply_pisa(tr, density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
+        tr(**inputs)
+        state = pd.pisa_state(tr)
+        (layouts,) = state.layouts.values()
+        run = Run(state, 3, CallInfo((3, 6, 10), 8, 0.5), layouts)
+        seq = layouts.joint
+        n = seq.layout.num_tokens
+        mask = torch.rand(1, 1, n, n, generator=torch.Generator().manual_seed(0)) > 0.5
+        tiled = run.tiled_mask(mask, seq, 1)
+        torch.testing.assert_close(run.tiled_mask(mask.transpose(-1, -2), seq, 1), tiled.transpose(-1, -2))
+        probe = weakref.ref(mask)
+        del mask
+        gc.collect()
+        assert probe() is not None  # held by the run until it ends
+        pd.remove_pisa(tr)

@@ -30,6 +30,13 @@ from .schedule import Schedule, StepTracker
 LAYOUT_LIMIT = 16  # token layouts kept per managed transformer (one per resolution and text length)
 
 
+def _mask_key(mask: Tensor) -> tuple:
+    """A mask's place in memory, as a key for one forward's cache of its reordered copies: with its
+    strides (a transposed view of a square mask shares address and shape), and held alive by the
+    cache beside it (a freed mask's address could hold another mask within the forward)."""
+    return mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask.dtype
+
+
 @dataclass(frozen=True)
 class PisaConfig:
     """What :func:`apply_pisa` set for one managed transformer: the attention settings of its
@@ -103,7 +110,7 @@ class Run:
         self.info = info
         self.layouts = layouts
         self.key_lens: dict[tuple, list[int] | None] = {}  # per attention mask: valid keys per row
-        self.masks: dict[tuple, Tensor] = {}  # per attention mask and sequence: the mask in tiled order
+        self.masks: dict[tuple, tuple[Tensor, Tensor]] = {}  # per attention mask and sequence: (it, tiled)
 
     def sequence(self, q_len: int, kv_len: int) -> Sequence | None:
         """The managed sequence a call belongs to, or None (cross-attention, text refiner, ...)."""
@@ -117,10 +124,10 @@ class Run:
     def tiled_mask(self, mask: Tensor, seq: Sequence, batch: int) -> Tensor:
         """``mask`` (over ``seq`` in the model's token order) reordered like the tokens, once per
         forward (one mask serves every layer)."""
-        key = (mask.data_ptr(), tuple(mask.shape), mask.dtype, seq.layout)
+        key = (*_mask_key(mask), seq.layout)
         if key not in self.masks:
-            self.masks[key] = seq.layout.mask_to_tiled(mask, batch)
-        return self.masks[key]
+            self.masks[key] = (mask, seq.layout.mask_to_tiled(mask, batch))
+        return self.masks[key][1]
 
     def image_mask(self, mask: Tensor, q_len: int, kv_len: int) -> Tensor:
         """The mask of a call PISA does not manage, with its dims that index the image/video
@@ -129,15 +136,15 @@ class Run:
         n = image.num_tokens
         if image.is_identity or mask.dim() < 2 or n not in (q_len, kv_len):
             return mask
-        key = (mask.data_ptr(), tuple(mask.shape), mask.dtype, q_len, kv_len)
+        key = (*_mask_key(mask), q_len, kv_len)
         if key not in self.masks:
             out = mask
             if kv_len == n and out.shape[-1] == n:
                 out = image.to_tiled(out, out.dim() - 1)
             if q_len == n and out.shape[-2] == n:
                 out = image.to_tiled(out, out.dim() - 2)
-            self.masks[key] = out
-        return self.masks[key]
+            self.masks[key] = (mask, out)
+        return self.masks[key][1]
 
     def dense_reason(self, layer: int, kv_len: int) -> str | None:
         """The schedule's decision for a call of managed layer ``layer`` (see :class:`Schedule`)."""
