@@ -29,8 +29,17 @@ class Selection(NamedTuple):
     def from_mask(cls, mask: Tensor, width: int | None = None) -> "Selection":
         """From a bool exact-set mask ``[B, H, Nq, Nk]``. Rows with more than ``width`` exact blocks
         are truncated to their first ``width`` blocks, in the index list and the bits alike
-        (default ``Nk``)."""
-        return cls(*_mask_to_selection(mask, mask.shape[-1] if width is None else width))
+        (default ``Nk``, at least 1)."""
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+            raise TypeError(f"mask must be a bool tensor [B, H, Nq, Nk], got {got}")
+        if mask.dim() != 4:
+            raise ValueError(f"mask must be a bool tensor [B, H, Nq, Nk], got shape {tuple(mask.shape)}")
+        if width is None:
+            width = max(1, mask.shape[-1])
+        if width < 1:  # kernels and the selection checks read an index list of at least one column
+            raise ValueError(f"width must be a positive int, got {width!r}")
+        return cls(*_mask_to_selection(mask, width))
 
     def to_mask(self, n_kv_blocks: int) -> Tensor:
         """The bool exact-set mask ``[B, H, Nq, Nk]`` (from ``bits``)."""
@@ -105,7 +114,11 @@ def _shift_bits(bits: Tensor, lo: int, hi: int) -> Tensor:
 
 
 def bits_to_mask(bits: Tensor, n_kv_blocks: int) -> Tensor:
-    """Unpack a ``bits`` tensor to the bool ``[B, H, Nq, Nk]`` mask."""
+    """Unpack a ``bits`` tensor to the bool ``[B, H, Nq, Nk]`` mask (``bits`` holds ``ceil(Nk / 32)``
+    words: another count is a selection of other keys, whose mask would be cut or short)."""
+    if n_kv_blocks < 0 or (n_kv_blocks + 31) // 32 != bits.shape[-1]:
+        raise ValueError(f"n_kv_blocks must be a block count of {bits.shape[-1]} bitmask words "
+                         f"({max(0, 32 * bits.shape[-1] - 31)}..{32 * bits.shape[-1]}), got {n_kv_blocks!r}")
     lanes = torch.arange(32, device=bits.device, dtype=torch.int32)
     m = ((bits[..., None] >> lanes) & 1).bool()
     return m.reshape(*bits.shape[:-1], bits.shape[-1] * 32)[..., :n_kv_blocks]

@@ -5,7 +5,7 @@ ops reads and writes the running result once per op. This kernel reads every par
 writes the merged output once, in the caller's dtype: per row, ``m = max_r lse_r``,
 ``w_r = exp(lse_r − m)``, ``out = Σ_r w_r·out_r / Σ_r w_r``, ``lse = m + log Σ_r w_r``. A partial
 with ``lse_r = -inf`` has weight 0 and its output is never used (it may be NaN); a row with no
-term anywhere comes out as ``(0, -inf)``.
+term anywhere comes out as ``(0, -inf)``, a row with ``+inf`` partials as their mean, lse +inf.
 """
 
 from __future__ import annotations
@@ -41,29 +41,35 @@ def _merge_kernel(
     m = tl.full([BR], float("-inf"), tl.float32)
     for i in tl.static_range(N):
         m = tl.maximum(m, tl.load(lses[i] + lse_off, mask=rv, other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
+    # No term anywhere (m = -inf): shift by 0 so every weight is 0. An overflowed partial (m = +inf)
+    # outweighs every finite one: the +inf partials weigh 1 each, the rest 0 (not inf - inf = NaN).
+    pos = m == float("inf")
+    m_use = tl.where((m == float("-inf")) | pos, 0.0, m)
     tot = tl.zeros([BR], tl.float32)
     acc = tl.zeros([BR, BD], tl.float32)
     part_off = (b * s_b + h * s_h + l * s_l)[:, None] + offs_d[None, :] * s_d
     for i in tl.static_range(N):
-        w = tl.exp(tl.load(lses[i] + lse_off, mask=rv, other=float("-inf")) - m_use)
+        li = tl.load(lses[i] + lse_off, mask=rv, other=float("-inf"))
+        w = tl.where(pos, tl.where(li == m, 1.0, 0.0), tl.exp(li - m_use))
         o = tl.load(outs[i] + part_off, mask=m2, other=0.0).to(tl.float32)
         acc += tl.where(w[:, None] > 0, w[:, None] * o, 0.0)  # a weightless partial may hold NaN
         tot += w
     out = tl.where(tot[:, None] > 0, acc / tl.where(tot > 0, tot, 1.0)[:, None], 0.0)
     tl.store(out_ptr + (b * o_b + h * o_h + l * o_l)[:, None] + offs_d[None, :] * o_d,
              out.to(out_ptr.dtype.element_ty), mask=m2)
-    tl.store(lse_ptr + b * e_b + h * e_h + l * e_l, m_use + tl.log(tot), mask=rv)  # log 0 = -inf: no term anywhere
+    lse = tl.where(pos, m, m_use + tl.log(tot))  # log 0 = -inf: no term anywhere
+    tl.store(lse_ptr + b * e_b + h * e_h + l * e_l, lse, mask=rv)
 
 
 def supports(parts: Sequence[tuple[Tensor, Tensor]]) -> bool:
-    """True when :func:`merge` takes these partials: one shape, strides and device for every
-    output and every LSE, float16/bfloat16/float32 outputs, float32 LSEs."""
+    """True when :func:`merge` takes these partials: one shape and strides for every output, one
+    shape (the outputs' without the head dim) and strides for every LSE, one device for all,
+    float16/bfloat16/float32 outputs, float32 LSEs."""
     o0, l0 = parts[0]
     return all(
-        o.shape == o0.shape and o.stride() == o0.stride() and o.device == o0.device and l.shape == l0.shape
-        and l.stride() == l0.stride() and o.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and l.dtype == torch.float32 and o.dim() == 4
+        o.shape == o0.shape and o.stride() == o0.stride() and o.device == o0.device and l.shape == o0.shape[:-1]
+        and l.stride() == l0.stride() and l.device == o0.device and l.dtype == torch.float32 and o.dim() == 4
+        and o.dtype in (torch.float16, torch.bfloat16, torch.float32)
         for o, l in parts
     )  # fmt: skip
 
