@@ -18,7 +18,7 @@ rc=0
 if [[ " $STEPS " == *" tests "* ]]; then
   # Fixed kernel config (no autotuning) keeps compile time down; autotuning is exercised by bench.
   files=(tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_plan_run.py tests/gpu/test_gpu_calibration.py
-         tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_fuzz.py tests/test_stats_select.py)
+         tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_fuzz.py tests/gpu/test_gpu_parallel.py tests/test_stats_select.py)
   filter=(${PYTEST_K:+-k "$PYTEST_K"})
   workers=(${XDIST:+-n "$XDIST"})
   if [[ -n "$SHARD" ]]; then  # "i/n": tests i, i + n, ... of the collection (compile-heavy ones spread out)
