@@ -144,11 +144,26 @@ class Launcher:
         return Entry(run, None, (), tail, kernel)
 
 
+_I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
+
+
 def _full_key(key, args: tuple) -> tuple:
     # Triton specialises a pointer on its 16-byte alignment too: a kernel compiled for an aligned
-    # buffer must not serve an unaligned slice of a workspace
-    return key, tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a.base.dtype
-                      for a in args if isinstance(a, (torch.Tensor, Desc)))
+    # buffer must not serve an unaligned slice of a workspace. It types an int by its value (i32;
+    # i64 past 2^31, u64 from 2^63), do_not_specialize or not, and the launch of an i32 kernel
+    # truncates a wider value silently (a batch stride past 2^31 elements). A loaded kernel's
+    # function handle belongs to one device: another device's launch needs its own.
+    ptrs, wide, dev = [], [], None
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            ptrs.append((a.dtype, a.data_ptr() % 16 == 0))
+            dev = a.device if dev is None else dev
+        elif isinstance(a, Desc):
+            ptrs.append(a.base.dtype)
+            dev = a.base.device if dev is None else dev
+        elif type(a) is int and not _I32_MIN <= a <= _I32_MAX:
+            wide.append((i, a >= _U64_MIN))
+    return key, tuple(ptrs), tuple(wide), dev
 
 
 # The recorder of :mod:`pisa_attn.ops.bound` while a planned run is being recorded, per thread (two

@@ -352,6 +352,11 @@ def select(
     b, h, nqs, d = qmean.shape
     hk, nk = kmean.shape[1], kmean.shape[2]
     n_sel = min(n_select, nk)
+    # The kernels write every chosen block into the row's index list: a narrower list would take
+    # them past the row (kept blocks come on top; the caller's width covers them).
+    if width < max(1, n_sel):
+        raise ValueError(f"width must be at least min(n_select, Nk) = {max(1, n_sel)} (the blocks every row "
+                         f"lists), got {width!r}")
     nq = nqs if n_q_blocks is None else n_q_blocks
     if nk > MAX_FUSED_BLOCKS:
         sel = _ref.select(qmean, kmean, n_select=n_sel, width=width, scale=scale, hdev=hdev, keep=keep,
@@ -371,6 +376,10 @@ def select(
     kmean_t = kmean.transpose(2, 3)  # [B, Hk, D, Nk] storage
     if not kmean_t.is_contiguous():
         kmean_t = kmean_t.contiguous()
+    # the kernels index qmean and hdev by their shapes, without strides (no copy when contiguous)
+    qmean = qmean.contiguous()
+    if hdev is not None:
+        hdev = hdev.contiguous()
     if keep is not None:
         keep_u8 = keep.view(torch.uint8)
         if keep_u8.stride(-1) != 1:
