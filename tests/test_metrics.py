@@ -142,3 +142,27 @@ def test_dense_pass_takes_a_block_longer_than_the_keys():
     want = metrics.dense_pass(q, k, v, block_size=64, masks=(~sel,), kmean=kmean)
     assert torch.equal(dp.out, want.out) and torch.equal(dp.tail_mass[0], want.tail_mass[0])
     assert torch.allclose(dp.tail_estimate[0], want.tail_estimate[0])
+
+
+def test_rel_l1_of_a_tiny_float64_reference():
+    """A float64 reference smaller than 1e-300 is still a reference: twice it is an error of 1,
+    not 1e-5 (the denominator was clamped)."""
+    dense = torch.full((1, 2, 4, 16), 1e-305, dtype=torch.float64)
+    assert metrics.rel_l1(2 * dense, dense) == pytest.approx(1.0)
+    assert metrics.rel_l1_per_head(2 * dense, dense).tolist() == pytest.approx([1.0, 1.0])
+
+
+def test_rel_l1_refuses_complex_tensors():
+    # converting to float64 drops the imaginary part: |1j - 1| would read as |0 - 1|
+    with pytest.raises(TypeError, match="out"):
+        metrics.rel_l1(torch.tensor([1j]), torch.tensor([1 + 0j]))
+    with pytest.raises(TypeError, match="dense"):
+        metrics.rel_l1_per_head(torch.zeros(1, 1, 1, 16), torch.zeros(1, 1, 1, 16, dtype=torch.complex64))
+
+
+def test_select_takes_a_numpy_bool_covariance_aware():
+    # pisa_attention (PisaSettings) takes np.True_; the measurement of its selection must too
+    q, k, v = _qkv()
+    a = metrics.select(q, k, v, density=0.5, block_size=64, covariance_aware=np.True_)
+    b = metrics.select(q, k, v, density=0.5, block_size=64, covariance_aware=True)
+    assert torch.equal(a.selected, b.selected)

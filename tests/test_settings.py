@@ -151,3 +151,22 @@ def test_spec_checks_take_numpy_numbers_and_huge_ints():
         spec.check_scale(10**400)
     with pytest.raises(ValueError, match="density"):
         spec.check_density(10**400)
+
+
+def test_numpy_float16_scale_is_checked_without_an_overflow_warning():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # float32's largest value cast to float16 overflowed in the check
+        spec.check_scale(np.float16(0.125))
+        assert PisaSettings(scale=np.float16(0.125)).scale == 0.125
+
+
+def test_a_stored_scale_passes_the_check_it_was_made_with():
+    """The scale is stored as the decimal a narrow numpy float prints as; the check must judge that
+    value, or a settings object is made that its own replace() refuses."""
+    with pytest.raises(ValueError, match="scale"):  # prints as 3.4028235e+38, past float32's largest
+        PisaSettings(scale=np.float32(spec.FLOAT32_MAX))
+    s = PisaSettings(scale=np.float32(3e38))
+    spec.check_scale(s.scale)
+    assert s.replace(density=0.5).scale == s.scale

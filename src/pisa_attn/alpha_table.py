@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -72,13 +73,14 @@ class AlphaTable:
 
     def to_json(self) -> dict:
         def layer(x: LayerAlpha) -> dict:
-            d = {"alpha": list(x.alpha)}
+            d = {"alpha": [_plain(a) for a in x.alpha]}
             for key in ("tail_mass", "rows", "residual_vs_paper", "covariance_aware"):
                 if getattr(x, key) is not None:
-                    d[key] = getattr(x, key)
+                    d[key] = _plain(getattr(x, key))
             return d
 
-        return {"format": FORMAT, "version": VERSION, "model": self.model, "settings": dict(self.settings),
+        return {"format": FORMAT, "version": VERSION, "model": self.model,
+                "settings": {k: _plain(v) for k, v in self.settings.items()},
                 "fit": self.fit, "source": self.source,
                 "transformers": {t: {str(i): layer(x) for i, x in sorted(ls.items())}
                                  for t, ls in self.transformers.items()}}
@@ -92,6 +94,20 @@ class AlphaTable:
         with open(path, "w") as f:
             f.write(text)
         return str(path)
+
+
+def _plain(x):
+    """A numpy scalar as the Python value JSON writes (a narrower float as the decimal it prints
+    as, as the settings read it); anything else as it is."""
+    if type(x).__module__ != "numpy" or not hasattr(x, "item"):
+        return x
+    if spec.is_numpy_bool(x):
+        return bool(x)
+    if spec.is_int(x):
+        return int(x)
+    if isinstance(x, numbers.Real):
+        return float(spec.decimal_value(x))
+    return x
 
 
 def _bad(why: str) -> ValueError:
@@ -124,7 +140,7 @@ def from_json(d) -> AlphaTable:
             raise _bad(f"transformer names must be strings, got {name!r}")
         if not isinstance(layers, dict):  # empty: a transformer without fitted layers (its default weight)
             raise _bad(f"entry {name!r} must map layer indices to weights (an object), got {layers!r}")
-        parsed = {}
+        parsed, keys = {}, {}
         for key, entry in layers.items():
             try:
                 index = int(key)
@@ -132,6 +148,9 @@ def from_json(d) -> AlphaTable:
                 index = -1
             if index < 0 or str(index) != str(key):  # " 3" or "03" would be a second key for layer 3
                 raise _bad(f"layer keys must be non-negative integers, got {key!r} in {name!r}")
+            if index in parsed:  # 3 and "3" in a dict made in code: one weight would be lost
+                raise _bad(f"has layer {index} of {name!r} twice (keys {keys[index]!r} and {key!r})")
+            keys[index] = key
             values = entry.get("alpha") if isinstance(entry, dict) else None
             if (not isinstance(values, list) or not values
                     or any(not _finite_number(x) or abs(x) > spec.ALPHA_LIMIT for x in values)):

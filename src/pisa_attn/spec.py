@@ -169,6 +169,13 @@ def check_scale(scale) -> None:
     if scale is None:
         return
     ok = isinstance(scale, numbers.Real) and not _is_bool(scale)
+    if ok:
+        # The value PisaSettings stores (a narrow numpy float's decimal), as a Python float: a
+        # numpy comparison would cast FLOAT32_MAX to float16 (an overflow warning).
+        try:
+            scale = float(decimal_value(scale))
+        except OverflowError:
+            ok = False
     # NaN fails the comparison; past float32's largest value the kernels' scale is inf (NaN outputs)
     if not ok or not 0 < scale <= FLOAT32_MAX:
         raise ValueError(f"scale must be None or a positive finite float (at most {FLOAT32_MAX:.4g}, float32's "
@@ -194,8 +201,9 @@ def check_precision(precision) -> None:
 
 
 def check_flag(name: str, value) -> None:
-    """Flags are real booleans: a truthy string such as ``"no"`` is an error, not ``True``."""
-    if not isinstance(value, bool):
+    """Flags are real booleans (numpy's too, as PisaSettings takes them): a truthy string such as
+    ``"no"`` is an error, not ``True``."""
+    if not _is_bool(value):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 

@@ -119,14 +119,17 @@ def weights(values: tuple[float, ...], device, dtype: torch.dtype = torch.float3
     if hit is not None:
         return hit
     capturing = _capturing(device)
-    if len(set(values)) <= 1:
-        out = torch.full((len(values),), values[0] if values else 0.0, dtype=dtype, device=device)
-    elif capturing:  # no host-to-device copy inside a capture: one fill per head
-        out = torch.empty(len(values), dtype=dtype, device=device)
-        for i, x in enumerate(values):
-            out[i].fill_(x)
-    else:
-        out = torch.tensor(values, dtype=dtype).to(device)
+    # A normal tensor even under inference_mode: the cache outlives the mode, and an inference
+    # tensor cannot be saved for backward by a later differentiated call with the same weight.
+    with torch.inference_mode(False):
+        if len(set(values)) <= 1:
+            out = torch.full((len(values),), values[0] if values else 0.0, dtype=dtype, device=device)
+        elif capturing:  # no host-to-device copy inside a capture: one fill per head
+            out = torch.empty(len(values), dtype=dtype, device=device)
+            for i, x in enumerate(values):
+                out[i].fill_(x)
+        else:
+            out = torch.tensor(values, dtype=dtype).to(device)
     if not capturing:
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
