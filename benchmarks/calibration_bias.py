@@ -138,6 +138,7 @@ def dit_sets(seeds=(0, 1, 2, 3)):
         yield "dit-video+sinks", f"seed{seed}", 0, d.q, d.k, d.v, None
 
 
+@torch.no_grad()  # inference only; a caller's grad mode is left as it was
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dinov2", default=None, help="folder of DINOv2 capture files (extract_dinov2_qkv.py)")
@@ -147,7 +148,6 @@ def main(argv=None) -> int:
     p.add_argument("--images", default="", help="DINOv2 images to use (comma list; default all)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    torch.set_grad_enabled(False)
     torch.set_num_threads(1)
     sources = []
     if args.dinov2:

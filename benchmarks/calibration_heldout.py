@@ -41,6 +41,7 @@ def errors(o: torch.Tensor, d: torch.Tensor) -> dict:
             "cos": float((1 - cos).mean())}
 
 
+@torch.no_grad()  # inference only; a caller's grad mode is left as it was
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True)
@@ -48,7 +49,6 @@ def main(argv=None) -> int:
     p.add_argument("--density", type=float, default=0.125)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    torch.set_grad_enabled(False)
     torch.set_num_threads(1)
     files = sorted(glob.glob(os.path.join(args.data, "*.safetensors")))
     calib = [f for f in files if args.calib in os.path.basename(f)]

@@ -244,6 +244,7 @@ def write(path: str, qkvs, dtype: torch.dtype) -> None:
     write_qkv_file(path, tensors, entries, MODEL, str(dtype).removeprefix("torch."))
 
 
+@torch.no_grad()  # inference only; a caller's grad mode is left as it was
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="folder of the bundled model (model.bin, tokenizer.json)")
@@ -252,7 +253,6 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float16", choices=("float16", "float32"))
     p.add_argument("--check", action="store_true", help="decode each input greedily and print the transcript")
     a = p.parse_args(argv)
-    torch.set_grad_enabled(False)
     known = {x[0]: x for x in INPUTS}
     names = [x for x in a.inputs.split(",") if x]
     bad = [x for x in names if x not in known]

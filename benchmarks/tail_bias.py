@@ -141,6 +141,7 @@ def capture_sets(kind: str, root: str, pattern: str, first_name: str, layers=Non
             yield kind, name, e.layer, e.q.double(), e.k.double(), e.v.double(), keep
 
 
+@torch.no_grad()  # inference only; a caller's grad mode is left as it was
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dinov2", default=None, help="folder of DINOv2 captures (extract_dinov2_qkv.py)")
@@ -151,7 +152,6 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
     layers = [int(x) for x in args.layers.split(",") if x]
     sources = []

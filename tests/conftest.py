@@ -21,3 +21,13 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_restored():
+    """A test that leaves autograd switched off (a bare ``torch.set_grad_enabled(False)``, a mode
+    entered and not exited) fails here, instead of the next test in its process that needs grad."""
+    yield
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left autograd disabled (grad mode off or inference mode on)")
