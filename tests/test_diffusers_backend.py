@@ -128,17 +128,24 @@ def test_cross_attention_and_refiner_keep_their_processors():
             pd.remove_pisa(tr)
 
 
-def test_text_only_call_inside_a_forward_runs_dense_uncounted():
+def _hunyuan_run():
+    """A managed tiny HunyuanVideo after one forward, and a Run of its layouts (no_grad inside)."""
     from pisa_attn.diffusers.models import CallInfo
-    from pisa_attn.diffusers.state import Run, enter_run, exit_run
+    from pisa_attn.diffusers.state import Run
 
     tr, inputs = tiny_transformer("hunyuan"), forward_inputs("hunyuan")
+    pd.apply_pisa(tr, density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
+    tr(**inputs)
+    state = pd.pisa_state(tr)
+    (layouts,) = state.layouts.values()
+    return tr, state, layouts, Run(state, 3, CallInfo((3, 6, 10), 8, 0.5), layouts)
+
+
+def test_text_only_call_inside_a_forward_runs_dense_uncounted():
+    from pisa_attn.diffusers.state import enter_run, exit_run
+
     with torch.no_grad():
-        pd.apply_pisa(tr, density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
-        tr(**inputs)
-        state = pd.pisa_state(tr)
-        (layouts,) = state.layouts.values()
-        run = Run(state, 3, CallInfo((3, 6, 10), 8, 0.5), layouts)
+        tr, state, _, run = _hunyuan_run()
         q, k, v = _qkv(lq=8, lk=8)
         mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
         token = enter_run(run)
@@ -345,16 +352,8 @@ def test_a_forwards_mask_cache_tells_a_transposed_view_and_keeps_its_masks_alive
     import gc
     import weakref
 
-    from pisa_attn.diffusers.models import CallInfo
-    from pisa_attn.diffusers.state import Run
-
-    tr, inputs = tiny_transformer("hunyuan"), forward_inputs("hunyuan")
     with torch.no_grad():
-        pd.apply_pisa(tr, density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
-        tr(**inputs)
-        state = pd.pisa_state(tr)
-        (layouts,) = state.layouts.values()
-        run = Run(state, 3, CallInfo((3, 6, 10), 8, 0.5), layouts)
+        tr, _, layouts, run = _hunyuan_run()
         seq = layouts.joint
         n = seq.layout.num_tokens
         mask = torch.rand(1, 1, n, n, generator=torch.Generator().manual_seed(0)) > 0.5
