@@ -448,3 +448,26 @@ def test_a_replaced_plan_records_its_own_programs():
     p.keeps["y"] = 2
     r = dataclasses.replace(p, mode="drop")
     assert r.programs == {} and r.keeps == {} and p.programs == {"x": 1}
+
+
+def test_registered_op_replay_never_serves_weights_it_was_not_recorded_for_B1_H2_L256_D64():
+    # The kernels read alpha as H contiguous float32 values; the checked path copies a strided
+    # alpha and refuses another dtype. A replay recorded for a contiguous float32 alpha must do
+    # neither for such an alpha (it would read the wrong elements, or the wrong bytes).
+    s = PisaSettings(backend="triton", density=0.25)
+    q, k, v = _qkv(seed=7)
+    attention.clear_plans()
+    with fake_kernels() as log:
+        p = plan(q, k, s)
+        for _ in range(3):
+            torch.ops.pisa_attn.pisa_fwd(*_op_args(q, k, v, None, torch.full((2,), 0.75), p))
+        (op_plan,) = attention._OP_PLANS.values()
+        assert len(_programs(op_plan)) == 1
+        base = torch.tensor([0.5, 9.0, 0.25, 9.0])
+        strided = base[::2]  # [0.5, 0.25], 16-byte aligned, stride 2
+        del log[:]
+        torch.ops.pisa_attn.pisa_fwd(*_op_args(q, k, v, None, strided, p))
+        (attn,) = [args for n, _, args in entries(log) if n == "_attn_kernel"]
+        assert ("ptr", base.data_ptr()) not in attn  # a contiguous copy, not the strided storage
+        with pytest.raises(ValueError, match="alpha must be a float32"):
+            torch.ops.pisa_attn.pisa_fwd(*_op_args(q, k, v, None, torch.full((2,), 0.75, dtype=torch.float64), p))

@@ -515,8 +515,8 @@ def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool, keep: Te
     goes the checked way (first calls, tracing, grad, unaligned or mismatching tensors).
 
     The signature is the tuple of what decides the launches: shapes, dtypes, devices, strides of
-    q, k, v (and of ``out``/``lse`` when given), whether an lse is returned, and whether the
-    weights are the plan's. A run whose tensors do not match the plan never finds a program here
+    q, k, v (and of ``out``/``lse``/``keep``/the weights when given), whether an lse is returned,
+    and whether the weights are the plan's. A run whose tensors do not match the plan never finds a program here
     (programs are stored only after a checked run), so it reaches the checks."""
     if torch.compiler.is_compiling():
         return None  # one registered op in a graph (see _run); no data pointers while tracing
@@ -525,7 +525,10 @@ def _bound_run(p: PisaPlan, q, k, v, out, lse, weights, want_lse: bool, keep: Te
                q.stride(), k.stride(), v.stride(), None if out is None else (out.shape, out.dtype, out.device,
                                                                               out.stride()),
                None if lse is None else (lse.shape, lse.dtype, lse.device, lse.stride()), want_lse,
-               weights is p.alpha, None if keep is None else (keep.shape, keep.stride(), keep.dtype, keep.device))
+               weights is p.alpha, None if keep is None else (keep.shape, keep.stride(), keep.dtype, keep.device),
+               # the kernels index the weights without strides and check their dtype and device on the
+               # checked path only (the registered op takes any tensor)
+               None if weights is None else (weights.shape, weights.stride(), weights.dtype, weights.device))
         # the kernels are specialised on 16-byte alignment: a program serves aligned pointers only
         aligned = not ((q.data_ptr() | k.data_ptr() | v.data_ptr() | (0 if out is None else out.data_ptr())
                         | (0 if lse is None else lse.data_ptr()) | (0 if weights is None else weights.data_ptr())
