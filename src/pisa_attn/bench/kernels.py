@@ -170,12 +170,16 @@ def _timed_call(q, k, v, density, mode, backend, query_block=None, precision="in
 
     p = plan(q, k, _plan(q, k, density, mode, backend=backend, query_block=query_block, precision=precision).settings)
     if p.backend == "reference":  # auto's fallback: its time is PyTorch's, not a PISA kernel's latency
-        from pisa_attn.attention import _reason
-
-        raise ValueError(f"the kernels do not run this case (backend {backend!r} falls back to the PyTorch "
-                         f"reference: {_reason('triton', q, mode, p.block_size)}); it is not timed")
+        raise _not_timed(backend, q, mode, p.block_size, "this case")
     out = torch.empty_like(q)
     return p, lambda: run(p, q, k, v, out=out)
+
+
+def _not_timed(backend: str, q, mode: str, block_size: int, what: str) -> ValueError:
+    from pisa_attn.attention import _reason
+
+    return ValueError(f"{what}: the kernels do not run its calls (backend {backend!r} falls back to the PyTorch "
+                      f"reference, which is not timed: {_reason('triton', q, mode, block_size)})")
 
 
 def check_kernels_run(configs, dtype, backend: str, precision: str, query_block: int | None,
@@ -183,7 +187,7 @@ def check_kernels_run(configs, dtype, backend: str, precision: str, query_block:
     """ValueError naming the config, before anything is timed, where PISA's kernels would not run
     its calls: a head dim the forced backend or precision does not take, or ``auto`` falling back
     to the PyTorch reference (whose time is not a kernel's)."""
-    from pisa_attn.attention import _reason, backend_for
+    from pisa_attn.attention import backend_for
 
     for cfg in sorted(configs, key=str):
         q = torch.empty(1, 1, 64, cfg.head_dim, dtype=dtype, device=device)  # a stand-in of the calls' queries
@@ -194,8 +198,7 @@ def check_kernels_run(configs, dtype, backend: str, precision: str, query_block:
             except ValueError as e:
                 raise ValueError(f"config {cfg}: {e}") from None
             if name == "reference":
-                raise ValueError(f"config {cfg}: the kernels do not run its calls (backend {backend!r} falls "
-                                 f"back to the PyTorch reference, which is not timed: {_reason('triton', q, mode, 64)})")
+                raise _not_timed(backend, q, mode, 64, f"config {cfg}")
 
 
 def pair_overlap(sel, n_kv_blocks: int) -> float:

@@ -75,12 +75,13 @@ def merge_torch(parts: Sequence[tuple[Tensor, Tensor]], out_dtype: torch.dtype |
     ws = torch.where(pos, (lses == m).to(lse_dtype), torch.exp(lses - shift))
     tot = ws.sum(0)
     lse = torch.where(torch.isfinite(m), shift + torch.log(tot), m)
+    ws = ws.to(wide)
     acc = None
-    for (o, _), w in zip(parts, ws.to(wide)):
+    for (o, _), w in zip(parts, ws):
         w = w[..., None]
         # a weightless partial's output may be NaN (a kernel's 0/0): it adds 0, not w·NaN
         term = torch.where(w > 0, w * o.to(wide), torch.zeros((), dtype=wide, device=o.device))
         acc = term if acc is None else acc + term
-    tot = ws.to(wide).sum(0)[..., None]
+    tot = ws.sum(0)[..., None]
     out = torch.where(tot > 0, acc / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.zeros_like(acc))
     return out.to(out_dtype or wide), lse
