@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pisa_attn.ops.selection import Selection, bits_to_mask
+from pisa_attn.ops.selection import Selection, bits_to_mask, check_select_width
 from selection_masks import idx_to_mask
 
 
@@ -51,3 +51,18 @@ def test_from_mask_checks_its_arguments():
             Selection.from_mask(mask, width)
     with pytest.raises(ValueError, match="mask"):
         Selection.from_mask(torch.ones(8, dtype=torch.bool))
+
+
+def test_select_width_check_reads_keep_only_where_it_may(monkeypatch):
+    """Without ``n_keep_max`` the kept blocks' count is read from ``keep`` (a host sync) only where
+    the width needs it; while a graph is traced or captured that read is refused, naming the argument."""
+    keep = torch.zeros(1, 2, 10, dtype=torch.bool)
+    keep[0, 1, :4] = True
+    assert check_select_width(7, 3, 10, keep, None) == 4
+    with pytest.raises(ValueError, match="width"):
+        check_select_width(6, 3, 10, keep, None)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(ValueError, match="n_keep_max"):
+        check_select_width(7, 3, 10, keep, None)
+    assert check_select_width(10, 3, 10, keep, None) is None  # every block fits: nothing to read
+    assert check_select_width(7, 3, 10, keep, 4) == 4

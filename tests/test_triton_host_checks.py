@@ -10,7 +10,9 @@ pytest.importorskip("triton")
 
 from pisa_attn.ops import launch  # noqa: E402
 from pisa_attn.ops import reference as ref  # noqa: E402
+from pisa_attn.ops.selection import Selection  # noqa: E402
 from pisa_attn.ops.triton import select as S  # noqa: E402
+from pisa_attn.ops.triton.op import BACKEND as TRITON  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -123,3 +125,112 @@ def test_select_reads_strided_query_means_and_deviations(nk):
     want = S.select(qmean.contiguous(), kmean.contiguous(), hdev=hdev.contiguous(), **kw)
     assert torch.equal(got.to_mask(nk), want.to_mask(nk)) and torch.equal(got.cnt, want.cnt)
     assert torch.equal(want.to_mask(nk), ref.select(qmean, kmean, hdev=hdev, **kw).to_mask(nk))
+
+
+_SENTINEL = -7  # what no kernel writes: a block index is never negative
+
+
+def _padded_ws(b, h, nq, nk, width, pad=64):
+    """A selection workspace whose index list is the head of a longer buffer filled with
+    ``_SENTINEL``: a write past the list lands in the tail, where the test sees it (not past an
+    allocation, which the interpreter would write through)."""
+    ws = S.selection_workspace(b, h, nq, nk, width, DEV)
+    n = b * h * nq * width
+    backing = torch.full((n + pad,), _SENTINEL, dtype=torch.int32, device=DEV)
+    idx = backing[:n].view(b, h, nq, width)
+    return ws._replace(sel=ws.sel._replace(idx=idx)), backing[n:]
+
+
+def _keep(h, nk, blocks):
+    keep = torch.zeros(1, h, nk, dtype=torch.bool)
+    keep[0, h - 1, blocks] = True  # the last head: its last row ends the index list
+    return keep.to(DEV)
+
+
+@pytest.mark.parametrize("nk", [20, 70], ids=["one-kernel", "two-kernel"])
+def test_select_refuses_an_index_list_without_room_for_the_kept_blocks(nk):
+    """Kept blocks are listed on top of the top-k: a ``width`` below min(Nk, n_select + kept blocks
+    of a row) made the kernels write past the row (and report a count beyond the width). Refused
+    by both backends, from ``n_keep_max`` without reading ``keep``, or from ``keep`` itself."""
+    qmean, kmean = _means(1, 2, 1, 3, nk, 16)
+    keep = _keep(2, nk, [0, 5, 9, 17])
+    kw = dict(n_select=3, scale=0.3, keep=keep)
+    ws, tail = _padded_ws(1, 2, 3, nk, 5)
+    with pytest.raises(ValueError, match="width"):
+        S.select(qmean, kmean, width=5, ws=ws, **kw)
+    assert (tail == _SENTINEL).all()
+    for fn in (S.select, ref.select):
+        with pytest.raises(ValueError, match="width"):
+            fn(qmean, kmean, width=5, **kw)
+        with pytest.raises(ValueError, match="width"):
+            fn(qmean, kmean, width=6, n_keep_max=4, **kw)
+        for bad, err in ((-1, ValueError), (nk + 1, ValueError), (2.0, TypeError), (True, TypeError)):
+            with pytest.raises(err, match="n_keep_max"):
+                fn(qmean, kmean, width=nk, n_keep_max=bad, **kw)
+    # room for them: the same selection whether n_keep_max is given or read from keep
+    want = ref.select(qmean, kmean, width=7, **kw)
+    for fn in (S.select, ref.select):
+        for width, n_keep_max in ((7, None), (7, 4), (nk, nk), (nk, None)):
+            got = fn(qmean, kmean, width=width, n_keep_max=n_keep_max, **kw)
+            assert torch.equal(got.to_mask(nk), want.to_mask(nk)) and torch.equal(got.cnt, want.cnt)
+    assert int(want.cnt.max()) == 7
+    # without keep, n_keep_max is only checked
+    S.select(qmean, kmean, n_select=3, width=3, scale=0.3, n_keep_max=0)
+
+
+@pytest.mark.parametrize("nk", [20, 70], ids=["one-kernel", "two-kernel"])
+def test_select_kernels_write_inside_the_index_list(nk, monkeypatch):
+    """With the width check bypassed (a caller's wrong ``n_keep_max``), the kernels still write no
+    entry past a row: each row lists its first ``width`` exact blocks, its count and bits say the
+    same, and nothing lands past the list."""
+    qmean, kmean = _means(1, 2, 1, 3, nk, 16)
+    keep = _keep(2, nk, [0, 5, 9, 17])
+    full = S.select(qmean, kmean, n_select=3, width=7, scale=0.3, keep=keep)
+    monkeypatch.setattr(S, "check_select_width", lambda width, n_select, *a: None, raising=False)
+    ws, tail = _padded_ws(1, 2, 3, nk, 5)
+    got = S.select(qmean, kmean, n_select=3, width=5, scale=0.3, keep=keep, ws=ws)
+    assert (tail == _SENTINEL).all()
+    want = Selection.from_mask(full.to_mask(nk), 5)
+    assert torch.equal(got.cnt, want.cnt) and torch.equal(got.bits, want.bits)
+    listed = torch.arange(5, device=DEV) < want.cnt[..., None]  # entries past cnt are unspecified
+    assert torch.equal(got.idx[listed], want.idx[listed])
+
+
+def _attend_inputs(backend):
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    q, k, v = (torch.randn(1, 2, 100, 16, generator=g).to(dtype).to(DEV) for _ in range(3))
+    be = TRITON if backend == "triton" else ref.BACKEND
+    stats = be.prepare(q, k, v, 16)
+    sel = Selection.from_mask(torch.rand(1, 2, 7, 7, generator=g).to(DEV) < 0.5, 4)
+    return be, q, k, v, stats, sel
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_attend_refuses_a_selection_of_other_shapes(backend):
+    """A Selection for other query blocks, heads or keys, of another dtype or on another device:
+    the kernel indexed it by q's and k's shapes (reading past it, or other rows' blocks); the
+    reference read another selection's blocks. Refused before anything runs."""
+    be, q, k, v, stats, sel = _attend_inputs(backend)
+    kw = dict(mode="hybrid", scale=0.25, block_size=16)
+    idx, cnt, bits = sel
+    bad = [
+        Selection(idx.long(), cnt, bits),  # first: the old code ran it without reading past a tensor
+        Selection(idx, cnt.long(), bits),
+        Selection(idx, cnt, bits.long()),
+        Selection(idx[:, :, :6], cnt[:, :, :6], bits[:, :, :6]),  # other query blocks
+        Selection(idx[:, :1], cnt, bits),  # other heads
+        Selection(idx, cnt[:, :, :6], bits),
+        Selection(idx, cnt, torch.cat([bits, bits], -1)),  # other keys (more than 32 blocks)
+        Selection(idx.expand(2, -1, -1, -1), cnt.expand(2, -1, -1), bits.expand(2, -1, -1, -1)),  # other batch
+        Selection(idx[..., :0], cnt, bits),  # an empty index list
+        Selection(*(x.to("meta") for x in sel)),  # another device
+        Selection(idx, cnt.to("meta"), bits),
+    ]
+    for s in bad:
+        with pytest.raises(ValueError, match="selection"):
+            be.attend(q, k, v, stats, s, **kw)
+    with pytest.raises(TypeError, match="selection"):
+        be.attend(q, k, v, stats, (idx, cnt), **kw)
+    out, lse = be.attend(q, k, v, stats, sel, **kw)  # the selection these shapes take
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()

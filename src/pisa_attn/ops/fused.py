@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .stages import Backend, forward_width, run_stages
+from .stages import Backend, forward_width, keep_bound, run_stages
 
 
 # Kernel backends register themselves here when their module is imported (the op names one).
@@ -41,10 +41,16 @@ def set_planned(fn) -> None:
     _PLANNED = fn
 
 
-def _run(be: Backend, q, k, v, keep, alpha, n_select, width, mode, scale, block_size, covariance_aware, query_block):
+def _run(be: Backend, q, k, v, keep, alpha, n_select, width, mode, scale, block_size, covariance_aware, query_block,
+         n_keep_max: int | None = None):
+    if keep is not None and n_keep_max is None:
+        # the op's width was sized for n_select plus the most kept blocks of a row (forward_width):
+        # that room is the bound, read without a host synchronisation
+        nk = -(-k.shape[2] // block_size)
+        n_keep_max = min(nk, max(0, width - min(n_select, nk)))
     _, _, res = run_stages(be, q, k, v, block_size=block_size, n_select=n_select, width=width, mode=mode,
                            scale=scale, covariance_aware=covariance_aware, keep=keep, lean=True,
-                           query_block=query_block, alpha=alpha)
+                           query_block=query_block, alpha=alpha, n_keep_max=n_keep_max)
     return res
 
 
@@ -91,4 +97,4 @@ def forward(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | N
         return torch.ops.pisa_attn.pisa_fwd(q, k, v, keep, alpha, plan.n_select, width, plan.mode, plan.scale,
                                             plan.block_size, plan.covariance_aware, plan.query_block, be.name)
     return _run(be, q, k, v, keep, alpha, plan.n_select, width, plan.mode, plan.scale, plan.block_size,
-                plan.covariance_aware, plan.query_block)
+                plan.covariance_aware, plan.query_block, keep_bound(plan, keep, n_keep_max))

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .. import spec
 from ..spec import COV_EPS, MODES, block_counts, expand_kv_heads, num_blocks
-from .selection import Selection
+from .selection import Selection, check_select_width, check_selection
 from .stages import Backend, run_plan, run_stages, slice_blocks
 
 # Elements of one [B, H, rows, Lk] score slab the chunked reference may hold at once (~256 MB fp32).
@@ -466,20 +466,25 @@ def select(
     scratch_elems: int | None = None,
     repeat: int = 1,
     n_q_blocks: int | None = None,
+    n_keep_max: int | None = None,
 ) -> Selection:
     """Top-``n_select`` key blocks per query block by pooled score (plus ``keep``, bool
     ``[B|1, H|1, Nk]``), as a :class:`Selection` of index-list width ``width`` (default ``Nk``).
 
     Scores are computed in chunks of query blocks holding at most ``scratch_elems`` scores
     (default: one slab of the attention's chunking). ``repeat``: each row of ``qmean`` selects
-    for that many consecutive query blocks, ``n_q_blocks`` of them in all."""
-    if repeat != 1 or n_q_blocks is not None:
-        sel = select(qmean, kmean, n_select=n_select, width=width, scale=scale, hdev=hdev, keep=keep,
-                     scratch_elems=scratch_elems)
-        return sel.repeat_rows(repeat, qmean.shape[2] if n_q_blocks is None else n_q_blocks)
-    b, h, nq, _ = qmean.shape
+    for that many consecutive query blocks, ``n_q_blocks`` of them in all. ``n_keep_max``: the
+    most kept blocks of any row of ``keep``; ``width`` must hold ``min(Nk, n_select +
+    n_keep_max)`` blocks (ValueError otherwise, as the kernel backends'). None with ``keep`` and
+    a ``width`` below ``Nk``: read from ``keep``, one host synchronisation."""
     nk = kmean.shape[2]
     width = nk if width is None else width
+    n_keep_max = check_select_width(width, n_select, nk, keep, n_keep_max)
+    if repeat != 1 or n_q_blocks is not None:
+        sel = select(qmean, kmean, n_select=n_select, width=width, scale=scale, hdev=hdev, keep=keep,
+                     scratch_elems=scratch_elems, n_keep_max=n_keep_max)
+        return sel.repeat_rows(repeat, qmean.shape[2] if n_q_blocks is None else n_q_blocks)
+    b, h, nq, _ = qmean.shape
     limit = _SLAB_ELEMS if scratch_elems is None else scratch_elems
     step = max(1, limit // max(1, b * h * nk))
     parts = []
@@ -505,8 +510,11 @@ def attend(
     out_dtype: torch.dtype | None = None,
     alpha: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`pisa_forward` under a :class:`Selection` (``n_select`` is unused here)."""
-    mask = selection.to_mask(stats.kmean.shape[2])
+    """:func:`pisa_forward` under a :class:`Selection` (``n_select`` is unused here) of q's
+    batch, heads and query blocks and k's key blocks (ValueError naming ``selection`` otherwise)."""
+    nk = num_blocks(k.shape[2], block_size)
+    check_selection(selection, q.shape[0], q.shape[1], num_blocks(q.shape[2], block_size), nk, q.device)
+    mask = selection.to_mask(nk)
     return pisa_forward(q, k, v, stats, mask, mode=mode, scale=scale, block_size=block_size, out_dtype=out_dtype,
                         alpha=alpha)
 

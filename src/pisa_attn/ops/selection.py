@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..spec import is_int
+
 
 class Selection(NamedTuple):
     idx: Tensor
@@ -145,3 +147,64 @@ def check_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int, dev
             f"(one flag per key block), got {shape}"
         )
     return keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks
+
+
+def check_select_width(width: int, n_select: int, n_kv_blocks: int, keep: Tensor | None,
+                       n_keep_max: int | None) -> int | None:
+    """Check that a select call's index lists of ``width`` hold every block a row lists:
+    ``min(n_select, Nk)`` (at least 1), plus with ``keep`` up to ``n_keep_max`` kept blocks, at
+    most ``Nk`` in all (ValueError naming ``width``; ``n_keep_max`` must be an int in ``[0, Nk]``,
+    TypeError/ValueError naming it). ``n_keep_max=None`` with ``keep``: the most kept blocks of a
+    row are read from ``keep`` where the width needs it (below ``Nk``), one host synchronisation;
+    refused while a CUDA graph is captured or a graph traced (pass ``n_keep_max`` there). Returns
+    ``n_keep_max`` (read from ``keep`` where it was), to pass on without another read."""
+    if n_keep_max is not None:
+        if not is_int(n_keep_max):
+            raise TypeError(f"n_keep_max must be an int (the most kept blocks of any row) or None, "
+                            f"got {n_keep_max!r} ({type(n_keep_max).__name__})")
+        if not 0 <= n_keep_max <= n_kv_blocks:
+            raise ValueError(f"n_keep_max must be in [0, Nk = {n_kv_blocks}] (the most kept blocks of any row), "
+                             f"got {n_keep_max}")
+    n_sel = max(1, min(n_select, n_kv_blocks))
+    if width < n_sel:
+        raise ValueError(f"width must be at least min(n_select, Nk) = {n_sel} (the blocks every row lists), "
+                         f"got {width!r}")
+    if keep is None or width >= n_kv_blocks:  # a list of every block holds any row
+        return n_keep_max
+    if n_keep_max is None:
+        if torch.compiler.is_compiling() or (keep.is_cuda and torch.cuda.is_current_stream_capturing()):
+            raise ValueError("n_keep_max must be given with keep while a CUDA graph is captured or a graph traced "
+                             "(reading the kept blocks' count from keep is a host synchronisation)")
+        n_keep_max = int(keep.sum(-1).max())
+    need = min(n_kv_blocks, n_sel + n_keep_max)
+    if width < need:
+        # the kernels list every kept block on top of the top-k: a narrower list cannot hold them
+        raise ValueError(f"width must be at least min(Nk, n_select + n_keep_max) = {need} (the top-k plus up to "
+                         f"{n_keep_max} kept blocks a row lists), got {width!r}")
+    return n_keep_max
+
+
+def check_selection(selection, batch: int, heads: int, n_q_blocks: int, n_kv_blocks: int, device,
+                    contiguous: bool = False) -> None:
+    """Check that ``selection`` is a :class:`Selection` of rows ``[batch, heads, n_q_blocks]``,
+    an index list of at least one column, ``ceil(n_kv_blocks / 32)`` bitmask words, int32 on
+    ``device`` (and ``contiguous``, for kernels that read it without strides): TypeError or
+    ValueError naming ``selection``. Shapes, dtypes and devices only: no host synchronisation."""
+    if not isinstance(selection, Selection):
+        raise TypeError(f"selection must be a pisa_attn.ops.selection.Selection, got {type(selection).__name__}")
+    rows = (batch, heads, n_q_blocks)
+    nw = -(-n_kv_blocks // 32)
+    device = torch.device(device)
+    for name, x in zip(Selection._fields, selection):
+        if not isinstance(x, Tensor):
+            raise ValueError(f"selection.{name} must be an int32 tensor, got {type(x).__name__}")
+        s = x.shape
+        shape_ok = s[:3] == rows and (len(s) == 4 and s[3] >= 1 if name == "idx" else
+                                      len(s) == 3 if name == "cnt" else len(s) == 4 and s[3] == nw)
+        if not shape_ok or x.dtype != torch.int32 or x.device != device:
+            raise ValueError(f"selection.{name} does not fit the call (rows [B, H, Nq] = {list(rows)}, index lists of "
+                             f"at least one entry, {nw} bitmask words for {n_kv_blocks} key blocks, int32 on "
+                             f"{device}): got {x.dtype} {tuple(s)} on {x.device}")
+        if contiguous and not x.is_contiguous():
+            raise ValueError(f"selection.{name} must be contiguous (the kernels read it without strides), got "
+                             f"strides {tuple(x.stride())}")

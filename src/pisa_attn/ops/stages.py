@@ -5,7 +5,8 @@ A backend is four functions over ``[B, H, L, D]`` views (K/V may have ``Hk`` hea
     prepare(q, k, v, block_size, *, with_hdev=False, lean=False,
             query_block=None[, ws=None])                                    -> stats
     select(qmean, kmean, *, n_select, width, scale, hdev=None, keep=None,
-           scratch_elems=None, repeat=1, n_q_blocks=None[, ws=None])        -> Selection
+           scratch_elems=None, repeat=1, n_q_blocks=None, n_keep_max=None
+           [, ws=None])                                                     -> Selection
     attend(q, k, v, stats, selection, *, mode, scale, block_size,
            n_select=None, out_dtype=None, alpha=None[, out=None, lse=None,
            ws=None])                                                        -> (out, lse)
@@ -96,6 +97,12 @@ def forward_width(plan, keep: Tensor | None, n_keep_max: int) -> int:
     return spec.selection_width(plan.n_kv_blocks, plan.n_select, n_keep_max if keep is not None else 0)
 
 
+def keep_bound(plan, keep: Tensor | None, n_keep_max: int) -> int | None:
+    """The ``n_keep_max`` a select call of ``plan`` passes on (None without ``keep``): the most
+    kept blocks of a row, which the plan's width was sized for, at most every block."""
+    return None if keep is None else min(n_keep_max, plan.n_kv_blocks)
+
+
 def run_stages(
     be: Backend,
     q: Tensor,
@@ -112,18 +119,21 @@ def run_stages(
     lean: bool = False,
     query_block: int | None = None,
     alpha: Tensor | None = None,
+    n_keep_max: int | None = None,
 ):
     """prepare -> select -> attend on one device: returns ``(stats, selection, (out, lse))``.
 
     ``keep``: bool ``[B|1, H|1, Nk]`` on q's device, always-exact blocks (``width`` must cover
-    ``n_select`` plus the most kept blocks of any row). ``lean``: only the output is wanted, so
+    ``n_select`` plus the most kept blocks of any row, ``n_keep_max``; None: select reads it from
+    ``keep`` where the width needs it, one host synchronisation). ``lean``: only the output is wanted, so
     intermediates are freed as soon as the next stage no longer needs them (the returned stats
     then hold only what ``attend`` read). ``query_block``: tokens per selection row (see
     :func:`pisa_attn.spec.query_block_factor`); the selection has one row per ``block_size``
     query block all the same.
     """
     stats, sel = select_stages(be, q, k, v, block_size=block_size, n_select=n_select, width=width, scale=scale,
-                               covariance_aware=covariance_aware, keep=keep, lean=lean, query_block=query_block)
+                               covariance_aware=covariance_aware, keep=keep, lean=lean, query_block=query_block,
+                               n_keep_max=n_keep_max)
     if lean:
         stats = stats.for_attend()  # query means and selection-only terms die before attend allocates
     res = be.attend(q, k, v, stats, sel, mode=mode, scale=scale, block_size=block_size, n_select=n_select,
@@ -133,13 +143,13 @@ def run_stages(
 
 def select_stages(be: Backend, q: Tensor, k: Tensor, v: Tensor, *, block_size: int, n_select: int, width: int,
                   scale: float, covariance_aware: bool = False, keep: Tensor | None = None, lean: bool = False,
-                  query_block: int | None = None):
+                  query_block: int | None = None, n_keep_max: int | None = None):
     """:func:`run_stages`' prepare -> select, without attend: ``(stats, selection)``."""
     stats = be.prepare(q, k, v, block_size, with_hdev=covariance_aware, lean=lean, query_block=query_block)
     sel = be.select(stats.qmean, stats.kmean, n_select=n_select, width=width, scale=scale, hdev=stats.hdev,
                     keep=keep, scratch_elems=be.score_scratch(q, k),
                     repeat=spec.query_block_factor(query_block, block_size),
-                    n_q_blocks=spec.num_blocks(q.shape[2], block_size))
+                    n_q_blocks=spec.num_blocks(q.shape[2], block_size), n_keep_max=n_keep_max)
     return stats, sel
 
 
@@ -148,7 +158,8 @@ def select_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor
     """:func:`run_plan`'s prepare -> select, without attend: ``(stats, selection)``."""
     return select_stages(be, q, k, v, block_size=plan.block_size, n_select=plan.n_select,
                          width=forward_width(plan, keep, n_keep_max), scale=plan.scale,
-                         covariance_aware=plan.covariance_aware, keep=keep, query_block=plan.query_block)
+                         covariance_aware=plan.covariance_aware, keep=keep, query_block=plan.query_block,
+                         n_keep_max=keep_bound(plan, keep, n_keep_max))
 
 
 def run_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
@@ -159,7 +170,7 @@ def run_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | 
     return run_stages(
         be, q, k, v, block_size=plan.block_size, n_select=plan.n_select, width=forward_width(plan, keep, n_keep_max),
         mode=plan.mode, scale=plan.scale, covariance_aware=plan.covariance_aware, keep=keep, lean=lean,
-        query_block=plan.query_block, alpha=alpha,
+        query_block=plan.query_block, alpha=alpha, n_keep_max=keep_bound(plan, keep, n_keep_max),
     )  # fmt: skip
 
 
@@ -200,7 +211,8 @@ def _select(be: Backend, stats, plan, keep, q, k, ws):
     kw = {} if ws is None else {"ws": ws}
     return be.select(stats.qmean, stats.kmean, n_select=plan.n_select, width=plan.width, scale=plan.scale,
                      hdev=stats.hdev, keep=keep, scratch_elems=be.score_scratch(q, k), repeat=plan.query_block //
-                     plan.block_size, n_q_blocks=plan.n_q_blocks, **kw)
+                     plan.block_size, n_q_blocks=plan.n_q_blocks, n_keep_max=keep_bound(plan, keep, plan.max_keep),
+                     **kw)
 
 
 def slice_blocks(stats, lo: int, hi: int):

@@ -260,7 +260,8 @@ def _ring_aligned(q, k, v, k_bounds, group, be: Backend, *, density, block_size,
         width = spec.selection_width(n_kv, n_select, n_keep_max if keep is not None else 0)
         sel = be.select(local.qmean, kmean, n_select=n_select, width=width, scale=scale, hdev=hdev, keep=keep,
                         repeat=(query_block or block_size) // block_size,
-                        n_q_blocks=spec.num_blocks(q.shape[2], block_size))
+                        n_q_blocks=spec.num_blocks(q.shape[2], block_size),
+                        n_keep_max=None if keep is None else n_keep_max)
     del local, kmean, hdev
 
     # Query groups sharing the K/V pass: (queries, selection over all key blocks or None = every
@@ -309,7 +310,7 @@ def _every_block(q: Tensor, n_blocks: int, block_size: int) -> Selection:
     b, h, lq, _ = q.shape
     one = Selection.from_mask(torch.ones(1, 1, 1, n_blocks, dtype=torch.bool, device=q.device))
     nq = spec.num_blocks(lq, block_size)
-    return Selection(*(x.expand(b, h, nq, x.shape[-1]).contiguous() for x in one))
+    return Selection(*(x.expand(b, h, nq, *x.shape[3:]).contiguous() for x in one))  # cnt [B, H, Nq]
 
 
 def _no_rows(q: Tensor) -> tuple[Tensor, Tensor]:

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..._log import log_once
 from ...spec import PRODUCT_FORMATS
 from .. import fused as _fused
-from ..selection import Selection
+from ..selection import Selection, check_selection
 from ..stages import Backend
 from ..triton import attention as _tattn
 from ..triton import op as _top
@@ -80,6 +80,9 @@ def attend(
     multiple of 16 bytes) runs the Triton kernel, which computes the same function.
     ``out``/``lse``: buffers to write into; ``ws``: the plan's workspace (its pair stream buffers).
     """
+    # the pair kernel indexes the selection by q's and k's block shapes, as the Triton kernel does
+    check_selection(selection, q.shape[0], q.shape[1], -(-q.shape[2] // block_size), -(-k.shape[2] // block_size),
+                    q.device, contiguous=True)
     if out is None:
         out = _tattn._alloc_like_layout(q, out_dtype)
     tma = _gattn.tma_unsupported_reason(q, k, v, out)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import fused as _fused
-from ..selection import Selection
+from ..selection import Selection, check_selection
 from ..kernel_constants import MAX_GRID_YZ
 from ..stages import Backend
 from . import attention as _attn
@@ -87,7 +87,11 @@ def attend(
     A float32 ``out_dtype`` keeps a shard's partial unrounded for the merge. ``alpha``: ``[H]``
     float32 weights of the first-order term (None: 1). ``out``/``lse``: buffers to write into;
     ``ws``: the plan's workspace (unused here: the kernel needs no buffer of its own).
+    ``selection`` must be of q's batch, heads and query blocks and k's key blocks, int32 and
+    contiguous on q's device (the kernel indexes it by those shapes): ValueError otherwise.
     """
+    check_selection(selection, q.shape[0], q.shape[1], -(-q.shape[2] // block_size), -(-k.shape[2] // block_size),
+                    q.device, contiguous=True)
     if out is None:
         out = _attn._alloc_like_layout(q, out_dtype)
     return _attn.attention(q, k, v, *stats.tail(), *selection, mode=mode, scale=scale, block_size=block_size,

@@ -35,7 +35,7 @@ from torch import Tensor
 from ...spec import COV_EPS
 from .. import reference as _ref
 from ..launch import Launcher, spec_class
-from ..selection import Selection
+from ..selection import Selection, check_select_width
 from ._common import compile_sm90, interpreting, next_pow2, sm_count
 from .grid import await_prior_grid, grid_dependency
 from .grid import level as grid_level
@@ -138,8 +138,11 @@ def _select_rows(
         exact = exact | kp
     exact = exact & cvalid[None, :]
 
+    pos = tl.cumsum(exact.to(tl.int32), axis=1) - 1
+    # A row lists at most W blocks (its first W, in the index list and the bits alike): the host
+    # wrapper refuses a narrower width, and no other caller makes the kernel write past a row.
+    exact = exact & (pos < W)
     ex = exact.to(tl.int32)
-    pos = tl.cumsum(ex, axis=1) - 1
     count = tl.sum(ex, axis=1)
     # Distinct bits: their sum is their OR (uint32, no carries).
     lanes = tl.arange(0, 32).to(tl.uint32)
@@ -341,6 +344,7 @@ def select(
     repeat: int = 1,
     n_q_blocks: int | None = None,
     ws: SelectionWorkspace | None = None,
+    n_keep_max: int | None = None,
 ) -> Selection:
     """The :class:`Selection` from ``qmean [B,H,Nq,D]`` (contiguous) and ``kmean [B,Hk,Nk,D]``
     (float32, the transposed view of ``[B, Hk, D, Nk]`` storage that :func:`prepare.prepare`
@@ -348,19 +352,21 @@ def select(
     two-kernel path (default: the whole matrix in one chunk). ``repeat``: each row of ``qmean``
     selects for that many consecutive query blocks (means of ``query_block`` rows),
     ``n_q_blocks`` of them in all. ``ws``: a :func:`selection_workspace` of these shapes, written
-    into (nothing is allocated then). Issues no host synchronisation."""
+    into (nothing is allocated then). ``n_keep_max``: the most kept blocks of any row of ``keep``
+    (``width`` must hold ``min(Nk, n_select + n_keep_max)`` blocks; ValueError otherwise).
+
+    Issues no host synchronisation, except with ``keep`` and ``n_keep_max=None`` at a ``width``
+    below ``Nk``: then the count is read from ``keep`` (one synchronisation; refused while a CUDA
+    graph is captured)."""
     b, h, nqs, d = qmean.shape
     hk, nk = kmean.shape[1], kmean.shape[2]
     n_sel = min(n_select, nk)
-    # The kernels write every chosen block into the row's index list: a narrower list would take
-    # them past the row (kept blocks come on top; the caller's width covers them).
-    if width < max(1, n_sel):
-        raise ValueError(f"width must be at least min(n_select, Nk) = {max(1, n_sel)} (the blocks every row "
-                         f"lists), got {width!r}")
+    # The kernels write every chosen block, kept ones on top of the top-k, into the row's index list.
+    n_keep_max = check_select_width(width, n_sel, nk, keep, n_keep_max)
     nq = nqs if n_q_blocks is None else n_q_blocks
     if nk > MAX_FUSED_BLOCKS:
         sel = _ref.select(qmean, kmean, n_select=n_sel, width=width, scale=scale, hdev=hdev, keep=keep,
-                          scratch_elems=1 << 24, repeat=repeat, n_q_blocks=nq)
+                          scratch_elems=1 << 24, repeat=repeat, n_q_blocks=nq, n_keep_max=n_keep_max)
         if ws is None:
             return sel
         for dst, src in zip(ws.sel, sel):
