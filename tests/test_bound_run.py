@@ -471,3 +471,28 @@ def test_registered_op_replay_never_serves_weights_it_was_not_recorded_for_B1_H2
         assert ("ptr", base.data_ptr()) not in attn  # a contiguous copy, not the strided storage
         with pytest.raises(ValueError, match="alpha must be a float32"):
             torch.ops.pisa_attn.pisa_fwd(*_op_args(q, k, v, None, torch.full((2,), 0.75, dtype=torch.float64), p))
+
+
+def test_a_recording_that_cannot_be_bound_leaves_its_signature_on_the_checked_path(monkeypatch):
+    """A bind that raises (an unexpected launch) costs the call nothing but its recording: the call
+    returns what the checked run computed, and the signature is never recorded (or bound) again."""
+    from pisa_attn.ops import bound
+
+    binds = []
+    real_bind = bound.bind
+    monkeypatch.setattr(bound, "bind", lambda *a, **kw: binds.append(1) or real_bind(*a, **kw))
+
+    def broken(*a, **kw):
+        raise RuntimeError("an unexpected launch")
+
+    monkeypatch.setattr(bound, "_pack", broken)  # raises inside bind, after the run was recorded
+    s = PisaSettings(backend="triton")
+    q, k, v = _qkv()
+    with fake_kernels() as log, pytest.warns(RuntimeWarning, match="an unexpected launch"):
+        p = plan(q, k, s)
+        for i in range(8):
+            n = len(log)
+            out = run(p, q, k, v)
+            assert out.shape == q.shape and (i == 0 or len(log) > n)  # checked runs (after the compiling one)
+    assert not _programs(p) and False in p.programs.values()
+    assert len(binds) == 1

@@ -111,3 +111,43 @@ def test_layout_helpers_take_numpy_ints_and_refuse_non_ints():
                        (lambda: default_tile(True, 16), "ndim")]:
         with pytest.raises(TypeError, match=name):
             call()
+
+
+class _StrictIndexDevice(torch.overrides.TorchFunctionMode):
+    """``index_select`` refuses an index on another device than the tensor it indexes, as CUDA
+    does (the CPU alone does not check it against the meta device)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.index_select, torch.Tensor.index_select):
+            x, index = args[0], args[2] if len(args) > 2 else kwargs["index"]
+            if index.device != x.device:
+                raise RuntimeError(f"index_select: index on {index.device}, tensor on {x.device}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("text_before", [False, True], ids=["image-only", "text-before"])
+def test_tiling_hooks_index_tensors_on_their_own_device(text_before):
+    """Rotary embeddings (and token inputs) on another device than the hidden states the
+    permutation was made on are permuted with an index on their own device; on one device the
+    results are the permutation applied as before."""
+    from types import SimpleNamespace
+
+    from pisa_attn.diffusers.tiling import _rope_hook, _tile_token_input
+
+    n, t = 6, 3 if text_before else 0
+    perm = torch.tensor([2, 0, 5, 1, 4, 3])
+    state = SimpleNamespace(tiling=(perm, torch.argsort(perm)), transformer=torch.nn.Module())
+    hook = _rope_hook(state, 0, text_before)
+    cos, sin = torch.randn(t + n, 4), torch.randn(t + n, 4)
+    out = hook(None, None, (cos, sin))
+    for a, b in zip(out, (cos, sin)):
+        assert torch.equal(a, torch.cat([b[:t], b[t:][perm]]))
+    x = torch.randn(2, n, 3)
+    assert torch.equal(_tile_token_input(perm, [x])[0], x[:, perm])
+    with _StrictIndexDevice():
+        out = hook(None, None, (cos.to("meta"), sin.to("meta")))
+        assert all(o.device.type == "meta" and o.shape == (t + n, 4) for o in out)
+        assert hook(None, None, cos.to("meta")).device.type == "meta"
+        (y,) = _tile_token_input(perm, (x.to("meta"),))
+        assert y.device.type == "meta" and y.shape == x.shape

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -580,8 +581,15 @@ def _record(p: PisaPlan, key, q, k, v, out, lse, weights, want_lse, keep=None):
     o = o if lay == "bhsd" else o.transpose(1, 2)
     prog = None
     if rec.ok and o.data_ptr() == o_h.data_ptr() and (l_in is None or l_.data_ptr() == l_in.data_ptr()):
-        replay = bound.bind(rec.launches, (qh, kh, vh, o_h, alpha_t, l_in, keep),
-                            bound.tensors_of(p.workspace) + ([l_] if l_in is None else []))
+        try:
+            replay = bound.bind(rec.launches, (qh, kh, vh, o_h, alpha_t, l_in, keep),
+                                bound.tensors_of(p.workspace) + ([l_] if l_in is None else []))
+        except Exception as e:  # noqa: BLE001 - the checked run already computed this call's result
+            # A launch the binder cannot take would fail again on every recording: stop recording it.
+            warnings.warn(f"pisa_attn: recorded kernel launches could not be bound for replay ({type(e).__name__}: "
+                          f"{e}); calls with this signature take the checked path", RuntimeWarning, stacklevel=3)
+            p.programs[key] = False
+            return o, l_, sel
         if replay is not None:
             prog = _Program(p, replay, o, l_ if l_in is None else None, sel, out is None, want_lse and lse is None,
                             weights is None)

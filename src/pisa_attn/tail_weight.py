@@ -21,12 +21,26 @@ from torch import Tensor
 from . import spec
 from .settings import as_float
 
-_CACHE: dict[tuple, Tensor] = {}
+# key -> (tensor, its version counter when cached): a caller may change a returned tensor in place
+_CACHE: dict[tuple, tuple[Tensor, int]] = {}
 _CACHE_LIMIT = 1024
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``device`` with the index a tensor made on it gets: an accelerator device without one
+    means the current device of its type, which ``set_device`` changes between calls."""
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    if device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    acc = getattr(torch, "accelerator", None)  # torch >= 2.6
+    if acc is not None and getattr(acc.current_accelerator(), "type", None) == device.type:
+        return torch.device(device.type, acc.current_device_index())
+    return device
 
 
 def host_values(alpha, heads: int) -> tuple[float, ...] | None:
@@ -112,12 +126,13 @@ def resolve(alpha, *, mode: str, heads: int, device, dtype: torch.dtype = torch.
 
 def weights(values: tuple[float, ...], device, dtype: torch.dtype = torch.float32) -> Tensor:
     """The ``[len(values)]`` tensor of ``values`` on ``device``, made once and cached (not cached
-    when first asked for during CUDA-graph capture: its contents exist only in the graph)."""
-    device = torch.device(device)
+    when first asked for during CUDA-graph capture: its contents exist only in the graph). A
+    cached tensor changed in place since (its version counter moved) is made again."""
+    device = _indexed(torch.device(device))
     key = (device, dtype, values)
     hit = _CACHE.get(key)
-    if hit is not None:
-        return hit
+    if hit is not None and hit[0]._version == hit[1]:
+        return hit[0]
     capturing = _capturing(device)
     # A normal tensor even under inference_mode: the cache outlives the mode, and an inference
     # tensor cannot be saved for backward by a later differentiated call with the same weight.
@@ -133,7 +148,7 @@ def weights(values: tuple[float, ...], device, dtype: torch.dtype = torch.float3
     if not capturing:
         if len(_CACHE) >= _CACHE_LIMIT:
             _CACHE.clear()
-        _CACHE[key] = out
+        _CACHE[key] = (out, out._version)
     return out
 
 

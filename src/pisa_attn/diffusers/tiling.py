@@ -142,10 +142,16 @@ def _tiling(state: PisaState) -> tuple[Tensor, Tensor] | None:
     return state.tiling
 
 
+def _index_on(perm: Tensor, x: Tensor) -> Tensor:
+    """``perm`` on ``x``'s device: the permutation is made on the hidden states' device, and rotary
+    embeddings or other token inputs may live on another (index_select needs one device)."""
+    return perm if perm.device == x.device else perm.to(x.device)
+
+
 def _tile_token_input(perm: Tensor, x):
     n = perm.shape[0]
     if isinstance(x, Tensor):
-        return x.index_select(1, perm) if x.dim() >= 2 and x.shape[1] == n else x
+        return x.index_select(1, _index_on(perm, x)) if x.dim() >= 2 and x.shape[1] == n else x
     if isinstance(x, (list, tuple)):
         return type(x)(_tile_token_input(perm, t) for t in x)
     return x
@@ -203,7 +209,7 @@ def _token_hook(state: PisaState, kind: str):
         tiling = _tiling(state)
         if tiling is None:
             return None
-        perm = tiling[0]
+        perm = _index_on(tiling[0], out)
         if kind == "tokens":
             return out.index_select(1, perm)
         # Patch-embedding conv output [B, C, *grid]: flatten(2) is the raster token order.
@@ -215,6 +221,7 @@ def _token_hook(state: PisaState, kind: str):
 
 def _rope_hook(state: PisaState, dim: int, text_before: bool):
     def tile(perm: Tensor, x: Tensor) -> Tensor:
+        perm = _index_on(perm, x)
         if not text_before:
             return x.index_select(dim, perm)
         t = x.shape[dim] - perm.shape[0]
