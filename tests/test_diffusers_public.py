@@ -4,11 +4,8 @@ that says "managed" while it runs native attention, paths and layers are checked
 the README's diffusers snippet runs."""
 
 import io
-import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +15,8 @@ pytest.importorskip("diffusers")
 import pisa_attn.diffusers as pd  # noqa: E402
 from pisa_attn.diffusers import apply as pisa_apply  # noqa: E402
 from pisa_attn.diffusers import telemetry as tm  # noqa: E402
+from diffusers_untouched import changed_by_pisa  # noqa: E402
+from local_ranks import run_ranks  # noqa: E402
 from diffusers_tiny import FAMILIES, TILE_BLOCK, forward_inputs, tiny_pipeline, tiny_transformer  # noqa: E402
 from test_diffusers_apply import assert_same, snapshot  # noqa: E402
 
@@ -25,67 +24,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SPARSE = dict(density=0.5, block_size=TILE_BLOCK, min_kv_len=0, dense_layers=0, dense_steps=0)
 
-# Runs in a fresh interpreter: diffusers' classes, enums, registries and pipeline methods, by
-# identity, before importing pisa_attn.diffusers and after applying/removing PISA on every family.
-_UNTOUCHED = r"""
-import enum, importlib, inspect, json, sys, types
-import torch
-sys.path.insert(0, sys.argv[1])
-MODULES = [
-    "diffusers.models.attention_dispatch", "diffusers.models.attention_processor", "diffusers.models.attention",
-    "diffusers.models.modeling_utils", "diffusers.models.embeddings", "diffusers.hooks.hooks",
-    "diffusers.hooks.context_parallel", "diffusers.models.transformers.transformer_flux",
-    "diffusers.models.transformers.transformer_sd3", "diffusers.models.transformers.transformer_wan",
-    "diffusers.models.transformers.transformer_hunyuan_video", "diffusers.pipelines.pipeline_utils",
-    "diffusers.pipelines.flux.pipeline_flux", "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",
-    "diffusers.pipelines.wan.pipeline_wan", "diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video",
-]
-
-def snap():
-    out = {}
-    for name in MODULES:
-        mod = importlib.import_module(name)
-        out[name] = {k: id(v) for k, v in vars(mod).items()}
-        for k, v in vars(mod).items():
-            if isinstance(v, type) and v.__module__ == name:
-                out[f"{name}.{k}"] = {a: id(b) for a, b in vars(v).items() if a != "_abc_impl"}
-                if issubclass(v, enum.Enum):
-                    out[f"{name}.{k}.members"] = {m: id(x) for m, x in v.__members__.items()}
-                    out[f"{name}.{k}.values"] = sorted(map(str, v._value2member_map_))
-    reg = importlib.import_module("diffusers.models.attention_dispatch")._AttentionBackendRegistry
-    out["registry"] = {
-        "backends": {str(k): id(f) for k, f in reg._backends.items()},
-        "cp": sorted(reg._supports_context_parallel), "active": str(reg._active_backend),
-    }
-    return out
-
-before = snap()
-import pisa_attn.diffusers as pd
-import pisa_attn.diffusers.calibrate, pisa_attn.diffusers.capture, pisa_attn.diffusers.processors
-import pisa_attn.diffusers.telemetry, pisa_attn.diffusers.parallel
-from diffusers_tiny import FAMILIES, forward_inputs, prompt_kwargs, tiny_pipeline
-after_import = snap()
-for family in FAMILIES:
-    pipe = tiny_pipeline(family)
-    pipe.set_progress_bar_config(disable=True)
-    pd.apply_pisa(pipe, density=0.5, block_size=16, min_kv_len=0, dense_layers=0, dense_steps=1, telemetry=True)
-    with torch.no_grad():
-        pipe(**prompt_kwargs(family), num_inference_steps=2)
-    assert pd.stats(pipe.transformer)["sparse"] > 0
-    pd.remove_pisa(pipe)
-after = snap()
-diff = lambda a, b: sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-print(json.dumps({"import": diff(before, after_import), "apply": diff(before, after)}))
-"""
-
 
 def test_library_never_changes_diffusers():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", _UNTOUCHED, HERE], capture_output=True, text=True, env=env,
-                         timeout=300)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    changed = json.loads(res.stdout.strip().splitlines()[-1])
-    assert changed == {"import": [], "apply": []}
+    # in a forked rank whose diffusers no pisa_attn.diffusers import has touched
+    assert run_ranks(changed_by_pisa, 1)[0] == {"import": [], "apply": []}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -21,7 +21,7 @@ from pisa_attn.spec import num_blocks
 from pisa_attn.ops.merge import merge
 from pisa_attn import PisaSettings
 from pisa_attn.parallel import ring_pisa_attention, ulysses_pisa_attention, unified_pisa_attention
-from pisa_attn.parallel.launch import run_local
+from local_ranks import run_ranks
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # conftest sets it without a GPU; ranks inherit it
 
@@ -289,7 +289,7 @@ def _worker(rank, world, cases, with_errors):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_local(_worker, 2, CASES, True)
+    return run_ranks(_worker, 2, CASES, True)
 
 
 def _check(results, name, algo):

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pisa_attn.parallel.launch import run_local
+from local_ranks import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.join(HERE, "..", "benchmarks", "bench_parallel.py")
@@ -159,7 +159,7 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_local(_worker, 2)
+    return run_ranks(_worker, 2)
 
 
 def check_equal(results, family: str, kind: str, dense_calls: int = 1):

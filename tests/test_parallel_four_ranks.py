@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from pisa_attn.parallel.launch import run_local
+from local_ranks import run_ranks
 from test_parallel_core import INTERPRETED, _check, _run_case, spec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -159,7 +159,7 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_local(_worker, 4)
+    return run_ranks(_worker, 4)
 
 
 @pytest.mark.parametrize("name", list(CASES4))

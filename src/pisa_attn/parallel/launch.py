@@ -40,11 +40,22 @@ def _worker(rank, world, backend, port, fn, args, queue):
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0) -> list:
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; return their results."""
+START_METHODS = ("spawn", "forkserver")
+
+
+def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 300.0,
+              start_method: str = "spawn") -> list:
+    """Start ``world_size`` processes running ``fn(rank, world_size, *args)``; return their results.
+
+    ``start_method``: ``"spawn"`` (a fresh interpreter per rank) or ``"forkserver"`` (ranks fork
+    from one server process that outlives the call, so modules it preloads, see
+    ``multiprocessing.set_forkserver_preload``, are imported once for every later call; the ranks
+    see the environment the server was started with)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    ctx = mp.get_context("spawn")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()
     procs = [
