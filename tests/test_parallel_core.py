@@ -460,3 +460,12 @@ def test_from_mask_cuts_bits_with_the_index_list():
     sel = Selection.from_mask(mask, 5)
     listed = torch.zeros_like(mask).scatter_(-1, sel.idx.long(), True)
     assert torch.equal(sel.to_mask(40), listed) and sel.cnt.tolist() == [[[5, 5]]]
+
+
+@pytest.mark.parametrize("bad, kw", [(0, {}), (True, {}), (2, {"start_method": "fork"})],
+                         ids=["no-ranks", "bool-ranks", "fork"])
+def test_run_local_refuses_bad_arguments_before_starting_a_rank(bad, kw):
+    from pisa_attn.parallel.launch import run_local
+
+    with pytest.raises(ValueError, match="start_method" if kw else "world_size"):
+        run_local(_worker, bad, **kw)
