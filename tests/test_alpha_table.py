@@ -32,3 +32,46 @@ def test_numpy_scalars_round_trip_through_save(tmp_path):
     entry = back.layers()[2]
     assert entry == LayerAlpha((0.5, 0.25), 0.3, 8, None, True)
     assert load(table) == back
+
+
+def test_a_layer_given_twice_in_a_file_is_refused(tmp_path):
+    # json.load keeps the last of two equal keys: a hand-merged file would lose a weight silently
+    path = tmp_path / "t.json"
+    path.write_text('{"format": "pisa-attn-alpha", "version": 1, "transformers": {"transformer": '
+                    '{"3": {"alpha": [1.0]}, "3": {"alpha": [0.5]}}}}')
+    with pytest.raises(ValueError, match="alpha_table.*duplicate key '3'"):
+        load(path)
+    path.write_text('{"format": "pisa-attn-alpha", "version": 1, "transformers": {"transformer": '
+                    '{"3": {"alpha": [1.0]}, "4": {"alpha": [0.5]}}}}')
+    assert sorted(load(path).layers()) == [3, 4]
+
+
+def test_a_failed_save_leaves_an_existing_file_as_it_was(tmp_path, monkeypatch):
+    import builtins
+
+    import pisa_attn.alpha_table as at
+
+    path = tmp_path / "t.json"
+    table = load({"format": "pisa-attn-alpha", "version": 1, "transformers": {"transformer": {"3": {"alpha": [1.0]}}}})
+    table.save(path)
+    before = path.read_bytes()
+
+    class FullDisk:
+        def __init__(self, name, mode="r"):
+            self.f = builtins.open(name, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[:5])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(at, "open", FullDisk, raising=False)
+    with pytest.raises(OSError, match="No space"):
+        table.save(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]  # no temporary file left

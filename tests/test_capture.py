@@ -289,3 +289,29 @@ def test_closing_a_capture_keeps_the_pisa_the_user_applied_while_it_was_open(tmp
     assert info["step1.layer0"]["pisa_applied_by_capture"] is False and info["step1.layer0"]["density"] == 0.5
     assert info["step1.layer0"]["dense"] is False
     pd.remove_pisa(pipe)
+
+
+def test_a_failed_write_leaves_an_existing_capture_as_it_was(tmp_path, monkeypatch):
+    # a capture is large: a write that fails part-way (a full disk) must not leave a truncated
+    # file where the previous capture was
+    import safetensors.torch
+
+    from pisa_attn.qkv_file import write_qkv_file
+
+    path = tmp_path / "c.safetensors"
+    x = torch.randn(1, 2, 16, 16)
+    tensors = {f"step0.layer0.{p}": x.clone() for p in "qkv"}
+    write_qkv_file(str(path), tensors, {"step0.layer0": {"step": 0, "layer": 0}}, "flux", "float32")
+    before = path.read_bytes()
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        write_qkv_file(str(path), tensors, {"step0.layer0": {"step": 0, "layer": 0}}, "flux", "float32")
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]  # no temporary file left
+    assert len(read_qkv_file(str(path)).entries) == 1

@@ -128,6 +128,18 @@ def test_demo_cuda_without_cuda_is_a_clear_error(capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
+def test_demo_cuda_index_past_the_devices_is_a_clear_error(capsys, monkeypatch):
+    # cuda:N beyond the machine's GPUs: one line naming the device, not a traceback from the data
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="device 'cuda:3'"):
+        tiny_config(device="cuda:3").validate()
+    tiny_config(device="cuda:0").validate()  # the one device there is
+    assert cli.main(["demo", "--device", "cuda:3", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "device 'cuda:3'" in err and "Traceback" not in err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_demo_on_cuda_names_the_backend_that_ran():

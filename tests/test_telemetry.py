@@ -287,3 +287,41 @@ def test_measure_reports_the_selection_rule_and_the_signed_bias():
     assert r["bias_pisa"] == pytest.approx(want, rel=1e-6) and 0 < r["bias_pisa"] < r["rel_l1_pisa"]
     assert tm._selection([False, False]) == "top-k" and tm._selection([True]) == "cov"
     assert tm._selection([True, False]) == "mixed" and tm._selection([None]) == "-"
+
+
+def test_attach_to_a_compiled_wrapper_is_the_models_telemetry():
+    # hooks.add_observer takes the torch.compile wrapper of a model: the telemetry attached through
+    # it must be the one get/report/detach find, and attaching again must replace it
+    module = torch.nn.Linear(1, 1)
+    compiled = torch.compile(module)
+    first = tm.attach(compiled, tm.TelemetryConfig(every=1))
+    assert tm.get(compiled) is first and tm.get(module) is first
+    second = tm.attach(compiled, tm.TelemetryConfig(every=1))
+    assert not first.active and hooks.observers(module) == [second.observe]
+    assert tm.ATTR not in compiled.__dict__
+
+
+def test_heatmap_leaves_the_matplotlib_backend_alone(every_call, tmp_path):
+    # a notebook's interactive backend must survive report(heatmap=...)
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    plt.switch_backend("svg")
+    try:
+        tm.report(every_call[0], heatmap=tmp_path / "h.png", console=_quiet())
+        assert matplotlib.get_backend() == "svg"
+        assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+    finally:
+        plt.switch_backend(before)
+
+
+@pytest.mark.parametrize("name", ["h.pgf", "h.txt", "h"])
+def test_heatmap_of_a_format_it_cannot_write_is_refused_before_the_report(every_call, tmp_path, name):
+    from rich.console import Console
+
+    # pgf needs TeX: it used to fail only after the table had been printed
+    buf = io.StringIO()
+    with pytest.raises(ValueError, match="heatmap"):
+        tm.report(every_call[0], heatmap=tmp_path / name, console=Console(file=buf, width=160))
+    assert buf.getvalue() == "" and not list(tmp_path.iterdir())

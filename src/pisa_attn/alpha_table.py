@@ -91,8 +91,17 @@ class AlphaTable:
         d = self.to_json()
         from_json(d)
         text = json.dumps(d, indent=1, allow_nan=False)  # whole before the file is opened
-        with open(path, "w") as f:
-            f.write(text)
+        # written beside the target, then renamed over it: a write that fails part-way (a full
+        # disk) leaves no truncated table where an earlier one was
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
         return str(path)
 
 
@@ -192,6 +201,16 @@ def from_json(d) -> AlphaTable:
     return AlphaTable(out, settings, fit, d.get("model"), d.get("source"))
 
 
+def _no_duplicate_keys(pairs) -> dict:
+    # json.load keeps the last of two equal keys: one layer's weights would be lost silently
+    d = {}
+    for key, value in pairs:
+        if key in d:
+            raise ValueError(f"duplicate key {key!r}")
+        d[key] = value
+    return d
+
+
 def load(table) -> AlphaTable:
     """An :class:`AlphaTable` from a path to a JSON file, its parsed dict, or a table."""
     if isinstance(table, AlphaTable):  # one built in code gets the checks a file gets
@@ -205,7 +224,7 @@ def load(table) -> AlphaTable:
     if isinstance(table, (str, os.PathLike)):
         try:
             with open(table) as f:
-                d = json.load(f)
+                d = json.load(f, object_pairs_hook=_no_duplicate_keys)
         except (OSError, ValueError) as e:  # ValueError: not JSON, or not text (a capture passed by mistake)
             raise _bad(f"path {str(table)!r} is not a readable JSON file: {e}") from None
         return from_json(d)

@@ -12,6 +12,7 @@ softmax ``scale`` and the PISA settings of the run. Reading needs ``safetensors`
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -223,7 +224,7 @@ def check_entry(e: QKVEntry) -> None:
 
 
 def write_qkv_file(path: str, tensors: dict[str, Tensor], entries: dict[str, dict], model: str, dtype: str) -> None:
-    from safetensors.torch import save_file
+    import safetensors.torch
 
     first = next(iter(entries.values()), {})
     meta = {
@@ -238,4 +239,15 @@ def write_qkv_file(path: str, tensors: dict[str, Tensor], entries: dict[str, dic
         "entries": entries,
     }
     # safetensors metadata is str -> str: every value is JSON (the "format" tag is a JSON-free str).
-    save_file(tensors, str(path), metadata={k: v if k == "format" else json.dumps(v) for k, v in meta.items()})
+    text = {k: v if k == "format" else json.dumps(v) for k, v in meta.items()}
+    # written beside the target, then renamed over it: a write that fails part-way (a full disk)
+    # leaves no truncated capture where an earlier one was
+    path = str(path)
+    tmp = f"{path}.{os.getpid()}.tmp"  # created by safetensors: the permissions a new file gets
+    try:
+        safetensors.torch.save_file(tensors, tmp, metadata=text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

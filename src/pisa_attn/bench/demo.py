@@ -106,6 +106,10 @@ class DemoConfig:
             raise ValueError(f"device {self.device!r} is not a valid torch device ({e})") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but CUDA is not available on this machine")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            # else the data generator fails with a CUDA traceback
+            raise ValueError(f"device {self.device!r} requested but this machine has "
+                             f"{torch.cuda.device_count()} CUDA devices")
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 

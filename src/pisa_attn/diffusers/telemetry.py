@@ -121,7 +121,8 @@ def attach(transformer, config=True) -> Telemetry:
     detach(transformer)
     tel = Telemetry(cfg, _rng=random.Random(cfg.seed))
     tel._remove = hooks.add_observer(transformer, tel.observe)
-    transformer.__dict__[ATTR] = tel
+    # on the model, not a torch.compile wrapper of it: where get() (and the observer) look
+    getattr(transformer, "_orig_mod", transformer).__dict__[ATTR] = tel
     return tel
 
 
@@ -283,7 +284,8 @@ def _check_heatmap(path) -> str:
         import matplotlib.figure
     except ImportError:
         raise ImportError("report(heatmap=...) needs matplotlib: pip install 'pisa-attn[plot]'") from None
-    formats = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+    # pgf needs a TeX installation: it would fail only after the table was printed
+    formats = set(matplotlib.figure.Figure().canvas.get_supported_filetypes()) - {"pgf"}
     suffix = path.rpartition(".")[2].lower() if "." in path.rpartition("/")[2] else ""
     if suffix not in formats:
         raise ValueError(f"heatmap {path!r} must end in an image format matplotlib writes "
@@ -302,13 +304,13 @@ def _fmt(x, digits: int = 4) -> str:
 
 def save_heatmap(summaries: dict, path: str) -> None:
     """Layer x step heat-maps (rel-L1 of PISA, tail mass) per transformer into one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     n = len(summaries)
-    fig, axes = plt.subplots(n, 2, figsize=(11, 0.5 + 3.2 * n), squeeze=False)
+    fig = Figure(figsize=(11, 0.5 + 3.2 * n))
+    FigureCanvasAgg(fig)  # headless without pyplot: the user's matplotlib backend stays as it was
+    axes = fig.subplots(n, 2, squeeze=False)
     for (name, s), row in zip(summaries.items(), axes):
         hm = s["heatmap"]
         for ax, key, label in ((row[0], "rel_l1_pisa", "rel-L1 PISA vs dense"), (row[1], "tail_mass", "tail mass ρ")):
@@ -322,4 +324,3 @@ def save_heatmap(summaries: dict, path: str) -> None:
             fig.colorbar(im, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
