@@ -1,13 +1,20 @@
-"""Cross-compiling kernels for sm_90a on a machine without a GPU (Triton ships ``ptxas``), in a
-subprocess: the test session runs Triton's interpreter (TRITON_INTERPRET=1), under which kernels
-cannot be compiled. :func:`build` returns, per variant, what the tests assert on the PTX."""
+"""Cross-compiling kernels for sm_90a on a machine without a GPU (Triton ships ``ptxas``), in
+another process: the test session runs Triton's interpreter (TRITON_INTERPRET=1), under which
+kernels cannot be compiled. One such process per test process runs every build script in turn
+(starting one per script cost about 5 s of imports each on a two-core CI machine).
+:func:`build` returns, per variant, what the tests assert on the PTX."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
+import multiprocessing
 import os
-import subprocess
 import sys
+import traceback
+from types import SimpleNamespace
 
 import triton
 
@@ -91,12 +98,56 @@ print(json.dumps(res))
 """
 
 
-def run_script(script: str, *args: str) -> subprocess.CompletedProcess:
-    """``python -c script args`` without the interpreter flag; fails the test with its stderr."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return p
+def _serve(conn) -> None:
+    """The build process: runs each ``(script, args)`` it is sent as ``python -c script *args``
+    would, and answers ``(True, stdout)`` or ``(False, traceback)``."""
+    importlib.import_module("torch")  # what every build script imports: once, here
+
+    while (msg := conn.recv()) is not None:
+        script, args = msg
+        out = io.StringIO()
+        try:
+            sys.argv = ["-c", *args]
+            with contextlib.redirect_stdout(out):
+                exec(compile(script, "<build script>", "exec"), {"__name__": "__main__"})
+            conn.send((True, out.getvalue()))
+        except BaseException:  # noqa: BLE001 - reported to the test with its traceback
+            conn.send((False, traceback.format_exc()))
+
+
+_SERVER: list = []  # [process, connection] once started
+
+
+def _server():
+    if not _SERVER or not _SERVER[0].is_alive():
+        ctx = multiprocessing.get_context("spawn")
+        conn, child = ctx.Pipe()
+        # started without the interpreter flag: Triton reads it when a kernel (or Triton itself) is
+        # imported, so the flag must be absent from the process from its start
+        saved = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+            proc.start()
+        finally:
+            if saved is not None:
+                os.environ["TRITON_INTERPRET"] = saved
+        _SERVER[:] = [proc, conn]
+    return _SERVER
+
+
+def run_script(script: str, *args: str, timeout: float = 600) -> SimpleNamespace:
+    """Run ``script`` as ``python -c script args`` would, without the interpreter flag, in this
+    test process's build process; ``.stdout`` holds what it printed (a failure fails the test with
+    its traceback)."""
+    proc, conn = _server()
+    conn.send((script, args))
+    if not conn.poll(timeout):
+        proc.kill()
+        _SERVER.clear()
+        raise AssertionError(f"a build script ran past {timeout} s")
+    ok, text = conn.recv()
+    assert ok, text[-4000:]
+    return SimpleNamespace(stdout=text)
 
 
 def build(imports: str, call: str, variants: dict) -> dict:

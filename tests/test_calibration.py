@@ -488,20 +488,14 @@ def test_fit_kernels_build_for_sm90():
     and (not in CI's subset: a minute of ptxas for the 4096-wide selection) 512 rows (eight row
     tiles) against 4096 key blocks."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from sm90_build import ci_subset
+    from sm90_build import ci_subset, run_script
 
     variants = ci_subset({"D128-R32-rules2-bf16-Nk512": (128, 32, 2, "bfloat16", 512),
                           "D64-R40-rules1-fp16-Nk80": (64, 40, 1, "float16", 80),
                           "D128-R512-rules2-bf16-Nk4096": (128, 512, 2, "bfloat16", 4096)},
                          ("D128-R32-rules2-bf16-Nk512", "D64-R40-rules1-fp16-Nk80"))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", FIT_BUILD_SCRIPT, json.dumps(variants)], capture_output=True,
-                          text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script(FIT_BUILD_SCRIPT, json.dumps(variants))
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(res) == set(variants)
     for name, kernels in res.items():
