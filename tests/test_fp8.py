@@ -151,6 +151,21 @@ def test_lowp_reference_refuses_mode_first_and_a_misshapen_alpha():
                                 block_size=64, precision="int8", alpha=torch.ones(3))
 
 
+@pytest.mark.parametrize("shape", [(1, 4, 2, 3), (1, 4, 3, 2), (1, 1, 2, 2), (2, 4, 2, 2), (4, 2, 2)],
+                         ids=["B1-H4-Nq2-Nk3", "B1-H4-Nq3-Nk2", "B1-H1-Nq2-Nk2", "B2-H4-Nq2-Nk2", "3d"])
+def test_lowp_reference_refuses_a_misshapen_selection(shape):
+    """The exact-block mask is indexed by q's and k's blocks (B1-H4-Hk2-L128-D64: [1, 4, 2, 2]):
+    a mask of more key blocks, more query blocks, fewer heads or another batch is refused by name
+    (it was read in part, or broadcast over the heads), as is a mask that is not bool."""
+    q, k, v = _case(lk=128)
+    st = ref.block_stats(k.float(), v.float(), 64)
+    with pytest.raises(ValueError, match="selected must be a bool"):
+        _lowp("fp8", q, k, v, st, torch.ones(shape, dtype=torch.bool))
+    with pytest.raises(ValueError, match="selected must be a bool"):
+        _lowp("fp8", q, k, v, st, torch.ones(1, 4, 2, 2))
+    assert torch.isfinite(_lowp("fp8", q, k, v, st, torch.ones(1, 4, 2, 2, dtype=torch.bool))[0]).all()
+
+
 @pytest.mark.parametrize("precision", LOWP)
 def test_lowp_reference_first_order_term_without_tail_weight_is_not_nan(precision):
     """Every block exact and s·q·H̄ past float32: no tail weight, so no first-order term (0 · inf

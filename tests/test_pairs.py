@@ -232,3 +232,10 @@ def pair_union_torch(bits, n_kv_blocks: int, width: int, qpair=None, order="owne
                 codes[bi, hi, p, : len(seq)] = torch.tensor([j * 4 + int(o[j]) for j in seq], dtype=torch.int32)
                 cnt[bi, hi, p] = len(seq)
     return codes, cnt
+
+
+def test_pair_union_refuses_an_unknown_order():
+    """An order that is not a key of ``ORDERS`` is a ValueError naming ``order`` (not a KeyError)."""
+    bits, w = _bits(torch.ones(1, 2, 3, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="order must be one of"):
+        pair_union(bits, 5, w, order="descending")

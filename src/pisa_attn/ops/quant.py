@@ -238,6 +238,11 @@ def lowp_pisa_forward(q: Tensor, k: Tensor, v: Tensor, kmean: Tensor, vsum: Tens
                          f"{tuple(alpha.shape) if isinstance(alpha, Tensor) else type(alpha).__name__}")
     lk = k.shape[2]
     nk = num_blocks(lk, block_size)
+    # indexed by q's and k's blocks below: another shape was read in part or broadcast over heads
+    nq = num_blocks(lq, block_size)
+    if not isinstance(selected, Tensor) or selected.dtype != torch.bool or selected.shape != (b, h, nq, nk):
+        got = f"{selected.dtype} {tuple(selected.shape)}" if isinstance(selected, Tensor) else type(selected).__name__
+        raise ValueError(f"selected must be a bool [B, H, Nq, Nk] = {[b, h, nq, nk]} tensor, got {got}")
     if mu is None:
         mu = kmean.float().mean(2)
     k8, sigma = quantize_k(k, mu, block_size, qk_fmt)

@@ -56,7 +56,7 @@ from ..launch import Desc, Launcher
 from ..triton.attention import _alloc_like_layout, alpha_arg
 from ..triton.grid import grid_dependency
 from ..triton.grid import level as grid_level
-from ..triton.pairs import pair_match, pair_union, triple_union, triple_width, union_width
+from ..triton.pairs import ORDERS, pair_match, pair_union, triple_union, triple_width, union_width
 
 LN2 = gl.constexpr(kernel_constants.LN2)
 # With the tail's maximum fixed before the scan (``max(m, bound − TAIL_HEADROOM)``), a tail weight
@@ -145,7 +145,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc, cd_desc,
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     CODE_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     n_union = gl.load(ucnt_ptr + pair_row)
-    ubase = uidx_ptr + pair_row * W2
+    ubase = uidx_ptr + pair_row.to(gl.int64) * W2  # the stream may pass 2**31 entries (B·H = 64 at 1M tokens)
     codes = _codes_view(codes_smem, NCH, CW)
     t = 0
     # Every read of the stream is issued one entry ahead, off the critical path.
@@ -728,7 +728,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, kma
     cols = gl.arange(0, BS, layout=col_s)
 
     n_union = gl.load(ucnt_ptr + pair_row)
-    ubase = uidx_ptr + pair_row * W2
+    ubase = uidx_ptr + pair_row.to(gl.int64) * W2  # the stream may pass 2**31 entries (B·H = 64 at 1M tokens)
     CODE_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     codes = _codes_view(codes_smem, NCH, CW)
     if CODES:
@@ -1082,6 +1082,11 @@ def attention(
     registers through the loops, or read it from shared memory in every product (None:
     :func:`query_tile_in_registers`); bit for bit the same function."""
     del cnt, n_select
+    if pair_group is not None or pair_order is not None:  # benchmark options: named here, not as pair_match's
+        if pair_group not in (None, 2, 4, 8):
+            raise ValueError(f"pair_group must be 2, 4 or 8, got {pair_group!r}")
+        if pair_order not in (None, *ORDERS):
+            raise ValueError(f"pair_order must be one of {tuple(ORDERS)}, got {pair_order!r}")
     slack = tail_slack(tail_max, kbound, q, k.shape[1])
     pair_only = (pair_group or 2) > 2 or bool(pipeline) or pair_order not in (None, "ascending")
     if query_group is None:  # the mode's default, unless an option only pairs have is asked for

@@ -304,7 +304,7 @@ def _loader(q_desc, k_desc, v_desc, kb_desc, vb_desc, hb_desc,
         _tma_load(hb_desc, [bhk, 0, 0], hb_bar.index(0), _box(hb_smem, hb_desc))
     kv_bytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
     n_union = gl.load(ucnt_ptr + pair_row)
-    ubase = uidx_ptr + pair_row * W2
+    ubase = uidx_ptr + pair_row.to(gl.int64) * W2  # the stream may pass 2**31 entries (B·H = 64 at 1M tokens)
     code = gl.load(ubase, mask=n_union > 0, other=0)
     code2 = gl.load(ubase + 1, mask=(n_union > 1) & (LOOKAHEAD > 1), other=0)
     META_L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -474,7 +474,7 @@ def _consumer(o_desc, lse_ptr, bits_ptr, kscale_ptr, hscale_ptr, kbound_ptr, alp
 
     n_union = gl.load(ucnt_ptr + pair_row)
     fx = n_union * 0  # the fixed maximum's state (EXACT_SLACK)
-    ubase = uidx_ptr + pair_row * W2
+    ubase = uidx_ptr + pair_row.to(gl.int64) * W2  # the stream may pass 2**31 entries (B·H = 64 at 1M tokens)
     sig_base = sig_ptr + bhk * NK
     if not SLOT_META:
         code_next = gl.load(ubase, mask=n_union > 0, other=0)
@@ -986,6 +986,10 @@ def attention(
     hk, lkp = quant.k8.shape[1], quant.k8.shape[2]
     bs = block_size
     nq, nk = -(-lq // bs), lkp // bs
+    # before precision_of, which has no precision for 8-bit keys with values in the input dtype
+    pv8 = v is None
+    if pv8 == (quant.v8t.numel() == 0 and b * hk * d > 0):
+        raise ValueError("v: pass the values exactly when quant holds no 8-bit copy of them (P·V in the input dtype)")
     slack = tail_slack(tail_max, kbound, q, hk)
     if query_group is None:  # the default, unless an option only pairs have is asked for
         nc = 2 if pipeline or pingpong else query_group_for(mode, lk, bs, precision_of(quant, v))
@@ -996,9 +1000,6 @@ def attention(
     if nc == 3 and (pipeline or pingpong):
         raise ValueError(f"query_group=3 runs the sequential loop without turns: pipeline={pipeline!r}, "
                          f"pingpong={pingpong!r}")
-    pv8 = v is None
-    if pv8 == (quant.v8t.numel() == 0 and b * hk * d > 0):
-        raise ValueError("v: pass the values exactly when quant holds no 8-bit copy of them (P·V in the input dtype)")
     alias = tail_alias_for(precision_of(quant, v), nc, mode, tail_alias)
     hb_ring = hbar_in_tail_ring(alias, mode, nc, d, bs)
     st, tst = stages or ring_depths(d, mode != "drop", pv8, nc, alias)

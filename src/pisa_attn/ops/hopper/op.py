@@ -56,6 +56,13 @@ def unsupported_reason(q: Tensor, mode: str, block_size: int) -> str | None:
     return None
 
 
+def _tma_named(reason: str, **tensors: Tensor) -> str:
+    """``reason`` (:func:`pisa_attn.ops.hopper.attention.tma_unsupported_reason` of ``tensors``)
+    prefixed with the name of the first tensor TMA cannot read, so the message names the argument."""
+    name = next((n for n, x in tensors.items() if _gattn.tma_unsupported_reason(x) is not None), None)
+    return reason if name is None else f"{name}: {reason}"
+
+
 def attend(
     q: Tensor,
     k: Tensor,
@@ -87,10 +94,12 @@ def attend(
         out = _tattn._alloc_like_layout(q, out_dtype)
     tma = _gattn.tma_unsupported_reason(q, k, v, out)
     if tma is not None:
+        tma = _tma_named(tma, q=q, k=k, v=v, out=out)
         log_once(f"pisa_attn hopper backend: the Triton attention kernel (the same function, slower) runs a call "
-                 f"the Hopper kernel cannot read through TMA ({tma}); pass contiguous q/k/v to run the Hopper kernel",
-                 logging.WARNING)
-    if (out_dtype not in (None, q.dtype)) or tma is not None:
+                 f"the Hopper kernel cannot read through TMA ({tma}); pass contiguous q/k/v/out to run the Hopper "
+                 "kernel", logging.WARNING)
+    # the pair kernel stores the tile in q's dtype: a buffer of another (a float32 partial) is the Triton kernel's
+    if (out_dtype not in (None, q.dtype)) or out.dtype != q.dtype or tma is not None:
         return _top.attend(q, k, v, stats, selection, mode=mode, scale=scale, block_size=block_size,
                            n_select=n_select, out_dtype=out_dtype, alpha=alpha, out=out, lse=lse)
     # the kernel checks the workspace's stream buffers against the launch's shapes
@@ -170,14 +179,21 @@ def attend_lowp(
     (:func:`pisa_attn.ops.triton.quantize.quantize`). There is no other low-precision kernel to
     run a call this one cannot serve: such a call is a ValueError naming ``precision``."""
     del n_select
+    # the kernel indexes the selection by q's and k's block shapes, as the input kernel does
+    check_selection(selection, q.shape[0], q.shape[1], -(-q.shape[2] // block_size), -(-k.shape[2] // block_size),
+                    q.device, contiguous=True)
     if out is None:
         out = _tattn._alloc_like_layout(q, out_dtype)
     if out_dtype not in (None, q.dtype):
         raise ValueError(f"precision={precision!r} writes the output in q's dtype ({q.dtype}), not {out_dtype} "
                          "(a float32 partial for a sharded call is not supported in low precision)")
+    if out.dtype != q.dtype:
+        raise ValueError(f"out: precision={precision!r} writes the output in q's dtype ({q.dtype}), got a {out.dtype} "
+                         "buffer")
     v_in = PRODUCT_FORMATS[precision][1] == "input"  # P·V reads v itself through TMA
     reason = _gattn.tma_unsupported_reason(q, out) if not v_in else _gattn.tma_unsupported_reason(q, v, out)
     if reason is not None:
+        reason = _tma_named(reason, q=q, v=v, out=out) if v_in else _tma_named(reason, q=q, out=out)
         raise ValueError(f"precision={precision!r} needs q{', v' if v_in else ''} and out readable through TMA: "
                          f"{reason}")
     quant = getattr(stats, "quant", None)

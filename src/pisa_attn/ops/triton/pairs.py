@@ -225,6 +225,9 @@ def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *, qpair: Tensor | No
     (contiguous); ``width`` is the selection's list width ``W``; ``qpair``: the pairs
     (:func:`pair_match`; None: adjacent blocks). ``out``: preallocated ``(uidx, ucnt)`` of the
     shapes above (contiguous), written and returned. ``order``: a key of :data:`ORDERS`."""
+    order_id = ORDERS.get(order)
+    if order_id is None:
+        raise ValueError(f"order must be one of {tuple(ORDERS)}, got {order!r}")
     b, h, nq, nw = bits.shape
     nq2 = -(-nq // 2)
     w2 = union_width(n_kv_blocks, width)
@@ -233,8 +236,8 @@ def pair_union(bits: Tensor, n_kv_blocks: int, width: int, *, qpair: Tensor | No
     n_pairs = b * h * nq2
     has_qpair = qpair is not None
     args = (bits, qpair if has_qpair else ucnt, uidx, ucnt, nq, nq2, n_kv_blocks, nw, w2, n_pairs)
-    _launch((nkp, r, warps, has_qpair, ORDERS[order], bits.data_ptr() % 16 == 0), (triton.cdiv(n_pairs, r),), args,
-            dict(R=r, NKP=nkp, HAS_QPAIR=has_qpair, ORDER=ORDERS[order]), num_warps=warps)
+    _launch((nkp, r, warps, has_qpair, order_id, bits.data_ptr() % 16 == 0), (triton.cdiv(n_pairs, r),), args,
+            dict(R=r, NKP=nkp, HAS_QPAIR=has_qpair, ORDER=order_id), num_warps=warps)
     return uidx, ucnt
 
 
