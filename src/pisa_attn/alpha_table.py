@@ -31,6 +31,7 @@ import torch
 
 from . import calibration as cal
 from . import spec
+from ._files import write_replacing
 
 FORMAT = "pisa-attn-alpha"
 VERSION = 1
@@ -91,18 +92,12 @@ class AlphaTable:
         d = self.to_json()
         from_json(d)
         text = json.dumps(d, indent=1, allow_nan=False)  # whole before the file is opened
-        # written beside the target, then renamed over it: a write that fails part-way (a full
-        # disk) leaves no truncated table where an earlier one was
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
+
+        def write(tmp: str) -> None:
             with open(tmp, "w") as f:
                 f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        return str(path)
+
+        return write_replacing(path, write)
 
 
 def _plain(x):

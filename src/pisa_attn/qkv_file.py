@@ -12,7 +12,6 @@ softmax ``scale`` and the PISA settings of the run. Reading needs ``safetensors`
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import spec
+from ._files import write_replacing
 from .layout import Grid, Text, TokenOrder, _check_int
 
 FORMAT = "pisa-attn-qkv"
@@ -240,14 +240,5 @@ def write_qkv_file(path: str, tensors: dict[str, Tensor], entries: dict[str, dic
     }
     # safetensors metadata is str -> str: every value is JSON (the "format" tag is a JSON-free str).
     text = {k: v if k == "format" else json.dumps(v) for k, v in meta.items()}
-    # written beside the target, then renamed over it: a write that fails part-way (a full disk)
-    # leaves no truncated capture where an earlier one was
-    path = str(path)
-    tmp = f"{path}.{os.getpid()}.tmp"  # created by safetensors: the permissions a new file gets
-    try:
-        safetensors.torch.save_file(tensors, tmp, metadata=text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    # a write that fails part-way (a full disk) leaves no truncated capture where an earlier one was
+    write_replacing(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata=text))

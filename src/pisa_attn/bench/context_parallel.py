@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from .. import spec
+from .._files import write_replacing
 from . import argtypes as at
 from .model_configs import WAN_1_3B, WAN_14B, WAN_TINY
 
@@ -522,9 +523,12 @@ def limit_notes(shape_result: dict) -> list[str]:
 def _write(res: dict, args) -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_parallel.json")
-    with open(path + ".tmp", "w") as fh:
-        json.dump(res, fh, indent=2)
-    os.replace(path + ".tmp", path)
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            json.dump(res, fh, indent=2)
+
+    write_replacing(path, write)
 
 
 def _spawned(rank, world, args):

@@ -12,6 +12,7 @@ import traceback
 
 import torch
 
+from ..._files import write_replacing
 from .. import dit_cases as dc
 from .backends import QuietBackendWarning
 from .measure import compiled_case, eager_case, min_kv_sweep, stage_dtype
@@ -124,11 +125,12 @@ def main(argv=None) -> int:
         "stages": [],
     }  # fmt: skip
 
-    def save() -> None:
-        tmp = path + ".tmp"
+    def write(tmp: str) -> None:
         with open(tmp, "w") as fh:
             json.dump(results, fh, indent=1, default=str)
-        os.replace(tmp, path)
+
+    def save() -> None:
+        write_replacing(path, write)
 
     run_deadline = time.monotonic() + args.total_budget_s
     log(f"stages {', '.join(args.stage_list)}; estimated {results['estimate_s']}; run budget {args.total_budget_s:.0f} s")
