@@ -391,3 +391,25 @@ def test_a_token_stride_beyond_in_tile_offsets_is_refused():
     q = torch.randn(1, 1, 2, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="k has a token stride of 16777216 elements"):
         pisa_attention(q, k, q, block_size=16, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_stage_calls_given_keep_without_its_count_keep_every_kept_block(backend):
+    """``run_plan``, ``select_plan`` and the backends' ``forward`` given ``keep`` without
+    ``n_keep_max`` read the count from ``keep``: an index list sized for the top-k alone would drop
+    the kept blocks past it."""
+    be = TRITON if backend == "triton" else REF
+    q, k, v = make_qkv(1, 2, 2, 100, 160, 32, seed=11)
+    p = plan_for(q, k, 0.2, 16, "hybrid")
+    keep = torch.zeros(1, 2, p.n_kv_blocks, dtype=torch.bool)
+    keep[0, 1, :5] = True  # more kept blocks than the top-k's n_select
+    assert p.n_select < 5
+    _, want_sel, (want, want_lse) = run_plan(be, q, k, v, p, keep, 5)
+    _, sel, (out, lse) = run_plan(be, q, k, v, p, keep)
+    assert torch.equal(sel.to_mask(p.n_kv_blocks), want_sel.to_mask(p.n_kv_blocks))
+    assert sel.to_mask(p.n_kv_blocks)[0, 1, :, :5].all()
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    _, sel = select_plan(be, q, k, v, p, keep)
+    assert torch.equal(sel.to_mask(p.n_kv_blocks), want_sel.to_mask(p.n_kv_blocks))
+    out, lse = be.forward(q, k, v, p, keep)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)

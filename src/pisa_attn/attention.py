@@ -31,7 +31,7 @@ from . import spec, tail_weight
 from ._log import log_once
 from .lru import LRU
 from .ops import fused as _fused
-from .ops.selection import Selection, check_keep_blocks
+from .ops.selection import Selection, check_keep_blocks, keep_row_bound
 from .ops.stages import Backend, run_planned
 from .settings import BACKENDS, LAYOUTS, PisaSettings, as_bool, as_int, check_not_both, from_loose
 from .settings import UNPASSED as _U
@@ -107,12 +107,7 @@ def normalize_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int,
     keep = check_keep_blocks(keep_blocks, batch, heads, n_kv_blocks, device)
     if keep is None:
         return None, 0
-    if torch.compiler.is_compiling() or (keep.is_cuda and torch.cuda.is_current_stream_capturing()):
-        # No host read while tracing or capturing: the static bound (every block) sizes the index list.
-        n_keep_max = n_kv_blocks
-    else:
-        n_keep_max = int(keep.sum(-1).max())
-    return keep.to(device, non_blocking=True), n_keep_max
+    return keep.to(device, non_blocking=True), keep_row_bound(keep, n_kv_blocks)
 
 
 def get_backend(name: str) -> Backend:

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .stages import Backend, forward_width, keep_bound, run_stages
+from .stages import Backend, forward_width, keep_bound, keep_count, run_stages
 
 
 # Kernel backends register themselves here when their module is imported (the op names one).
@@ -88,10 +88,13 @@ def _pisa_fwd_fake(q, k, v, keep, alpha, n_select, width, mode, scale, block_siz
     return out, q.new_empty(b, h, lq, dtype=torch.float32)
 
 
-def forward(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
-            alpha: Tensor | None = None):
+def forward(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None,
+            n_keep_max: int | None = None, alpha: Tensor | None = None):
     """One call of backend ``be`` on one device: ``[B, H, L, D]`` views in, (out, lse) out
-    (``alpha``: ``[H]`` weights of the first-order term, None for weight 1)."""
+    (``alpha``: ``[H]`` weights of the first-order term, None for weight 1; ``n_keep_max``: the
+    most kept blocks of a row of ``keep``, None to read it, see
+    :func:`pisa_attn.ops.stages.keep_count`)."""
+    n_keep_max = keep_count(plan, keep, n_keep_max)
     width = forward_width(plan, keep, n_keep_max)
     if torch.compiler.is_compiling():
         return torch.ops.pisa_attn.pisa_fwd(q, k, v, keep, alpha, plan.n_select, width, plan.mode, plan.scale,

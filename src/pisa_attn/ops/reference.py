@@ -519,7 +519,7 @@ def attend(
                         alpha=alpha)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int | None = None,
             alpha: Tensor | None = None):
     """One call on one device (``plan``: a :class:`pisa_attn.PisaPlan`): (out, lse)."""
     return run_plan(BACKEND, q, k, v, plan, keep, n_keep_max, lean=True, alpha=alpha)[2]

@@ -149,6 +149,16 @@ def check_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int, dev
     return keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks
 
 
+def keep_row_bound(keep: Tensor, n_kv_blocks: int) -> int:
+    """The most kept blocks of any row of ``keep`` (bool ``[B|1, H|1, Nk]``): read on the host (free
+    for a CPU mask, one synchronisation otherwise), or, while a graph is traced or a CUDA graph
+    captured, where nothing may be read, the static bound ``n_kv_blocks`` (an index list of every
+    block holds any row)."""
+    if torch.compiler.is_compiling() or (keep.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return n_kv_blocks
+    return int(keep.sum(-1).max())
+
+
 def check_select_width(width: int, n_select: int, n_kv_blocks: int, keep: Tensor | None,
                        n_keep_max: int | None) -> int | None:
     """Check that a select call's index lists of ``width`` hold every block a row lists:

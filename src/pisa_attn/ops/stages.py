@@ -16,7 +16,7 @@ A backend with a ``workspace(plan, q, k)`` function (the kernel backends) takes 
 arguments: the buffers of a :class:`pisa_attn.PisaPlan`'s workspace, written instead of allocated,
 so a planned run (:func:`run_planned`) allocates nothing but its output.
 
-plus ``forward(q, k, v, plan, keep, n_keep_max, alpha=None) -> (out, lse)``, the whole call on one device (the
+plus ``forward(q, k, v, plan, keep=None, n_keep_max=None, alpha=None) -> (out, lse)``, the whole call on one device (the
 Triton backend wraps :func:`run_stages` in one registered op for ``torch.compile``),
 ``unsupported_reason(q, mode, block_size) -> str | None`` and ``score_scratch(q, k) -> int | None``
 (the score buffer the backend budgets for selecting on one call; None: its default).
@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from .. import spec
-from .selection import Selection
+from .selection import Selection, keep_row_bound
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,15 @@ class Backend:
     # sequence (None: none needed): fields written for some key counts only are then written on
     # every rank or on none.
     shard_prepare: "Callable[[object, list[int]], dict] | None" = None
+
+
+def keep_count(plan, keep: Tensor | None, n_keep_max: int | None) -> int:
+    """``n_keep_max``, the most kept blocks of any row of ``keep``; None: read from ``keep``
+    (:func:`pisa_attn.ops.selection.keep_row_bound`: one host synchronisation, or every block
+    while tracing or capturing). 0 without ``keep``."""
+    if keep is None:
+        return 0
+    return keep_row_bound(keep, plan.n_kv_blocks) if n_keep_max is None else n_keep_max
 
 
 def forward_width(plan, keep: Tensor | None, n_keep_max: int) -> int:
@@ -154,19 +163,23 @@ def select_stages(be: Backend, q: Tensor, k: Tensor, v: Tensor, *, block_size: i
 
 
 def select_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None,
-                n_keep_max: int = 0):
+                n_keep_max: int | None = None):
     """:func:`run_plan`'s prepare -> select, without attend: ``(stats, selection)``."""
+    n_keep_max = keep_count(plan, keep, n_keep_max)
     return select_stages(be, q, k, v, block_size=plan.block_size, n_select=plan.n_select,
                          width=forward_width(plan, keep, n_keep_max), scale=plan.scale,
                          covariance_aware=plan.covariance_aware, keep=keep, query_block=plan.query_block,
                          n_keep_max=keep_bound(plan, keep, n_keep_max))
 
 
-def run_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+def run_plan(be: Backend, q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None,
+             n_keep_max: int | None = None,
              *, lean: bool = False, alpha: Tensor | None = None):
     """:func:`run_stages` with the settings of a :class:`pisa_attn.PisaPlan` (``keep`` and
     ``n_keep_max`` as :func:`pisa_attn.attention.normalize_keep_blocks` returns them; ``alpha`` as
-    :func:`pisa_attn.tail_weight.resolve` does)."""
+    :func:`pisa_attn.tail_weight.resolve` does; ``n_keep_max`` None: read from ``keep``, see
+    :func:`keep_count`)."""
+    n_keep_max = keep_count(plan, keep, n_keep_max)
     return run_stages(
         be, q, k, v, block_size=plan.block_size, n_select=plan.n_select, width=forward_width(plan, keep, n_keep_max),
         mode=plan.mode, scale=plan.scale, covariance_aware=plan.covariance_aware, keep=keep, lean=lean,

@@ -133,7 +133,7 @@ def workspace(plan, q: Tensor, k: Tensor) -> _top.Workspace:
                           kmax=_gattn.uses_kmax(k.dtype, k.shape[2]))
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int | None = None,
             alpha: Tensor | None = None):
     """One call on one device (through the registered op when traced): (out, lse)."""
     return _fused.forward(BACKEND, q, k, v, plan, keep, n_keep_max, alpha)
@@ -222,7 +222,7 @@ def _lowp_backend(precision: str, name: str) -> Backend:
         return _top.workspace(plan, q, k, pairs=_fp8.query_group_for(plan.mode, k.shape[2], plan.block_size, precision),
                               quant=precision)
 
-    def forward_p(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+    def forward_p(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int | None = None,
                   alpha: Tensor | None = None):
         return _fused.forward(be, q, k, v, plan, keep, n_keep_max, alpha)
 

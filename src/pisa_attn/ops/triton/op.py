@@ -134,7 +134,7 @@ def workspace(plan, q: Tensor, k: Tensor, *, pairs: int = 0, quant: str | None =
     return Workspace(stats, sel, torch.empty(b, h, lq, device=dev, dtype=torch.float32), pair_bufs)
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int = 0,
+def forward(q: Tensor, k: Tensor, v: Tensor, plan, keep: Tensor | None = None, n_keep_max: int | None = None,
             alpha: Tensor | None = None):
     """One call on one device (through the registered op when traced): (out, lse)."""
     return _fused.forward(BACKEND, q, k, v, plan, keep, n_keep_max, alpha)
