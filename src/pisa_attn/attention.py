@@ -31,7 +31,7 @@ from . import spec, tail_weight
 from ._log import log_once
 from .lru import LRU
 from .ops import fused as _fused
-from .ops.selection import Selection, check_keep_blocks, keep_row_bound
+from .ops.selection import Selection, check_keep_blocks, check_selection, keep_row_bound
 from .ops.stages import Backend, run_planned
 from .settings import BACKENDS, LAYOUTS, PisaSettings, as_bool, as_int, check_not_both, from_loose
 from .settings import UNPASSED as _U
@@ -689,19 +689,7 @@ def _check_out(name: str, x, shape, dtype, device, contiguous: bool = False) -> 
 
 
 def _check_selection(sel, p: PisaPlan) -> None:
-    if not isinstance(sel, Selection):
-        raise TypeError(f"selection must be a pisa_attn.ops.selection.Selection, got {type(sel).__name__}")
-    rows = (p.batch, p.heads, p.n_q_blocks)
-    nw = -(-p.n_kv_blocks // 32)
-    for name, x, ok in (("idx", sel.idx, lambda s: s[:3] == rows and len(s) == 4 and s[3] >= 1),
-                        ("cnt", sel.cnt, lambda s: s == rows), ("bits", sel.bits, lambda s: s == (*rows, nw))):
-        if not isinstance(x, Tensor) or x.dtype != torch.int32 or x.device != p.device or not ok(tuple(x.shape)):
-            got = f"{x.dtype} {tuple(x.shape)} on {x.device}" if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(f"selection.{name} does not fit the plan (rows [B, H, Nq] = {list(rows)}, "
-                             f"{nw} bitmask words, int32 on {p.device}): got {got}")
-        if not x.is_contiguous():  # the kernels index it without strides
-            raise ValueError(f"selection.{name} must be contiguous (the kernels read it without strides), got "
-                             f"strides {tuple(x.stride())}: pass Selection(*(x.contiguous() for x in selection))")
+    check_selection(sel, p.batch, p.heads, p.n_q_blocks, p.n_kv_blocks, p.device, contiguous=True)
     if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return  # no host read inside a graph capture: the eager calls before it were checked
     # Contents, one host read: the kernels index K/V tiles with the first cnt entries of idx (out
@@ -712,7 +700,7 @@ def _check_selection(sel, p: PisaPlan) -> None:
     idx = sel.idx.long()
     in_range = ((idx >= 0) & (idx < nk) | ~valid).all() & ((cnt >= 0) & (cnt <= w)).all()
     # entries past cnt go to a spare column, so they set nothing
-    listed = torch.zeros(*rows, nk + 1, dtype=torch.bool, device=p.device).scatter_(
+    listed = torch.zeros(*sel.cnt.shape, nk + 1, dtype=torch.bool, device=p.device).scatter_(
         -1, torch.where(valid, idx.clamp(0, nk - 1), nk), True)[..., :nk]
     ok = in_range & (listed.sum(-1) == cnt).all() & (listed == sel.to_mask(nk)).all()
     if not bool(ok):

@@ -217,4 +217,4 @@ def check_selection(selection, batch: int, heads: int, n_q_blocks: int, n_kv_blo
                              f"{device}): got {x.dtype} {tuple(s)} on {x.device}")
         if contiguous and not x.is_contiguous():
             raise ValueError(f"selection.{name} must be contiguous (the kernels read it without strides), got "
-                             f"strides {tuple(x.stride())}")
+                             f"strides {tuple(x.stride())}: pass Selection(*(x.contiguous() for x in selection))")
