@@ -234,3 +234,28 @@ def test_attend_refuses_a_selection_of_other_shapes(backend):
         be.attend(q, k, v, stats, (idx, cnt), **kw)
     out, lse = be.attend(q, k, v, stats, sel, **kw)  # the selection these shapes take
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_attend_refuses_output_buffers_it_would_write_past():
+    """``out`` and ``lse`` given to a stage call: the kernel writes them by q's shape (``lse`` by
+    row index), so a smaller, other-dtype, other-device or strided ``lse`` is refused by name."""
+    be, q, k, v, stats, sel = _attend_inputs("triton")
+    kw = dict(mode="hybrid", scale=0.25, block_size=16)
+    b, h, lq, d = q.shape
+    good_lse = torch.empty(b, h, lq, device=DEV)
+    for out in (torch.empty(b, h, lq - 1, d, dtype=q.dtype, device=DEV), torch.empty(b, h, lq, d, dtype=torch.int32,
+                device=DEV), torch.empty(b, h, lq, d, dtype=q.dtype, device="meta")):
+        with pytest.raises(ValueError, match="out must be"):
+            be.attend(q, k, v, stats, sel, out=out, lse=good_lse, **kw)
+    good_out = torch.empty_like(q)
+    for lse in (torch.empty(b, h, lq - 1, device=DEV), torch.empty(b, h, lq, dtype=torch.float16, device=DEV),
+                torch.empty(b, lq, h, device=DEV).transpose(1, 2)):
+        with pytest.raises(ValueError, match="lse must be"):
+            be.attend(q, k, v, stats, sel, out=good_out, lse=lse, **kw)
+    o, l_ = be.attend(q, k, v, stats, sel, out=good_out, lse=good_lse, **kw)
+    assert o is good_out and l_ is good_lse and torch.isfinite(o).all()
+    want, want_lse = be.attend(q, k, v, stats, sel, **kw)
+    assert torch.equal(o, want) and torch.equal(l_, want_lse)
+    # a float32 partial buffer is the kernel's to write
+    o32, _ = be.attend(q, k, v, stats, sel, out=torch.empty(b, h, lq, d, device=DEV), **kw)
+    assert o32.dtype == torch.float32 and (o32 - want.float()).abs().max() < 1e-2

@@ -53,7 +53,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .. import kernel_constants
 from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
-from ..triton.attention import _alloc_like_layout, alpha_arg
+from ..triton.attention import alpha_arg, out_buffers
 from ..triton.grid import grid_dependency
 from ..triton.grid import level as grid_level
 from ..triton.pairs import ORDERS, pair_match, pair_union, triple_union, triple_width, union_width
@@ -1103,10 +1103,7 @@ def attention(
     hk, lk = k.shape[1], k.shape[2]
     bs = block_size
     nq, nk = -(-lq // bs), -(-lk // bs)
-    if out is None:
-        out = _alloc_like_layout(q)
-    if lse is None:
-        lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
+    out, lse = out_buffers(q, out, lse, (q.dtype,))  # the tile is stored in q's dtype through TMA
     group = PAIR_GROUP if pair_group is None else pair_group
     qpair = None
     # The workspace's buffers serve when they have this launch's shapes (a plan sizes them for its

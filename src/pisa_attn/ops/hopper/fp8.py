@@ -58,7 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...spec import PRODUCT_FORMATS
 from ..kernel_constants import LOG2E, MODE_IDS
 from ..launch import Desc, Launcher
-from ..triton.attention import _alloc_like_layout, alpha_arg
+from ..triton.attention import alpha_arg, out_buffers
 from ..triton.grid import grid_dependency
 from ..triton.grid import level as grid_level
 from ..triton.pairs import pair_union, triple_union, triple_width, union_width
@@ -1012,10 +1012,7 @@ def attention(
         raise ValueError("pipeline / pv_accumulate: INT8 P·V runs in the sequential loop, each block's product "
                          "from zero")
     exact_slack = exact_max_slack(exact_max, quant, q, lk, pv8, pipe, pv_acc)
-    if out is None:
-        out = _alloc_like_layout(q)
-    if lse is None:
-        lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
+    out, lse = out_buffers(q, out, lse, (q.dtype,))  # the tile is stored in q's dtype through TMA
     # Adjacent blocks; the workspace's (uidx, ucnt[, qpair]) buffers where they have this launch's
     # shapes (a plan sizes them for its query group).
     width = (triple_width if nc == 3 else union_width)(nk, idx.shape[-1])

@@ -252,6 +252,26 @@ def _alloc_like_layout(q: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return torch.empty(b, h, lq, d, device=q.device, dtype=dtype)
 
 
+def out_buffers(q: Tensor, out: Tensor | None, lse: Tensor | None,
+                dtypes: tuple = (torch.float16, torch.bfloat16, torch.float32)) -> tuple[Tensor, Tensor]:
+    """A kernel call's ``out`` (q's shape, one of ``dtypes``, any strides) and ``lse`` (float32
+    ``[B, H, Lq]``, contiguous: written by row index), on q's device: made when None (``out`` in
+    q's layout and dtype), else checked (ValueError naming the buffer: the kernels write them by
+    q's shape, past a smaller one)."""
+    b, h, lq, _ = q.shape
+    if out is None:
+        out = _alloc_like_layout(q)
+    elif out.shape != q.shape or out.dtype not in dtypes or out.device != q.device:
+        raise ValueError(f"out must be of q's shape {tuple(q.shape)}, one of {[str(t) for t in dtypes]}, on "
+                         f"{q.device}: got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if lse is None:
+        lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
+    elif lse.shape != (b, h, lq) or lse.dtype != torch.float32 or lse.device != q.device or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous float32 [B, H, Lq] = {[b, h, lq]} tensor on {q.device}: got "
+                         f"{lse.dtype} {tuple(lse.shape)} on {lse.device}, strides {tuple(lse.stride())}")
+    return out, lse
+
+
 def alpha_arg(alpha: Tensor | None, heads: int, device) -> Tensor:
     """The ``[H]`` float32 weight tensor a kernel reads (weight 1 when None)."""
     if alpha is None:
@@ -283,10 +303,7 @@ def attention(
     b, h, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     nq, nk = -(-lq // block_size), -(-lk // block_size)
-    if out is None:
-        out = _alloc_like_layout(q)
-    if lse is None:
-        lse = torch.empty(b, h, lq, device=q.device, dtype=torch.float32)
+    out, lse = out_buffers(q, out, lse)
     check_token_strides(q=q, k=k, v=v, out=out)
     row64 = rows_past_int32(q, k, v, out)
     alpha = alpha_arg(alpha, h, q.device)
