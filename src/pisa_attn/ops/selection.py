@@ -149,14 +149,17 @@ def check_keep_blocks(keep_blocks, batch: int, heads: int, n_kv_blocks: int, dev
     return keep_blocks.reshape(1, 1, n_kv_blocks) if len(shape) == 1 else keep_blocks
 
 
+def _no_host_read(keep: Tensor) -> bool:
+    """True while a graph is traced or a CUDA graph captured: ``keep`` cannot be read then."""
+    return torch.compiler.is_compiling() or (keep.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def keep_row_bound(keep: Tensor, n_kv_blocks: int) -> int:
     """The most kept blocks of any row of ``keep`` (bool ``[B|1, H|1, Nk]``): read on the host (free
     for a CPU mask, one synchronisation otherwise), or, while a graph is traced or a CUDA graph
     captured, where nothing may be read, the static bound ``n_kv_blocks`` (an index list of every
     block holds any row)."""
-    if torch.compiler.is_compiling() or (keep.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return n_kv_blocks
-    return int(keep.sum(-1).max())
+    return n_kv_blocks if _no_host_read(keep) else int(keep.sum(-1).max())
 
 
 def check_select_width(width: int, n_select: int, n_kv_blocks: int, keep: Tensor | None,
@@ -182,10 +185,10 @@ def check_select_width(width: int, n_select: int, n_kv_blocks: int, keep: Tensor
     if keep is None or width >= n_kv_blocks:  # a list of every block holds any row
         return n_keep_max
     if n_keep_max is None:
-        if torch.compiler.is_compiling() or (keep.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if _no_host_read(keep):  # the static bound (every block) would not fit a width below Nk
             raise ValueError("n_keep_max must be given with keep while a CUDA graph is captured or a graph traced "
                              "(reading the kept blocks' count from keep is a host synchronisation)")
-        n_keep_max = int(keep.sum(-1).max())
+        n_keep_max = keep_row_bound(keep, n_kv_blocks)
     need = min(n_kv_blocks, n_sel + n_keep_max)
     if width < need:
         # the kernels list every kept block on top of the top-k: a narrower list cannot hold them
