@@ -38,10 +38,11 @@ demo: $(CORE)
 test: $(EXTRAS)
 	CUDA_VISIBLE_DEVICES= $(PYTEST) -n 2 --dist loadscope -m "not slow" || [ $$? -eq 5 ]
 
-# The tests marked `slow` (torch.compile through inductor); CI runs them after `make test`. One
-# process: starting xdist workers (each imports and collects the whole suite) costs more than it saves.
+# The tests marked `slow` (C++ through inductor, the end-to-end benchmark's tiny run); CI runs them
+# after `make test`. Two workers: under `-m slow` each imports only the modules that mark a test slow
+# (tests/conftest.py), and the single-threaded benchmark run overlaps inductor's compiles.
 test-slow: $(EXTRAS)
-	CUDA_VISIBLE_DEVICES= $(PYTEST) -m slow || [ $$? -eq 5 ]
+	CUDA_VISIBLE_DEVICES= $(PYTEST) -n 2 --dist loadscope -m slow || [ $$? -eq 5 ]
 
 # The sm_90a build tests (Hopper kernels, selection, statistics and the fit: spills, serialised
 # tensor-core loops), every variant (`make test` builds a subset of each), with the GPU machines'

@@ -8,9 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"] == "1":
-        import interpreter_patch
-
-        interpreter_patch.install()
+        import interpreter_patch  # noqa: F401 - installs itself under the flag
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -484,9 +484,9 @@ print(json.dumps(res))
 
 def test_fit_kernels_build_for_sm90():
     """The fit's select, rows and merge kernels compile for sm_90 without a GPU (a subprocess: this
-    session runs Triton's interpreter): Wan's shape with both rules, one rule at D 64 in float16,
-    and (not in CI's subset: a minute of ptxas for the 4096-wide selection) 512 rows (eight row
-    tiles) against 4096 key blocks."""
+    session runs Triton's interpreter): Wan's shape with both rules; not in CI's subset (10 s and a
+    minute of ptxas on two cores), one rule at D 64 in float16 and 512 rows (eight row tiles)
+    against 4096 key blocks."""
     import json
 
     from sm90_build import ci_subset, run_script
@@ -494,7 +494,7 @@ def test_fit_kernels_build_for_sm90():
     variants = ci_subset({"D128-R32-rules2-bf16-Nk512": (128, 32, 2, "bfloat16", 512),
                           "D64-R40-rules1-fp16-Nk80": (64, 40, 1, "float16", 80),
                           "D128-R512-rules2-bf16-Nk4096": (128, 512, 2, "bfloat16", 4096)},
-                         ("D128-R32-rules2-bf16-Nk512", "D64-R40-rules1-fp16-Nk80"))
+                         ("D128-R32-rules2-bf16-Nk512",))
     proc = run_script(FIT_BUILD_SCRIPT, json.dumps(variants))
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(res) == set(variants)

@@ -109,8 +109,9 @@ def test_compile_repeated_blocks_still_works(family):
 
 @pytest.mark.slow
 def test_inductor_whole_model_compiles_once(fresh_dynamo):
-    # The real compiler (C++ through inductor): no recompile across the dense -> sparse switch and a
-    # second generation (error_on_recompile), output within float tolerance of eager.
+    # The real compiler (C++ through inductor; on the CPU the attention is the reference backend's
+    # graph, lowered with the rest): no recompile across the dense -> sparse switch and a second
+    # generation (error_on_recompile), output within float tolerance of eager.
     pipe = tiny_pipeline("wan")
     pipe.set_progress_bar_config(disable=True)
     pd.apply_pisa(pipe, **SETTINGS)

@@ -257,6 +257,53 @@ def test_public_api_triton_matches_reference_backend():
     assert (lse_t - lse_r).abs().max().item() < 2e-2
 
 
+@pytest.fixture
+def overflow_checked(monkeypatch):
+    """Triton's interpreter asserting that no 8-32-bit integer add, subtract or multiply overflows:
+    its ``debug`` option on (device asserts are dropped without it; the suite skips the check's
+    computation for speed: tests/interpreter_patch.py)."""
+    import dataclasses
+
+    interp = pytest.importorskip("triton.runtime.interpreter")
+    if DEV != "cpu" or not hasattr(interp, "interpreter_builder"):
+        pytest.skip("Triton's interpreter runs the kernels only without a GPU")
+    builder = interp.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=True, debug=True))
+
+
+@triton.jit
+def _times_2_pow_16(x_ptr):
+    import triton.language as tl
+
+    tl.store(x_ptr, tl.load(x_ptr) * 65536)
+
+
+def test_overflow_check_is_on_under_the_fixture(overflow_checked):
+    x = torch.full((1,), 1 << 20, dtype=torch.int32)
+    with pytest.raises(Exception, match="overflow"):
+        _times_2_pow_16[(1,)](x)
+
+
+def test_whole_call_under_the_overflow_check_equals_the_unchecked_call(overflow_checked, monkeypatch):
+    """Every kernel of one call (statistics, selection with kept blocks, the attend over a ragged
+    GQA input, hybrid with the covariance term) computes no 8-32-bit integer past its range, and
+    passes its own device asserts."""
+    q, k, v = make_qkv(1, 2, 1, 70, 113, 16, layout="bshd", seed=5)
+    keep = torch.zeros(spec.num_blocks(113, 32), dtype=torch.bool)
+    keep[3] = True
+    kw = dict(density=0.3, block_size=32, keep_blocks=keep, return_lse=True, mode="hybrid", covariance_aware=True,
+              backend="triton")  # fmt: skip
+    checked = pisa_attention(q, k, v, **kw)
+    import dataclasses
+
+    import triton.runtime.interpreter as interp
+
+    builder = interp.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False, debug=False))
+    for a, b in zip(checked, pisa_attention(q, k, v, **kw)):
+        assert torch.equal(a, b)
+
+
 def test_inference_only_error_at_the_forward_call():
     q, k, v = make_qkv(1, 2, 2, 64, 64, 32, seed=2)
     with pytest.raises(ValueError, match="inference-only"):
