@@ -3,6 +3,7 @@
 import io
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,9 +43,12 @@ def every_call():
     return pipe, checked
 
 
-def _feed(config, dense_pattern):
-    """Attach telemetry to a bare module and notify it of small synthetic calls."""
+def _feed(config, dense_pattern, module_out=None):
+    """Attach telemetry to a bare module and notify it of small synthetic calls (``module_out``: a
+    list the module is appended to)."""
     module = torch.nn.Linear(1, 1)
+    if module_out is not None:
+        module_out.append(module)
     tel = tm.attach(module, config)
     call = _call(dense=False, grid=(1, 8, 16), text=0)[0]
     for i, dense in enumerate(dense_pattern):
@@ -68,6 +72,42 @@ def test_sample_rate_is_seeded_and_dense_calls_can_be_excluded():
     assert (t.calls, t.eligible, t.sampled, len(t.records)) == (12, 8, expect, expect)
     assert all(not r["dense"] for r in t.records)
     assert _feed(0.5, pattern).eligible == 12  # a float is a sampling rate; dense calls count
+
+
+def test_a_measurement_that_raises_is_counted_and_the_forward_goes_on(monkeypatch):
+    """Out of memory in the dense reference (say) skips that record, warns once, and is reported;
+    the user's generation is not failed by a diagnostic."""
+    import logging
+
+    real, n = tm.measure, [0]
+
+    def flaky(call, drop=True):
+        n[0] += 1
+        if n[0] % 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(call, drop=drop)
+
+    monkeypatch.setattr(tm, "measure", flaky)
+    monkeypatch.setattr(tm, "log_once", lambda msg, level: said.append((msg, level)))
+    said, t_module = [], []
+    t = _feed(tm.TelemetryConfig(), [False] * 4, t_module)
+    assert (t.sampled, len(t.records), t.failed) == (4, 2, 2)
+    assert t.first_error == "OutOfMemoryError: CUDA out of memory (test)"
+    assert said and all(level == logging.WARNING and "could not be measured" in m for m, level in said)
+    summary = tm.summarize(t)
+    assert (summary["failed"], summary["first_error"]) == (2, t.first_error)
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=200)
+    tm.report(t_module[0], console=console)
+    assert "2 sampled call(s) could not be measured" in console.file.getvalue()
+    module = torch.nn.Linear(1, 1)
+    tel = tm.attach(module, True)
+    monkeypatch.setattr(tm, "measure", lambda call, drop=True: 1 / 0)
+    hooks.notify(module, _call(dense=False, grid=(1, 8, 16), text=0)[0])
+    assert tel.failed == 1
+    with pytest.raises(ValueError, match="ZeroDivisionError"):  # nothing measured: says why
+        tm.report(module, console=None)
 
 
 def test_max_records_caps_measurements():
@@ -216,6 +256,21 @@ def test_bad_config_and_missing_telemetry():
     for name in ("drop", "include_dense"):
         with pytest.raises(TypeError, match=name):
             tm.TelemetryConfig(**{name: "no"})
+    with pytest.raises(ValueError, match="sample_rate"):
+        tm.TelemetryConfig(sample_rate=np.float32(1.5))
+    with pytest.raises(ValueError, match="every"):
+        tm.TelemetryConfig(every=np.float64(2.0))  # a float is no count, numpy's either
+
+
+def test_numpy_numbers_configure_telemetry_as_python_numbers():
+    cfg = tm.TelemetryConfig(sample_rate=np.float32(0.25), every=np.int64(3), seed=np.int32(7),
+                             max_records=np.uint16(9))  # fmt: skip
+    assert (cfg.sample_rate, cfg.every, cfg.seed, cfg.max_records) == (0.25, 3, 7, 9)
+    assert all(type(x) in (float, int) for x in (cfg.sample_rate, cfg.every, cfg.seed, cfg.max_records))
+    assert tm.as_config(np.float16(0.5)).sample_rate == 0.5
+
+
+def test_report_without_telemetry_is_refused():
     pipe = tiny_pipeline("flux")
     with pytest.raises(ValueError, match="no telemetry"):
         tm.report(pipe)

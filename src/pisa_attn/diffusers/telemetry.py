@@ -12,7 +12,9 @@ a drop run) per sampled call, so sample sparingly on large models.
 
 from __future__ import annotations
 
+import logging
 import math
+import numbers
 import random
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -21,6 +23,7 @@ import torch
 
 from ..attention import pisa_attention
 from .. import metrics, spec
+from .._log import log_once
 from ..layout import block_floor
 from ..settings import as_bool
 from . import hooks
@@ -52,16 +55,22 @@ class TelemetryConfig:
     def __post_init__(self):
         for name in ("drop", "include_dense"):  # a truthy string such as "no" must not read as True
             object.__setattr__(self, name, as_bool(name, getattr(self, name)))
+        # numpy scalars are numbers too (np.float32 is no float subclass): kept as Python numbers
         r = self.sample_rate
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < float(r) <= 1.0:
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0.0 < float(r) <= 1.0:
             raise ValueError(f"sample_rate must be a float in (0, 1], got {r!r}")
+        object.__setattr__(self, "sample_rate", float(r))
         e = self.every
-        if e is not None and (isinstance(e, bool) or not isinstance(e, int) or e < 1):
+        if e is not None and (isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 1):
             raise ValueError(f"every must be None or a positive int, got {self.every!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
-        if isinstance(self.max_records, bool) or not isinstance(self.max_records, int) or self.max_records < 1:
+        m = self.max_records
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
             raise ValueError(f"max_records must be a positive int, got {self.max_records!r}")
+        for name in ("every", "seed", "max_records"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
 
 def as_config(cfg) -> TelemetryConfig:
@@ -70,7 +79,7 @@ def as_config(cfg) -> TelemetryConfig:
         return cfg
     if cfg is True:
         return TelemetryConfig()
-    if isinstance(cfg, (int, float)) and not isinstance(cfg, bool):
+    if isinstance(cfg, numbers.Real) and not isinstance(cfg, bool):
         if not 0.0 < float(cfg) <= 1.0:  # named as the caller wrote it, not as the config field
             raise ValueError(f"telemetry must be True, a sampling rate in (0, 1] or a TelemetryConfig, got {cfg!r}")
         return TelemetryConfig(sample_rate=float(cfg))
@@ -87,6 +96,8 @@ class Telemetry:
     sampled: int = 0  # calls the sampling picked
     records: list[dict] = field(default_factory=list)
     skipped: int = 0  # sampled calls not measured because max_records was reached
+    failed: int = 0  # sampled calls whose measurement raised (the forward went on without it)
+    first_error: str | None = None  # the first such error, "Type: message"
     active: bool = True
     _rng: random.Random = field(default=None, repr=False)
     _remove: object = field(default=None, repr=False)
@@ -112,7 +123,17 @@ class Telemetry:
         if len(self.records) >= cfg.max_records:
             self.skipped += 1
             return
-        self.records.append({"call": index, **measure(call, drop=cfg.drop)})
+        try:
+            record = measure(call, drop=cfg.drop)
+        except Exception as e:  # noqa: BLE001 - a diagnostic (a dense pass per call) never fails the forward
+            # e.g. out of memory for the dense reference on a large layer: counted, reported, skipped
+            self.failed += 1
+            if self.first_error is None:
+                self.first_error = f"{type(e).__name__}: {e}"
+            log_once(f"telemetry: a sampled call could not be measured and was skipped ({type(e).__name__}: {e}); "
+                     "report() counts such calls", logging.WARNING)
+            return
+        self.records.append({"call": index, **record})
 
 
 def attach(transformer, config=True) -> Telemetry:
@@ -237,7 +258,8 @@ def summarize(tel: Telemetry) -> dict:
 
     return {
         "config": asdict(tel.config), "calls": tel.calls, "eligible": tel.eligible, "sampled": tel.sampled,
-        "records": len(tel.records), "skipped": tel.skipped, "layers": rows,
+        "records": len(tel.records), "skipped": tel.skipped, "failed": tel.failed, "first_error": tel.first_error,
+        "layers": rows,
         "heatmap": {"layers": layers, "steps": steps, "rel_l1_pisa": grid("rel_l1_pisa"),
                     "tail_mass": grid("tail_mass")},
     }
@@ -259,6 +281,9 @@ def report(pipe_or_transformer, heatmap: str | None = None, *, console=None) -> 
         raise ValueError("no telemetry on this pipeline/transformer: use apply_pisa(..., telemetry=rate) first")
     out = {name: summarize(tel) for name, tel in found}
     if all(s["records"] == 0 for s in out.values()):
+        failed = {name: s["first_error"] for name, s in out.items() if s["failed"]}
+        if failed:
+            raise ValueError(f"telemetry measured no call: every sampled call failed to measure, first {failed}")
         raise ValueError("telemetry is attached but recorded no call yet: run the pipeline first")
     console = console or Console()
     for name, s in out.items():
@@ -273,6 +298,9 @@ def report(pipe_or_transformer, heatmap: str | None = None, *, console=None) -> 
                       f"{r['tail_mass']:.4f}", _fmt(r.get("alpha"), 3), f"{r['rel_l1_pisa']:.4f}",
                       f"{r['rel_l1_pisa_max']:.4f}", _fmt(r.get("bias_pisa")), _fmt(r["rel_l1_drop"]), _fmt(ratio, 2))
         console.print(t)
+        if s["failed"]:
+            console.print(f"{s['failed']} sampled call(s) could not be measured and were skipped; "
+                          f"the first: {s['first_error']}")
     if heatmap is not None:
         save_heatmap(out, heatmap)
     return out
