@@ -33,7 +33,7 @@ setup: $(EXTRAS)
 demo: $(CORE)
 	$(VENV)/bin/pisa-attn demo
 
-# Everything but the tests marked `slow` (5-6 minutes on 2 cores, cold). The CPU statement: CUDA is
+# Everything but the tests marked `slow` (about 5 minutes on 2 cores, cold). The CPU statement: CUDA is
 # hidden, so a GPU machine runs it as CI does (its GPU tests: tests/gpu/run_all.sh).
 test: $(EXTRAS)
 	CUDA_VISIBLE_DEVICES= $(PYTEST) -n 2 --dist loadscope -m "not slow" || [ $$? -eq 5 ]
