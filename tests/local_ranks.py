@@ -10,8 +10,9 @@ import multiprocessing
 from pisa_attn.parallel.launch import run_local
 
 # Imported once by the server (a module that fails to import is skipped there and imported by the
-# rank that needs it); interpreter_patch first, so that ranks interpret kernels as the suite does. diffusers' own modules only, never pisa_attn.diffusers: a rank that checks
-# pisa_attn leaves diffusers untouched must find it as diffusers made it.
+# rank that needs it); interpreter_patch first, so that ranks interpret kernels as the suite does.
+# diffusers' own modules only, never pisa_attn.diffusers: a rank that checks pisa_attn leaves
+# diffusers untouched must find it as diffusers made it.
 PRELOAD = [
     "interpreter_patch", "torch", "torch.distributed", "pisa_attn", "pisa_attn.parallel", "diffusers",
     "diffusers.models.transformers.transformer_flux", "diffusers.models.transformers.transformer_wan",

@@ -130,8 +130,8 @@ class Telemetry:
             self.failed += 1
             if self.first_error is None:
                 self.first_error = f"{type(e).__name__}: {e}"
-            log_once(f"telemetry: a sampled call could not be measured and was skipped ({type(e).__name__}: {e}); "
-                     "report() counts such calls", logging.WARNING)
+            log_once(f"telemetry: a sampled call could not be measured and was skipped ({type(e).__name__}); "
+                     "report() counts such calls and shows the first error", logging.WARNING)
             return
         self.records.append({"call": index, **record})
 
