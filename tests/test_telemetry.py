@@ -43,18 +43,20 @@ def every_call():
     return pipe, checked
 
 
-def _feed(config, dense_pattern, module_out=None):
-    """Attach telemetry to a bare module and notify it of small synthetic calls (``module_out``: a
-    list the module is appended to)."""
+def _fed_module(config, dense_pattern):
+    """A bare module with telemetry attached, notified of small synthetic calls."""
     module = torch.nn.Linear(1, 1)
-    if module_out is not None:
-        module_out.append(module)
-    tel = tm.attach(module, config)
+    tm.attach(module, config)
     call = _call(dense=False, grid=(1, 8, 16), text=0)[0]
     for i, dense in enumerate(dense_pattern):
         c = hooks.AttentionCall(**{**call.__dict__, "layer": i % LAYERS, "step": i // LAYERS, "dense": dense})
         hooks.notify(module, c)
-    return tel
+    return module
+
+
+def _feed(config, dense_pattern):
+    """The telemetry of :func:`_fed_module`."""
+    return tm.get(_fed_module(config, dense_pattern))
 
 
 def test_every_nth_call_is_measured():
@@ -89,8 +91,9 @@ def test_a_measurement_that_raises_is_counted_and_the_forward_goes_on(monkeypatc
 
     monkeypatch.setattr(tm, "measure", flaky)
     monkeypatch.setattr(tm, "log_once", lambda msg, level: said.append((msg, level)))
-    said, t_module = [], []
-    t = _feed(tm.TelemetryConfig(), [False] * 4, t_module)
+    said = []
+    module = _fed_module(tm.TelemetryConfig(), [False] * 4)
+    t = tm.get(module)
     assert (t.sampled, len(t.records), t.failed) == (4, 2, 2)
     assert t.first_error == "OutOfMemoryError: CUDA out of memory (test)"
     assert said and all(level == logging.WARNING and "could not be measured" in m for m, level in said)
@@ -99,7 +102,7 @@ def test_a_measurement_that_raises_is_counted_and_the_forward_goes_on(monkeypatc
     from rich.console import Console
 
     console = Console(file=io.StringIO(), width=200)
-    tm.report(t_module[0], console=console)
+    tm.report(module, console=console)
     assert "2 sampled call(s) could not be measured" in console.file.getvalue()
     module = torch.nn.Linear(1, 1)
     tel = tm.attach(module, True)

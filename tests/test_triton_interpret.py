@@ -6,6 +6,8 @@ reference's bool mask); selection itself is compared separately (overlap with ``
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -261,14 +263,18 @@ def test_public_api_triton_matches_reference_backend():
 def overflow_checked(monkeypatch):
     """Triton's interpreter asserting that no 8-32-bit integer add, subtract or multiply overflows:
     its ``debug`` option on (device asserts are dropped without it; the suite skips the check's
-    computation for speed: tests/interpreter_patch.py)."""
-    import dataclasses
-
+    computation for speed: tests/interpreter_patch.py). Returns the switch: ``checks(False)`` puts
+    the suite's options back for the rest of the test."""
     interp = pytest.importorskip("triton.runtime.interpreter")
     if DEV != "cpu" or not hasattr(interp, "interpreter_builder"):
         pytest.skip("Triton's interpreter runs the kernels only without a GPU")
     builder = interp.interpreter_builder
-    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=True, debug=True))
+
+    def checks(on: bool) -> None:
+        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=on, debug=on))
+
+    checks(True)
+    return checks
 
 
 @triton.jit
@@ -284,7 +290,7 @@ def test_overflow_check_is_on_under_the_fixture(overflow_checked):
         _times_2_pow_16[(1,)](x)
 
 
-def test_whole_call_under_the_overflow_check_equals_the_unchecked_call(overflow_checked, monkeypatch):
+def test_whole_call_under_the_overflow_check_equals_the_unchecked_call(overflow_checked):
     """Every kernel of one call (statistics, selection with kept blocks, the attend over a ragged
     GQA input, hybrid with the covariance term) computes no 8-32-bit integer past its range, and
     passes its own device asserts."""
@@ -294,12 +300,7 @@ def test_whole_call_under_the_overflow_check_equals_the_unchecked_call(overflow_
     kw = dict(density=0.3, block_size=32, keep_blocks=keep, return_lse=True, mode="hybrid", covariance_aware=True,
               backend="triton")  # fmt: skip
     checked = pisa_attention(q, k, v, **kw)
-    import dataclasses
-
-    import triton.runtime.interpreter as interp
-
-    builder = interp.interpreter_builder
-    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False, debug=False))
+    overflow_checked(False)
     for a, b in zip(checked, pisa_attention(q, k, v, **kw)):
         assert torch.equal(a, b)
 
